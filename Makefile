@@ -1,0 +1,33 @@
+# Two commands: `make serve` and `make test`. Each creates .venv when missing.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# The CPU build of torch 2.13.0 lies on local disk here; pin it so pip never pulls a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+DEMO_DIR ?= .loraserve/demo
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYTEST_ARGS ?= -n 2
+
+.PHONY: serve test venv demo bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(VENV)/bin/loraserve demo --dir $(DEMO_DIR)
+
+serve: demo
+	$(VENV)/bin/loraserve serve --model $(DEMO_DIR)/qwen3 --catalog $(DEMO_DIR)/catalog --host $(HOST) --port $(PORT)
+
+test: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+clean:
+	rm -rf $(VENV) .loraserve .pytest_cache

@@ -1,0 +1,80 @@
+"""The engine's request/response contract, shared by the engine and the HTTP server."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class EngineError(Exception):
+    """A request the engine cannot serve. `status` is the HTTP status the server answers with."""
+
+    status: int = 400
+    code: str = "invalid_request"
+
+    def __init__(self, message: str, *, status: int | None = None, code: str | None = None,
+                 param: str | None = None):
+        super().__init__(message)
+        if status is not None:
+            self.status = status
+        if code is not None:
+            self.code = code
+        self.param = param
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling. temperature 0 = greedy; top_k 0/-1 = off; top_p 1 = off."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None          # top-k logprobs per generated token (0 = chosen only)
+    prompt_logprobs: int | None = None   # same, for prompt tokens (echo)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise EngineError("max_tokens must be >= 0", param="max_tokens")
+        if self.temperature < 0:
+            raise EngineError("temperature must be >= 0", param="temperature")
+        if not 0 < self.top_p <= 1:
+            raise EngineError("top_p must be in (0, 1]", param="top_p")
+        if self.top_k < -1:
+            raise EngineError("top_k must be -1 (off) or >= 0", param="top_k")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= 20:
+                raise EngineError(f"{name} must be in [0, 20]", param=name)
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: str | None = None  # catalog model ref "tenant/name[@rev]"; None = base only
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float]  # top-k alternatives (token id -> logprob), may include token_id
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One delta of a request's output: the tokens generated since the previous delta."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str                                   # detokenized text of token_ids (stop strings cut)
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when requested
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first delta only; [0] is None
+    finish_reason: str | None = None            # "stop" | "length" | "abort" | None (running)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0                  # cumulative
+    adapter_revision: str | None = None         # the revision the request runs on
