@@ -78,3 +78,4 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0                  # cumulative
     adapter_revision: str | None = None         # the revision the request runs on
+    error: Exception | None = None              # engine-internal: AsyncEngine raises it instead

@@ -1,0 +1,135 @@
+"""Continuous batching with adapter-aware admission. Plain Python state machine, no tensors.
+
+Each step is either a prefill step (admit waiting sequences, up to the token and batch budgets)
+or a decode step (one token for every running sequence). Sequences whose adapter is still paging
+in from disk are *parked* outside the waiting queue, so they never block the queue; when their
+adapter arrives they rejoin it in arrival order.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from typing import Protocol
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SeqStatus
+
+
+class AdapterGate(Protocol):
+    """The adapter pool as the scheduler sees it."""
+
+    def try_acquire(self, seq: Sequence) -> bool:
+        """Give seq a device slot for its adapter (loading it if there is room); False = pool full."""
+
+    def is_resident(self, seq: Sequence) -> bool: ...
+
+    def release(self, seq: Sequence) -> None: ...
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, *, max_batch_size: int, max_batched_tokens: int,
+                 gate: AdapterGate | None = None, starve_s: float = 0.5):
+        self.blocks = blocks
+        self.max_batch_size = max_batch_size
+        self.max_batched_tokens = max_batched_tokens
+        self.gate = gate
+        self.starve_s = starve_s
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.parked: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def park(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.PARKED
+        self.parked[seq.request_id] = seq
+
+    def unpark(self, seq: Sequence) -> None:
+        """seq's adapter has arrived: rejoin the waiting queue in arrival order."""
+        if self.parked.pop(seq.request_id, None) is None:
+            return
+        seq.status = SeqStatus.WAITING
+        arrivals = [s.arrival for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(arrivals, seq.arrival), seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence wherever it is (finished or aborted) and free what it holds."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.parked.pop(seq.request_id, None)
+        self.blocks.free(seq)
+        self._release_adapter(seq)
+        seq.status = SeqStatus.FINISHED
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ---------------------------------------------------------------------------
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """Pick the next batch: (sequences, is_prefill). Empty when nothing can run."""
+        batch = self._schedule_prefill()
+        if batch:
+            return batch, True
+        return self._schedule_decode(), False
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        batch: list[Sequence] = []
+        budget = self.max_batched_tokens
+        starving: Sequence | None = None
+        for seq in list(self.waiting):
+            if len(self.running) + len(batch) >= self.max_batch_size:
+                break
+            new_tokens = len(seq) - seq.num_cached
+            if new_tokens > budget or not self.blocks.can_allocate(seq):
+                break  # keep arrival order for memory: later, smaller requests do not jump ahead
+            if seq.adapter_key is not None:
+                if starving is not None and not self.gate.is_resident(seq):
+                    continue
+                if not self.gate.try_acquire(seq):
+                    if time.monotonic() - seq.arrival > self.starve_s:
+                        starving = starving or seq
+                    continue
+            self.blocks.allocate(seq)
+            self.waiting.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            batch.append(seq)
+            budget -= new_tokens
+        self.running.extend(batch)
+        return batch
+
+    def _schedule_decode(self) -> list[Sequence]:
+        batch: list[Sequence] = []
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue  # preempted below to make room for an older sequence
+            while not self.blocks.can_append(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.allocate(seq)
+                batch.append(seq)
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute-style preemption: drop its KV, put it at the head of the queue."""
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        self._release_adapter(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.slot >= 0 and self.gate is not None:
+            self.gate.release(seq)
+        seq.slot = -1

@@ -1,0 +1,62 @@
+"""A request's state inside the engine. Plain Python: no tensors but its own RNG."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .types import SamplingParams, TokenLogprob
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"     # queued, adapter resident (or base only), not yet prefilled
+    PARKED = "parked"       # waiting for its adapter to page in
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter_ref: str | None = None         # "tenant/name[@rev]" as asked
+    adapter_key: tuple[str, str] | None = None  # (adapter_id, revision) it runs on, fixed at admission
+    slot: int = -1                         # adapter pool slot while running; -1 = base only
+    output_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0                    # tokens whose K/V are in the cache
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_emitted: int = 0                   # output tokens already handed to the caller
+    text: str = ""                         # detokenized output so far (stop strings cut)
+    num_text_emitted: int = 0
+    detok: object | None = None            # the tokenizer's incremental detokenizer
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: its blocks are gone; the next prefill recomputes prompt + outputs."""
+        self.block_table = []
+        self.num_cached = 0
+        self.status = SeqStatus.WAITING

@@ -1,0 +1,127 @@
+"""LoRA wrappers for the base model's modules, fed by one per-step `LoRAState`.
+
+The model file is never edited: `attach_lora` replaces each target module (nn.Linear or
+ExpertLinear) by a wrapper that runs the base op, then adds every token's own adapter delta with
+the SGMV ops in `kernels` over the device adapter pool (rank-row layout, docs/INTERNALS.md §2).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+from kernels import LoRAMeta
+
+DENSE_KINDS = {  # kind -> attribute path under model.layers[l]
+    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj",
+}
+EXPERT_KINDS = {"experts.gate_proj": "mlp.experts.gate_proj", "experts.up_proj": "mlp.experts.up_proj",
+                "experts.down_proj": "mlp.experts.down_proj"}
+
+
+class LoRAState:
+    """What every wrapper reads during one forward: each token's adapter slot and the grouped
+    metadata built from it (once per step for dense targets, once per MoE layer for experts)."""
+
+    def __init__(self, pool, backend: str, device: torch.device):
+        self.pool = pool
+        self.backend = backend
+        self.device = device
+        self.token_slots = torch.empty(0, dtype=torch.int32, device=device)  # [T]
+        self.meta: LoRAMeta | None = None      # None = no LoRA token in this step
+        self._pair_key: tuple | None = None
+        self._pair_meta: LoRAMeta | None = None
+
+    def set_slots(self, slots: list[int]) -> None:
+        self.token_slots = torch.tensor(slots, dtype=torch.int32, device=self.device)
+        self._pair_key = None
+        if max(slots, default=-1) < 0:
+            self.meta = None
+            return
+        self.meta = LoRAMeta.build(self.token_slots, max_segments=min(len(slots), self.pool.max_slots))
+
+    def pair_meta(self, expert_ids: torch.Tensor, token_index: torch.Tensor) -> LoRAMeta:
+        """Metadata for MoE (token, expert) pairs; gate/up/down of one layer share it."""
+        key = (expert_ids.data_ptr(), token_index.data_ptr(), token_index.numel())
+        if key != self._pair_key:
+            slots = self.token_slots[token_index]
+            n_seg = min(slots.numel(), self.pool.max_slots * self.pool.num_experts)
+            self._pair_meta = LoRAMeta.build(slots, max_segments=max(n_seg, 1),
+                                             token_experts=expert_ids.to(torch.int32))
+            self._pair_key = key
+        return self._pair_meta
+
+
+class LoRALinear(nn.Module):
+    """y = base(x) + x @ A[a(t)]^T @ B[a(t)]^T per token t. x [T, H_in] -> [T, H_out]."""
+
+    def __init__(self, base: nn.Module, kind: str, layer: int, state: LoRAState):
+        super().__init__()
+        self.base, self.kind, self.layer, self.state = base, kind, layer, state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        st = self.state
+        if st.meta is None:
+            return y
+        pool = st.pool
+        y2, x2 = y.reshape(-1, y.shape[-1]), x.reshape(-1, x.shape[-1])
+        kernels.add_lora(y2, x2, pool.A_rows[self.kind][self.layer], pool.B_rows[self.kind][self.layer],
+                         pool.row_table[self.kind], pool.ranks[self.kind], st.meta, backend=st.backend)
+        return y
+
+
+class LoRAExpertLinear(nn.Module):
+    """Per (token, expert) pair: y = base(x, e) + x @ A[a, e]^T @ B[a, e]^T."""
+
+    def __init__(self, base: nn.Module, kind: str, layer: int, state: LoRAState):
+        super().__init__()
+        self.base, self.kind, self.layer, self.state = base, kind, layer, state
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
+        y = self.base(x, expert_ids, token_index)
+        st = self.state
+        if st.meta is None or x.shape[0] == 0:
+            return y
+        pool = st.pool
+        meta = st.pair_meta(expert_ids, token_index)
+        kernels.add_lora(y, x.contiguous(), pool.A_rows[self.kind][self.layer],
+                         pool.B_rows[self.kind][self.layer], pool.row_table[self.kind],
+                         pool.ranks[self.kind], meta, backend=st.backend)
+        return y
+
+
+def _get(root: nn.Module, path: str) -> nn.Module:
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def _set(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(_get(root, parent) if parent else root, name, module)
+
+
+def target_modules(model: nn.Module) -> list[tuple[str, int, str, nn.Module]]:
+    """Every LoRA target the base has: (kind, layer, module path, module). lm_head has layer 0."""
+    out = []
+    for l, layer in enumerate(model.model.layers):
+        for kind, path in {**DENSE_KINDS, **EXPERT_KINDS}.items():
+            try:
+                mod = _get(layer, path)
+            except AttributeError:
+                continue
+            out.append((kind, l, f"model.layers.{l}.{path}", mod))
+    out.append(("lm_head", 0, "lm_head", model.lm_head))
+    return out
+
+
+def attach_lora(model: nn.Module, state: LoRAState, kinds: set[str] | None = None) -> None:
+    """Wrap the target modules in place (idempotent per module)."""
+    for kind, layer, path, mod in target_modules(model):
+        if kinds is not None and kind not in kinds or isinstance(mod, (LoRALinear, LoRAExpertLinear)):
+            continue
+        cls = LoRAExpertLinear if kind in EXPERT_KINDS else LoRALinear
+        _set(model, path, cls(mod, kind, layer, state))

@@ -1,0 +1,57 @@
+"""Builds an engine with multi-LoRA wired in: catalog, pager, CPU cache, device pool, wrappers."""
+from __future__ import annotations
+
+import torch
+
+import kernels
+from catalog.base import base_fingerprint
+from catalog.store import Catalog
+
+from ..adapters.cpu_cache import CpuCache
+from ..adapters.pager import Pager
+from ..adapters.pool import AdapterPool, PoolConfig, TargetSpec
+from ..engine.config import EngineConfig
+from ..engine.llm_engine import LLMEngine
+from .layers import EXPERT_KINDS, LoRAState, attach_lora, target_modules
+from .manager import AdapterManager
+
+
+def pool_targets(model: torch.nn.Module, kinds: set[str] | None = None) -> list[TargetSpec]:
+    """One TargetSpec per LoRA kind the base has, with the layers that have it."""
+    by_kind: dict[str, TargetSpec] = {}
+    for kind, layer, _, mod in target_modules(model):
+        if kinds is not None and kind not in kinds:
+            continue
+        w = mod.base.weight if hasattr(mod, "base") else mod.weight
+        experts = w.shape[0] if kind in EXPERT_KINDS else 0
+        h_out, h_in = w.shape[-2], w.shape[-1]
+        spec = by_kind.get(kind)
+        if spec is None:
+            by_kind[kind] = TargetSpec(kind=kind, layers=[layer], h_in=h_in, h_out=h_out, experts=experts)
+        else:
+            spec.layers.append(layer)
+    return list(by_kind.values())
+
+
+def build_engine(cfg: EngineConfig) -> LLMEngine:
+    """An LLMEngine; with cfg.catalog_dir, serving adapters from that catalog."""
+    engine = LLMEngine(cfg)
+    if cfg.catalog_dir is None:
+        return engine
+    kinds = set(cfg.lora_targets) if cfg.lora_targets else None
+    specs = pool_targets(engine.model, kinds)
+    pool = AdapterPool(specs, PoolConfig(
+        max_slots=cfg.max_gpu_adapters, max_rank=cfg.max_lora_rank,
+        max_bytes=cfg.gpu_adapter_mb * 2**20 if cfg.gpu_adapter_mb else None,
+        device=str(engine.device), dtype=engine.dtype))
+    catalog = Catalog.open(cfg.catalog_dir, readonly=False)
+    fingerprint = base_fingerprint(cfg.model_dir)
+    cpu_cache = CpuCache(cfg.cpu_cache_mb * 2**20, pin_memory=engine.device.type == "cuda")
+    pager = Pager(catalog, cpu_cache, fingerprint, workers=cfg.pager_workers)
+    manager = AdapterManager(catalog, pool, cpu_cache, pager, fingerprint)
+    state = LoRAState(pool, kernels.resolve_backend(cfg.lora_backend, engine.device), engine.device)
+    attach_lora(engine.model, state, kinds)
+    engine.enable_lora(manager, state)
+    for ref in cfg.pinned_adapters:
+        manager.pin(ref)
+    return engine
