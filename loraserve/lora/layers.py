@@ -27,6 +27,8 @@ class LoRAState:
 
     def __init__(self, pool, backend: str, device: torch.device):
         self.pool = pool
+        self.max_slots = pool.config.max_slots
+        self.num_experts = max((s.experts for s in pool.specs.values()), default=0) or 1
         self.backend = backend
         self.device = device
         self.token_slots = torch.empty(0, dtype=torch.int32, device=device)  # [T]
@@ -40,14 +42,14 @@ class LoRAState:
         if max(slots, default=-1) < 0:
             self.meta = None
             return
-        self.meta = LoRAMeta.build(self.token_slots, max_segments=min(len(slots), self.pool.max_slots))
+        self.meta = LoRAMeta.build(self.token_slots, max_segments=min(len(slots), self.max_slots))
 
     def pair_meta(self, expert_ids: torch.Tensor, token_index: torch.Tensor) -> LoRAMeta:
         """Metadata for MoE (token, expert) pairs; gate/up/down of one layer share it."""
         key = (expert_ids.data_ptr(), token_index.data_ptr(), token_index.numel())
         if key != self._pair_key:
             slots = self.token_slots[token_index]
-            n_seg = min(slots.numel(), self.pool.max_slots * self.pool.num_experts)
+            n_seg = min(slots.numel(), self.max_slots * self.num_experts)
             self._pair_meta = LoRAMeta.build(slots, max_segments=max(n_seg, 1),
                                              token_experts=expert_ids.to(torch.int32))
             self._pair_key = key

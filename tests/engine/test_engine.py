@@ -12,8 +12,8 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def _engine(model_dir, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_dir=str(model_dir), device="cpu", dtype="float32",
-                                  max_model_len=256, **kw))
+    kw.setdefault("max_model_len", 256)
+    return LLMEngine(EngineConfig(model_dir=str(model_dir), device="cpu", dtype="float32", **kw))
 
 
 def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:

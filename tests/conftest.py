@@ -1,13 +1,20 @@
-"""Tiny bases for engine tests: written by transformers' save_pretrained (the outside reference),
-with the demo tokenizer copied in so the engine can tokenize."""
+"""Shared fixtures. Tiny bases written by transformers' save_pretrained (the outside reference),
+with the demo tokenizer copied in so the engine can tokenize.
+
+Without CUDA, Triton kernels run in the interpreter; the flag must be set before anything imports
+`kernels`, hence here, in the root conftest."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from loraserve.demo import build_demo_base
 

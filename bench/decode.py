@@ -1,0 +1,65 @@
+"""Decode throughput of the engine: tokens/s and per-step time at several batch sizes, one run.
+
+    python bench/decode.py [--model DIR] [--batches 1,8,32,64] [--tokens 64] [--device auto]
+
+Without --model it uses the demo base (built on first use under .loraserve/demo).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.llm_engine import LLMEngine
+from loraserve.engine.types import GenerateRequest, SamplingParams
+
+
+def measure(eng: LLMEngine, batch: int, prompt_len: int, tokens: int,
+            adapters: list[str | None] | None = None) -> tuple[float, float]:
+    """Add `batch` requests, run their prefill, then time the decode steps: (tokens/s, ms/step)."""
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    adapters = adapters or [None] * batch
+    for i in range(batch):
+        prompt = torch.randint(3, eng.vocab_size - 3, (prompt_len,), generator=g).tolist()
+        eng.add_request(GenerateRequest(f"b{batch}-{i}-{time.monotonic_ns()}", prompt, params, adapters[i]))
+    while eng.scheduler.waiting or eng.scheduler.parked:  # prefill (and page-in) outside the timing
+        eng.step()
+    steps, generated = 0, 0
+    t0 = time.perf_counter()
+    while eng.has_work():
+        generated += sum(len(o.token_ids) for o in eng.step())
+        steps += 1
+    dt = time.perf_counter() - t0
+    return generated / dt, 1000 * dt / max(steps, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args()
+    model = args.model
+    if model is None:
+        from loraserve.demo import build_demo
+        model = str(build_demo(Path(".loraserve/demo")).qwen3)
+    batches = [int(b) for b in args.batches.split(",")]
+    eng = LLMEngine(EngineConfig(model_dir=model, device=args.device, dtype=args.dtype,
+                                 max_batch_size=max(batches), max_model_len=args.prompt_len + args.tokens + 1))
+    measure(eng, 2, args.prompt_len, 4)  # warm-up
+    print(f"model={model} device={eng.device} dtype={eng.dtype} prompt={args.prompt_len} tokens={args.tokens}")
+    print(f"{'batch':>6} {'tok/s':>10} {'ms/step':>9}")
+    for b in batches:
+        tps, ms = measure(eng, b, args.prompt_len, args.tokens)
+        print(f"{b:>6} {tps:>10.1f} {ms:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
