@@ -53,7 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
         gpu_adapter_mb=args.gpu_adapter_mb, cpu_cache_mb=args.cpu_cache_mb, lora_backend=args.lora_backend,
         pinned_adapters=args.pin, adapter_root=args.adapter_root)
     engine = AsyncEngine.from_config(cfg)
-    run_server(engine, host=args.host, port=args.port, api_key=args.api_key)
+    run_server(engine, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level.lower())
     return 0
 
 

@@ -52,6 +52,10 @@ class AsyncEngine:
         return self.engine.vocab_size
 
     @property
+    def config(self) -> EngineConfig:
+        return self.engine.cfg
+
+    @property
     def adapters(self):
         return self.engine.adapters
 

@@ -13,11 +13,11 @@ from typing import Callable
 
 import torch
 
-from catalog.errors import BaseMismatch
 from catalog.records import RevisionRecord
 
 from ..adapters.pool import AdapterPool, PoolFull
 from ..engine.sequence import Sequence
+from ..engine.types import EngineError
 
 log = logging.getLogger(__name__)
 AdapterKey = tuple[str, str]
@@ -32,15 +32,18 @@ class AdapterManager:
         self.base_fingerprint = base_fingerprint
         self._records: dict[AdapterKey, RevisionRecord] = {}
         self._staged: dict[AdapterKey, object] = {}  # paged in for a parked request, not yet in the pool
+        self.max_staged = 2 * pool.config.max_slots
         self._lock = threading.Lock()
 
     # -- request side (any thread) -------------------------------------------------------------
     def resolve(self, ref: str) -> AdapterKey:
         """'tenant/name[@rev]' -> (adapter_id, revision). Raises catalog errors (400/404/409)."""
-        rec = self.pager.resolve(ref)
-        if rec.base_fingerprint != self.base_fingerprint:
-            raise BaseMismatch(f"adapter {rec.adapter_id}@{rec.revision} was exported for base "
-                               f"{rec.base_fingerprint}, but this server's base is {self.base_fingerprint}")
+        rec = self.pager.resolve(ref)  # checks the base fingerprint too (409)
+        try:
+            self.pool.check_admissible(rec.rank, rec.targets)
+        except ValueError as exc:  # rank above --max-lora-rank, a target this server does not serve
+            raise EngineError(f"adapter {rec.adapter_id}@{rec.revision} cannot be served here: {exc}",
+                              status=400, param="model") from exc
         key = (rec.adapter_id, rec.revision)
         with self._lock:
             self._records[key] = rec
@@ -56,18 +59,31 @@ class AdapterManager:
         def _finish(f: Future) -> None:
             err = f.exception()
             if err is None:
-                with self._lock:
-                    self._staged[key] = f.result()
+                self._stage(key, f.result())
             done(err)
         fut.add_done_callback(_finish)
 
+    def _stage(self, key: AdapterKey, weights) -> None:
+        """Hold paged-in weights for parked requests until admission copies them to the pool, so
+        a small CPU cache cannot drop them in between. Bounded: oldest entries go first (they are
+        normally still in the CPU cache)."""
+        with self._lock:
+            self._staged[key] = weights
+            while len(self._staged) > self.max_staged:
+                self._staged.pop(next(iter(self._staged)))
+
     # -- AdapterGate (engine thread) ------------------------------------------------------------
     def try_acquire(self, seq: Sequence) -> bool:
+        """A slot for seq's adapter, loading it from the CPU tier if there is room; False = not now
+        (pool full of in-use adapters, or the weights are being paged in again)."""
         key = seq.adapter_key
-        if key not in self.pool:
-            weights = self._staged.get(key) or self.cpu_cache.get(key)
-            if weights is None:  # dropped from the CPU tier before admission: read it again
-                weights = self.pager.fetch(self._records[key]).result()
+        if self.pool.slot_of(key) is None:
+            with self._lock:
+                weights = self._staged.get(key)
+            weights = weights if weights is not None else self.cpu_cache.get(key)
+            if weights is None:  # dropped from every tier since it was fetched: page in again
+                self.fetch(key, lambda err: None)
+                return False
             try:
                 self.pool.load(key, weights)
             except PoolFull:
@@ -101,6 +117,43 @@ class AdapterManager:
 
     def resident_ids(self) -> list[str]:
         return sorted({aid for aid, _ in self.pool.resident()})
+
+    def describe(self, adapter_id: str) -> dict:
+        """Policy record, revisions and where each revision is resident (gpu|cpu|disk)."""
+        pol = self.catalog.policy(adapter_id)
+        revisions = []
+        for rev in pol.revisions:
+            rec = self.catalog.resolve(adapter_id, rev)
+            revisions.append({"revision": rev, "size": rec.size, "checksum": rec.checksum,
+                              "created": rec.created, "rank": rec.rank, "targets": rec.targets,
+                              "residency": self.residency((adapter_id, rev))})
+        promoted = next((r["residency"] for r in revisions if r["revision"] == pol.promoted), "disk")
+        return {"id": adapter_id, "base_fingerprint": pol.base_fingerprint, "rank": pol.rank,
+                "targets": pol.targets, "promoted": pol.promoted, "previous": pol.previous,
+                "tags": pol.tags, "created": pol.created, "updated": pol.updated,
+                "residency": promoted, "revisions": revisions}
+
+    def warm(self, ref: str) -> AdapterKey:
+        """Resolve ref and page it into the CPU tier now (blocking)."""
+        key = self.resolve(ref)
+        self.pager.fetch(self._records[key]).result()
+        return key
+
+    def unload(self, adapter_id: str) -> int:
+        """Drop every revision of adapter_id from the CPU tier and, when unused, the device pool.
+        Returns how many device-resident revisions were evicted."""
+        self.catalog.policy(adapter_id)  # AdapterNotFound for an unknown id
+        evicted = 0
+        for key in [k for k in self.pool.resident() if k[0] == adapter_id]:
+            if self.pool.is_pinned(key):
+                self.pool.unpin(key)
+            evicted += bool(self.pool.evict(key))
+        for key in [k for k in self.cpu_cache.keys() if k[0] == adapter_id]:
+            self.cpu_cache.discard(key)
+        with self._lock:
+            for key in [k for k in self._staged if k[0] == adapter_id]:
+                del self._staged[key]
+        return evicted
 
     def close(self) -> None:
         self.pager.close()

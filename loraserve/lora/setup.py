@@ -16,6 +16,9 @@ from .layers import EXPERT_KINDS, LoRAState, attach_lora, target_modules
 from .manager import AdapterManager
 
 
+DEFAULT_POOL_MB = 2048  # without --gpu-adapter-mb: max_slots x max_rank rows, capped at this
+
+
 def pool_targets(model: torch.nn.Module, kinds: set[str] | None = None) -> list[TargetSpec]:
     """One TargetSpec per LoRA kind the base has, with the layers that have it."""
     by_kind: dict[str, TargetSpec] = {}
@@ -42,7 +45,7 @@ def build_engine(cfg: EngineConfig) -> LLMEngine:
     specs = pool_targets(engine.model, kinds)
     pool = AdapterPool(specs, PoolConfig(
         max_slots=cfg.max_gpu_adapters, max_rank=cfg.max_lora_rank,
-        max_bytes=cfg.gpu_adapter_mb * 2**20 if cfg.gpu_adapter_mb else None,
+        max_bytes=(cfg.gpu_adapter_mb or DEFAULT_POOL_MB) * 2**20,
         device=str(engine.device), dtype=engine.dtype))
     catalog = Catalog.open(cfg.catalog_dir, readonly=False)
     fingerprint = base_fingerprint(cfg.model_dir)

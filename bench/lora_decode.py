@@ -1,0 +1,161 @@
+"""Multi-LoRA decode: loraserve vs its own base-only batch and vs Hugging Face PEFT, one run.
+
+    python bench/lora_decode.py [--model DIR] [--batch 32] [--tokens 32] [--distinct 1,8,32] [--no-peft]
+
+1. Engine (in process): decode tokens/s for `--batch` requests spread over 1, 8, 32 distinct
+   rank-16 adapters on every target, against the same batch on the base alone.
+2. End to end: the same mixed batch sent over HTTP to a live loraserve server (uvicorn, streaming
+   off, concurrent requests), against PEFT's mixed-adapter `generate(..., adapter_names=...)`
+   on the same base, adapters and batch.
+The adapters are made by PEFT and imported through the exporter, so both sides run identical
+weights. Prints tables; ratios are the figures to quote (this machine is shared and noisy).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapters(base: Path, root: Path, n: int, rank: int) -> tuple[Path, list[str], dict[str, Path]]:
+    from catalog.base import BaseInfo
+    from catalog.importer import import_peft
+    from catalog.store import Catalog
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    ids, dirs = [f"bench/a{i:03d}" for i in range(n)], {}
+    info = BaseInfo.from_dir(base)
+    with Catalog.create(root / "catalog", shards=8) as cat:
+        for i, aid in enumerate(ids):
+            torch.manual_seed(i)
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ALL_TARGETS,
+                                                    init_lora_weights=False))
+            dirs[aid] = root / f"peft{i:03d}"
+            peft.save_pretrained(dirs[aid])
+            import_peft(cat, aid, dirs[aid], base, base=info)
+    return root / "catalog", ids, dirs
+
+
+def engine_decode(base: Path, catalog: Path, ids: list[str], batch: int, tokens: int,
+                  distinct: list[int]) -> list[tuple[str, float, float]]:
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    from decode import measure
+    from loraserve.engine.config import EngineConfig
+    from loraserve.lora.setup import build_engine
+
+    eng = build_engine(EngineConfig(model_dir=str(base), catalog_dir=str(catalog), max_batch_size=batch,
+                                    max_model_len=64 + tokens, max_gpu_adapters=max(distinct), max_lora_rank=16))
+    measure(eng, 2, 16, 4, [ids[0], None])  # warm-up
+    rows = [("base only", *measure(eng, batch, 16, tokens))]
+    for d in distinct:
+        adapters = [ids[i % d] for i in range(batch)]
+        rows.append((f"{d} adapters", *measure(eng, batch, 16, tokens, adapters)))
+    return rows
+
+
+async def _http_batch(url: str, prompts: list[str], models: list[str], tokens: int) -> int:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        async def one(prompt: str, model: str) -> int:
+            r = await client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": tokens,
+                                                           "temperature": 0, "ignore_eos": True})
+            r.raise_for_status()
+            return r.json()["usage"]["completion_tokens"]
+        counts = await asyncio.gather(*(one(p, m) for p, m in zip(prompts, models)))
+    return sum(counts)
+
+
+def http_tokens_per_s(base: Path, catalog: Path, prompts: list[str], models: list[str], tokens: int) -> float:
+    import threading
+    import uvicorn
+    from loraserve.engine.async_engine import AsyncEngine
+    from loraserve.engine.config import EngineConfig
+    from loraserve.server.app import build_app
+
+    engine = AsyncEngine.from_config(EngineConfig(model_dir=str(base), catalog_dir=str(catalog),
+                                                  max_batch_size=len(prompts), max_model_len=256,
+                                                  max_gpu_adapters=len(set(models)), max_lora_rank=16))
+    server = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    asyncio.run(_http_batch(url, prompts[:4], models[:4], 4))  # warm-up: page the adapters in
+    asyncio.run(_http_batch(url, prompts, models, 2))
+    t0 = time.perf_counter()
+    n = asyncio.run(_http_batch(url, prompts, models, tokens))
+    dt = time.perf_counter() - t0
+    server.should_exit = True
+    thread.join(10)
+    return n / dt
+
+
+def peft_tokens_per_s(base: Path, dirs: dict[str, Path], prompts: list[str], models: list[str], tokens: int) -> float:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(base / "tokenizer.json"))
+    tok.pad_token, tok.padding_side = "<|endoftext|>", "left"
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    names = sorted(set(models))
+    model = PeftModel.from_pretrained(model, dirs[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(dirs[name], adapter_name=name)
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    with torch.no_grad():
+        model.generate(**enc, adapter_names=models, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+        t0 = time.perf_counter()
+        out = model.generate(**enc, adapter_names=models, **kw)
+        dt = time.perf_counter() - t0
+    return (out.shape[1] - enc["input_ids"].shape[1]) * len(prompts) / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--distinct", default="1,8,32")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--no-peft", action="store_true")
+    args = ap.parse_args()
+    base = Path(args.model) if args.model else None
+    if base is None:
+        from loraserve.demo import build_demo
+        base = build_demo(Path(".loraserve/demo")).qwen3
+    distinct = [int(d) for d in args.distinct.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        catalog, ids, dirs = make_adapters(base, Path(tmp), max(distinct), args.rank)
+        rows = engine_decode(base, catalog, ids, args.batch, args.tokens, distinct)
+        print(f"engine decode, batch {args.batch}, rank {args.rank}, all 7 targets, {args.tokens} tokens")
+        print(f"{'batch':>12} {'tok/s':>9} {'ms/step':>8} {'vs base':>8}")
+        for name, tps, ms in rows:
+            print(f"{name:>12} {tps:>9.1f} {ms:>8.2f} {tps / rows[0][1]:>8.2f}")
+        if args.no_peft:
+            return
+        d = max(distinct)
+        prompts = [f"Request {i}: tell me something." for i in range(args.batch)]
+        models = [ids[i % d] for i in range(args.batch)]
+        ours = http_tokens_per_s(base, catalog, prompts, models, args.tokens)
+        theirs = peft_tokens_per_s(base, dirs, prompts, models, args.tokens)
+        print(f"\nmixed batch of {args.batch} over {d} adapters, {args.tokens} tokens each")
+        print(f"{'system':>28} {'tok/s':>9}")
+        print(f"{'loraserve (HTTP, end to end)':>28} {ours:>9.1f}")
+        print(f"{'PEFT generate(adapter_names)':>28} {theirs:>9.1f}")
+        print(f"{'ratio':>28} {ours / theirs:>9.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""The device-side adapter pool: a bounded working set of adapters in the kernels' rank-row layout.
+
+Layout (docs/INTERNALS.md §2): per target kind `k` and layer `l`, `A_rows[k][l]` `[P, H_in]` and
+`B_rows[k][l]` `[P, H_out]` (`B` transposed; MoE kinds `[P, E, H_in]` / `[P, E, H_out]`). An
+adapter in slot `a` with rank `r` owns `r` rows of each kind it targets, anywhere in the pool:
+`row_table[k][a, i]` is the row of rank index `i < ranks[k][a]`; `ranks[k][a] = 0` means no LoRA
+on `k`. Rows are shared across layers. Each kind has its own free list, so an adapter costs exactly
+its rank in the kinds it targets.
+
+Residency: an adapter is pinned by refcount while sequences use it (`acquire`/`release`) and by
+`pin` while the operator wants it kept. `load` evicts least-recently-used adapters that are neither
+to make room; it never evicts an in-use or pinned adapter. All methods are thread-safe.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from loraserve.adapters.invariants import check_pool
+from loraserve.adapters.stats import PoolStats
+from loraserve.adapters.targets import TargetSpec, TensorSlot, tensor_index, tensor_names
+from loraserve.adapters.weights import AdapterKey, LoadPlan, plan_load
+
+__all__ = ["AdapterPool", "PoolConfig", "PoolFull", "TargetSpec", "tensor_names"]
+
+
+class PoolFull(RuntimeError):
+    """The adapter cannot be placed now: in-use or pinned adapters hold the slots/rows it needs."""
+
+
+@dataclass(slots=True)
+class PoolConfig:
+    """Bounds of the device pool.
+
+    `max_slots` adapters at most. Rows per kind `P`: with `max_bytes`, as many as fit in it (one rank
+    row across all kinds and layers at a time, capped at `max_slots * max_rank`), so the
+    preallocated pool is <= `max_bytes`; without, `max_slots * max_rank`.
+    """
+
+    max_slots: int
+    max_rank: int = 64
+    max_bytes: int | None = None
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {self.max_slots}")
+        if self.max_rank < 1:
+            raise ValueError(f"max_rank must be >= 1, got {self.max_rank}")
+        if self.max_bytes is not None and self.max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1 when given, got {self.max_bytes}")
+        if not self.dtype.is_floating_point:
+            raise ValueError(f"pool dtype must be a floating dtype, got {self.dtype}")
+
+
+@dataclass(slots=True)
+class _Resident:
+    slot: int
+    rank: int
+    rows: dict[str, list[int]]  # kind -> the pool rows of rank indices 0..rank-1
+    nbytes: int
+    refcount: int = 0
+    pinned: bool = False
+
+
+class AdapterPool:
+    """Bounded, refcount-pinned, LRU-evicting pool of adapters in rank-row layout (see module doc)."""
+
+    def __init__(self, targets: list[TargetSpec], config: PoolConfig):
+        if not targets:
+            raise ValueError("the pool needs at least one LoRA target kind")
+        kinds = [t.kind for t in targets]
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(f"duplicate target kinds in {kinds}")
+        self.config = config
+        self.specs: dict[str, TargetSpec] = {t.kind: t for t in targets}
+        self._index: dict[str, TensorSlot] = tensor_index(targets)
+        itemsize = torch.empty((), dtype=config.dtype).element_size()
+        self.row_bytes: dict[str, int] = {t.kind: t.row_elems * len(t.layers) * itemsize for t in targets}
+        self.rows_per_kind = self._rows_per_kind(sum(self.row_bytes.values()))
+        self._allocate(config.device)
+        self._lock = threading.RLock()
+        self._entries: OrderedDict[AdapterKey, _Resident] = OrderedDict()  # LRU first
+        self._slot_keys: list[AdapterKey | None] = [None] * config.max_slots
+        self._free_slots = list(range(config.max_slots - 1, -1, -1))  # pop() -> lowest
+        self._free_rows = {k: list(range(self.rows_per_kind - 1, -1, -1)) for k in self.specs}
+        self._stats = PoolStats(max_slots=config.max_slots, bytes_capacity=self.bytes_capacity)
+
+    def _rows_per_kind(self, bytes_per_row: int) -> int:
+        cfg = self.config
+        full = cfg.max_slots * cfg.max_rank
+        if cfg.max_bytes is None:
+            return full
+        rows = min(full, cfg.max_bytes // bytes_per_row)
+        if rows < 1:
+            raise ValueError(f"max_bytes={cfg.max_bytes} is below one rank row of the pool ({bytes_per_row} bytes)")
+        return rows
+
+    def _allocate(self, device: str) -> None:
+        cfg, p = self.config, self.rows_per_kind
+        self.A_rows: dict[str, dict[int, torch.Tensor]] = {}  # kind -> layer -> [P, H_in] | [P, E, H_in]
+        self.B_rows: dict[str, dict[int, torch.Tensor]] = {}  # kind -> layer -> [P, H_out] | [P, E, H_out]
+        self.row_table: dict[str, torch.Tensor] = {}  # kind -> [A, R_max] int32
+        self.ranks: dict[str, torch.Tensor] = {}  # kind -> [A] int32, 0 = no LoRA on kind
+        for kind, s in self.specs.items():
+            plane = (s.experts,) if s.experts else ()
+            self.A_rows[kind] = {l: torch.zeros(p, *plane, s.h_in, dtype=cfg.dtype, device=device) for l in s.layers}
+            self.B_rows[kind] = {l: torch.zeros(p, *plane, s.h_out, dtype=cfg.dtype, device=device) for l in s.layers}
+            self.row_table[kind] = torch.zeros(cfg.max_slots, cfg.max_rank, dtype=torch.int32, device=device)
+            self.ranks[kind] = torch.zeros(cfg.max_slots, dtype=torch.int32, device=device)
+
+    @property
+    def bytes_capacity(self) -> int:
+        """Bytes of the preallocated row pools (row tables not counted)."""
+        return self.rows_per_kind * sum(self.row_bytes.values())
+
+    # ---- lookups -------------------------------------------------------------------------------
+
+    def slot_of(self, key: AdapterKey) -> int | None:
+        """Slot of a resident adapter (and a hit), or None (and a miss)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self._stats.misses += 1
+                return None
+            self._stats.hits += 1
+            self._entries.move_to_end(key)
+            return entry.slot
+
+    def __contains__(self, key: AdapterKey) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def key_of(self, slot: int) -> AdapterKey | None:
+        """The adapter in `slot`, or None when the slot is free."""
+        with self._lock:
+            return self._slot_keys[slot]
+
+    def resident(self) -> list[AdapterKey]:
+        """Resident adapters, least recently used first."""
+        with self._lock:
+            return list(self._entries)
+
+    def refcount(self, key: AdapterKey) -> int:
+        """Running sequences using `key` (0 when not resident)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry.refcount if entry else 0
+
+    @property
+    def stats(self) -> PoolStats:
+        """A snapshot of the counters and gauges."""
+        with self._lock:
+            s = self._stats
+            s.resident_adapters = len(self._entries)
+            s.pinned_adapters = sum(e.pinned for e in self._entries.values())
+            s.in_use_adapters = sum(e.refcount > 0 for e in self._entries.values())
+            s.bytes_used = sum(e.nbytes for e in self._entries.values())
+            return s.copy()
+
+    # ---- refcount and pins ---------------------------------------------------------------------
+
+    def acquire(self, key: AdapterKey) -> int:
+        """Mark `key` in use by one more sequence (it cannot be evicted); returns its slot."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                raise KeyError(f"adapter {key} is not resident in the pool; load it first")
+            entry.refcount += 1
+            self._entries.move_to_end(key)
+            return entry.slot
+
+    def release(self, slot: int) -> None:
+        """One sequence stopped using the adapter in `slot`."""
+        with self._lock:
+            key = self._slot_keys[slot] if 0 <= slot < len(self._slot_keys) else None
+            entry = self._entries.get(key) if key is not None else None
+            if entry is None or entry.refcount == 0:
+                raise ValueError(f"release of slot {slot}, which holds no acquired adapter")
+            entry.refcount -= 1
+            self._entries.move_to_end(key)
+
+    def pin(self, key: AdapterKey) -> None:
+        """Keep resident `key` until `unpin` (it must be resident)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                raise KeyError(f"cannot pin adapter {key}: not resident in the pool; load it first")
+            entry.pinned = True
+
+    def unpin(self, key: AdapterKey) -> None:
+        """Make `key` evictable again (no-op when not resident)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.pinned = False
+
+    def is_pinned(self, key: AdapterKey) -> bool:
+        with self._lock:
+            entry = self._entries.get(key)
+            return bool(entry and entry.pinned)
+
+    # ---- load / evict --------------------------------------------------------------------------
+
+    def load(self, key: AdapterKey, weights) -> int:
+        """Copy `weights` (an `AdapterWeights`) into free rows of a free slot; returns the slot.
+
+        Already resident -> its slot. Evicts LRU adapters that are neither in use nor pinned as
+        needed. Raises PoolFull when in-use/pinned adapters leave no room now, ValueError when it can
+        never fit (rank > max_rank or > rows per kind, or a tensor the pool's base lacks).
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                return entry.slot
+            plan = self._plan(weights)
+            self._make_room(key, plan)
+            slot = self._free_slots.pop()
+            rows = {k: [self._free_rows[k].pop() for _ in range(plan.rank)] for k in plan.kinds}
+            self._copy_in(slot, rows, plan)
+            nbytes = sum(plan.rank * self.row_bytes[k] for k in plan.kinds)
+            self._entries[key] = _Resident(slot, plan.rank, rows, nbytes)
+            self._slot_keys[slot] = key
+            self._stats.loads += 1
+            return slot
+
+    def check_admissible(self, rank: int, targets: list[str]) -> None:
+        """ValueError unless an adapter of `rank` on `targets` (e.g. a RevisionRecord's) can ever
+        be loaded: the quick check at request time, before any bytes are read."""
+        limit = min(self.config.max_rank, self.rows_per_kind)
+        if not 1 <= rank <= limit:
+            raise ValueError(f"adapter rank {rank} is outside this server's LoRA ranks 1..{limit}")
+        missing = [k for k in targets if k not in self.specs]
+        if missing:
+            raise ValueError(f"adapter targets {', '.join(missing)}, which this server's base/pool "
+                             f"has no LoRA for (pool kinds: {', '.join(self.specs)})")
+
+    def can_fit(self, weights) -> bool:
+        """Whether `load(weights)` would succeed now (possibly by evicting). ValueError if never."""
+        with self._lock:
+            plan = self._plan(weights)
+            return self._shortfall(plan) is None
+
+    def evict(self, key: AdapterKey) -> bool:
+        """Drop `key` if resident, unused and unpinned; returns whether it was dropped."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.refcount > 0 or entry.pinned:
+                return False
+            self._drop(key, entry)
+            return True
+
+    def _plan(self, weights) -> LoadPlan:
+        return plan_load(weights, self.specs, self._index, self.config.max_rank, self.rows_per_kind)
+
+    def _shortfall(self, plan: LoadPlan) -> str | None:
+        """None when evicting idle adapters can make room for `plan`, else why it cannot."""
+        need_slot = not self._free_slots
+        short = {k: plan.rank - len(self._free_rows[k]) for k in plan.kinds}
+        idle = [e for e in self._entries.values() if e.refcount == 0 and not e.pinned]
+        if need_slot and not idle:
+            return f"all {self.config.max_slots} slots hold in-use or pinned adapters"
+        for kind, missing in short.items():
+            freeable = sum(e.rank for e in idle if kind in e.rows)
+            if missing > freeable:
+                return (f"needs {plan.rank} {kind} rows, {len(self._free_rows[kind])} free and "
+                        f"{freeable} held by idle adapters; the rest are in use or pinned")
+        return None
+
+    def _make_room(self, key: AdapterKey, plan: LoadPlan) -> None:
+        reason = self._shortfall(plan)
+        if reason is not None:
+            raise PoolFull(f"adapter pool full, cannot load {key} (rank {plan.rank}) now: {reason}")
+        for victim, entry in list(self._entries.items()):  # LRU first
+            need_slot = not self._free_slots
+            short = {k for k in plan.kinds if len(self._free_rows[k]) < plan.rank}
+            if not need_slot and not short:
+                return
+            if entry.refcount or entry.pinned:
+                continue
+            if need_slot or short & entry.rows.keys():
+                self._drop(victim, entry)
+
+    def _drop(self, key: AdapterKey, entry: _Resident) -> None:
+        del self._entries[key]
+        self._slot_keys[entry.slot] = None
+        self._free_slots.append(entry.slot)
+        for kind, rows in entry.rows.items():
+            self._free_rows[kind].extend(reversed(rows))
+            self.ranks[kind][entry.slot] = 0
+            self.row_table[kind][entry.slot].zero_()
+        self._stats.evictions += 1
+
+    def _copy_in(self, slot: int, rows: dict[str, list[int]], plan: LoadPlan) -> None:
+        """One index_copy_ per blob tensor; layers the adapter skips get zero rows."""
+        dev, dtype = self.config.device, self.config.dtype
+        for kind, kind_rows in rows.items():
+            idx = torch.tensor(kind_rows, dtype=torch.int64, device=dev)  # [r]
+            moe = self.specs[kind].experts > 0
+            for layer in self.specs[kind].layers:
+                pair = plan.tensors.get((kind, layer))
+                if pair is None:
+                    self.A_rows[kind][layer].index_fill_(0, idx, 0)
+                    self.B_rows[kind][layer].index_fill_(0, idx, 0)
+                    continue
+                a, b = pair  # [r, in] / [out, r]; MoE [E, r, in] / [E, out, r]
+                a_rows = a.transpose(0, 1) if moe else a  # [r, (E,) in]
+                b_rows = b.permute(2, 0, 1) if moe else b.t()  # [r, (E,) out]
+                self.A_rows[kind][layer].index_copy_(0, idx, a_rows.to(dev, dtype, non_blocking=True))
+                self.B_rows[kind][layer].index_copy_(0, idx, b_rows.to(dev, dtype, non_blocking=True))
+            self.row_table[kind][slot, : plan.rank] = idx.to(torch.int32)
+            self.ranks[kind][slot] = plan.rank
+
+    # ---- testing aid ---------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Assert the bookkeeping is consistent (for tests): bounds, free lists, row ownership."""
+        with self._lock:
+            check_pool(self, self._entries, self._slot_keys, self._free_slots, self._free_rows)

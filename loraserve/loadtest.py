@@ -1,0 +1,373 @@
+"""`loraserve loadtest`: drive a running server with many adapters and report latency and hit rates.
+
+Open loop (`--rate R`: Poisson arrivals at R req/s, whatever the server's pace) or closed loop
+(`--concurrency C`: C clients, each sending its next request when the last one ends), for
+`--duration` seconds. Each request streams `/v1/completions` (TTFT = first streamed text) for an
+adapter drawn `uniform`ly or `zipf:S` (the i-th adapter listed has weight 1/i^S) from `--catalog DIR`
+(its promoted adapters) or `--adapters FILE` (one model reference per line). The report: ok / errors,
+req/s, output tokens/s, TTFT and end-to-end p50/p90/p99, and the server's per-tier adapter hit rates
+over the run, from the `loraserve_adapter_{hits,misses}_total{tier=...}` counters on `/metrics`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
+
+HIT_METRIC, MISS_METRIC = "loraserve_adapter_hits_total", "loraserve_adapter_misses_total"
+WORDS = ("the", "adapter", "serves", "many", "tenants", "with", "one", "base", "model", "today",
+         "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "and", "then", "rests")
+
+
+@dataclass(slots=True)
+class LoadTestConfig:
+    """One load test. Exactly one of `rate` (open loop) and `concurrency` (closed loop)."""
+
+    url: str
+    adapters: list[str] = field(default_factory=list)  # model refs; empty = base model only
+    base_model: str | None = None  # the served base name; None = ask /v1/models when needed
+    rate: float | None = None
+    concurrency: int | None = None
+    dist: str = "uniform"  # "uniform" | "zipf:S"
+    duration: float = 30.0
+    max_requests: int | None = None
+    prompt_len: int = 32  # words
+    max_tokens: int = 32
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    model_field: str = "model"  # request field that carries the adapter id
+    api_key: str | None = None
+    timeout: float = 120.0
+    seed: int = 0
+    progress: bool = True
+    zipf_s: float | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"--url must start with http:// or https://, got {self.url!r}")
+        if (self.rate is None) == (self.concurrency is None):
+            raise ValueError("give exactly one of --rate (open loop) and --concurrency (closed loop)")
+        if self.rate is not None and not self.rate > 0:
+            raise ValueError(f"--rate must be > 0, got {self.rate}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"--concurrency must be >= 1, got {self.concurrency}")
+        if not self.duration > 0 or self.prompt_len < 1 or self.max_tokens < 1 or self.timeout <= 0:
+            raise ValueError("--duration, --prompt-len, --max-tokens and --timeout must be positive")
+        if self.max_requests is not None and self.max_requests < 1:
+            raise ValueError(f"--max-requests must be >= 1, got {self.max_requests}")
+        if not self.model_field:
+            raise ValueError("--model-field must name a request field")
+        self.zipf_s = _parse_dist(self.dist)
+
+
+def _parse_dist(dist: str) -> float | None:
+    """`uniform` -> None, `zipf:S` -> S (> 0)."""
+    if dist == "uniform":
+        return None
+    kind, _, s = dist.partition(":")
+    try:
+        value = float(s)
+    except ValueError:
+        value = 0.0
+    if kind != "zipf" or not value > 0:
+        raise ValueError(f"--dist must be 'uniform' or 'zipf:S' with S > 0, got {dist!r}")
+    return value
+
+
+@dataclass(slots=True)
+class Sample:
+    """The outcome of one request (times in seconds from its start)."""
+
+    ok: bool
+    e2e: float
+    ttft: float | None = None
+    output_tokens: int = 0
+    error: str | None = None  # "http 404", "ReadTimeout", ...
+
+
+class _Workload:
+    """Draws (model ref, prompt) pairs reproducibly from the config's seed."""
+
+    def __init__(self, cfg: LoadTestConfig):
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        n = len(cfg.adapters)
+        weights = [1.0 / (i + 1) ** cfg.zipf_s for i in range(n)] if cfg.zipf_s else [1.0] * n
+        self.cum = list(np.cumsum(weights)) if n else []
+
+    def draw(self) -> tuple[str | None, str]:
+        adapter = self.rng.choices(self.cfg.adapters, cum_weights=self.cum)[0] if self.cum else None
+        prompt = " ".join(self.rng.choice(WORDS) for _ in range(self.cfg.prompt_len))
+        return adapter, prompt
+
+    def body(self, adapter: str | None, prompt: str) -> dict:
+        cfg = self.cfg
+        body = {"model": cfg.base_model, "prompt": prompt, "max_tokens": cfg.max_tokens,
+                "temperature": cfg.temperature, "stream": True, "ignore_eos": cfg.ignore_eos,
+                "stream_options": {"include_usage": True}}
+        if adapter is not None:
+            body[cfg.model_field] = adapter
+        return body
+
+
+async def _request(client: httpx.AsyncClient, body: dict) -> Sample:
+    """Stream one completion, timing the first text and the end."""
+    start = time.perf_counter()
+    ttft, chunks, usage = None, 0, None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                return Sample(False, time.perf_counter() - start, error=f"http {resp.status_code}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    return Sample(False, time.perf_counter() - start, error="stream error")
+                usage = (event.get("usage") or {}).get("completion_tokens", usage)
+                if any(c.get("text") for c in event.get("choices", ())):
+                    chunks += 1
+                    ttft = ttft if ttft is not None else time.perf_counter() - start
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        return Sample(False, time.perf_counter() - start, error=type(e).__name__)
+    e2e = time.perf_counter() - start
+    return Sample(True, e2e, ttft if ttft is not None else e2e, usage if usage is not None else chunks)
+
+
+async def _scrape(client: httpx.AsyncClient) -> dict[str, dict[str, float]] | None:
+    """`{tier: {"hits": n, "misses": n}}` from the server's /metrics, or None if unavailable."""
+    try:
+        resp = await client.get("/metrics")
+        resp.raise_for_status()
+        families = list(text_string_to_metric_families(resp.text))
+    except (httpx.HTTPError, ValueError):
+        return None
+    tiers: dict[str, dict[str, float]] = {}
+    for family in families:
+        for s in family.samples:
+            kind = {HIT_METRIC: "hits", MISS_METRIC: "misses"}.get(s.name)
+            if kind is not None:
+                counts = tiers.setdefault(s.labels.get("tier", ""), {"hits": 0.0, "misses": 0.0})
+                counts[kind] += s.value
+    return tiers
+
+
+async def _base_model(client: httpx.AsyncClient) -> str:
+    resp = await client.get("/v1/models")
+    resp.raise_for_status()
+    ids = [m["id"] for m in resp.json().get("data", [])]
+    bases = [i for i in ids if "/" not in i] or ids
+    if not bases:
+        raise RuntimeError("the server lists no models; pass --base-model")
+    return bases[0]
+
+
+async def _drive(client: httpx.AsyncClient, work: _Workload, record) -> None:
+    """Send requests until the deadline (or request budget), open or closed loop; await them all."""
+    cfg = work.cfg
+    deadline = time.perf_counter() + cfg.duration
+    budget = [cfg.max_requests if cfg.max_requests is not None else float("inf")]
+
+    def take() -> bool:
+        if budget[0] <= 0 or time.perf_counter() >= deadline:
+            return False
+        budget[0] -= 1
+        return True
+
+    async def one() -> None:
+        record(await _request(client, work.body(*work.draw())))
+
+    if cfg.concurrency is not None:
+        async def client_loop() -> None:
+            while take():
+                await one()
+        await asyncio.gather(*(client_loop() for _ in range(cfg.concurrency)))
+        return
+    tasks, next_at = [], time.perf_counter()
+    while True:
+        next_at += work.rng.expovariate(cfg.rate)
+        await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+        if not take():
+            break
+        tasks.append(asyncio.create_task(one()))
+    await asyncio.gather(*tasks)
+
+
+async def _run(cfg: LoadTestConfig) -> dict:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=cfg.url.rstrip("/"), headers=headers,
+                                 timeout=cfg.timeout, limits=limits) as client:
+        if cfg.base_model is None and (not cfg.adapters or cfg.model_field != "model"):
+            cfg = dataclasses.replace(cfg, base_model=await _base_model(client))
+        work = _Workload(cfg)
+        samples: list[Sample] = []
+        bar = tqdm(total=cfg.max_requests, unit="req", disable=not cfg.progress, desc="loadtest")
+
+        def record(sample: Sample) -> None:
+            samples.append(sample)
+            bar.update(1)
+
+        before = await _scrape(client)
+        start = time.perf_counter()
+        try:
+            await _drive(client, work, record)
+        finally:
+            bar.close()
+        wall = time.perf_counter() - start
+        after = await _scrape(client)
+    return summarize(cfg, samples, wall, before, after)
+
+
+def run_loadtest(cfg: LoadTestConfig) -> dict:
+    """Run the load test described by `cfg`; returns the report (see `summarize`)."""
+    return asyncio.run(_run(cfg))
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    p50, p90, p99 = np.percentile(values, [50, 90, 99]).tolist()
+    return {"p50": p50, "p90": p90, "p99": p99, "mean": float(np.mean(values))}
+
+
+def _hit_rates(before: dict | None, after: dict | None) -> dict[str, float | None] | None:
+    """Per tier: hits / (hits + misses) over the run (None when the tier saw no lookups)."""
+    if before is None or after is None:
+        return None
+    rates: dict[str, float | None] = {}
+    for tier, counts in after.items():
+        prev = before.get(tier, {"hits": 0.0, "misses": 0.0})
+        hits, misses = counts["hits"] - prev["hits"], counts["misses"] - prev["misses"]
+        rates[tier] = hits / (hits + misses) if hits + misses > 0 else None
+    return rates
+
+
+def summarize(cfg: LoadTestConfig, samples: list[Sample], wall: float,
+              before: dict | None = None, after: dict | None = None) -> dict:
+    """The report: counts, throughput, latency percentiles (seconds), errors by kind, hit rates."""
+    ok = [s for s in samples if s.ok]
+    errors: dict[str, int] = {}
+    for s in samples:
+        if not s.ok:
+            errors[s.error or "error"] = errors.get(s.error or "error", 0) + 1
+    tokens = sum(s.output_tokens for s in ok)
+    config = asdict(cfg)
+    config.pop("api_key")
+    config["adapters"] = len(cfg.adapters)
+    return {
+        "mode": "closed" if cfg.concurrency is not None else "open",
+        "config": config,
+        "wall_s": wall,
+        "requests": len(samples), "ok": len(ok), "errors": len(samples) - len(ok), "error_kinds": errors,
+        "req_per_s": len(ok) / wall if wall > 0 else 0.0,
+        "output_tokens": tokens, "output_tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "ttft_s": _percentiles([s.ttft for s in ok if s.ttft is not None]),
+        "e2e_s": _percentiles([s.e2e for s in ok]),
+        "adapter_hit_rate": _hit_rates(before, after),
+    }
+
+
+def format_report(report: dict) -> str:
+    """The report as a small table (latencies in milliseconds)."""
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1000:.1f}"
+
+    cfg = report["config"]
+    load = f"rate {cfg['rate']}/s" if report["mode"] == "open" else f"concurrency {cfg['concurrency']}"
+    lines = [f"loadtest {cfg['url']}: {report['mode']} loop, {load}, {cfg['adapters']} adapters "
+             f"({cfg['dist']}), {report['wall_s']:.1f} s",
+             f"requests  {report['requests']}  ok {report['ok']}  errors {report['errors']}"
+             + "".join(f"  [{k}: {n}]" for k, n in sorted(report["error_kinds"].items())),
+             f"req/s     {report['req_per_s']:.2f}",
+             f"tokens/s  {report['output_tokens_per_s']:.1f}  (output)",
+             f"{'ms':<9} {'p50':>9} {'p90':>9} {'p99':>9} {'mean':>9}"]
+    for name, key in (("ttft", "ttft_s"), ("e2e", "e2e_s")):
+        p = report[key]
+        lines.append(f"{name:<9} {ms(p['p50']):>9} {ms(p['p90']):>9} {ms(p['p99']):>9} {ms(p['mean']):>9}")
+    rates = report["adapter_hit_rate"]
+    if rates is None:
+        lines.append("adapter hit rate: /metrics unavailable")
+    else:
+        shown = {t: "-" if r is None else f"{r:.1%}" for t, r in sorted(rates.items())}
+        lines.append("adapter hit rate: " + ("  ".join(f"{t} {r}" for t, r in shown.items()) or "no counters"))
+    return "\n".join(lines)
+
+
+def read_adapter_file(path: str | Path) -> list[str]:
+    """Model references from a file, one per line; blank lines and `#` comments skipped."""
+    lines = (line.split("#", 1)[0].strip() for line in Path(path).read_text().splitlines())
+    return [line for line in lines if line]
+
+
+def list_catalog_adapters(path: str | Path, limit: int) -> list[str]:
+    """Ids of up to `limit` catalog adapters that have a promoted revision (in id order)."""
+    from catalog.store import Catalog
+
+    with Catalog(path, readonly=True) as catalog:
+        return [p.adapter_id for p in catalog.list(limit=limit) if p.promoted is not None]
+
+
+def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    """Register `loraserve loadtest`."""
+    p = subparsers.add_parser("loadtest", help="load-test a running server across many adapters",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    loop = p.add_mutually_exclusive_group()
+    loop.add_argument("--rate", type=float, help="open loop: Poisson arrivals at this many req/s")
+    loop.add_argument("--concurrency", type=int, help="closed loop: this many clients (default 8)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--catalog", metavar="DIR", help="draw adapters from this catalog's promoted adapters")
+    src.add_argument("--adapters", metavar="FILE", help="draw adapters from this file, one id per line")
+    p.add_argument("--max-adapters", type=int, default=10000, help="adapters taken from --catalog")
+    p.add_argument("--dist", default="uniform", help="adapter popularity: uniform or zipf:S")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of load")
+    p.add_argument("--requests", type=int, default=None, help="stop after this many requests")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt length in words")
+    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--model-field", default="model",
+                   help="request field that carries the adapter id (default: model)")
+    p.add_argument("--base-model", default=None, help="served base name (default: from /v1/models)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", metavar="FILE", help="also write the report as JSON")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    if args.catalog:
+        adapters = list_catalog_adapters(args.catalog, args.max_adapters)
+    else:
+        adapters = read_adapter_file(args.adapters) if args.adapters else []
+    if (args.catalog or args.adapters) and not adapters:
+        raise ValueError(f"no adapters found in {args.catalog or args.adapters}")
+    cfg = LoadTestConfig(
+        url=args.url, adapters=adapters, base_model=args.base_model, rate=args.rate,
+        concurrency=args.concurrency or (8 if args.rate is None else None), dist=args.dist,
+        duration=args.duration, max_requests=args.requests, prompt_len=args.prompt_len,
+        max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, temperature=args.temperature,
+        model_field=args.model_field, api_key=args.api_key, timeout=args.timeout, seed=args.seed,
+        progress=not args.no_progress)
+    report = run_loadtest(cfg)
+    print(format_report(report))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    if report["ok"] == 0:
+        raise RuntimeError(f"no request succeeded ({report['errors']} errors: {report['error_kinds']})")
+    return 0
+

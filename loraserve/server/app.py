@@ -1,0 +1,165 @@
+"""The FastAPI app: routes, lifespan (engine start/shutdown), middleware, and `run_server`."""
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from starlette.responses import Response
+
+from loraserve.server.adapter_routes import adapter_router, catalog_cards
+from loraserve.server.chat import create_chat_completion
+from loraserve.server.completions import create_completion
+from loraserve.server.errors import APIError, as_api_error, install_error_handlers
+from loraserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from loraserve.server.middleware import ApiKeyMiddleware, RequestCountMiddleware
+from loraserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from loraserve.server.serving import Engine, ServerContext
+
+API_KEY_ENV = "LORASERVE_API_KEY"
+CLIENT_CLOSED = 499  # nginx's "client closed request"; nobody reads it
+
+
+def _ctx(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+async def _answer(request: Request, handler: Coroutine[Any, Any, Response]) -> Response:
+    """Run a generation handler until it answers or the client goes away.
+
+    A failure becomes its OpenAI error response here, so the request counter sees the real
+    status (catalog errors included; a bug is a logged 500). A client that disconnects before
+    the answer is ready cancels the handler, which closes (aborts) its engine requests.
+    """
+    work = asyncio.ensure_future(handler)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not work.done():
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        return Response(status_code=CLIENT_CLOSED)
+    try:
+        return work.result()
+    except Exception as exc:
+        return as_api_error(exc).response()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: only that can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _model_card(model_id: str, engine: Engine) -> dict:
+    root = engine.model_name
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "loraserve",
+            "root": root, "parent": None if model_id == root else root,
+            "max_model_len": engine.max_model_len}
+
+
+def _api_router() -> APIRouter:
+    router = APIRouter(prefix="/v1")
+
+    @router.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _answer(request, create_completion(body, _ctx(request)))
+
+    @router.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _answer(request, create_chat_completion(body, _ctx(request)))
+
+    @router.get("/models")
+    async def models(request: Request, prefix: str | None = None, limit: int | None = None,
+                     after: str | None = None) -> dict:
+        """The base and resident adapters; with ?prefix=/?limit=, a page of the catalog."""
+        engine = _ctx(request).engine
+        mgr = getattr(engine, "adapters", None)
+        if mgr is not None and (prefix is not None or limit is not None or after is not None):
+            if limit is not None and not 1 <= limit <= 10_000:
+                raise APIError(400, "limit must be in [1, 10000]", param="limit")
+            cards = await asyncio.to_thread(catalog_cards, mgr, prefix or "", limit or 100, after,
+                                            engine.model_name)
+            return {"object": "list", "data": cards}
+        return {"object": "list", "data": [_model_card(m, engine) for m in engine.list_models()]}
+
+    @router.get("/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict:
+        engine = _ctx(request).engine
+        if model_id in engine.list_models():
+            return _model_card(model_id, engine)
+        mgr = getattr(engine, "adapters", None)
+        if mgr is not None and "/" in model_id:
+            from catalog.ids import parse_model_ref
+            adapter_id, _ = parse_model_ref(model_id)  # 400 for an invalid id
+            await asyncio.to_thread(mgr.catalog.policy, adapter_id)  # 404 when unknown
+            return _model_card(model_id, engine)
+        raise APIError(404, f"The model `{model_id}` does not exist.", param="model",
+                       code="model_not_found")
+
+    return router
+
+
+def _ops_router() -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @router.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        ctx = _ctx(request)
+        return Response(ctx.metrics.render(ctx.engine.stats()), media_type=CONTENT_TYPE)
+
+    return router
+
+
+def resolve_api_key(api_key: str | None) -> str | None:
+    """The key `--api-key` gave, else $LORASERVE_API_KEY; None (or empty) = no auth."""
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+    return key or None
+
+
+def build_app(engine: Engine, *, api_key: str | None = None, max_n: int = 16) -> FastAPI:
+    """The OpenAI-compatible app serving `engine`; `api_key` guards /v1/* (Bearer).
+
+    `app.state.ctx.metrics` is the app's ServerMetrics (`register` adds collectors).
+    The engine is started and shut down by the app's lifespan.
+    """
+    ctx = ServerContext(engine=engine, metrics=ServerMetrics(), max_n=max_n)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    app = FastAPI(title="loraserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.include_router(_api_router())
+    app.include_router(_ops_router())
+    if getattr(engine, "adapters", None) is not None:
+        from loraserve.lora.metrics import AdapterCollector
+        app.include_router(adapter_router())
+        ctx.metrics.register(AdapterCollector(engine.engine))
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestCountMiddleware, metrics=ctx.metrics)  # outermost: counts 401s
+    return app
+
+
+def run_server(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
+               api_key: str | None = None, *, max_n: int = 16, log_level: str = "info") -> None:
+    """Serve `engine` with uvicorn until interrupted. `api_key` defaults to $LORASERVE_API_KEY."""
+    app = build_app(engine, api_key=resolve_api_key(api_key), max_n=max_n)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

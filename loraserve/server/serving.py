@@ -1,0 +1,173 @@
+"""What both generation endpoints share: the engine facade, model resolution, prompt checks,
+sampling parameters, fan-out into engine requests, and per-request timing."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from catalog.errors import InvalidAdapterId
+from catalog.ids import parse_model_ref
+
+from loraserve.engine.types import GenerateRequest, RequestOutput, SamplingParams
+from loraserve.server.errors import APIError
+from loraserve.server.metrics import ServerMetrics
+
+
+class Engine(Protocol):
+    """The AsyncEngine facade the server is written against (loraserve/engine/async_engine.py)."""
+
+    model_name: str
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]: ...
+    def stats(self) -> dict[str, Any]: ...
+    def list_models(self) -> list[str]: ...
+    async def start(self) -> None: ...
+    async def shutdown(self) -> None: ...
+
+
+@dataclass(slots=True)
+class ServerContext:
+    """What a route handler needs: the engine, the app's metrics and request limits."""
+
+    engine: Engine
+    metrics: ServerMetrics
+    max_n: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+
+
+@dataclass(slots=True)
+class Prompt:
+    """One prompt: the text echoed back and the token ids sent to the engine."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class RequestClock:
+    """Arrival time of one HTTP request; reports TTFT and end-to-end latency once each."""
+
+    metrics: ServerMetrics
+    start: float = field(default_factory=time.perf_counter)
+    first_seen: bool = False
+
+    def first_output(self) -> None:
+        if not self.first_seen:
+            self.first_seen = True
+            self.metrics.ttft.observe(time.perf_counter() - self.start)
+
+    def finished(self) -> None:
+        self.metrics.e2e_latency.observe(time.perf_counter() - self.start)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def resolve_adapter(model: str, engine: Engine) -> str | None:
+    """The adapter ref a request's `model` names; None for the base. 404 for anything else."""
+    if model == engine.model_name:
+        return None
+    try:  # the engine (catalog) decides whether a well-formed ref exists
+        parse_model_ref(model)
+        return model
+    except InvalidAdapterId:
+        pass
+    raise APIError(404, f"The model `{model}` does not exist.", code="model_not_found",
+                   param="model")
+
+
+def reject_unsupported(name: str | None) -> None:
+    if name is not None:
+        raise APIError(400, f"`{name}` is not supported by this server", param=name,
+                       code="unsupported_parameter")
+
+
+def check_n(n: int, max_n: int) -> None:
+    if not 1 <= n <= max_n:
+        raise APIError(400, f"n must be in [1, {max_n}], got {n}", param="n")
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size})",
+                       param=param)
+
+
+def check_prompt(prompt: Prompt, max_tokens: int, engine: Engine, param: str) -> None:
+    """Non-empty, ids inside the vocabulary, prompt + max_tokens within max_model_len (vLLM)."""
+    ids = prompt.token_ids
+    if not ids:
+        raise APIError(400, f"{param} must not be empty", param=param)
+    check_token_ids(ids, engine.vocab_size, param)
+    if len(ids) + max_tokens > engine.max_model_len:
+        raise APIError(400, f"This model's maximum context length is {engine.max_model_len} "
+                       f"tokens. However, you requested {len(ids) + max_tokens} tokens "
+                       f"({len(ids)} in the prompt, {max_tokens} for the completion).",
+                       param=param, code="context_length_exceeded")
+
+
+def check_max_tokens(max_tokens: int, minimum: int = 0) -> None:
+    if max_tokens < minimum:
+        raise APIError(400, f"max_tokens must be >= {minimum}, got {max_tokens}",
+                       param="max_tokens")
+
+
+def check_stop_token_ids(ids: Sequence[int] | None, vocab_size: int) -> None:
+    check_token_ids(ids or (), vocab_size, "stop_token_ids")
+
+
+def fan_out(request_id: str, prompts: Sequence[Prompt], n: int, params: SamplingParams,
+            adapter: str | None) -> list[GenerateRequest]:
+    """P * n engine requests, prompt-major; choice i of a seeded request samples with seed + i."""
+    requests = []
+    for p, prompt in enumerate(prompts):
+        for i in range(n):
+            seeded = params if params.seed is None or i == 0 else _with_seed(params,
+                                                                             params.seed + i)
+            requests.append(GenerateRequest(request_id=f"{request_id}-{p * n + i}",
+                                            prompt_token_ids=list(prompt.token_ids),
+                                            params=seeded, adapter=adapter))
+    return requests
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    fields = {name: getattr(params, name) for name in SamplingParams.__dataclass_fields__}
+    fields["seed"] = seed
+    fields["stop"] = list(params.stop)
+    fields["stop_token_ids"] = list(params.stop_token_ids)
+    return SamplingParams(**fields)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sampling_params(req: Any, max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """SamplingParams from a request's shared fields; OpenAI defaults where the client sent none.
+
+    Out-of-range values raise EngineError (answered 400 with `param`).
+    """
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k,
+        seed=req.seed, stop=req.stop_list(), stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)

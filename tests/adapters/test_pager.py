@@ -1,0 +1,193 @@
+"""Pager against a real on-disk catalog: single-flight, CPU-cache hits, errors to exactly the askers."""
+import dataclasses
+import threading
+
+import pytest
+import torch
+from adapter_fakes import FINGERPRINT, make_weights, tiny_specs
+
+from catalog.errors import AdapterNotFound, BaseMismatch, CorruptBlob, InvalidAdapterId, RevisionNotFound
+from catalog.layout import save_revision
+from catalog.store import Catalog
+from loraserve.adapters.cpu_cache import CpuCache
+from loraserve.adapters.pager import Pager, record_key
+
+SPECS = tiny_specs()
+WAIT = 30  # generous bound on waits so a broken pager fails instead of hanging
+
+
+class CountingCatalog:
+    """The real catalog, counting blob reads per revision; reads wait at `gate` while it is clear."""
+
+    def __init__(self, catalog: Catalog):
+        self.catalog = catalog
+        self.reads: dict[str, int] = {}
+        self.gate = threading.Event()
+        self.gate.set()
+        self.lock = threading.Lock()
+
+    def resolve(self, adapter_id, revision=None):
+        return self.catalog.resolve(adapter_id, revision)
+
+    def read_blob(self, record):
+        with self.lock:
+            self.reads[record.ref] = self.reads.get(record.ref, 0) + 1
+        assert self.gate.wait(WAIT)
+        return self.catalog.read_blob(record)
+
+
+@pytest.fixture
+def catalog(tmp_path):
+    cat = Catalog.create(tmp_path / "catalog", shards=4)
+    for i, rank in enumerate([2, 4, 1]):
+        cat.put_revision(f"acme/a{i}", save_revision(make_weights(SPECS, rank, seed=i)))
+    cat.put_revision("acme/a0", save_revision(make_weights(SPECS, 3, seed=9)), promote=False)
+    cat.put_revision("other/x", save_revision(make_weights(SPECS, 2, fingerprint="fp-other-base")))
+    yield CountingCatalog(cat)
+    cat.close()
+
+
+@pytest.fixture
+def pager(catalog):
+    with Pager(catalog, CpuCache(max_bytes=1 << 20), FINGERPRINT, workers=4) as p:
+        yield p
+
+
+def corrupt(catalog: CountingCatalog, record) -> None:
+    """Flip the stored blob's last byte (its record and checksum stay)."""
+    shard = catalog.catalog.shard(catalog.catalog.shard_index(record.adapter_id))
+
+    def flip(txn, dbs):
+        blob = bytearray(txn.get(record.ref.encode(), db=dbs.blob))
+        blob[-1] ^= 0xFF
+        txn.put(record.ref.encode(), bytes(blob), db=dbs.blob)
+
+    shard.write(flip)
+
+
+def fetch_from_threads(pager: Pager, records: list) -> list:
+    """Each record fetched by its own thread at once; returns a Future per record."""
+    futures = [None] * len(records)
+    barrier = threading.Barrier(len(records))
+
+    def ask(i):
+        barrier.wait(WAIT)
+        futures[i] = pager.fetch(records[i])
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(records))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    return futures
+
+
+def test_resolve_promoted_and_explicit_revisions(pager):
+    assert pager.resolve("acme/a0").revision == "r1"
+    record = pager.resolve("acme/a0@r2")
+    assert (record.adapter_id, record.revision, record.rank) == ("acme/a0", "r2", 3)
+
+
+@pytest.mark.parametrize("ref, error, status", [
+    ("acme", InvalidAdapterId, 400), ("../etc/passwd", InvalidAdapterId, 400),
+    ("acme/nope", AdapterNotFound, 404), ("acme/a0@r9", RevisionNotFound, 404),
+    ("other/x", BaseMismatch, 409),
+])
+def test_resolve_errors_carry_their_status(pager, ref, error, status):
+    with pytest.raises(error) as info:
+        pager.resolve(ref)
+    assert info.value.status == status
+
+
+def test_base_mismatch_names_both_fingerprints(pager):
+    with pytest.raises(BaseMismatch, match="fp-other-base.*fp-tiny-base"):
+        pager.resolve("other/x")
+
+
+def test_singleflight_one_catalog_read_for_many_concurrent_fetches(pager, catalog):
+    record = pager.resolve("acme/a1")
+    catalog.gate.clear()  # hold the read until every thread has asked
+    futures = fetch_from_threads(pager, [record] * 8)
+    catalog.gate.set()
+    results = [f.result(WAIT) for f in futures]
+    assert catalog.reads == {"acme/a1@r1": 1}
+    assert all(r is results[0] for r in results) and results[0].rank == 4
+    stats = pager.stats
+    assert (stats.disk_reads, stats.singleflight_joins, stats.cpu_misses) == (1, 7, 8)
+
+
+def test_cpu_cache_hit_is_done_at_once_without_a_read(pager, catalog):
+    record = pager.resolve("acme/a2")
+    first = pager.fetch(record).result(WAIT)
+    again = pager.fetch(record)
+    assert again.done() and again.result() is first
+    assert catalog.reads == {"acme/a2@r1": 1}
+    stats = pager.stats
+    assert stats.cpu_hits == 1 and stats.page_in_seconds["cpu"].count == 1
+    assert stats.page_in_seconds["disk"].count == 1
+    assert record_key(record) in pager.cpu_cache
+
+
+def test_weights_match_what_was_stored(pager):
+    weights = pager.fetch(pager.resolve("acme/a0@r2")).result(WAIT)
+    expected = make_weights(SPECS, 3, seed=9)
+    assert weights.tensors.keys() == expected.tensors.keys()
+    assert all(torch.equal(weights.tensors[n], t) for n, t in expected.tensors.items())
+
+
+def test_errors_reach_exactly_the_requests_that_asked(pager, catalog):
+    bad, good = pager.resolve("acme/a0"), pager.resolve("acme/a1")
+    corrupt(catalog, bad)
+    catalog.gate.clear()
+    futures = fetch_from_threads(pager, [bad, good, bad, good, bad])
+    catalog.gate.set()
+    for i in (0, 2, 4):
+        with pytest.raises(CorruptBlob) as info:
+            futures[i].result(WAIT)
+        assert info.value.status == 500
+    assert all(futures[i].result(WAIT).rank == 4 for i in (1, 3))
+    assert catalog.reads == {"acme/a0@r1": 1, "acme/a1@r1": 1}
+    assert record_key(bad) not in pager.cpu_cache
+    assert pager.stats.load_errors == 1
+
+
+def test_a_failed_load_is_retried_by_the_next_fetch(pager, catalog):
+    record = pager.resolve("acme/a2")
+    stored = catalog.catalog.read_blob(record)
+    corrupt(catalog, record)
+    with pytest.raises(CorruptBlob):
+        pager.fetch(record).result(WAIT)
+    shard = catalog.catalog.shard(catalog.catalog.shard_index(record.adapter_id))
+    shard.write(lambda txn, dbs: txn.put(record.ref.encode(), stored, db=dbs.blob))  # repaired
+    assert pager.fetch(record).result(WAIT).rank == 1
+    assert catalog.reads == {"acme/a2@r1": 2} and pager.in_flight() == []
+
+
+def test_blob_for_another_base_is_refused_after_the_read(pager):
+    foreign = dataclasses.replace(pager.catalog.catalog.resolve("other/x"), base_fingerprint=FINGERPRINT)
+    with pytest.raises(BaseMismatch, match="fp-other-base"):
+        pager.fetch(foreign).result(WAIT)
+    assert record_key(foreign) not in pager.cpu_cache
+
+
+def test_prefetch_loads_once_for_the_later_fetch(pager, catalog):
+    record = pager.resolve("acme/a1")
+    catalog.gate.clear()
+    pager.prefetch(record)
+    pager.prefetch(record)
+    waiting = pager.fetch(record)
+    assert pager.in_flight() == [record_key(record)]
+    catalog.gate.set()
+    assert waiting.result(WAIT).rank == 4
+    pager.prefetch(record)  # already cached: nothing to do
+    assert catalog.reads == {"acme/a1@r1": 1}
+
+
+def test_closed_pager_refuses_fetches(catalog):
+    pager = Pager(catalog, CpuCache(max_bytes=1 << 20), FINGERPRINT)
+    record = pager.resolve("acme/a1")
+    pager.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pager.fetch(record)
+    with pytest.raises(ValueError, match="workers"):
+        Pager(catalog, CpuCache(max_bytes=1), FINGERPRINT, workers=0)

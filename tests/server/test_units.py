@@ -1,0 +1,125 @@
+"""Server pieces without a live server: error mapping, fan-out, logprob shapes, streams."""
+from __future__ import annotations
+
+import asyncio
+import math
+
+import openai
+import pytest
+from fastapi.exceptions import RequestValidationError
+
+from catalog.errors import (AdapterNotFound, BaseMismatch, CatalogError, CorruptBlob,
+                            InvalidAdapterId)
+from loraserve.engine.types import EngineError, SamplingParams, TokenLogprob
+from loraserve.server.errors import APIError, as_api_error, validation_error
+from loraserve.server.logprobs import LOGPROB_FLOOR, LegacyLogprobs, TokenRenderer, chat_content
+from loraserve.server.serving import Prompt, ServerContext, fan_out, resolve_adapter
+from loraserve.server.metrics import ServerMetrics
+from loraserve.server.streaming import merge, start_all
+
+from .fake_engine import FakeEngine, FakeTokenizer
+
+
+@pytest.mark.parametrize("exc,status,code", [
+    (AdapterNotFound("no acme/x"), 404, "adapter_not_found"),
+    (InvalidAdapterId("bad id"), 400, "invalid_adapter_id"),
+    (BaseMismatch("fp differs"), 409, "base_mismatch"),
+    (CorruptBlob("checksum"), 500, "corrupt_blob"),
+    (EngineError("busy", status=503, code="overloaded"), 503, "overloaded"),
+    (KeyError("bug"), 500, "internal_error"),
+])
+def test_error_mapping(exc: Exception, status: int, code: str) -> None:
+    error = as_api_error(exc)
+    assert (error.status, error.code) == (status, code)
+    body = error.body()["error"]
+    assert body["type"] == ("server_error" if status >= 500 else "invalid_request_error")
+    assert body["message"]
+
+
+def test_validation_error_names_the_field() -> None:
+    exc = RequestValidationError([{"type": "missing", "loc": ("body", "messages", 2, "role"),
+                                   "msg": "Field required"}])
+    error = validation_error(exc)
+    assert (error.status, error.param) == (400, "messages.2.role")
+
+
+def test_resolve_adapter() -> None:
+    engine = FakeEngine()
+    assert resolve_adapter("fake-base", engine) is None
+    assert resolve_adapter("acme/support@r3", engine) == "acme/support@r3"
+    for name in ("gpt-4", "a/b/c", "acme/../x", "t/n@", "t/n@a@b", "x" * 65 + "/n"):
+        with pytest.raises(APIError) as err:
+            resolve_adapter(name, engine)
+        assert (err.value.status, err.value.code) == (404, "model_not_found")
+
+
+def test_fan_out_is_prompt_major_with_seed_per_choice() -> None:
+    params = SamplingParams(max_tokens=3, seed=7, stop=["x"])
+    prompts = [Prompt("a", [1]), Prompt("b", [2])]
+    reqs = fan_out("cmpl-1", prompts, 3, params, "t/n")
+    assert [r.request_id for r in reqs] == [f"cmpl-1-{i}" for i in range(6)]
+    assert [r.prompt_token_ids for r in reqs] == [[1]] * 3 + [[2]] * 3
+    assert [r.params.seed for r in reqs] == [7, 8, 9] * 2
+    assert all(r.params.stop == ["x"] and r.adapter == "t/n" for r in reqs)
+    unseeded = fan_out("c", prompts[:1], 2, SamplingParams(), None)
+    assert [r.params.seed for r in unseeded] == [None, None]
+
+
+def test_server_context_rejects_bad_max_n() -> None:
+    with pytest.raises(ValueError):
+        ServerContext(engine=FakeEngine(), metrics=ServerMetrics(), max_n=0)
+
+
+def test_logprob_shapes_floor_infinities() -> None:
+    render = TokenRenderer(FakeTokenizer())
+    entries = [None, TokenLogprob(34, -math.inf, {34: -math.inf, 35: -1.0, 36: -2.0})]
+    lp = LegacyLogprobs()
+    end = lp.extend([33, 34], entries, render, offset=5, top_k=1)
+    assert end == 7 and lp.text_offset == [5, 6]
+    assert lp.token_logprobs == [None, LOGPROB_FLOOR]
+    assert lp.top_logprobs == [None, {"B": LOGPROB_FLOOR, "C": -1.0}]
+    content = chat_content([35], [TokenLogprob(35, -0.5, {35: -0.5, 1: -3.0})], render, 2)
+    assert content == [{"token": "C", "logprob": -0.5, "bytes": [67],
+                        "top_logprobs": [{"token": "C", "logprob": -0.5, "bytes": [67]},
+                                         {"token": "!", "logprob": -3.0, "bytes": [33]}]}]
+    assert TokenRenderer(FakeTokenizer(), as_token_ids=True)(35) == "token_id:35"
+
+
+def test_start_all_closes_every_request_when_one_fails() -> None:
+    engine = FakeEngine()
+    good = fan_out("r", [Prompt("a", [1])], 2, SamplingParams(max_tokens=5), None)
+    bad = fan_out("b", [Prompt("a", [1])], 1, SamplingParams(max_tokens=5), "acme/ghost")
+
+    async def run() -> None:
+        with pytest.raises(CatalogError):
+            await start_all(engine, good + bad)
+
+    asyncio.run(run())
+    assert sorted(engine.aborted) == ["r-0", "r-1"] and engine.running == 0
+
+
+def test_closing_merge_aborts_unfinished_requests() -> None:
+    engine = FakeEngine(delay_s=0.001)
+    reqs = fan_out("m", [Prompt("a", [1])], 3, SamplingParams(max_tokens=50), None)
+
+    async def run() -> list[int]:
+        stream = merge(await start_all(engine, reqs))
+        seen = [(await stream.__anext__())[0] for _ in range(4)]
+        await stream.aclose()
+        return seen
+
+    assert len(asyncio.run(run())) == 4
+    assert sorted(engine.aborted) == ["m-0", "m-1", "m-2"]
+
+
+def test_error_mid_stream(client: openai.OpenAI, engine: FakeEngine) -> None:
+    engine.fail_mid_stream = RuntimeError("engine died")
+    with pytest.raises(openai.APIError) as err:
+        list(client.completions.create(model="fake-base", prompt="ab", max_tokens=5,
+                                       stream=True))
+    assert "RuntimeError" in str(err.value.message)
+    engine.fail_mid_stream = RuntimeError("engine died")
+    with pytest.raises(openai.InternalServerError):
+        client.chat.completions.create(model="fake-base", max_tokens=5,
+                                       messages=[{"role": "user", "content": "x"}])
+    assert client.completions.create(model="fake-base", prompt="ab", max_tokens=2).choices
