@@ -38,7 +38,7 @@ class LoadTestConfig:
     base_model: str | None = None  # the served base name; None = ask /v1/models when needed
     rate: float | None = None
     concurrency: int | None = None
-    dist: str = "uniform"  # "uniform" | "zipf:S"
+    dist: str = "uniform"  # "uniform" | "zipf:S" | "cycle" (each adapter in turn: a sweep)
     duration: float = 30.0
     max_requests: int | None = None
     prompt_len: int = 32  # words
@@ -71,8 +71,8 @@ class LoadTestConfig:
 
 
 def _parse_dist(dist: str) -> float | None:
-    """`uniform` -> None, `zipf:S` -> S (> 0)."""
-    if dist == "uniform":
+    """`uniform` or `cycle` -> None, `zipf:S` -> S (> 0)."""
+    if dist in ("uniform", "cycle"):
         return None
     kind, _, s = dist.partition(":")
     try:
@@ -80,7 +80,7 @@ def _parse_dist(dist: str) -> float | None:
     except ValueError:
         value = 0.0
     if kind != "zipf" or not value > 0:
-        raise ValueError(f"--dist must be 'uniform' or 'zipf:S' with S > 0, got {dist!r}")
+        raise ValueError(f"--dist must be 'uniform', 'cycle' or 'zipf:S' with S > 0, got {dist!r}")
     return value
 
 
@@ -104,9 +104,14 @@ class _Workload:
         n = len(cfg.adapters)
         weights = [1.0 / (i + 1) ** cfg.zipf_s for i in range(n)] if cfg.zipf_s else [1.0] * n
         self.cum = list(np.cumsum(weights)) if n else []
+        self.drawn = 0
 
     def draw(self) -> tuple[str | None, str]:
-        adapter = self.rng.choices(self.cfg.adapters, cum_weights=self.cum)[0] if self.cum else None
+        if self.cfg.dist == "cycle" and self.cum:
+            adapter = self.cfg.adapters[self.drawn % len(self.cfg.adapters)]
+        else:
+            adapter = self.rng.choices(self.cfg.adapters, cum_weights=self.cum)[0] if self.cum else None
+        self.drawn += 1
         prompt = " ".join(self.rng.choice(WORDS) for _ in range(self.cfg.prompt_len))
         return adapter, prompt
 
@@ -331,7 +336,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("--catalog", metavar="DIR", help="draw adapters from this catalog's promoted adapters")
     src.add_argument("--adapters", metavar="FILE", help="draw adapters from this file, one id per line")
     p.add_argument("--max-adapters", type=int, default=10000, help="adapters taken from --catalog")
-    p.add_argument("--dist", default="uniform", help="adapter popularity: uniform or zipf:S")
+    p.add_argument("--dist", default="uniform", help="adapter popularity: uniform, zipf:S, or cycle (each adapter in turn)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of load")
     p.add_argument("--requests", type=int, default=None, help="stop after this many requests")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt length in words")

@@ -1,0 +1,150 @@
+"""Adapter residency under load, against a live `loraserve serve` subprocess, one run.
+
+    python bench/lora_residency.py cliff --catalog DIR [--model DIR] [--slots 8] [--rate 20] [--duration 30]
+    python bench/lora_residency.py sweep --catalog DIR [--model DIR] [--adapters 100000] [--concurrency 64]
+
+cliff: TTFT when the working set fits the device pool (all resident after a warm-up) against a
+       working set 10x the pool's slots (every request likely a miss), same open-loop rate.
+sweep: one server (--max-gpu-adapters 64 --cpu-cache-mb 256) serves N distinct adapters drawn
+       from the catalog, each once; /metrics and the server's RSS are sampled every second to
+       show the resident sets never pass their bounds and memory stays flat.
+The catalog must be built for the same base (e.g. `loraserve catalog materialize`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from catalog.store import Catalog
+from loraserve.loadtest import LoadTestConfig, run_loadtest
+
+
+def start_server(model: str, catalog: str, port: int, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "loraserve.cli", "serve", "--model", model, "--catalog", catalog,
+           "--port", str(port), "--log-level", "warning", *extra]
+    proc = subprocess.Popen(cmd)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not come up")
+
+
+def rss_mb(pid: int) -> float:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+)", text).group(1)) / 1024
+
+
+def scrape(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        m = re.match(r'(loraserve_adapter_resident(?:_bytes)?)\{tier="(\w+)"\} ([\d.e+]+)', line)
+        if m:
+            out[f"{m.group(1)}[{m.group(2)}]"] = float(m.group(3))
+    return out
+
+
+def adapter_ids(catalog: str, n: int) -> list[str]:
+    with Catalog.open(catalog, readonly=True) as cat:
+        ids, after = [], None
+        while len(ids) < n:
+            page = cat.list(limit=min(10_000, n - len(ids)), after=after)
+            if not page:
+                break
+            ids += [p.adapter_id for p in page]
+            after = page[-1].adapter_id
+    return ids
+
+
+def cliff(args, model: str) -> None:
+    url = f"http://127.0.0.1:{args.port}"
+    ids = adapter_ids(args.catalog, 10 * args.slots)
+    proc = start_server(model, args.catalog, args.port, "--max-gpu-adapters", str(args.slots))
+    try:
+        common = dict(url=url, rate=args.rate, duration=args.duration, prompt_len=8, max_tokens=8, progress=False)
+        run_loadtest(LoadTestConfig(adapters=ids[: args.slots], **{**common, "duration": 5}))  # warm-up
+        resident = run_loadtest(LoadTestConfig(adapters=ids[: args.slots], **common))
+        missing = run_loadtest(LoadTestConfig(adapters=ids, **common))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    print(f"cache-miss cliff: {args.slots} device slots, open loop {args.rate} req/s, {args.duration}s each")
+    print(f"{'working set':>24} {'ok':>6} {'err':>5} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'gpu hit':>8}")
+    for name, rep in ((f"{args.slots} (all resident)", resident), (f"{10 * args.slots} (10x slots)", missing)):
+        t = rep["ttft_s"]
+        hits = (rep.get("adapter_hit_rate") or {}).get("gpu")
+        print(f"{name:>24} {rep['ok']:>6} {rep['errors']:>5} {1000 * t['p50']:>12.1f} {1000 * t['p99']:>12.1f} "
+              f"{hits if hits is None else round(hits, 3)!s:>8}")
+    print(f"TTFT p99 ratio (10x / resident): {missing['ttft_s']['p99'] / resident['ttft_s']['p99']:.2f}x")
+
+
+def sweep(args, model: str) -> None:
+    url = f"http://127.0.0.1:{args.port}"
+    ids = adapter_ids(args.catalog, args.adapters)
+    proc = start_server(model, args.catalog, args.port, "--max-gpu-adapters", "64", "--cpu-cache-mb", "256")
+    samples, stop = [], threading.Event()
+
+    def monitor():
+        while not stop.is_set():
+            try:
+                samples.append((time.time(), rss_mb(proc.pid), scrape(url)))
+            except (httpx.HTTPError, OSError):
+                pass
+            stop.wait(1.0)
+
+    thread = threading.Thread(target=monitor, daemon=True)
+    thread.start()
+    try:
+        rep = run_loadtest(LoadTestConfig(url=url, adapters=ids, dist="cycle", concurrency=args.concurrency,
+                                          max_requests=len(ids), duration=1e9, prompt_len=4, max_tokens=2,
+                                          progress=True))
+    finally:
+        stop.set()
+        thread.join(5)
+        proc.terminate()
+        proc.wait(30)
+    gpu = max(s[2].get("loraserve_adapter_resident[gpu]", 0) for s in samples)
+    cpu_bytes = max(s[2].get("loraserve_adapter_resident_bytes[cpu]", 0) for s in samples)
+    rss = [s[1] for s in samples]
+    tenth = max(len(rss) // 10, 1)
+    print(f"sweep: {len(ids)} distinct adapters, closed loop x{args.concurrency}, --max-gpu-adapters 64 --cpu-cache-mb 256")
+    print(f"ok={rep['ok']} errors={rep['errors']} duration={rep['wall_s']:.1f}s req/s={rep['req_per_s']:.1f}")
+    print(f"max resident gpu adapters={gpu:.0f} (bound 64); max cpu cache bytes={cpu_bytes / 2**20:.1f} MiB (bound 256)")
+    print(f"server RSS MiB: first 10% avg {sum(rss[:tenth]) / tenth:.0f}, last 10% avg {sum(rss[-tenth:]) / tenth:.0f}, "
+          f"max {max(rss):.0f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["cliff", "sweep"])
+    ap.add_argument("--catalog", required=True)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--rate", type=float, default=20.0)
+    ap.add_argument("--duration", type=float, default=30.0)
+    ap.add_argument("--adapters", type=int, default=100_000)
+    ap.add_argument("--concurrency", type=int, default=64)
+    args = ap.parse_args()
+    model = args.model
+    if model is None:
+        from loraserve.demo import build_demo
+        model = str(build_demo(Path(".loraserve/demo")).qwen3)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    (cliff if args.mode == "cliff" else sweep)(args, model)
+
+
+if __name__ == "__main__":
+    main()
