@@ -62,22 +62,22 @@ class PagedAttention:
     def build(cls, cache: KVCache, block_tables: list[list[int]], starts: list[int],
               ends: list[int], device: torch.device) -> PagedAttention:
         """Sequence b contributes tokens at positions starts[b]..ends[b]-1 this step and attends
-        to positions 0..ends[b]-1 of its own context."""
+        to positions 0..ends[b]-1 of its own context. Vectorised: no per-token Python work."""
         bs = cache.block_size
-        q_lens = [e - s for s, e in zip(starts, ends)]
-        B, Q, C = len(ends), max(q_lens), max(ends)
-        slot_mapping, q_index, q_valid, kv_index, qpos = [], [], [], [], []
-        row = 0
-        for table, s, e, n in zip(block_tables, starts, ends, q_lens):
-            slots = [table[p // bs] * bs + p % bs for p in range(e)]
-            slot_mapping.extend(slots[s:e])
-            q_index.append(list(range(row, row + n)) + [0] * (Q - n))
-            q_valid.append([True] * n + [False] * (Q - n))
-            qpos.append(list(range(s, e)) + [0] * (Q - n))
-            kv_index.append(slots + [0] * (C - e))
-            row += n
-        qpos_t = torch.tensor(qpos)
-        mask = torch.arange(C)[None, None, :] <= qpos_t[:, :, None]          # [B, Q, C]
-        t = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt, device=device)
-        return cls(cache, t(slot_mapping), t(q_index), t(q_valid, torch.bool), t(kv_index),
-                   mask[:, None].to(device))
+        start_t, end_t = torch.tensor(starts), torch.tensor(ends)
+        q_len = end_t - start_t
+        B, Q, C = len(ends), int(q_len.max()), int(end_t.max())
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])   # [B, blocks]
+        pos = torch.arange(C)
+        kv_index = tables[:, pos // bs] * bs + pos % bs                               # [B, C]
+        kv_index = kv_index.masked_fill(pos[None, :] >= end_t[:, None], 0)
+        qi = torch.arange(Q)
+        q_valid = qi[None, :] < q_len[:, None]                                        # [B, Q]
+        row0 = torch.cumsum(q_len, 0) - q_len
+        q_index = torch.where(q_valid, row0[:, None] + qi[None, :], 0)
+        qpos = torch.where(q_valid, start_t[:, None] + qi[None, :], 0)                # [B, Q]
+        slot_mapping = kv_index.gather(1, qpos)[q_valid]                              # [N]
+        mask = pos[None, None, :] <= qpos[:, :, None]                                 # [B, Q, C]
+        to = lambda x: x.to(device, non_blocking=True)
+        return cls(cache, to(slot_mapping), to(q_index), to(q_valid), to(kv_index), to(mask[:, None]))

@@ -27,8 +27,7 @@ class ModelRunner:
         ids, positions, starts, ends = [], [], [], []
         for seq in seqs:
             start = seq.num_cached if is_prefill else len(seq) - 1
-            all_ids = seq.all_ids
-            ids.extend(all_ids[start:])
+            ids.extend(seq.all_ids[start:] if is_prefill else seq.output_ids[-1:])
             positions.extend(range(start, len(seq)))
             starts.append(start)
             ends.append(len(seq))
