@@ -1,0 +1,45 @@
+"""The command line: every command listed, bad arguments and bad inputs give a one-line reason
+and a non-zero exit code."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from loraserve.cli import main
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "loraserve.cli", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_help_lists_every_command() -> None:
+    out = _run("--help")
+    assert out.returncode == 0
+    for cmd in ("serve", "demo", "export", "catalog", "loadtest"):
+        assert cmd in out.stdout
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--port", "abc"], ["serve", "--device", "tpu"], ["serve", "--lora-backend", "cuda"],
+    ["nosuchcommand"], ["loadtest"],
+])
+def test_bad_arguments_exit_2_with_usage(argv, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_serve_with_a_missing_model_dir_fails_with_one_line(tmp_path) -> None:
+    out = _run("serve", "--model", str(tmp_path / "missing"), "--port", "0")
+    assert out.returncode == 1
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert lines[-1].startswith("loraserve serve: error:") and "missing" in lines[-1]
+
+
+def test_serve_rejects_bad_bounds(tmp_path, demo_dense) -> None:
+    out = _run("serve", "--model", str(demo_dense), "--max-batch-size", "0")
+    assert out.returncode == 1 and "max_batch_size must be >= 1" in out.stderr
