@@ -1,0 +1,241 @@
+"""What the catalog needs to know about a base model directory, read from disk without loading it.
+
+`BaseInfo.from_dir(model_dir)` reads `config.json` and the safetensors headers (single file or
+sharded with `model.safetensors.index.json`) and lists every LoRA-targetable module with its
+(in, out) features. Experts are found either per expert on disk
+(`model.layers.{l}.mlp.experts.{e}.gate_proj.weight`, what transformers writes) or fused
+(`mlp.experts.gate_up_proj [E, 2I, H]`, `mlp.experts.down_proj [E, H, I]`).
+
+`base_fingerprint(model_dir)` is xxh3-128 over the canonical JSON of the architecture keys
+and every tensor in sorted name order (name, dtype, shape, bytes), streamed from mmap, so a
+sharded and a single-file checkpoint of the same weights agree.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from catalog.format import ATTN_KINDS, LM_HEAD, MLP_KINDS, ST_DTYPES, parse_module_path
+
+ARCHES = ("qwen3", "qwen3_moe", "qwen2", "qwen2_moe", "llama")
+ARCH_KEYS = (
+    "model_type", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "num_experts",
+    "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+    "rms_norm_eps", "rope_theta", "rope_scaling", "hidden_act", "tie_word_embeddings",
+    "attention_bias", "shared_expert_intermediate_size",
+)
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(.+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """Where one checkpoint tensor lies: file, dtype code, shape, byte range in the file."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass(slots=True)
+class ModuleInfo:
+    """A LoRA-targetable base module: y = x @ W^T with W [out, in] (experts: W [E, out, in])."""
+
+    in_features: int
+    out_features: int
+    experts: int  # 0 for a dense module
+    sources: tuple[str, ...]  # checkpoint tensor names; per-expert modules list one per expert
+    rows: tuple[int, int] | None = None  # slice of dim -2 in a fused gate_up tensor
+
+
+def normalize_config(config: dict) -> dict:
+    """The architecture-relevant config keys, normalized across transformers versions."""
+    cfg = dict(config)
+    cfg["num_experts"] = cfg.get("num_experts", cfg.get("num_local_experts"))
+    rope = dict(cfg.get("rope_parameters") or {})
+    cfg["rope_theta"] = cfg.get("rope_theta", rope.pop("rope_theta", None))
+    if rope and rope.get("rope_type", "default") != "default":
+        cfg["rope_scaling"] = rope
+    return {k: cfg[k] for k in ARCH_KEYS if cfg.get(k) is not None}
+
+
+def read_file_header(path: Path) -> dict[str, TensorEntry]:
+    """The tensor entries of one safetensors file (header only, no tensor bytes)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"{path}: not a safetensors file (truncated)")
+        (n,) = struct.unpack("<Q", raw)
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    base = 8 + n
+    return {
+        name: TensorEntry(path, e["dtype"], tuple(e["shape"]), base + e["data_offsets"][0], base + e["data_offsets"][1])
+        for name, e in header.items()
+    }
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files (from the index if sharded)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(model_dir.glob("model-*.safetensors"))
+    if not found:
+        raise FileNotFoundError(f"{model_dir}: no model.safetensors or model-*.safetensors")
+    return found
+
+
+def read_tensor_index(model_dir: Path) -> dict[str, TensorEntry]:
+    """Every tensor of the checkpoint by name."""
+    index: dict[str, TensorEntry] = {}
+    for path in weight_files(model_dir):
+        index.update(read_file_header(path))
+    return index
+
+
+def read_config(model_dir: str | Path) -> dict:
+    """`config.json` of a base directory; FileNotFoundError / ValueError with the path on failure."""
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{model_dir}: no config.json (not a Hugging Face model directory)")
+    return json.loads(path.read_text())
+
+
+def base_fingerprint(model_dir: str | Path) -> str:
+    """xxh3-128 hex of the architecture config and all weight bytes (streamed via mmap)."""
+    model_dir = Path(model_dir)
+    h = xxhash.xxh3_128()
+    h.update(json.dumps(normalize_config(read_config(model_dir)), sort_keys=True, separators=(",", ":")).encode())
+    index = read_tensor_index(model_dir)
+    maps: dict[Path, tuple] = {}
+    try:
+        for name in sorted(index):
+            e = index[name]
+            if e.file not in maps:
+                f = open(e.file, "rb")
+                maps[e.file] = (f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+            h.update(f"{name}\0{e.dtype}\0{list(e.shape)}\0".encode())
+            view = memoryview(maps[e.file][1])
+            h.update(view[e.start : e.end])
+            view.release()
+    finally:
+        for f, m in maps.values():
+            m.close()
+            f.close()
+    return h.hexdigest()
+
+
+def _dense_modules(index: dict[str, TensorEntry]) -> dict[str, ModuleInfo]:
+    modules = {}
+    for name, e in index.items():
+        m = _LAYER.match(name)
+        if not m or len(e.shape) != 2:
+            continue
+        layer, block, rest = m.groups()
+        kind = rest.removesuffix(".weight")
+        if rest.endswith(".weight") and kind in (ATTN_KINDS if block == "self_attn" else MLP_KINDS):
+            modules[f"layers.{layer}.{block}.{kind}"] = ModuleInfo(e.shape[1], e.shape[0], 0, (name,))
+    return modules
+
+
+def _expert_modules(index: dict[str, TensorEntry]) -> dict[str, ModuleInfo]:
+    per_expert: dict[str, dict[int, str]] = {}
+    modules = {}
+    for name, e in index.items():
+        m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
+        if m:
+            per_expert.setdefault(f"layers.{m[1]}.mlp.experts.{m[3]}", {})[int(m[2])] = name
+            continue
+        m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", name)
+        if m and len(e.shape) == 3:
+            experts, rows, cols = e.shape
+            if m[2] == "down_proj":
+                modules[f"layers.{m[1]}.mlp.experts.down_proj"] = ModuleInfo(cols, rows, experts, (name,))
+            else:
+                half = rows // 2
+                modules[f"layers.{m[1]}.mlp.experts.gate_proj"] = ModuleInfo(cols, half, experts, (name,), (0, half))
+                modules[f"layers.{m[1]}.mlp.experts.up_proj"] = ModuleInfo(cols, half, experts, (name,), (half, rows))
+    for path, by_expert in per_expert.items():
+        names = tuple(by_expert[e] for e in sorted(by_expert))
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise ValueError(f"{path}: experts on disk are not numbered 0..{len(by_expert) - 1}")
+        shape = index[names[0]].shape
+        if any(index[n].shape != shape for n in names):
+            raise ValueError(f"{path}: experts have different shapes")
+        modules[path] = ModuleInfo(shape[1], shape[0], len(names), names)
+    return modules
+
+
+def _lm_head(index: dict[str, TensorEntry], config: dict) -> dict[str, ModuleInfo]:
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        if name in index and (name == "lm_head.weight" or config.get("tie_word_embeddings")):
+            vocab, hidden = index[name].shape
+            return {LM_HEAD: ModuleInfo(hidden, vocab, 0, (name,))}
+    return {}
+
+
+@dataclass(slots=True)
+class BaseInfo:
+    """A base model as the catalog sees it: arch, sizes, targetable modules, fingerprint."""
+
+    model_dir: Path
+    arch: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_experts: int  # 0 for a dense model
+    dtype: str  # dtype name of the bulk of the weights, e.g. "float32"
+    fingerprint: str
+    modules: dict[str, ModuleInfo] = field(default_factory=dict)  # blob module path -> info
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHES:
+            raise ValueError(f"{self.model_dir}: unsupported architecture {self.arch!r}; known: {', '.join(ARCHES)}")
+        if not self.modules:
+            raise ValueError(f"{self.model_dir}: no LoRA-targetable weights found")
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, fingerprint: str | None = None) -> BaseInfo:
+        """Read config + headers; hash the weights unless `fingerprint` is given (already known)."""
+        model_dir = Path(model_dir)
+        config = read_config(model_dir)
+        index = read_tensor_index(model_dir)
+        modules = {**_dense_modules(index), **_expert_modules(index), **_lm_head(index, config)}
+        norm = normalize_config(config)
+        dtypes = [e.dtype for e in index.values()]
+        dtype = ST_DTYPES.get(max(set(dtypes), key=dtypes.count), "float32") if dtypes else "float32"
+        return cls(
+            model_dir=model_dir,
+            arch=str(config.get("model_type")),
+            num_layers=int(norm.get("num_hidden_layers", 0)),
+            hidden_size=int(norm.get("hidden_size", 0)),
+            vocab_size=int(norm.get("vocab_size", 0)),
+            num_experts=int(norm.get("num_experts") or 0),
+            dtype=dtype,
+            fingerprint=fingerprint or base_fingerprint(model_dir),
+            modules=modules,
+        )
+
+    def paths_for(self, kind: str) -> list[str]:
+        """Module paths of one target kind, in layer order (`lm_head` -> `["lm_head"]`)."""
+        found = [(parse_module_path(p), p) for p in self.modules]
+        return [p for (k, layer), p in sorted(found, key=lambda x: x[0][1] or 0) if k == kind]
+
+    def load_weight(self, path: str):
+        """The base weight of a module as a torch tensor: [out, in], or [E, out, in] for experts."""
+        from catalog.baseweights import load_module_weight
+
+        return load_module_weight(self, path)

@@ -1,0 +1,154 @@
+"""The materialize worker: builds and stores the synthetic adapters of the shards it owns.
+
+Runs in its own process (torch-free). Per shard it reads which ids already exist, then writes
+the missing ones in batches, one LMDB txn per batch; each adapter's policy record, revision
+record and blob go in the same txn, so a kill leaves only whole adapters and a rerun skips them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from catalog.format import blob_checksum
+from catalog.records import PolicyRecord, RevisionRecord
+from catalog.shards import Shard, ShardOptions, add_blob_bytes, shard_dirname
+from catalog.synth import BlobTemplate
+
+REVISION = "r1"
+
+
+@dataclass(slots=True)
+class WorkerJob:
+    """What one worker builds: the adapters of `shards` among ids `prefix{0..count-1}`."""
+
+    catalog_dir: Path
+    num_shards: int
+    shards: list[int]
+    count: int
+    prefix: str
+    width: int  # zero-padded digits of the index in an id
+    seed: int
+    rank: int
+    targets: list[str]
+    fingerprint: str
+    template: BlobTemplate
+    batch: int
+    initial_map_size: int
+
+
+def adapter_id(prefix: str, index: int, width: int) -> str:
+    return f"{prefix}{index:0{width}d}"
+
+
+def ids_by_shard(job: WorkerJob) -> dict[int, list[str]]:
+    """This worker's ids grouped by shard, sorted (sorted keys make LMDB inserts cheap)."""
+    own = {s: [] for s in job.shards}
+    for i in range(job.count):
+        aid = adapter_id(job.prefix, i, job.width)
+        s = xxhash.xxh3_64_intdigest(aid.encode()) % job.num_shards
+        if s in own:
+            own[s].append(aid)
+    return own
+
+
+def existing_ids(shard: Shard, prefix: str) -> set[str]:
+    def scan(txn, dbs):
+        cur, found, key = txn.cursor(db=dbs.policy), set(), prefix.encode()
+        if cur.set_range(key):
+            for k in cur.iternext(keys=True, values=False):
+                k = bytes(k)
+                if not k.startswith(key):
+                    break
+                found.add(k.decode())
+        return found
+
+    return shard.read(scan, default=set())
+
+
+_ID, _SUM = "synth/ID-PLACEHOLDER", "CHECKSUM-PLACEHOLDER"
+
+
+def record_templates(job: WorkerJob, size: int, now: float) -> tuple[bytes, bytes]:
+    """(policy JSON, revision JSON) of a synthetic adapter with placeholder id and checksum.
+
+    All synthetic revisions of a batch share every other field, so filling two placeholders
+    gives exactly the bytes `to_json` would (ids and hex digests need no JSON escaping).
+    """
+    rec = RevisionRecord(_ID, REVISION, size, _SUM, now, job.fingerprint, job.rank, job.targets,
+                         job.template.dtype, "synthetic")
+    pol = PolicyRecord(_ID, job.fingerprint, job.rank, job.targets, [REVISION], REVISION, created=now, updated=now)
+    return pol.to_json(), rec.to_json()
+
+
+def _put_sorted(txn, db, items: list[tuple[bytes, bytes]]) -> None:
+    """Insert key-sorted items; append mode (full pages, no key compares) when they all sort after the db's last key."""
+    if not items:
+        return
+    cur = txn.cursor(db=db)
+    append = not cur.last() or bytes(cur.key()) < items[0][0]
+    cur.putmulti(items, append=append)
+
+
+def _put_batch(job: WorkerJob, ids: list[str], now: float):
+    """Txn body for one batch of sorted ids: write each id not yet present. Returns (written, skipped, errors)."""
+
+    def body(txn, dbs):
+        todo = [a for a in ids if txn.get(a.encode(), db=dbs.policy) is None]
+        errors: list[str] = []
+        try:
+            blobs = job.template.blobs(todo, job.seed)
+        except Exception as e:  # a build error is counted and reported, never half-written
+            return 0, len(ids) - len(todo), [f"batch {todo[:1]}..: {e}"]
+        pol_t, rev_t = record_templates(job, len(blobs[0]) if blobs else 0, now)
+        policies, revisions, blob_items = [], [], []
+        for aid, blob in zip(todo, blobs):
+            a, key = aid.encode(), f"{aid}@{REVISION}".encode()
+            policies.append((a, pol_t.replace(_ID.encode(), a)))
+            revisions.append((key, rev_t.replace(_ID.encode(), a).replace(_SUM.encode(), blob_checksum(blob).encode())))
+            blob_items.append((key, blob))
+        _put_sorted(txn, dbs.blob, blob_items)
+        _put_sorted(txn, dbs.revision, revisions)
+        _put_sorted(txn, dbs.policy, policies)
+        add_blob_bytes(txn, dbs, sum(len(b) for _, b in blob_items))
+        return len(todo), len(ids) - len(todo), errors
+
+    return body
+
+
+def _build_shard(job: WorkerJob, shard: Shard, ids: list[str], progress) -> tuple[int, int, list[str]]:
+    have = existing_ids(shard, job.prefix)
+    todo = [i for i in ids if i not in have]
+    written, skipped, errors = 0, len(ids) - len(todo), []
+    with progress.get_lock():
+        progress.value += skipped
+    for lo in range(0, len(todo), job.batch):
+        batch = todo[lo : lo + job.batch]
+        w, sk, err = shard.write(_put_batch(job, batch, time.time()))
+        written, skipped, errors = written + w, skipped + sk, errors + err
+        with progress.get_lock():
+            progress.value += len(batch)
+    return written, skipped, errors
+
+
+def run_worker(job: WorkerJob, progress, results) -> None:
+    """Build this worker's shards; add finished counts to `progress` (a shared int), put a summary on `results`.
+
+    Commits are not fsynced one by one (a killed process loses nothing: committed pages are in
+    the page cache); every shard is fsynced once at the end, so the OS writes back meanwhile.
+    """
+    opts = ShardOptions(initial_map_size=job.initial_map_size, sync=False)
+    written, skipped, errors, opened = 0, 0, [], []
+    try:
+        for s, ids in ids_by_shard(job).items():
+            opened.append(Shard(job.catalog_dir / shard_dirname(s), opts))
+            w, sk, err = _build_shard(job, opened[-1], ids, progress)
+            written, skipped, errors = written + w, skipped + sk, errors + err
+        for shard in opened:
+            shard.sync()
+            shard.close()
+        results.put(("ok", written, skipped, errors))
+    except Exception as e:  # storage failure: report it, the parent exits non-zero
+        results.put(("failed", written, skipped, errors + [f"{type(e).__name__}: {e}"]))

@@ -1,0 +1,199 @@
+"""The adapter catalog: a directory of LMDB shards holding policy records and immutable revisions.
+
+    DIR/catalog.json      {"format": "loraserve.catalog.v1", "shards": S}
+    DIR/shard-000 ...     one LMDB env per shard; adapter -> shard by xxh3_64(id) % S
+
+A policy record and all its revisions live in one shard, so every operation on one adapter
+is a single LMDB transaction: a crash leaves each shard consistent. Readers (other threads or
+processes) see committed state only and never block writers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from catalog.errors import AdapterNotFound, CatalogError, CorruptBlob, RevisionNotFound
+from catalog.format import blob_checksum
+from catalog.ids import validate_adapter_id, validate_revision
+from catalog.records import PolicyRecord, RevisionRecord
+from catalog.shards import Shard, ShardOptions, shard_dirname, shard_of
+from catalog.writes import promote_in_txn, put_revision_in_txn, read_policy, read_revision, rollback_in_txn, tag_in_txn
+
+CATALOG_FORMAT = "loraserve.catalog.v1"
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def read_catalog_meta(path: str | Path) -> dict:
+    """`catalog.json` of a catalog dir; CatalogError if missing or not ours."""
+    meta_path = Path(path) / "catalog.json"
+    if not meta_path.exists():
+        raise CatalogError(f"{path}: not a catalog (no catalog.json); create one with `loraserve catalog init`")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != CATALOG_FORMAT or int(meta.get("shards", 0)) < 1:
+        raise CatalogError(f"{meta_path}: unknown catalog format {meta.get('format')!r}")
+    return meta
+
+
+class Catalog:
+    """Sharded adapter store. Thread-safe for reads; writes to one shard serialize in LMDB."""
+
+    def __init__(self, path: str | Path, readonly: bool = False, options: ShardOptions | None = None) -> None:
+        self.path = Path(path)
+        self.shards = int(read_catalog_meta(self.path)["shards"])
+        self.readonly = readonly
+        opts = options or ShardOptions(readonly=readonly)
+        self._shards = [Shard(self.path / shard_dirname(i), opts) for i in range(self.shards)]
+
+    @classmethod
+    def create(cls, path: str | Path, shards: int = 100, options: ShardOptions | None = None) -> Catalog:
+        """Create a catalog dir (idempotent when it exists with the same shard count)."""
+        if not 1 <= shards <= 4096:
+            raise CatalogError(f"shard count must be in 1..4096, got {shards}")
+        path = Path(path)
+        if (path / "catalog.json").exists():
+            existing = int(read_catalog_meta(path)["shards"])
+            if existing != shards:
+                raise CatalogError(f"{path}: already a catalog with {existing} shards, not {shards}")
+            return cls(path, options=options)
+        path.mkdir(parents=True, exist_ok=True)
+        _write_json_atomic(path / "catalog.json", {"format": CATALOG_FORMAT, "shards": shards})
+        return cls(path, options=options)
+
+    @classmethod
+    def open(cls, path: str | Path, readonly: bool = False, options: ShardOptions | None = None) -> Catalog:
+        return cls(path, readonly=readonly, options=options)
+
+    def shard_index(self, adapter_id: str) -> int:
+        return shard_of(adapter_id, self.shards)
+
+    def shard(self, index: int) -> Shard:
+        return self._shards[index]
+
+    def _shard_for(self, adapter_id: str) -> Shard:
+        return self._shards[shard_of(validate_adapter_id(adapter_id), self.shards)]
+
+    # -- reads ---------------------------------------------------------------------------
+    def policy(self, adapter_id: str) -> PolicyRecord:
+        """The adapter's policy record; AdapterNotFound if there is none."""
+        found = self._shard_for(adapter_id).read(lambda txn, dbs: read_policy(txn, dbs, adapter_id))
+        if found is None:
+            raise AdapterNotFound(f"adapter {adapter_id!r} not found")
+        return found
+
+    def resolve(self, adapter_id: str, revision: str | None = None) -> RevisionRecord:
+        """Revision record of `revision` (a revision id or tag), or of the promoted one when None."""
+        if revision is not None:
+            validate_revision(revision)
+
+        def lookup(txn, dbs):
+            policy = read_policy(txn, dbs, adapter_id)
+            if policy is None:
+                raise AdapterNotFound(f"adapter {adapter_id!r} not found")
+            rev = revision if revision is not None else policy.promoted
+            if rev is None:
+                raise RevisionNotFound(f"adapter {adapter_id!r} has no promoted revision")
+            rev = rev if rev in policy.revisions else policy.tags.get(rev)
+            if rev is None:
+                raise RevisionNotFound(f"adapter {adapter_id!r} has no revision or tag {revision!r}")
+            return read_revision(txn, dbs, adapter_id, rev)
+
+        found = self._shard_for(adapter_id).read(lookup)
+        if found is None:
+            raise AdapterNotFound(f"adapter {adapter_id!r} not found")
+        return found
+
+    def read_blob(self, record: RevisionRecord) -> bytes:
+        """The revision's blob, verified against `record.size` and `record.checksum` before the copy out."""
+
+        def fetch(txn, dbs):
+            view = txn.get(record.ref.encode(), db=dbs.blob)
+            if view is None:
+                raise CorruptBlob(f"{record.ref}: blob missing")
+            if len(view) != record.size:
+                raise CorruptBlob(f"{record.ref}: blob has {len(view)} bytes, record says {record.size} (truncated)")
+            if blob_checksum(view) != record.checksum:
+                raise CorruptBlob(f"{record.ref}: checksum mismatch, blob is corrupt")
+            return bytes(view)  # the one copy: out of the LMDB map
+
+        blob = self._shard_for(record.adapter_id).read(fetch)
+        if blob is None:
+            raise CorruptBlob(f"{record.ref}: shard missing")
+        return blob
+
+    def list(self, prefix: str = "", limit: int = 100, after: str | None = None) -> list[PolicyRecord]:
+        """Policy records whose id starts with `prefix`, in id order, after id `after`, at most `limit`."""
+        if limit < 0:
+            raise CatalogError("limit must be >= 0")
+        start = max(prefix, after + "\0") if after is not None else prefix
+        key, pfx = start.encode(), prefix.encode()
+
+        def scan(txn, dbs):
+            out = []
+            cur = txn.cursor(db=dbs.policy)
+            if cur.set_range(key):
+                for k, v in cur:
+                    if not bytes(k).startswith(pfx) or len(out) >= limit:
+                        break
+                    out.append(PolicyRecord.from_json(v))
+            return out
+
+        merged = [r for s in self._shards for r in s.read(scan, default=[])]
+        return sorted(merged, key=lambda r: r.adapter_id)[:limit]
+
+    def stats(self) -> dict:
+        """Totals `{"adapters", "revisions", "shards", "bytes", "disk_bytes"}` plus `per_shard` rows."""
+        per = [dict(shard=i, **s.stats()) for i, s in enumerate(self._shards)]
+        total = {k: sum(p[k] for p in per) for k in ("adapters", "revisions", "bytes", "disk_bytes")}
+        return {**total, "shards": self.shards, "per_shard": per}
+
+    # -- writes --------------------------------------------------------------------------
+    def put_revision(
+        self, adapter_id: str, blob: bytes, *, revision: str | None = None, promote: bool = True, source: str = ""
+    ) -> RevisionRecord:
+        """Store a new immutable revision (default id `r{n+1}`); optionally promote it. Idempotent for equal bytes."""
+        if revision is not None:
+            validate_revision(revision)
+        now = time.time()
+        return self._shard_for(adapter_id).write(
+            lambda txn, dbs: put_revision_in_txn(txn, dbs, adapter_id, blob, revision, promote, source, now),
+            reserve=len(blob),
+        )
+
+    def promote(self, adapter_id: str, revision: str) -> PolicyRecord:
+        """Make `revision` (id or tag) the served one; the old one becomes `previous`."""
+        validate_revision(revision)
+        now = time.time()
+        return self._shard_for(adapter_id).write(lambda txn, dbs: promote_in_txn(txn, dbs, adapter_id, revision, now))
+
+    def rollback(self, adapter_id: str) -> PolicyRecord:
+        """Promote `previous` again (the rolled-back revision becomes `previous`)."""
+        now = time.time()
+        return self._shard_for(adapter_id).write(lambda txn, dbs: rollback_in_txn(txn, dbs, adapter_id, now))
+
+    def tag(self, adapter_id: str, tag: str, revision: str) -> PolicyRecord:
+        """Point tag `tag` at `revision`; a tag resolves like a revision id."""
+        validate_revision(tag, "tag")
+        validate_revision(revision)
+        now = time.time()
+        return self._shard_for(adapter_id).write(lambda txn, dbs: tag_in_txn(txn, dbs, adapter_id, tag, revision, now))
+
+    def sync(self) -> None:
+        for s in self._shards:
+            s.sync()
+
+    def close(self) -> None:
+        for s in self._shards:
+            s.close()
+
+    def __enter__(self) -> Catalog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

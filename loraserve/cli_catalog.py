@@ -1,0 +1,270 @@
+"""`loraserve export` and `loraserve catalog ...`: argparse wiring over the `catalog` package.
+
+`add_subcommands(subparsers)` registers them on the main parser; each sets `func(args) -> int`
+(exit code). Errors are raised and reported by the caller as one line on stderr; `run(argv)`
+does the same for these commands alone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    """Register `export` and `catalog` (with its own subcommands) on `sub`."""
+    p = sub.add_parser("export", help="export a PEFT LoRA directory to a serving-layout blob")
+    p.add_argument("peft_dir")
+    p.add_argument("--model", required=True, help="base model directory the adapter was trained on")
+    p.add_argument("--out", required=True, help="output FILE.safetensors")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: the base's")
+    p.set_defaults(func=cmd_export)
+    cat = sub.add_parser("catalog", help="manage an adapter catalog (init, import, materialize, audit, ...)")
+    csub = cat.add_subparsers(dest="catalog_command", required=True, metavar="SUBCOMMAND")
+    for add in (_add_init, _add_import, _add_materialize, _add_audit, _add_show, _add_list, _add_stats,
+                _add_promote, _add_rollback, _add_tag):
+        add(csub)
+
+
+def _add_init(csub) -> None:
+    p = csub.add_parser("init", help="create a catalog directory (idempotent)")
+    p.add_argument("dir")
+    p.add_argument("--shards", type=int, default=100)
+    p.set_defaults(func=cmd_init)
+
+
+def _add_import(csub) -> None:
+    p = csub.add_parser("import", help="import a PEFT directory (or exported blob) as a new revision")
+    p.add_argument("dir")
+    p.add_argument("adapter_id")
+    p.add_argument("peft_dir")
+    p.add_argument("--model", required=True)
+    p.add_argument("--revision", default=None)
+    p.add_argument("--promote", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.set_defaults(func=cmd_import)
+
+
+def _add_materialize(csub) -> None:
+    p = csub.add_parser("materialize", help="build N synthetic adapter revisions (resumable)")
+    p.add_argument("dir")
+    p.add_argument("--model", required=True)
+    p.add_argument("--count", type=int, required=True)
+    p.add_argument("--rank", type=int, default=1)
+    p.add_argument("--targets", default="q_proj,v_proj")
+    p.add_argument("--prefix", default="synth/a")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--shards", type=int, default=100, help="shard count if DIR is not a catalog yet")
+    p.add_argument("--batch", type=int, default=1000, help="adapters per LMDB transaction")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_materialize)
+
+
+def _add_audit(csub) -> None:
+    p = csub.add_parser("audit", help="verify a sample of adapters over every shard against the base")
+    p.add_argument("dir")
+    p.add_argument("--model", required=True)
+    p.add_argument("--sample", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_audit)
+
+
+def _add_show(csub) -> None:
+    p = csub.add_parser("show", help="print an adapter's policy record (and a revision's record)")
+    p.add_argument("dir")
+    p.add_argument("ref", help="tenant/name or tenant/name@rev")
+    p.set_defaults(func=cmd_show)
+
+
+def _add_list(csub) -> None:
+    p = csub.add_parser("list", help="list adapter ids by prefix")
+    p.add_argument("dir")
+    p.add_argument("--prefix", default="")
+    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--after", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_list)
+
+
+def _add_stats(csub) -> None:
+    p = csub.add_parser("stats", help="adapter / revision / byte counts, per shard with --per-shard")
+    p.add_argument("dir")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--per-shard", action="store_true")
+    p.set_defaults(func=cmd_stats)
+
+
+def _add_promote(csub) -> None:
+    p = csub.add_parser("promote", help="promote a revision (or tag) of an adapter")
+    p.add_argument("dir")
+    p.add_argument("adapter_id")
+    p.add_argument("revision")
+    p.set_defaults(func=cmd_promote)
+
+
+def _add_rollback(csub) -> None:
+    p = csub.add_parser("rollback", help="promote the previously promoted revision again")
+    p.add_argument("dir")
+    p.add_argument("adapter_id")
+    p.set_defaults(func=cmd_rollback)
+
+
+def _add_tag(csub) -> None:
+    p = csub.add_parser("tag", help="point a tag at a revision")
+    p.add_argument("dir")
+    p.add_argument("adapter_id")
+    p.add_argument("tag")
+    p.add_argument("revision")
+    p.set_defaults(func=cmd_tag)
+
+
+# -- commands -------------------------------------------------------------------------------
+def cmd_export(args) -> int:
+    from catalog.base import BaseInfo
+    from catalog.importer import adapter_blob
+
+    blob = adapter_blob(args.peft_dir, BaseInfo.from_dir(args.model), args.dtype)
+    out = Path(args.out)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_bytes(blob)
+    tmp.replace(out)
+    print(f"wrote {out} ({len(blob)} bytes)")
+    return 0
+
+
+def cmd_init(args) -> int:
+    from catalog.store import Catalog
+
+    with Catalog.create(args.dir, shards=args.shards) as cat:
+        print(f"catalog {cat.path}: {cat.shards} shards")
+    return 0
+
+
+def cmd_import(args) -> int:
+    from catalog.importer import import_peft
+    from catalog.store import Catalog
+
+    with Catalog.open(args.dir) as cat:
+        rec = import_peft(cat, args.adapter_id, args.peft_dir, args.model, revision=args.revision,
+                          promote=args.promote, dtype=args.dtype)
+    print(f"imported {rec.ref} ({rec.size} bytes, rank {rec.rank}, {','.join(rec.targets)})"
+          + (" promoted" if args.promote else ""))
+    return 0
+
+
+def cmd_materialize(args) -> int:
+    from catalog.materialize import MaterializeConfig, materialize
+    from catalog.store import Catalog
+
+    if not (Path(args.dir) / "catalog.json").exists():
+        Catalog.create(args.dir, shards=args.shards).close()
+    cfg = MaterializeConfig(args.dir, args.model, args.count, rank=args.rank, targets=args.targets,
+                            prefix=args.prefix, workers=args.workers, seed=args.seed, dtype=args.dtype,
+                            batch=args.batch, progress=not args.no_progress)
+    rep = materialize(cfg)
+    print(f"materialized {rep.written} new, {rep.skipped} already present, "
+          f"{len(rep.errors)} build errors, {rep.seconds:.1f} s")
+    for e in rep.errors[:20]:
+        print(f"  error: {e}", file=sys.stderr)
+    if rep.failed_workers:
+        print(f"{rep.failed_workers} worker(s) failed; rerun the same command to finish", file=sys.stderr)
+    return 0 if rep.ok else 1
+
+
+def cmd_audit(args) -> int:
+    from loraserve.audit import run_audit
+
+    rep = run_audit(args.dir, args.model, sample=args.sample, seed=args.seed)
+    if args.json:
+        print(json.dumps({"shards": rep.shards, "shards_covered": rep.shards_covered, "audited": rep.audited,
+                          "max_error": rep.max_error, "failures": rep.failures}))
+    else:
+        print("\n".join(rep.lines()))
+    return 0 if rep.ok else 1
+
+
+def cmd_show(args) -> int:
+    from catalog.ids import parse_model_ref
+    from catalog.store import Catalog
+
+    adapter_id, rev = parse_model_ref(args.ref)
+    with Catalog.open(args.dir, readonly=True) as cat:
+        out = {"policy": cat.policy(adapter_id).to_dict()}
+        if rev is not None or out["policy"]["promoted"] is not None:
+            r = cat.resolve(adapter_id, rev)
+            out["revision"] = {name: getattr(r, name) for name in r.__slots__}
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def cmd_list(args) -> int:
+    from catalog.store import Catalog
+
+    with Catalog.open(args.dir, readonly=True) as cat:
+        rows = cat.list(args.prefix, limit=args.limit, after=args.after)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in rows]))
+    for r in rows if not args.json else []:
+        print(f"{r.adapter_id}\tpromoted={r.promoted}\trevisions={len(r.revisions)}\trank={r.rank}")
+    return 0
+
+
+def cmd_stats(args) -> int:
+    from catalog.store import Catalog
+
+    with Catalog.open(args.dir, readonly=True) as cat:
+        st = cat.stats()
+    if not args.per_shard:
+        st.pop("per_shard")
+    if args.json:
+        print(json.dumps(st))
+        return 0
+    for k in ("adapters", "revisions", "shards", "bytes", "disk_bytes"):
+        print(f"{k}: {st[k]}")
+    for row in st.get("per_shard", []):
+        print(f"  shard-{row['shard']:03d} adapters={row['adapters']} revisions={row['revisions']} bytes={row['bytes']}")
+    return 0
+
+
+def _policy_line(p) -> str:
+    return f"{p.adapter_id}: promoted={p.promoted} previous={p.previous} tags={p.tags}"
+
+
+def cmd_promote(args) -> int:
+    from catalog.store import Catalog
+
+    with Catalog.open(args.dir) as cat:
+        print(_policy_line(cat.promote(args.adapter_id, args.revision)))
+    return 0
+
+
+def cmd_rollback(args) -> int:
+    from catalog.store import Catalog
+
+    with Catalog.open(args.dir) as cat:
+        print(_policy_line(cat.rollback(args.adapter_id)))
+    return 0
+
+
+def cmd_tag(args) -> int:
+    from catalog.store import Catalog
+
+    with Catalog.open(args.dir) as cat:
+        print(_policy_line(cat.tag(args.adapter_id, args.tag, args.revision)))
+    return 0
+
+
+def run(argv: list[str]) -> int:
+    """Run one `export` / `catalog ...` command line; errors -> one line on stderr, exit 1."""
+    parser = argparse.ArgumentParser(prog="loraserve")
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the CLI contract is one line
+        print(f"loraserve {args.command}: error: {exc}", file=sys.stderr)
+        return 1
