@@ -38,7 +38,7 @@ def make_peft(base: Path, out: Path, seed: int, **lora_kw) -> Path:
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
                 p.mul_(3.0)
-    peft_model.save_pretrained(out, save_embedding_layers=False)
+    peft_model.save_pretrained(out)
     return out
 
 
