@@ -65,7 +65,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import build_demo
-    paths = build_demo(Path(args.dir))
+    paths = build_demo(Path(args.dir), progress=lambda line: print(line, file=sys.stderr))
     print(f"demo base (qwen3):     {paths.qwen3}")
     print(f"demo base (qwen3_moe): {paths.qwen3_moe}")
     print(f"demo catalog:          {paths.catalog}")

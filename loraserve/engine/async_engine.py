@@ -56,7 +56,8 @@ class AsyncEngine:
         return self.engine.cfg
 
     @property
-    def adapters(self):
+    def adapter_manager(self):
+        """The AdapterManager (None without a catalog)."""
         return self.engine.adapters
 
     def stats(self) -> dict:

@@ -34,10 +34,11 @@ class OutputProcessor:
             return
         before = len(seq.text)
         seq.text += seq.detok.step(token)
+        if len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
+            seq.finish_reason = "length"
+            seq.text += seq.detok.flush()  # bytes held back for an incomplete UTF-8 sequence
         if p.stop and self._cut_stop(seq, before):
             seq.finish_reason = "stop"
-        elif len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
-            seq.finish_reason = "length"
 
     def _cut_stop(self, seq: Sequence, before: int) -> bool:
         longest = max(len(s) for s in seq.params.stop)

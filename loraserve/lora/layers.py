@@ -44,9 +44,10 @@ class LoRAState:
             return
         self.meta = LoRAMeta.build(self.token_slots, max_segments=min(len(slots), self.max_slots))
 
-    def pair_meta(self, expert_ids: torch.Tensor, token_index: torch.Tensor) -> LoRAMeta:
-        """Metadata for MoE (token, expert) pairs; gate/up/down of one layer share it."""
-        key = (expert_ids.data_ptr(), token_index.data_ptr(), token_index.numel())
+    def pair_meta(self, layer: int, expert_ids: torch.Tensor, token_index: torch.Tensor) -> LoRAMeta:
+        """Metadata for MoE (token, expert) pairs; gate/up/down of one layer share it. Keyed by
+        layer (reset every step): tensor addresses are reused across layers by the allocator."""
+        key = layer
         if key != self._pair_key:
             slots = self.token_slots[token_index]
             n_seg = min(slots.numel(), self.max_slots * self.num_experts)
@@ -88,7 +89,7 @@ class LoRAExpertLinear(nn.Module):
         if st.meta is None or x.shape[0] == 0:
             return y
         pool = st.pool
-        meta = st.pair_meta(expert_ids, token_index)
+        meta = st.pair_meta(self.layer, expert_ids, token_index)
         kernels.add_lora(y, x.contiguous(), pool.A_rows[self.kind][self.layer],
                          pool.B_rows[self.kind][self.layer], pool.row_table[self.kind],
                          pool.ranks[self.kind], meta, backend=st.backend)

@@ -1,6 +1,6 @@
 """Adapter endpoints: residency, catalog listing, vLLM-compatible runtime load/unload.
 
-Mounted by `build_app` when the engine serves a catalog (`engine.adapters` is not None).
+Mounted by `build_app` when the engine serves a catalog (`engine.adapter_manager` is not None).
 """
 from __future__ import annotations
 
@@ -10,7 +10,17 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
-from loraserve.server.errors import APIError
+from catalog.errors import CatalogError
+from loraserve.engine.types import EngineError
+from loraserve.server.errors import APIError, as_api_error
+
+
+async def _off_loop(fn, *args, **kw):
+    """Run a blocking catalog/pager call on a thread; its errors become OpenAI error bodies."""
+    try:
+        return await asyncio.to_thread(fn, *args, **kw)
+    except (CatalogError, EngineError) as exc:
+        raise as_api_error(exc) from exc
 
 
 class LoadLoRARequest(BaseModel):
@@ -25,7 +35,7 @@ class UnloadLoRARequest(BaseModel):
 
 
 def _manager(request: Request):
-    mgr = request.app.state.ctx.engine.adapters
+    mgr = request.app.state.ctx.engine.adapter_manager
     if mgr is None:
         raise APIError(404, "this server has no adapter catalog (start it with --catalog)", code="not_found")
     return mgr
@@ -57,7 +67,7 @@ def adapter_router() -> APIRouter:
 
     @router.get("/adapters/{adapter_id:path}")
     async def adapter(adapter_id: str, request: Request) -> dict:
-        return await asyncio.to_thread(_manager(request).describe, adapter_id)
+        return await _off_loop(_manager(request).describe, adapter_id)
 
     @router.post("/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> dict:
@@ -66,15 +76,14 @@ def adapter_router() -> APIRouter:
         mgr = _manager(request)
         cfg = request.app.state.ctx.engine.config
         peft_dir = check_under_root(body.lora_path, cfg.adapter_root)
-        rec = await asyncio.to_thread(import_peft, mgr.catalog, body.lora_name, peft_dir, cfg.model_dir,
-                                      promote=True)
-        await asyncio.to_thread(mgr.warm, f"{rec.adapter_id}@{rec.revision}")
+        rec = await _off_loop(import_peft, mgr.catalog, body.lora_name, peft_dir, cfg.model_dir, promote=True)
+        await _off_loop(mgr.warm, f"{rec.adapter_id}@{rec.revision}")
         return {"status": "ok", "message": f"Success: LoRA adapter '{body.lora_name}' added successfully.",
                 "id": rec.adapter_id, "revision": rec.revision}
 
     @router.post("/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRARequest, request: Request) -> dict:
-        evicted = await asyncio.to_thread(_manager(request).unload, body.lora_name)
+        evicted = await _off_loop(_manager(request).unload, body.lora_name)
         return {"status": "ok", "message": f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
                 "evicted": evicted}
 

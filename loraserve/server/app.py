@@ -80,12 +80,15 @@ def _api_router() -> APIRouter:
                      after: str | None = None) -> dict:
         """The base and resident adapters; with ?prefix=/?limit=, a page of the catalog."""
         engine = _ctx(request).engine
-        mgr = getattr(engine, "adapters", None)
+        mgr = getattr(engine, "adapter_manager", None)
         if mgr is not None and (prefix is not None or limit is not None or after is not None):
             if limit is not None and not 1 <= limit <= 10_000:
                 raise APIError(400, "limit must be in [1, 10000]", param="limit")
-            cards = await asyncio.to_thread(catalog_cards, mgr, prefix or "", limit or 100, after,
-                                            engine.model_name)
+            try:
+                cards = await asyncio.to_thread(catalog_cards, mgr, prefix or "", limit or 100, after,
+                                                engine.model_name)
+            except Exception as exc:  # catalog errors keep their status; anything else is a 500
+                raise as_api_error(exc) from exc
             return {"object": "list", "data": cards}
         return {"object": "list", "data": [_model_card(m, engine) for m in engine.list_models()]}
 
@@ -94,11 +97,15 @@ def _api_router() -> APIRouter:
         engine = _ctx(request).engine
         if model_id in engine.list_models():
             return _model_card(model_id, engine)
-        mgr = getattr(engine, "adapters", None)
+        mgr = getattr(engine, "adapter_manager", None)
         if mgr is not None and "/" in model_id:
+            from catalog.errors import CatalogError
             from catalog.ids import parse_model_ref
-            adapter_id, _ = parse_model_ref(model_id)  # 400 for an invalid id
-            await asyncio.to_thread(mgr.catalog.policy, adapter_id)  # 404 when unknown
+            try:
+                adapter_id, _ = parse_model_ref(model_id)  # 400 for an invalid id
+                await asyncio.to_thread(mgr.catalog.policy, adapter_id)  # 404 when unknown
+            except CatalogError as exc:
+                raise as_api_error(exc) from exc
             return _model_card(model_id, engine)
         raise APIError(404, f"The model `{model_id}` does not exist.", param="model",
                        code="model_not_found")
@@ -148,7 +155,7 @@ def build_app(engine: Engine, *, api_key: str | None = None, max_n: int = 16) ->
     install_error_handlers(app)
     app.include_router(_api_router())
     app.include_router(_ops_router())
-    if getattr(engine, "adapters", None) is not None:
+    if getattr(engine, "adapter_manager", None) is not None:
         from loraserve.lora.metrics import AdapterCollector
         app.include_router(adapter_router())
         ctx.metrics.register(AdapterCollector(engine.engine))

@@ -75,6 +75,8 @@ def test_models_and_adapter_residency(live, http) -> None:
     page = http.get("/v1/models", params={"prefix": "t/", "limit": 2}).json()["data"]
     assert len(page) == 2 and all(m["id"].startswith("t/") for m in page)
     assert http.get("/v1/models/t/o-head-r2").status_code == 200
+    assert http.get("/v1/models/t/nope").status_code == 404
+    assert http.get("/v1/models/t/x@").status_code in (400, 404)
     info = http.get("/v1/adapters/t/qv-r4").json()
     assert info["promoted"] == "r1" and info["residency"] in ("gpu", "cpu")
     assert info["revisions"][0]["residency"] == info["residency"]

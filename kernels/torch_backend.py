@@ -1,0 +1,209 @@
+"""The `torch` backend: vectorised LoRA ops for CPU (and, slower, any device). Same semantics as
+the Triton kernels and `reference.py`.
+
+Each call splits the step's live segments in two, from host-side sizes (free on CPU, one sync on
+CUDA):
+
+- *light* segments (decode: one or a few tokens per adapter) go through one batched *gather*:
+  each token's rank rows are gathered into `[n, r_b, H]` and multiplied with one `bmm`; a fixed
+  ~15 torch ops however many adapters there are. `r_b` is the largest rank among these tokens;
+  rank indices past a token's own rank are masked to zero.
+- *heavy* segments (prefill, popular adapters) get one GEMM each at their exact rank: Python work
+  is O(heavy segments), but a segment is heavy only when the weight copies the gather would make
+  for it cost more than a loop iteration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import check_expand, check_shrink
+from .meta import LoRAMeta
+
+# A segment runs its own GEMM when gathering per token would copy at least this many extra
+# weight elements ((len - 1) * r * (H_in + H_out)); below it, a loop iteration's fixed cost wins.
+HEAVY_MIN_EXTRA_ELEMENTS = 1 << 16
+GATHER_MAX_ELEMENTS = 1 << 26  # cap on the gathered [n, r_b, H] copy; past it, loop everything
+
+
+@dataclass(slots=True)
+class _Gathered:
+    """Light tokens with their pool rows (sorted by segment)."""
+
+    tok: torch.Tensor  # [n] int64, token index
+    flat_rows: torch.Tensor  # [n * r_b] int64, row of the pool viewed as [P * E, H] (0 if masked)
+    invalid: torch.Tensor  # [n, r_b] bool, rank index >= the token's slot rank
+
+    def rows_of(self, pool: torch.Tensor) -> torch.Tensor:
+        """[n, r_b, H]: each token's rank rows of `pool` (its expert plane for MoE pools)."""
+        flat = pool.view(-1, pool.shape[-1]).index_select(0, self.flat_rows)
+        return flat.view(*self.invalid.shape, pool.shape[-1])
+
+
+@dataclass(slots=True)
+class _Heavy:
+    """Heavy segments' tokens and rows, each segment a contiguous range of both."""
+
+    tok: torch.Tensor  # [m] int64, tokens of the heavy segments, sorted by segment
+    flat_rows: torch.Tensor  # [sum r] int64, rows of the pool viewed as [P * E, H]
+    bounds: list[tuple[int, int, int, int]]  # per segment: token range, row range
+
+    def rows_of(self, pool: torch.Tensor) -> torch.Tensor:
+        return pool.view(-1, pool.shape[-1]).index_select(0, self.flat_rows)  # [sum r, H]
+
+
+@dataclass(slots=True)
+class _Plan:
+    """How one call covers the step's LoRA tokens for one target."""
+
+    light: _Gathered | None = None
+    heavy: _Heavy | None = None
+
+
+def _plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, num_experts: int,
+          width: int) -> _Plan:
+    """Split live segments into light (gathered) and heavy (own GEMM); `width` = H_in + H_out."""
+    s = int(meta.num_segments)
+    starts = meta.seg_start[: s + 1]
+    lengths = starts[1:] - starts[:-1]
+    seg_ranks = ranks[meta.seg_slot[:s]]
+    len_list, r_list = lengths.tolist(), seg_ranks.tolist()
+    if r_list and max(r_list) > row_table.shape[1]:
+        raise ValueError(f"ranks holds {max(r_list)} > R_max={row_table.shape[1]}")
+    heavy = [r > 0 and (ln - 1) * r * width >= HEAVY_MIN_EXTRA_ELEMENTS
+             for ln, r in zip(len_list, r_list)]
+    n_light = sum(ln for ln, h, r in zip(len_list, heavy, r_list) if not h and r > 0)
+    if n_light * max(r_list, default=0) * width > GATHER_MAX_ELEMENTS:
+        heavy, n_light = [r > 0 for r in r_list], 0
+    plan = _Plan()
+    n = int(starts[-1]) if s else 0
+    if n_light:
+        pos = None if not any(heavy) else _positions(lengths, [not h for h in heavy])
+        plan.light = _gather_plan(meta, row_table, ranks, n, pos, num_experts)
+    if any(heavy):
+        plan.heavy = _heavy_plan(meta, row_table, s, lengths, len_list, r_list, heavy,
+                                 num_experts)
+    return plan
+
+
+def _positions(lengths: torch.Tensor, keep: list[bool]) -> torch.Tensor:
+    """Sorted-order positions of the tokens of the segments flagged in `keep`."""
+    flags = torch.tensor(keep, device=lengths.device)
+    return torch.repeat_interleave(flags, lengths).nonzero().squeeze(1)
+
+
+def _heavy_plan(meta: LoRAMeta, row_table: torch.Tensor, s: int, lengths: torch.Tensor,
+                len_list: list[int], r_list: list[int], heavy: list[bool],
+                num_experts: int) -> _Heavy:
+    idx = [i for i, h in enumerate(heavy) if h]
+    slots = meta.seg_slot[:s][idx].long()
+    r_heavy = torch.tensor([r_list[i] for i in idx], device=slots.device)
+    rows = row_table[slots].long()  # [S_h, R_max]
+    if num_experts > 1:
+        rows = rows * num_experts + meta.seg_expert[:s][idx].long()[:, None]
+    in_rank = torch.arange(rows.shape[1], device=rows.device) < r_heavy[:, None]
+    tok = (meta.token_ids[: int(meta.seg_start[s])] if all(heavy) else
+           meta.token_ids.index_select(0, _positions(lengths, heavy))).long()
+    bounds, t0, r0 = [], 0, 0
+    for i in idx:
+        bounds.append((t0, t0 + len_list[i], r0, r0 + r_list[i]))
+        t0, r0 = t0 + len_list[i], r0 + r_list[i]
+    return _Heavy(tok, rows[in_rank], bounds)
+
+
+def _gather_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, n: int,
+                 pos: torch.Tensor | None, num_experts: int) -> _Gathered | None:
+    """Rows of the light tokens at sorted positions `pos` (None = all `n` LoRA tokens)."""
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t[:n] if pos is None else t.index_select(0, pos)
+
+    slots = pick(meta.sorted_slots)
+    tok_rank = ranks[slots]  # [n]
+    r_b = int(tok_rank.max())
+    if r_b == 0:
+        return None
+    invalid = torch.arange(r_b, device=slots.device) >= tok_rank[:, None]  # [n, r_b]
+    rows = row_table[slots, :r_b].long()
+    if num_experts > 1:
+        rows = rows * num_experts + pick(meta.sorted_experts)[:, None]
+    return _Gathered(pick(meta.token_ids).long(), rows.masked_fill_(invalid, 0).flatten(),
+                     invalid)
+
+
+def _num_experts(pool: torch.Tensor) -> int:
+    return pool.shape[1] if pool.dim() == 3 else 1
+
+
+def shrink_torch(v: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, row_table: torch.Tensor,
+                 ranks: torch.Tensor, meta: LoRAMeta) -> None:
+    """v[t, :r(a)] = x[t] @ A[a]^T for LoRA tokens; every other entry of v is set to 0."""
+    check_shrink(v, x, A_rows, row_table, ranks, meta)
+    v.zero_()
+    plan = _plan(meta, row_table, ranks, _num_experts(A_rows), x.shape[1] * 2)
+    if plan.light is not None:
+        g = plan.light
+        v[g.tok, : g.invalid.shape[1]] = _shrink_gathered(x, A_rows, g).to(v.dtype)
+    if plan.heavy is not None:
+        _shrink_heavy(v, x, A_rows, plan.heavy)
+
+
+def expand_torch(y: torch.Tensor, v: torch.Tensor, B_rows: torch.Tensor, row_table: torch.Tensor,
+                 ranks: torch.Tensor, meta: LoRAMeta) -> None:
+    """y[t] += v[t, :r(a)] @ B[a]^T for LoRA tokens, in place."""
+    check_expand(y, v, B_rows, row_table, ranks, meta)
+    plan = _plan(meta, row_table, ranks, _num_experts(B_rows), y.shape[1] * 2)
+    if plan.light is not None:
+        g = plan.light
+        _expand_gathered(y, v[g.tok, : g.invalid.shape[1]].masked_fill(g.invalid, 0), B_rows, g)
+    if plan.heavy is not None:
+        hv = plan.heavy
+        vs = v[hv.tok].to(B_rows.dtype)  # [m, R_max]
+        B = hv.rows_of(B_rows)  # [sum r, H_out]
+        delta = torch.empty(hv.tok.numel(), y.shape[1], dtype=B.dtype, device=y.device)
+        for t0, t1, r0, r1 in hv.bounds:
+            torch.mm(vs[t0:t1, : r1 - r0], B[r0:r1], out=delta[t0:t1])
+        y.index_add_(0, hv.tok, delta.to(y.dtype))
+
+
+def add_lora_torch(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
+                   row_table: torch.Tensor, ranks: torch.Tensor, meta: LoRAMeta,
+                   buffer: torch.Tensor) -> None:
+    """y[t] += B[a] @ (A[a] @ x[t]); the rank-space product stays compact (buffer unused)."""
+    check_shrink(buffer, x, A_rows, row_table, ranks, meta)
+    check_expand(y, buffer, B_rows, row_table, ranks, meta)
+    plan = _plan(meta, row_table, ranks, _num_experts(A_rows), x.shape[1] + y.shape[1])
+    if plan.light is not None:
+        _expand_gathered(y, _shrink_gathered(x, A_rows, plan.light), B_rows, plan.light)
+    if plan.heavy is not None:
+        hv = plan.heavy
+        xs, A, B = x[hv.tok], hv.rows_of(A_rows), hv.rows_of(B_rows)
+        delta = torch.empty(hv.tok.numel(), y.shape[1], dtype=B.dtype, device=y.device)
+        for t0, t1, r0, r1 in hv.bounds:
+            torch.mm(xs[t0:t1] @ A[r0:r1].T, B[r0:r1], out=delta[t0:t1])
+        y.index_add_(0, hv.tok, delta.to(y.dtype))
+
+
+def _shrink_heavy(v: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, hv: _Heavy) -> None:
+    """v[tok, :r] = x[tok] @ A^T segment by segment; one gather of x and A for all of them."""
+    xs, A = x[hv.tok], hv.rows_of(A_rows)
+    hs = torch.zeros(hv.tok.numel(), v.shape[1], dtype=x.dtype, device=x.device)
+    for t0, t1, r0, r1 in hv.bounds:
+        torch.mm(xs[t0:t1], A[r0:r1].T, out=hs[t0:t1, : r1 - r0])
+    v[hv.tok] = hs.to(v.dtype)
+
+
+def _shrink_gathered(x: torch.Tensor, A_rows: torch.Tensor, g: _Gathered) -> torch.Tensor:
+    """[n, r_b] in x's dtype: each token's x against its gathered A rows (masked rows are 0)."""
+    # [n, 1, H] @ [n, H, r_b]: this orientation is ~10x faster on CPU than [n, r_b, H] @ [n, H, 1]
+    h = torch.bmm(x[g.tok].unsqueeze(1), g.rows_of(A_rows).transpose(1, 2)).squeeze(1)
+    return h.masked_fill_(g.invalid, 0)
+
+
+def _expand_gathered(y: torch.Tensor, h: torch.Tensor, B_rows: torch.Tensor,
+                     g: _Gathered) -> None:
+    """y[tok] += h @ B rows, h [n, r_b] already 0 past each token's rank."""
+    h = h.to(B_rows.dtype)
+    delta = torch.bmm(h.unsqueeze(1), g.rows_of(B_rows)).squeeze(1)  # [n, H_out]
+    y.index_add_(0, g.tok, delta.to(y.dtype))

@@ -1,0 +1,109 @@
+"""Tiny deterministic Qwen3 / Qwen3-MoE bases with a byte-level tokenizer, for the demo and tests.
+
+The vocabulary is the 256 bytes (token id = byte value) plus `<|endoftext|>`, `<|im_start|>` and
+`<|im_end|>`, with a ChatML (Qwen-style) chat template. Weights are drawn from a seeded generator,
+so the same seed writes the same bytes.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import tokenizers
+import torch
+from tokenizers import decoders, models, pre_tokenizers
+
+from loraserve.model.config import ModelConfig
+from loraserve.model.qwen3 import Qwen3ForCausalLM
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]   # ids 256, 257, 258
+ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 256, 257, 258
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}\n"
+    "{%- if message['content'] is not string %}"
+    "{{- raise_exception('message content must be a string') }}{%- endif %}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "{{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+
+def tiny_config(arch: str = "qwen3", **overrides: object) -> ModelConfig:
+    """The demo dims: V 259, H 128, 4 layers, 4 heads / 2 kv heads of 32; MoE 8 experts, top-2."""
+    base = dict(arch=arch, vocab_size=259, hidden_size=128, intermediate_size=384, num_layers=4,
+                num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0,
+                max_position_embeddings=4096, tie_word_embeddings=False,
+                eos_token_ids=[IM_END_ID, ENDOFTEXT_ID], torch_dtype="float32")
+    if arch == "qwen3_moe":
+        base.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, norm_topk_prob=True)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def random_model(config: ModelConfig, seed: int = 0) -> Qwen3ForCausalLM:
+    """A model with weights drawn from a generator seeded with `seed`; norms are 1.
+
+    Matrices are N(0, 1/in_features) so activations keep unit scale, embeddings N(0, 1) and
+    lm_head N(0, 4/H) so logits have std ~2: the base babbles with confidence, and a trained
+    LoRA's greedy answer wins by a wide margin (robust across implementations and dtypes)."""
+    model = Qwen3ForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            if name == "model.embed_tokens.weight":
+                std = 1.0
+            elif name == "lm_head.weight":
+                std = 2.0 / config.hidden_size ** 0.5
+            else:
+                std = 1.0 / p.shape[-1] ** 0.5
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return model.eval()
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def byte_level_tokenizer() -> tokenizers.Tokenizer:
+    """Byte-level BPE without merges: one token per byte (id = byte value), then the specials."""
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                            for t in SPECIAL_TOKENS])
+    return tok
+
+
+def write_tokenizer_files(out_dir: str | Path) -> None:
+    """tokenizer.json, tokenizer_config.json (ChatML template, eos <|im_end|>), generation_config."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    byte_level_tokenizer().save(str(out_dir / "tokenizer.json"))
+    tcfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML_TEMPLATE,
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
+        "model_max_length": 4096, "clean_up_tokenization_spaces": False,
+        "added_tokens_decoder": {str(256 + i): {"content": t, "special": True, "lstrip": False,
+                                                "rstrip": False, "normalized": False,
+                                                "single_word": False}
+                                 for i, t in enumerate(SPECIAL_TOKENS)},
+    }
+    gen = {"eos_token_id": [IM_END_ID, ENDOFTEXT_ID], "pad_token_id": ENDOFTEXT_ID, "do_sample": False}
+    for name, obj in (("tokenizer_config.json", tcfg), ("generation_config.json", gen)):
+        (out_dir / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# GPU check for one CUDA machine (built for an H200): kernel tests on CUDA, then the kernel
+# benchmark, then a summary table. Needs torch + triton already installed; no network; never
+# installs torch. Runs from any directory; about 3-5 minutes (hard limits below keep it < 8).
+#   bash scripts/gpu_check.sh              # logs land in ${GPU_CHECK_OUT:-$OUT or /tmp}/gpu_check
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+LOG=${GPU_CHECK_OUT:-${OUT:-/tmp}}/gpu_check
+mkdir -p "$LOG"
+unset TRITON_INTERPRET            # compiled kernels, never the interpreter
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export TRITON_DEFAULT_FP_FUSION=1
+
+# A python whose torch sees CUDA: $PYTHON, then python3/python (the local .venv is a CPU build).
+PY=""
+for cand in ${PYTHON:-} python3 python; do
+  if command -v "$cand" >/dev/null && "$cand" -c "import torch, triton; assert torch.cuda.is_available()" 2>/dev/null; then
+    PY=$cand; break
+  fi
+done
+if [ -z "$PY" ]; then echo "gpu_check: no python with CUDA torch + triton found" >&2; exit 2; fi
+"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$LOG/env.txt"
+
+# pytest / hypothesis may be missing on a bare GPU image: borrow the pure-Python test packages
+# (and their dist-info, so plugins register) from a carried .venv, appended after site-packages.
+if ! "$PY" -c "import pytest, hypothesis" 2>/dev/null; then
+  SHIM="$LOG/pytest_shim"; mkdir -p "$SHIM"
+  for site in "$REPO"/.venv/lib/python3*/site-packages; do
+    for pkg in pytest _pytest pluggy iniconfig packaging pygments py.py hypothesis \
+               _hypothesis_globals.py _hypothesis_ftz_detector.py _hypothesis_pytestplugin.py \
+               sortedcontainers; do
+      for hit in "$site/$pkg" "$site/$pkg"-*.dist-info; do
+        [ -e "$hit" ] && ln -sfn "$hit" "$SHIM/$(basename "$hit")"
+      done
+    done
+  done
+  export PYTHONPATH="$PYTHONPATH:$SHIM"
+fi
+
+status_tests="not run"
+if "$PY" -c "import pytest" 2>/dev/null; then
+  # --confcutdir: only tests/kernels' own conftest (the root one imports the whole server).
+  timeout 240 "$PY" -m pytest -q -p no:cacheprovider --confcutdir=tests/kernels tests/kernels \
+    2>&1 | tee "$LOG/kernel_tests.txt"
+  rc=${PIPESTATUS[0]}
+  status_tests="$(tail -n 1 "$LOG/kernel_tests.txt") (rc=$rc)"
+else
+  echo "gpu_check: pytest unavailable, kernel tests skipped" | tee "$LOG/kernel_tests.txt"
+fi
+
+timeout 150 "$PY" bench/kernels.py 2>&1 | tee "$LOG/bench_kernels.txt"
+status_bench="rc=${PIPESTATUS[0]}"
+
+# ---- decode benchmark: the multi-LoRA issue adds its run here (keep the whole script < 8 min) ----
+# timeout 120 "$PY" bench/decode.py 2>&1 | tee "$LOG/bench_decode.txt"
+# ---- end decode benchmark ----
+
+echo
+echo "================ gpu_check summary ================"
+cat "$LOG/env.txt"
+echo "kernel tests : $status_tests"
+echo "kernel bench : $status_bench"
+grep -E '^#|^ *[0-9T-]' "$LOG/bench_kernels.txt" || true

@@ -1,0 +1,67 @@
+"""Tiny Qwen3 / Qwen3-MoE checkpoints written by transformers' save_pretrained (the reference).
+
+Weights are re-drawn with unit-scale std (transformers' default 0.02 gives near-flat logits, which
+would make greedy comparisons hinge on float noise)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+VOCAB = 96
+
+
+def hf_model(arch: str, *, tie: bool = False, seed: int = 0, **overrides):
+    """A transformers model with tiny dims and weights that give confident logits."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+                  max_position_embeddings=256, tie_word_embeddings=tie, eos_token_id=[1, 2])
+    common.update(overrides)
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    else:
+        common.setdefault("num_experts", 6)
+        moe = dict(moe_intermediate_size=24, num_experts_per_tok=2, norm_topk_prob=True)
+        moe.update({k: common.pop(k) for k in list(common) if k in moe})
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, **moe))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    return model.eval()
+
+
+def save_hf(model, out: Path, **kwargs) -> Path:
+    model.save_pretrained(out, **kwargs)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny matmuls run several times faster on one thread than on two busy cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def make_hf():
+    """hf_model as a fixture, so tests need not import this conftest."""
+    return hf_model
+
+
+@pytest.fixture(scope="module")
+def hf_dense_dir(tmp_path_factory) -> Path:
+    return save_hf(hf_model("qwen3"), tmp_path_factory.mktemp("hf") / "dense")
+
+
+@pytest.fixture(scope="module")
+def hf_moe_dir(tmp_path_factory) -> Path:
+    return save_hf(hf_model("qwen3_moe"), tmp_path_factory.mktemp("hf") / "moe")
