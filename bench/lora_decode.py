@@ -45,14 +45,14 @@ def make_adapters(base: Path, root: Path, n: int, rank: int) -> tuple[Path, list
 
 
 def engine_decode(base: Path, catalog: Path, ids: list[str], batch: int, tokens: int,
-                  distinct: list[int]) -> list[tuple[str, float, float]]:
+                  distinct: list[int], device: str = "auto") -> list[tuple[str, float, float]]:
     import sys
     sys.path.insert(0, str(Path(__file__).parent))
     from decode import measure
     from loraserve.engine.config import EngineConfig
     from loraserve.lora.setup import build_engine
 
-    eng = build_engine(EngineConfig(model_dir=str(base), catalog_dir=str(catalog), max_batch_size=batch,
+    eng = build_engine(EngineConfig(model_dir=str(base), catalog_dir=str(catalog), max_batch_size=batch, device=device,
                                     max_model_len=64 + tokens, max_gpu_adapters=max(distinct), max_lora_rank=16))
     measure(eng, 2, 16, 4, [ids[0], None])  # warm-up
     rows = [("base only", *measure(eng, batch, 16, tokens))]
@@ -130,6 +130,7 @@ def main() -> None:
     ap.add_argument("--distinct", default="1,8,32")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--no-peft", action="store_true")
+    ap.add_argument("--device", default="auto")
     args = ap.parse_args()
     base = Path(args.model) if args.model else None
     if base is None:
@@ -138,7 +139,7 @@ def main() -> None:
     distinct = [int(d) for d in args.distinct.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         catalog, ids, dirs = make_adapters(base, Path(tmp), max(distinct), args.rank)
-        rows = engine_decode(base, catalog, ids, args.batch, args.tokens, distinct)
+        rows = engine_decode(base, catalog, ids, args.batch, args.tokens, distinct, args.device)
         print(f"engine decode, batch {args.batch}, rank {args.rank}, all 7 targets, {args.tokens} tokens")
         print(f"{'batch':>12} {'tok/s':>9} {'ms/step':>8} {'vs base':>8}")
         for name, tps, ms in rows:

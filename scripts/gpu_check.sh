@@ -52,8 +52,16 @@ fi
 timeout 150 "$PY" bench/kernels.py 2>&1 | tee "$LOG/bench_kernels.txt"
 status_bench="rc=${PIPESTATUS[0]}"
 
-# ---- decode benchmark: the multi-LoRA issue adds its run here (keep the whole script < 8 min) ----
-# timeout 120 "$PY" bench/decode.py 2>&1 | tee "$LOG/bench_decode.txt"
+# ---- decode benchmarks (engine on CUDA; need safetensors, tokenizers, jinja2, lmdb, xxhash) ----
+status_decode="not run (missing python packages)"
+if "$PY" -c "import safetensors, tokenizers, jinja2, lmdb, xxhash, numpy" 2>/dev/null; then
+  timeout 90 "$PY" bench/decode.py --device cuda --tokens 64 2>&1 | tee "$LOG/bench_decode.txt"
+  status_decode="base rc=${PIPESTATUS[0]}"
+  if "$PY" -c "import peft, transformers" 2>/dev/null; then
+    timeout 150 "$PY" bench/lora_decode.py --device cuda --no-peft 2>&1 | tee "$LOG/bench_lora_decode.txt"
+    status_decode="$status_decode, lora rc=${PIPESTATUS[0]}"
+  fi
+fi
 # ---- end decode benchmark ----
 
 echo
@@ -61,4 +69,6 @@ echo "================ gpu_check summary ================"
 cat "$LOG/env.txt"
 echo "kernel tests : $status_tests"
 echo "kernel bench : $status_bench"
+echo "decode bench : $status_decode"
 grep -E '^#|^ *[0-9T-]' "$LOG/bench_kernels.txt" || true
+cat "$LOG"/bench_decode.txt "$LOG"/bench_lora_decode.txt 2>/dev/null | grep -E 'tok/s|^ +[0-9]|adapters|base only' || true
