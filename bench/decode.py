@@ -6,6 +6,12 @@ Without --model it uses the demo base (built on first use under .loraserve/demo)
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# the repo root first: bench/kernels.py and bench/catalog.py must not shadow the packages
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import time
 from pathlib import Path

@@ -12,6 +12,12 @@ weights. Prints tables; ratios are the figures to quote (this machine is shared 
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# the repo root first: bench/kernels.py and bench/catalog.py must not shadow the packages
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import asyncio
 import tempfile
@@ -75,29 +81,22 @@ async def _http_batch(url: str, prompts: list[str], models: list[str], tokens: i
     return sum(counts)
 
 
-def http_tokens_per_s(base: Path, catalog: Path, prompts: list[str], models: list[str], tokens: int) -> float:
-    import threading
-    import uvicorn
-    from loraserve.engine.async_engine import AsyncEngine
-    from loraserve.engine.config import EngineConfig
-    from loraserve.server.app import build_app
+def http_tokens_per_s(base: Path, catalog: Path, prompts: list[str], models: list[str], tokens: int,
+                      port: int = 8766) -> float:
+    """Output tokens/s of the mixed batch through a `loraserve serve` subprocess (HTTP included)."""
+    from lora_residency import start_server
 
-    engine = AsyncEngine.from_config(EngineConfig(model_dir=str(base), catalog_dir=str(catalog),
-                                                  max_batch_size=len(prompts), max_model_len=256,
-                                                  max_gpu_adapters=len(set(models)), max_lora_rank=16))
-    server = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    asyncio.run(_http_batch(url, prompts[:4], models[:4], 4))  # warm-up: page the adapters in
-    asyncio.run(_http_batch(url, prompts, models, 2))
-    t0 = time.perf_counter()
-    n = asyncio.run(_http_batch(url, prompts, models, tokens))
-    dt = time.perf_counter() - t0
-    server.should_exit = True
-    thread.join(10)
+    proc = start_server(str(base), str(catalog), port, "--max-batch-size", str(len(prompts)),
+                        "--max-gpu-adapters", str(len(set(models))), "--max-lora-rank", "16")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        asyncio.run(_http_batch(url, prompts, models, 2))  # warm-up: page every adapter in
+        t0 = time.perf_counter()
+        n = asyncio.run(_http_batch(url, prompts, models, tokens))
+        dt = time.perf_counter() - t0
+    finally:
+        proc.terminate()
+        proc.wait(30)
     return n / dt
 
 

@@ -12,6 +12,12 @@ The catalog must be built for the same base (e.g. `loraserve catalog materialize
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# the repo root first: bench/kernels.py and bench/catalog.py must not shadow the packages
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import os
 import re

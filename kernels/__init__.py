@@ -40,8 +40,10 @@ from .expand import expand_stacked_triton, expand_triton
 from .meta import LoRAMeta
 from .ops import add_lora, add_lora_stacked, expand, shrink
 from .shrink import shrink_stacked_triton, shrink_triton
+from .torch_backend import add_lora_torch, plan_torch
 
 __all__ = [
-    "BACKENDS", "LoRAMeta", "add_lora", "add_lora_stacked", "expand", "expand_stacked_triton",
+    "BACKENDS", "LoRAMeta", "add_lora", "add_lora_stacked", "add_lora_torch", "expand",
+    "expand_stacked_triton", "plan_torch",
     "expand_triton", "resolve_backend", "shrink", "shrink_stacked_triton", "shrink_triton",
 ]

@@ -40,19 +40,20 @@ def expand(y: torch.Tensor, v: torch.Tensor, B_rows: torch.Tensor, row_table: to
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
              row_table: torch.Tensor, ranks: torch.Tensor, meta: LoRAMeta, *,
-             backend: str = "auto", buffer: torch.Tensor | None = None) -> None:
+             backend: str = "auto", buffer: torch.Tensor | None = None, plan=None) -> None:
     """y[t] += B[a] @ (A[a] @ x[t]) for each LoRA token (MoE pairs: B[a, e] @ A[a, e]).
 
     Shapes as in `shrink` / `expand`. buffer: optional [T, R_max] float32 scratch for the
     rank-space intermediate (allocated when None; pass a preallocated one under CUDA graphs).
+    plan: torch backend only, from `plan_torch` (built once per step and target kind).
     """
-    if buffer is None:
-        buffer = _buffer(x, row_table.shape[1])
     if resolve_backend(backend, x.device) == "triton":
+        if buffer is None:
+            buffer = _buffer(x, row_table.shape[1])
         shrink_triton(buffer, x, A_rows, row_table, ranks, meta)
         expand_triton(y, buffer, B_rows, row_table, ranks, meta)
     else:
-        add_lora_torch(y, x, A_rows, B_rows, row_table, ranks, meta, buffer)
+        add_lora_torch(y, x, A_rows, B_rows, row_table, ranks, meta, buffer, plan)
 
 
 def add_lora_stacked(ys: list[torch.Tensor], x: torch.Tensor, A_list: list[torch.Tensor],

@@ -167,13 +167,28 @@ def expand_torch(y: torch.Tensor, v: torch.Tensor, B_rows: torch.Tensor, row_tab
         y.index_add_(0, hv.tok, delta.to(y.dtype))
 
 
+def plan_torch(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, A_rows: torch.Tensor,
+               B_rows: torch.Tensor) -> _Plan:
+    """The row gathers of one step for one target kind. Every layer of that kind shares it (same
+    metadata, same row table and ranks, same widths), so the engine builds it once per step and
+    passes it to `add_lora_torch(..., plan=)`, saving the host-side planning of every other call."""
+    return _plan(meta, row_table, ranks, _num_experts(A_rows), A_rows.shape[-1] + B_rows.shape[-1])
+
+
 def add_lora_torch(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
                    row_table: torch.Tensor, ranks: torch.Tensor, meta: LoRAMeta,
-                   buffer: torch.Tensor) -> None:
-    """y[t] += B[a] @ (A[a] @ x[t]); the rank-space product stays compact (buffer unused)."""
-    check_shrink(buffer, x, A_rows, row_table, ranks, meta)
-    check_expand(y, buffer, B_rows, row_table, ranks, meta)
-    plan = _plan(meta, row_table, ranks, _num_experts(A_rows), x.shape[1] + y.shape[1])
+                   buffer: torch.Tensor | None = None, plan: _Plan | None = None,
+                   check: bool = True) -> None:
+    """y[t] += B[a] @ (A[a] @ x[t]); the rank-space product stays compact (buffer unused).
+
+    plan: from `plan_torch` for this step and target kind (else planned here). check=False skips
+    the input checks: for the later layers of a step whose first call checked the same shapes."""
+    if check:
+        buffer = buffer if buffer is not None else torch.empty(x.shape[0], row_table.shape[1], device=x.device)
+        check_shrink(buffer, x, A_rows, row_table, ranks, meta)
+        check_expand(y, buffer, B_rows, row_table, ranks, meta)
+    if plan is None:
+        plan = _plan(meta, row_table, ranks, _num_experts(A_rows), x.shape[1] + y.shape[1])
     if plan.light is not None:
         _expand_gathered(y, _shrink_gathered(x, A_rows, plan.light), B_rows, plan.light)
     if plan.heavy is not None:

@@ -29,6 +29,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lora-backend", default="auto", choices=["auto", "triton", "torch"])
     p.add_argument("--pin", action="append", default=[], metavar="ID", help="keep this adapter resident")
     p.add_argument("--adapter-root", default=None, help="root that /v1/load_lora_adapter may import from")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="CPU intra-op threads (default: all cores but one)")
     p.add_argument("--api-key", default=os.environ.get("LORASERVE_API_KEY"))
     p.add_argument("--demo-dir", default=DEFAULT_DEMO_DIR)
     p.add_argument("--log-level", default="info")
@@ -51,7 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, kv_cache_mb=args.kv_cache_mb,
         catalog_dir=catalog, max_gpu_adapters=args.max_gpu_adapters, max_lora_rank=args.max_lora_rank,
         gpu_adapter_mb=args.gpu_adapter_mb, cpu_cache_mb=args.cpu_cache_mb, lora_backend=args.lora_backend,
-        pinned_adapters=args.pin, adapter_root=args.adapter_root)
+        pinned_adapters=args.pin, adapter_root=args.adapter_root, torch_threads=args.torch_threads)
     engine = AsyncEngine.from_config(cfg)
     run_server(engine, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level.lower())
     return 0

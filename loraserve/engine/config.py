@@ -28,6 +28,7 @@ class EngineConfig:
     adapter_root: str | None = None  # /v1/load_lora_adapter only imports PEFT dirs under this root
     pager_workers: int = 4
     seed: int = 0
+    torch_threads: int | None = None  # CPU intra-op threads; None: all cores but one (the server's)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

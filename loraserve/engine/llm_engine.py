@@ -6,6 +6,7 @@ One thread owns an LLMEngine; `AsyncEngine` puts it behind asyncio.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 
@@ -55,6 +56,9 @@ class LLMEngine:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
+        if self.device.type == "cpu":
+            # tiny CPU ops lose more to thread hand-off than they gain; leave a core to the server
+            torch.set_num_threads(cfg.torch_threads or max(1, (os.cpu_count() or 2) - 1))
         mc = ModelConfig.from_dir(cfg.model_dir)
         self.model_config = mc
         self.dtype = resolve_dtype(cfg.dtype, mc, self.device)

@@ -33,12 +33,14 @@ class LoRAState:
         self.device = device
         self.token_slots = torch.empty(0, dtype=torch.int32, device=device)  # [T]
         self.meta: LoRAMeta | None = None      # None = no LoRA token in this step
-        self._pair_key: tuple | None = None
+        self._pair_key: int | None = None
         self._pair_meta: LoRAMeta | None = None
+        self._plans: dict = {}  # torch backend: (kind[, layer]) -> row-gather plan of this step
 
     def set_slots(self, slots: list[int]) -> None:
         self.token_slots = torch.tensor(slots, dtype=torch.int32, device=self.device)
         self._pair_key = None
+        self._plans.clear()
         if max(slots, default=-1) < 0:
             self.meta = None
             return
@@ -56,6 +58,22 @@ class LoRAState:
             self._pair_key = key
         return self._pair_meta
 
+    def add(self, y: torch.Tensor, x: torch.Tensor, kind: str, layer: int, meta: LoRAMeta,
+            plan_key) -> None:
+        """y += LoRA(x) for one target module. On the torch backend the row-gather plan is built
+        by the first layer of each kind in a step and reused by the others."""
+        pool = self.pool
+        A, B = pool.A_rows[kind][layer], pool.B_rows[kind][layer]
+        table, ranks = pool.row_table[kind], pool.ranks[kind]
+        if self.backend != "torch":
+            kernels.add_lora(y, x, A, B, table, ranks, meta, backend=self.backend)
+            return
+        plan = self._plans.get(plan_key)
+        first = plan is None
+        if first:
+            plan = self._plans[plan_key] = kernels.plan_torch(meta, table, ranks, A, B)
+        kernels.add_lora_torch(y, x, A, B, table, ranks, meta, plan=plan, check=first)
+
 
 class LoRALinear(nn.Module):
     """y = base(x) + x @ A[a(t)]^T @ B[a(t)]^T per token t. x [T, H_in] -> [T, H_out]."""
@@ -69,10 +87,7 @@ class LoRALinear(nn.Module):
         st = self.state
         if st.meta is None:
             return y
-        pool = st.pool
-        y2, x2 = y.reshape(-1, y.shape[-1]), x.reshape(-1, x.shape[-1])
-        kernels.add_lora(y2, x2, pool.A_rows[self.kind][self.layer], pool.B_rows[self.kind][self.layer],
-                         pool.row_table[self.kind], pool.ranks[self.kind], st.meta, backend=st.backend)
+        st.add(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), self.kind, self.layer, st.meta, self.kind)
         return y
 
 
@@ -88,11 +103,8 @@ class LoRAExpertLinear(nn.Module):
         st = self.state
         if st.meta is None or x.shape[0] == 0:
             return y
-        pool = st.pool
         meta = st.pair_meta(self.layer, expert_ids, token_index)
-        kernels.add_lora(y, x.contiguous(), pool.A_rows[self.kind][self.layer],
-                         pool.B_rows[self.kind][self.layer], pool.row_table[self.kind],
-                         pool.ranks[self.kind], meta, backend=st.backend)
+        st.add(y, x.contiguous(), self.kind, self.layer, meta, (self.kind, self.layer))
         return y
 
 
