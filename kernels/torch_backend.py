@@ -11,6 +11,12 @@ CUDA):
 - *heavy* segments (prefill, popular adapters) get one GEMM each at their exact rank: Python work
   is O(heavy segments), but a segment is heavy only when the weight copies the gather would make
   for it cost more than a loop iteration.
+
+`add_lora` has a third strategy, *dense*, for small batches over at most 16 adapters (the common
+decode step): all LoRA tokens against the concatenated rank rows of every live segment in two
+GEMMs, with a block mask keeping each token's own adapter. Each adapter's rows are read once and
+no per-token weight copy is made; the extra MACs (S x) are cheap next to a gathered element.
+`plan_torch` builds the plan once per step and target kind; every layer reuses it.
 """
 
 from __future__ import annotations
@@ -55,16 +61,60 @@ class _Heavy:
 
 
 @dataclass(slots=True)
+class _Dense:
+    """Few adapters in a small batch: every LoRA token against the rank rows of every live
+    segment in two dense GEMMs, then a block mask keeps each token's own adapter. Reads each
+    adapter's rows once (no per-token weight copies) at the price of S x the (tiny) MACs."""
+
+    tok: torch.Tensor | None  # [n] int64 tokens in sorted order; None = all T tokens in order
+    rows: torch.Tensor  # [sum r] int64 pool rows of the live segments, concatenated
+    mask: torch.Tensor  # [n, sum r] bool: column belongs to the token's own segment
+
+
+@dataclass(slots=True)
 class _Plan:
     """How one call covers the step's LoRA tokens for one target."""
 
     light: _Gathered | None = None
     heavy: _Heavy | None = None
+    dense: _Dense | None = None
+
+
+DENSE_MAX_SEGMENTS = 16  # a gathered weight element costs ~20 MACs on a CPU core: S <= 16 wins
+DENSE_MAX_MACS = 1 << 24  # n * sum(r) * (H_in + H_out): past it (prefill), use the other paths
+
+
+def _dense_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, num_experts: int,
+                width: int) -> _Dense | None:
+    """The dense strategy when it applies (dense pools, CPU metadata, few segments, small batch)."""
+    if num_experts > 1 or meta.device.type != "cpu":
+        return None
+    s = int(meta.num_segments)
+    if not 0 < s <= DENSE_MAX_SEGMENTS:
+        return None
+    starts = meta.seg_start[: s + 1].tolist()
+    seg_ranks = ranks[meta.seg_slot[:s].long()].tolist()
+    if max(seg_ranks) > row_table.shape[1]:
+        raise ValueError(f"ranks holds {max(seg_ranks)} > R_max={row_table.shape[1]}")
+    n, total = starts[-1], sum(seg_ranks)
+    if total == 0 or n * total * width > DENSE_MAX_MACS:
+        return None
+    slots = meta.seg_slot[:s].long().tolist()
+    rows = torch.cat([row_table[a, :r].long() for a, r in zip(slots, seg_ranks)])
+    col_seg = torch.repeat_interleave(torch.arange(s), torch.tensor(seg_ranks))
+    tok_seg = torch.repeat_interleave(torch.arange(s), torch.tensor(starts[1:]) - torch.tensor(starts[:-1]))
+    tok = meta.token_ids[:n].long()
+    identity = n == meta.num_tokens and bool((tok == torch.arange(n)).all())
+    return _Dense(None if identity else tok, rows, tok_seg[:, None] == col_seg[None, :])
 
 
 def _plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, num_experts: int,
-          width: int) -> _Plan:
-    """Split live segments into light (gathered) and heavy (own GEMM); `width` = H_in + H_out."""
+          width: int, allow_segments: bool = False) -> _Plan:
+    """Split live segments into light (gathered) and heavy (own GEMM); `width` = H_in + H_out.
+    allow_segments (add_lora only): few segments in a small batch use the `dense` strategy."""
+    dense = _dense_plan(meta, row_table, ranks, num_experts, width) if allow_segments else None
+    if dense is not None:
+        return _Plan(dense=dense)
     s = int(meta.num_segments)
     starts = meta.seg_start[: s + 1]
     lengths = starts[1:] - starts[:-1]
@@ -172,7 +222,8 @@ def plan_torch(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, A_r
     """The row gathers of one step for one target kind. Every layer of that kind shares it (same
     metadata, same row table and ranks, same widths), so the engine builds it once per step and
     passes it to `add_lora_torch(..., plan=)`, saving the host-side planning of every other call."""
-    return _plan(meta, row_table, ranks, _num_experts(A_rows), A_rows.shape[-1] + B_rows.shape[-1])
+    return _plan(meta, row_table, ranks, _num_experts(A_rows), A_rows.shape[-1] + B_rows.shape[-1],
+                 allow_segments=True)
 
 
 def add_lora_torch(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
@@ -188,7 +239,10 @@ def add_lora_torch(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_row
         check_shrink(buffer, x, A_rows, row_table, ranks, meta)
         check_expand(y, buffer, B_rows, row_table, ranks, meta)
     if plan is None:
-        plan = _plan(meta, row_table, ranks, _num_experts(A_rows), x.shape[1] + y.shape[1])
+        plan = _plan(meta, row_table, ranks, _num_experts(A_rows), x.shape[1] + y.shape[1],
+                     allow_segments=True)
+    if plan.dense is not None:
+        _add_dense(y, x, A_rows, B_rows, plan.dense)
     if plan.light is not None:
         _expand_gathered(y, _shrink_gathered(x, A_rows, plan.light), B_rows, plan.light)
     if plan.heavy is not None:
@@ -198,6 +252,18 @@ def add_lora_torch(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_row
         for t0, t1, r0, r1 in hv.bounds:
             torch.mm(xs[t0:t1] @ A[r0:r1].T, B[r0:r1], out=delta[t0:t1])
         y.index_add_(0, hv.tok, delta.to(y.dtype))
+
+
+def _add_dense(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
+               d: _Dense) -> None:
+    """y[tok] += ((x[tok] @ A_all^T) * own-block mask) @ B_all."""
+    xs = x if d.tok is None else x.index_select(0, d.tok)
+    h = (xs @ A_rows.index_select(0, d.rows).T.to(xs.dtype)).mul_(d.mask)
+    delta = (h.to(B_rows.dtype) @ B_rows.index_select(0, d.rows)).to(y.dtype)
+    if d.tok is None:
+        y.add_(delta)
+    else:
+        y.index_add_(0, d.tok, delta)
 
 
 def _shrink_heavy(v: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, hv: _Heavy) -> None:
