@@ -102,3 +102,14 @@ def test_random_workload_never_exceeds_bounds_or_evicts_in_use(dense_set, tmp_pa
         eng.step()
     assert all(pool.refcount(k) == 0 for k in pool.resident())
     assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_pinned_adapter_stays_resident_under_pressure(dense_set, tmp_path):
+    eng = _engine(dense_set.base, _copy_catalog(dense_set, tmp_path), max_gpu_adapters=2,
+                  pinned_adapters=["t/o-head-r2"])
+    pool = eng.adapters.pool
+    assert pool.is_pinned(("t/o-head-r2", "r1"))
+    for adapter in ["t/qv-r4", "t/all-r8-rslora", "t/qv-r4", "t/all-r8-rslora"]:
+        assert len(eng.generate([[5, 6, 7]], GREEDY, [adapter])[0]) == GREEDY.max_tokens
+        assert ("t/o-head-r2", "r1") in pool and len(pool.resident()) <= 2
+    assert pool.stats.evictions >= 2  # the other two took turns in the one unpinned slot
