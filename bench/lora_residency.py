@@ -48,9 +48,12 @@ def start_server(model: str, catalog: str, port: int, *extra: str) -> subprocess
     raise RuntimeError("server did not come up")
 
 
-def rss_mb(pid: int) -> float:
+def rss_mb(pid: int) -> tuple[float, float]:
+    """(anonymous, file-backed) resident MiB. File-backed pages are the catalog's LMDB maps in the
+    OS page cache (reclaimable); the anonymous part is the server's own memory."""
     text = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"VmRSS:\s+(\d+)", text).group(1)) / 1024
+    kb = lambda key: int(re.search(rf"{key}:\s+(\d+)", text).group(1))
+    return kb("RssAnon") / 1024, kb("RssFile") / 1024
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -114,7 +117,8 @@ def sweep(args, model: str) -> None:
     thread.start()
     try:
         rep = run_loadtest(LoadTestConfig(url=url, adapters=ids, dist="cycle", concurrency=args.concurrency,
-                                          max_requests=len(ids), duration=1e9, prompt_len=4, max_tokens=2,
+                                          max_requests=len(ids), duration=args.duration_cap, prompt_len=4,
+                                          max_tokens=2,
                                           progress=True))
     finally:
         stop.set()
@@ -123,13 +127,15 @@ def sweep(args, model: str) -> None:
         proc.wait(30)
     gpu = max(s[2].get("loraserve_adapter_resident[gpu]", 0) for s in samples)
     cpu_bytes = max(s[2].get("loraserve_adapter_resident_bytes[cpu]", 0) for s in samples)
-    rss = [s[1] for s in samples]
-    tenth = max(len(rss) // 10, 1)
+    anon, files = [s[1][0] for s in samples], [s[1][1] for s in samples]
+    tenth = max(len(anon) // 10, 1)
     print(f"sweep: {len(ids)} distinct adapters, closed loop x{args.concurrency}, --max-gpu-adapters 64 --cpu-cache-mb 256")
-    print(f"ok={rep['ok']} errors={rep['errors']} duration={rep['wall_s']:.1f}s req/s={rep['req_per_s']:.1f}")
+    print(f"ok={rep['ok']} errors={rep['errors']} {rep['error_kinds'] or ''} duration={rep['wall_s']:.1f}s "
+          f"req/s={rep['req_per_s']:.1f}")
     print(f"max resident gpu adapters={gpu:.0f} (bound 64); max cpu cache bytes={cpu_bytes / 2**20:.1f} MiB (bound 256)")
-    print(f"server RSS MiB: first 10% avg {sum(rss[:tenth]) / tenth:.0f}, last 10% avg {sum(rss[-tenth:]) / tenth:.0f}, "
-          f"max {max(rss):.0f}")
+    for name, xs in (("anonymous", anon), ("file-backed (LMDB maps)", files)):
+        print(f"server RSS {name} MiB: first 10% avg {sum(xs[:tenth]) / tenth:.0f}, "
+              f"last 10% avg {sum(xs[-tenth:]) / tenth:.0f}, max {max(xs):.0f}")
 
 
 def main() -> None:
@@ -143,6 +149,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument("--adapters", type=int, default=100_000)
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--duration-cap", type=float, default=7200.0, help="sweep: stop after this many seconds")
     args = ap.parse_args()
     model = args.model
     if model is None:

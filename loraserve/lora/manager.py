@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Callable
 
@@ -30,7 +31,9 @@ class AdapterManager:
         self.cpu_cache = cpu_cache
         self.pager = pager
         self.base_fingerprint = base_fingerprint
-        self._records: dict[AdapterKey, RevisionRecord] = {}
+        # records of recently resolved revisions (immutable: an evicted one is read again)
+        self._records: OrderedDict[AdapterKey, RevisionRecord] = OrderedDict()
+        self.max_records = 64 * pool.config.max_slots
         self._staged: dict[AdapterKey, object] = {}  # paged in for a parked request, not yet in the pool
         self.max_staged = 2 * pool.config.max_slots
         self._lock = threading.Lock()
@@ -47,14 +50,22 @@ class AdapterManager:
         key = (rec.adapter_id, rec.revision)
         with self._lock:
             self._records[key] = rec
+            self._records.move_to_end(key)
+            while len(self._records) > self.max_records:
+                self._records.popitem(last=False)
         return key
+
+    def record(self, key: AdapterKey) -> RevisionRecord:
+        with self._lock:
+            rec = self._records.get(key)
+        return rec if rec is not None else self.catalog.resolve(*key)
 
     def is_ready(self, key: AdapterKey) -> bool:
         return key in self.pool or key in self._staged or key in self.cpu_cache
 
     def fetch(self, key: AdapterKey, done: Callable[[Exception | None], None]) -> None:
         """Page key in to the CPU tier; done(err) runs on a pager thread when it is there."""
-        fut: Future = self.pager.fetch(self._records[key])
+        fut: Future = self.pager.fetch(self.record(key))
 
         def _finish(f: Future) -> None:
             err = f.exception()
@@ -103,7 +114,7 @@ class AdapterManager:
     def pin(self, ref: str) -> AdapterKey:
         """Load ref now and keep it resident (--pin)."""
         key = self.resolve(ref)
-        weights = self.pager.fetch(self._records[key]).result()
+        weights = self.pager.fetch(self.record(key)).result()
         self.pool.load(key, weights)
         self.pool.pin(key)
         return key
@@ -136,7 +147,7 @@ class AdapterManager:
     def warm(self, ref: str) -> AdapterKey:
         """Resolve ref and page it into the CPU tier now (blocking)."""
         key = self.resolve(ref)
-        self.pager.fetch(self._records[key]).result()
+        self.pager.fetch(self.record(key)).result()
         return key
 
     def unload(self, adapter_id: str) -> int:

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loraserve.adapters.cpu_cache import CpuCache
+from loraserve.adapters.weights import weights_nbytes
 
 SPECS = tiny_specs()
 
@@ -17,7 +18,7 @@ def weights_of(rank: int, seed: int = 0):
 
 
 def test_get_put_hits_misses_and_lru_order():
-    one = weights_of(1).nbytes
+    one = weights_nbytes(weights_of(1))
     cache = CpuCache(max_bytes=3 * one)
     assert cache.get(("t/a", "r")) is None
     for name in "abc":
@@ -31,18 +32,17 @@ def test_get_put_hits_misses_and_lru_order():
 
 
 def test_a_big_entry_evicts_as_many_as_needed():
-    one = weights_of(1).nbytes
-    cache = CpuCache(max_bytes=4 * one)
+    one, big = weights_nbytes(weights_of(1)), weights_nbytes(weights_of(3))
+    cache = CpuCache(max_bytes=big + one)  # room for one small entry beside the big one
     for name in "abcd":
         cache.put((f"t/{name}", "r"), weights_of(1))
     cache.put(("t/big", "r"), weights_of(3))
     assert cache.keys() == [("t/d", "r"), ("t/big", "r")]
-    assert cache.stats.bytes == 4 * one and cache.stats.evictions == 3
+    assert cache.stats.bytes == big + one and cache.stats.evictions == 3
 
 
 def test_an_entry_larger_than_the_cache_is_not_kept():
-    one = weights_of(1).nbytes
-    cache = CpuCache(max_bytes=2 * one)
+    cache = CpuCache(max_bytes=weights_nbytes(weights_of(3)) - 1)
     cache.put(("t/a", "r"), weights_of(1))
     assert not cache.put(("t/huge", "r"), weights_of(3))
     assert ("t/huge", "r") not in cache and ("t/a", "r") in cache
@@ -54,7 +54,7 @@ def test_reputting_a_key_does_not_double_count_and_discard_frees():
     cache = CpuCache(max_bytes=10_000)
     cache.put(("t/a", "r"), weights_of(2))
     cache.put(("t/a", "r"), weights_of(2))
-    assert cache.stats.bytes == weights_of(2).nbytes and len(cache) == 1
+    assert cache.stats.bytes == weights_nbytes(weights_of(2)) and len(cache) == 1
     assert cache.discard(("t/a", "r")) and not cache.discard(("t/a", "r"))
     assert cache.stats.bytes == 0 and cache.stats.evictions == 0
 
@@ -75,23 +75,23 @@ def test_bad_config_is_refused():
 @given(cap_ranks=st.integers(0, 12),
        ops=st.lists(st.tuples(st.integers(0, 7), st.integers(1, 8), st.booleans()), max_size=40))
 def test_random_workload_never_exceeds_the_byte_bound(cap_ranks, ops):
-    cap = cap_ranks * weights_of(1).nbytes
+    cap = cap_ranks * weights_nbytes(weights_of(1))
     cache = CpuCache(max_bytes=cap)
     for i, rank, is_put in ops:
         key = (f"t/a{i}", "r")
         if is_put:
             kept = cache.put(key, weights_of(rank))
-            assert kept == (weights_of(rank).nbytes <= cap) and (key in cache) == kept
+            assert kept == (weights_nbytes(weights_of(rank)) <= cap) and (key in cache) == kept
         else:
             got = cache.get(key)
             assert got is None or got.rank >= 1
         stats = cache.stats
         assert stats.bytes <= cap
-        assert stats.bytes == sum(cache.get(k).nbytes for k in cache.keys())
+        assert stats.bytes == sum(weights_nbytes(cache.get(k)) for k in cache.keys())
 
 
 def test_concurrent_puts_and_gets_keep_the_bound():
-    cap = 5 * weights_of(1).nbytes
+    cap = 5 * weights_nbytes(weights_of(1))
     cache = CpuCache(max_bytes=cap)
     payload = [weights_of(r) for r in (1, 2, 3)]
 
@@ -109,4 +109,4 @@ def test_concurrent_puts_and_gets_keep_the_bound():
     for t in threads:
         t.join()
     assert cache.stats.bytes <= cap
-    assert cache.stats.bytes == sum(cache.get(k).nbytes for k in cache.keys())
+    assert cache.stats.bytes == sum(weights_nbytes(cache.get(k)) for k in cache.keys())
