@@ -211,7 +211,8 @@ async def _drive(client: httpx.AsyncClient, work: _Workload, record) -> None:
 
 async def _run(cfg: LoadTestConfig) -> dict:
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # idle connections expire well before the server drops them (uvicorn: 5 s by default)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=cfg.url.rstrip("/"), headers=headers,
                                  timeout=cfg.timeout, limits=limits) as client:
         if cfg.base_model is None and (not cfg.adapters or cfg.model_field != "model"):

@@ -169,4 +169,6 @@ def run_server(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, *, max_n: int = 16, log_level: str = "info") -> None:
     """Serve `engine` with uvicorn until interrupted. `api_key` defaults to $LORASERVE_API_KEY."""
     app = build_app(engine, api_key=resolve_api_key(api_key), max_n=max_n)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    # keep-alive well above clients' idle expiry (httpx: 5 s), so a reused connection is not
+    # closed under a request in flight (a ReadError on the client)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
