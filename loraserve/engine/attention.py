@@ -66,7 +66,7 @@ class PagedAttention:
         bs = cache.block_size
         start_t, end_t = torch.tensor(starts), torch.tensor(ends)
         q_len = end_t - start_t
-        B, Q, C = len(ends), int(q_len.max()), int(end_t.max())
+        Q, C = int(q_len.max()), int(end_t.max())
         width = max(len(t) for t in block_tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])   # [B, blocks]
         pos = torch.arange(C)

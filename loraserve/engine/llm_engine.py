@@ -22,7 +22,7 @@ from .model_runner import ModelRunner
 from .output import OutputProcessor
 from .sampler import sample, token_logprobs
 from .scheduler import Scheduler
-from .sequence import Sequence, SeqStatus
+from .sequence import Sequence
 from .types import EngineError, GenerateRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)

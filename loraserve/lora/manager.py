@@ -12,7 +12,6 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Callable
 
-import torch
 
 from catalog.records import RevisionRecord
 
