@@ -68,7 +68,14 @@ class _Dense:
 
     tok: torch.Tensor | None  # [n] int64 tokens in sorted order; None = all T tokens in order
     rows: torch.Tensor  # [sum r] int64 pool rows of the live segments, concatenated
-    mask: torch.Tensor  # [n, sum r] bool: column belongs to the token's own segment
+    other: torch.Tensor  # [n, sum r] bool: column belongs to another token's segment
+    row_range: tuple[int, int] | None  # rows are pool[start:stop]: views, no copy
+
+    def pick(self, pool: torch.Tensor) -> torch.Tensor:
+        """[sum r, H]: the live segments' rows of `pool`."""
+        if self.row_range is not None:
+            return pool[self.row_range[0]:self.row_range[1]]
+        return pool.index_select(0, self.rows)
 
 
 @dataclass(slots=True)
@@ -105,7 +112,10 @@ def _dense_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, nu
     tok_seg = torch.repeat_interleave(torch.arange(s), torch.tensor(starts[1:]) - torch.tensor(starts[:-1]))
     tok = meta.token_ids[:n].long()
     identity = n == meta.num_tokens and bool((tok == torch.arange(n)).all())
-    return _Dense(None if identity else tok, rows, tok_seg[:, None] == col_seg[None, :])
+    first = int(rows[0])
+    contiguous = bool((rows == torch.arange(first, first + total)).all())
+    return _Dense(None if identity else tok, rows, tok_seg[:, None] != col_seg[None, :],
+                  (first, first + total) if contiguous else None)
 
 
 def _plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, num_experts: int,
@@ -258,8 +268,8 @@ def _add_dense(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: t
                d: _Dense) -> None:
     """y[tok] += ((x[tok] @ A_all^T) * own-block mask) @ B_all."""
     xs = x if d.tok is None else x.index_select(0, d.tok)
-    h = (xs @ A_rows.index_select(0, d.rows).T.to(xs.dtype)).mul_(d.mask)
-    delta = (h.to(B_rows.dtype) @ B_rows.index_select(0, d.rows)).to(y.dtype)
+    h = (xs @ d.pick(A_rows).T.to(xs.dtype)).masked_fill_(d.other, 0)
+    delta = (h.to(B_rows.dtype) @ d.pick(B_rows)).to(y.dtype)
     if d.tok is None:
         y.add_(delta)
     else:

@@ -36,11 +36,13 @@ class LoRAState:
         self._pair_key: int | None = None
         self._pair_meta: LoRAMeta | None = None
         self._plans: dict = {}  # torch backend: (kind[, layer]) -> row-gather plan of this step
+        self._plan_rows: list = []  # (meta, row table, ranks, plan) of this step's plans
 
     def set_slots(self, slots: list[int]) -> None:
         self.token_slots = torch.tensor(slots, dtype=torch.int32, device=self.device)
         self._pair_key = None
         self._plans.clear()
+        self._plan_rows.clear()
         if max(slots, default=-1) < 0:
             self.meta = None
             return
@@ -71,8 +73,19 @@ class LoRAState:
         plan = self._plans.get(plan_key)
         first = plan is None
         if first:
-            plan = self._plans[plan_key] = kernels.plan_torch(meta, table, ranks, A, B)
+            plan = self._shared_plan(meta, table, ranks) or kernels.plan_torch(meta, table, ranks, A, B)
+            self._plans[plan_key] = plan
+            self._plan_rows.append((meta, table, ranks, plan))
         kernels.add_lora_torch(y, x, A, B, table, ranks, meta, plan=plan, check=first)
+
+    def _shared_plan(self, meta: LoRAMeta, table: torch.Tensor, ranks: torch.Tensor):
+        """A plan this step already built for another kind with the same rows: adapters that
+        target every kind at one rank get identical row tables in each kind's pool (the free
+        lists hand rows out in the same order), so q/k/v/o/gate/up/down share one plan."""
+        for plan_meta, plan_table, plan_ranks, plan in self._plan_rows:
+            if plan_meta is meta and torch.equal(plan_ranks, ranks) and torch.equal(plan_table, table):
+                return plan
+        return None
 
 
 class LoRALinear(nn.Module):

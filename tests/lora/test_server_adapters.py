@@ -120,3 +120,15 @@ def test_adapter_metrics(http) -> None:
                  "loraserve_adapter_page_in_seconds_bucket", "loraserve_parked_requests", "vllm:lora_requests_info"):
         assert name in text, name
     assert 'tier="gpu"' in text and 'tier="cpu"' in text and 'max_lora="2"' in text
+
+
+def test_loadtest_against_the_live_server(live) -> None:
+    from loraserve.loadtest import LoadTestConfig, run_loadtest
+
+    report = run_loadtest(LoadTestConfig(url=live[0].url, adapters=["t/qv-r4", "t/all-r8-rslora", "t/o-head-r2"],
+                                         concurrency=3, max_requests=9, duration=120, prompt_len=3, max_tokens=3,
+                                         progress=False, dist="zipf:1.1"))
+    assert report["ok"] == 9 and report["errors"] == 0
+    assert report["ttft_s"]["p50"] is not None and report["output_tokens"] == 27
+    rates = report["adapter_hit_rate"]
+    assert rates is not None and 0.0 <= rates["gpu"] <= 1.0
