@@ -60,13 +60,16 @@ class LoRAState:
             self._pair_key = key
         return self._pair_meta
 
-    def add(self, y: torch.Tensor, x: torch.Tensor, kind: str, layer: int, meta: LoRAMeta,
+    def tensors(self, kind: str, layer: int) -> tuple[torch.Tensor, ...]:
+        """(A_rows, B_rows, row_table, ranks) of one target module: fixed for the pool's life."""
+        pool = self.pool
+        return pool.A_rows[kind][layer], pool.B_rows[kind][layer], pool.row_table[kind], pool.ranks[kind]
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, weights: tuple[torch.Tensor, ...], meta: LoRAMeta,
             plan_key) -> None:
         """y += LoRA(x) for one target module. On the torch backend the row-gather plan is built
         by the first layer of each kind in a step and reused by the others."""
-        pool = self.pool
-        A, B = pool.A_rows[kind][layer], pool.B_rows[kind][layer]
-        table, ranks = pool.row_table[kind], pool.ranks[kind]
+        A, B, table, ranks = weights
         if self.backend != "torch":
             kernels.add_lora(y, x, A, B, table, ranks, meta, backend=self.backend)
             return
@@ -94,13 +97,14 @@ class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, kind: str, layer: int, state: LoRAState):
         super().__init__()
         self.base, self.kind, self.layer, self.state = base, kind, layer, state
+        self.weights = state.tensors(kind, layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         st = self.state
         if st.meta is None:
             return y
-        st.add(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), self.kind, self.layer, st.meta, self.kind)
+        st.add(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), self.weights, st.meta, self.kind)
         return y
 
 
@@ -110,6 +114,7 @@ class LoRAExpertLinear(nn.Module):
     def __init__(self, base: nn.Module, kind: str, layer: int, state: LoRAState):
         super().__init__()
         self.base, self.kind, self.layer, self.state = base, kind, layer, state
+        self.weights = state.tensors(kind, layer)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
         y = self.base(x, expert_ids, token_index)
@@ -117,7 +122,7 @@ class LoRAExpertLinear(nn.Module):
         if st.meta is None or x.shape[0] == 0:
             return y
         meta = st.pair_meta(self.layer, expert_ids, token_index)
-        st.add(y, x.contiguous(), self.kind, self.layer, meta, (self.kind, self.layer))
+        st.add(y, x.contiguous(), self.weights, meta, (self.kind, self.layer))
         return y
 
 
