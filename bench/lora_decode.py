@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+CPU_THREADS = torch.get_num_threads()  # before any engine sets its own count
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -51,7 +52,7 @@ def make_adapters(base: Path, root: Path, n: int, rank: int) -> tuple[Path, list
 
 
 def engine_decode(base: Path, catalog: Path, ids: list[str], batch: int, tokens: int,
-                  distinct: list[int], device: str = "auto") -> list[tuple[str, float, float]]:
+                  distinct: list[int], device: str = "auto", repeats: int = 3) -> list[tuple[str, float, float]]:
     import sys
     sys.path.insert(0, str(Path(__file__).parent))
     from decode import measure
@@ -61,11 +62,14 @@ def engine_decode(base: Path, catalog: Path, ids: list[str], batch: int, tokens:
     eng = build_engine(EngineConfig(model_dir=str(base), catalog_dir=str(catalog), max_batch_size=batch, device=device,
                                     max_model_len=64 + tokens, max_gpu_adapters=max(distinct), max_lora_rank=16))
     measure(eng, 2, 16, 4, [ids[0], None])  # warm-up
-    rows = [("base only", *measure(eng, batch, 16, tokens))]
-    for d in distinct:
-        adapters = [ids[i % d] for i in range(batch)]
-        rows.append((f"{d} adapters", *measure(eng, batch, 16, tokens, adapters)))
-    return rows
+    cases = [("base only", None)] + [(f"{d} adapters", [ids[i % d] for i in range(batch)]) for d in distinct]
+    best: dict[str, tuple[float, float]] = {}
+    for _ in range(repeats):  # interleaved, best of N: the machine's noise hits every case alike
+        for name, adapters in cases:
+            tps, ms = measure(eng, batch, 16, tokens, adapters)
+            if tps > best.get(name, (0.0, 0.0))[0]:
+                best[name] = (tps, ms)
+    return [(name, *best[name]) for name, _ in cases]
 
 
 async def _http_batch(url: str, prompts: list[str], models: list[str], tokens: int) -> int:
@@ -113,12 +117,16 @@ def peft_tokens_per_s(base: Path, dirs: dict[str, Path], prompts: list[str], mod
         model.load_adapter(dirs[name], adapter_name=name)
     enc = tok(prompts, return_tensors="pt", padding=True)
     kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-    with torch.no_grad():
-        model.generate(**enc, adapter_names=models, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
-        t0 = time.perf_counter()
-        out = model.generate(**enc, adapter_names=models, **kw)
-        dt = time.perf_counter() - t0
-    return (out.shape[1] - enc["input_ids"].shape[1]) * len(prompts) / dt
+    best = 0.0
+    for threads in sorted({1, CPU_THREADS}):  # PEFT's best thread count, to be fair
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            model.generate(**enc, adapter_names=models, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+            t0 = time.perf_counter()
+            out = model.generate(**enc, adapter_names=models, **kw)
+            dt = time.perf_counter() - t0
+        best = max(best, (out.shape[1] - enc["input_ids"].shape[1]) * len(prompts) / dt)
+    return best
 
 
 def main() -> None:
@@ -139,7 +147,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         catalog, ids, dirs = make_adapters(base, Path(tmp), max(distinct), args.rank)
         rows = engine_decode(base, catalog, ids, args.batch, args.tokens, distinct, args.device)
-        print(f"engine decode, batch {args.batch}, rank {args.rank}, all 7 targets, {args.tokens} tokens")
+        print(f"engine decode, batch {args.batch}, rank {args.rank}, all 7 targets, {args.tokens} tokens, "
+              "best of 3 interleaved runs")
         print(f"{'batch':>12} {'tok/s':>9} {'ms/step':>8} {'vs base':>8}")
         for name, tps, ms in rows:
             print(f"{name:>12} {tps:>9.1f} {ms:>8.2f} {tps / rows[0][1]:>8.2f}")
@@ -153,7 +162,7 @@ def main() -> None:
         print(f"\nmixed batch of {args.batch} over {d} adapters, {args.tokens} tokens each")
         print(f"{'system':>28} {'tok/s':>9}")
         print(f"{'loraserve (HTTP, end to end)':>28} {ours:>9.1f}")
-        print(f"{'PEFT generate(adapter_names)':>28} {theirs:>9.1f}")
+        print(f"{'PEFT generate(adapter_names)':>28} {theirs:>9.1f}   (best of 1 and all threads)")
         print(f"{'ratio':>28} {ours / theirs:>9.2f}x")
 
 
