@@ -12,10 +12,11 @@ CUDA):
   is O(heavy segments), but a segment is heavy only when the weight copies the gather would make
   for it cost more than a loop iteration.
 
-`add_lora` has a third strategy, *dense*, for small batches over at most 16 adapters (the common
-decode step): all LoRA tokens against the concatenated rank rows of every live segment in two
-GEMMs, with a block mask keeping each token's own adapter. Each adapter's rows are read once and
-no per-token weight copy is made; the extra MACs (S x) are cheap next to a gathered element.
+`add_lora` has two more strategies for small batches over at most 16 adapters (the common decode
+step), both reading each adapter's rows once with no per-token weight copy: *dense* (all LoRA
+tokens against the concatenated rank rows in two GEMMs, a block mask keeping each token's own
+adapter; fewest ops) and *padded* (segments padded to the longest into [S, L, H] blocks, two bmm
+against each segment's rows; fewest MACs), picked by the MACs padded would save.
 `plan_torch` builds the plan once per step and target kind; every layer reuses it.
 """
 
@@ -79,16 +80,47 @@ class _Dense:
 
 
 @dataclass(slots=True)
+class _Padded:
+    """Segments padded to the longest one: token blocks [S, L, H_in] against each segment's rank
+    rows [S, r_b, H] in two bmm. Each adapter's rows are read once and the MACs are those of the
+    padded blocks (S x L x r_b), not S x those of every token (the dense strategy's cost)."""
+
+    vtok: torch.Tensor  # [n] int64 token of each LoRA position
+    vpos: torch.Tensor  # [n] int64 its place in the flattened [S * L] padded block
+    rows: torch.Tensor  # [S * r_b] int64 pool rows (row 0 past a segment's rank, masked)
+    invalid: torch.Tensor  # [S, 1, r_b] bool: rank index past the segment's rank
+    shape: tuple[int, int, int]  # S, L, r_b
+
+
+@dataclass(slots=True)
 class _Plan:
     """How one call covers the step's LoRA tokens for one target."""
 
     light: _Gathered | None = None
     heavy: _Heavy | None = None
     dense: _Dense | None = None
+    padded: _Padded | None = None
 
 
 DENSE_MAX_SEGMENTS = 16  # a gathered weight element costs ~20 MACs on a CPU core: S <= 16 wins
 DENSE_MAX_MACS = 1 << 24  # n * sum(r) * (H_in + H_out): past it (prefill), use the other paths
+
+
+# padded costs ~3 more torch ops than dense (~15 us on a CPU core); it wins once the MACs it
+# saves (dense: n x sum r, padded: S x L x r_b, each times H_in + H_out) are worth more than that
+PADDED_MIN_SAVED_MACS = 1 << 21
+
+
+def _padded_plan(meta: LoRAMeta, row_table: torch.Tensor, slots: list[int], seg_ranks: list[int],
+                 starts: list[int], tok: torch.Tensor, tok_seg: torch.Tensor) -> _Padded:
+    s, r_b = len(slots), max(seg_ranks)
+    lengths = [b - a for a, b in zip(starts, starts[1:])]
+    length = max(lengths)
+    within = torch.arange(tok.numel()) - torch.tensor(starts[:-1])[tok_seg]
+    rows = row_table[torch.tensor(slots), :r_b].long()  # [S, r_b]
+    invalid = torch.arange(r_b)[None, :] >= torch.tensor(seg_ranks)[:, None]
+    return _Padded(tok, tok_seg * length + within, rows.masked_fill(invalid, 0).flatten(),
+                   invalid[:, None, :], (s, length, r_b))
 
 
 def _dense_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, num_experts: int,
@@ -111,6 +143,9 @@ def _dense_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, nu
     col_seg = torch.repeat_interleave(torch.arange(s), torch.tensor(seg_ranks))
     tok_seg = torch.repeat_interleave(torch.arange(s), torch.tensor(starts[1:]) - torch.tensor(starts[:-1]))
     tok = meta.token_ids[:n].long()
+    longest = max(b - a for a, b in zip(starts, starts[1:]))
+    if (n * total - s * longest * max(seg_ranks)) * width >= PADDED_MIN_SAVED_MACS:
+        return _padded_plan(meta, row_table, slots, seg_ranks, starts, tok, tok_seg)
     identity = n == meta.num_tokens and bool((tok == torch.arange(n)).all())
     first = int(rows[0])
     contiguous = bool((rows == torch.arange(first, first + total)).all())
@@ -122,9 +157,9 @@ def _plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, num_expe
           width: int, allow_segments: bool = False) -> _Plan:
     """Split live segments into light (gathered) and heavy (own GEMM); `width` = H_in + H_out.
     allow_segments (add_lora only): few segments in a small batch use the `dense` strategy."""
-    dense = _dense_plan(meta, row_table, ranks, num_experts, width) if allow_segments else None
-    if dense is not None:
-        return _Plan(dense=dense)
+    found = _as_plan(_dense_plan(meta, row_table, ranks, num_experts, width)) if allow_segments else None
+    if found is not None:
+        return found
     s = int(meta.num_segments)
     starts = meta.seg_start[: s + 1]
     lengths = starts[1:] - starts[:-1]
@@ -236,6 +271,12 @@ def plan_torch(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, A_r
                  allow_segments=True)
 
 
+def _as_plan(found: _Dense | _Padded | None) -> _Plan | None:
+    if found is None:
+        return None
+    return _Plan(padded=found) if isinstance(found, _Padded) else _Plan(dense=found)
+
+
 def add_lora_torch(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
                    row_table: torch.Tensor, ranks: torch.Tensor, meta: LoRAMeta,
                    buffer: torch.Tensor | None = None, plan: _Plan | None = None,
@@ -253,6 +294,8 @@ def add_lora_torch(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_row
                      allow_segments=True)
     if plan.dense is not None:
         _add_dense(y, x, A_rows, B_rows, plan.dense)
+    if plan.padded is not None:
+        _add_padded(y, x, A_rows, B_rows, plan.padded)
     if plan.light is not None:
         _expand_gathered(y, _shrink_gathered(x, A_rows, plan.light), B_rows, plan.light)
     if plan.heavy is not None:
@@ -274,6 +317,18 @@ def _add_dense(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: t
         y.add_(delta)
     else:
         y.index_add_(0, d.tok, delta)
+
+
+def _add_padded(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
+                p: _Padded) -> None:
+    """Per segment: y[its tokens] += (x[its tokens] @ A^T) @ B, all segments in one bmm pair."""
+    s, length, r_b = p.shape
+    xs = x.new_zeros(s * length, x.shape[1]).index_copy_(0, p.vpos, x.index_select(0, p.vtok))
+    a = A_rows.index_select(0, p.rows).view(s, r_b, -1).to(x.dtype)
+    h = torch.bmm(xs.view(s, length, -1), a.transpose(1, 2)).masked_fill_(p.invalid, 0)  # [S, L, r_b]
+    b = B_rows.index_select(0, p.rows).view(s, r_b, -1)
+    delta = torch.bmm(h.to(b.dtype), b).view(s * length, -1)
+    y.index_add_(0, p.vtok, delta.index_select(0, p.vpos).to(y.dtype))
 
 
 def _shrink_heavy(v: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, hv: _Heavy) -> None:
