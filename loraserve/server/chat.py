@@ -13,7 +13,7 @@ from loraserve.server import serving as sv
 from loraserve.server.errors import APIError, sse_error
 from loraserve.server.logprobs import TokenRenderer, chat_content
 from loraserve.server.protocol import ChatCompletionRequest, ChatMessage
-from loraserve.server.streaming import DONE, PrimedStream, merge, sse, start_all
+from loraserve.server.streaming import DONE, PrimedStream, collect, merge, sse, start_all
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -110,12 +110,7 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: sv.ServerConte
     if req.stream:
         body = _stream(head, streams, choices, n_prompt, req.include_usage(), ctx, clock)
         return StreamingResponse(body, media_type="text/event-stream")
-    try:
-        async for index, out in merge(streams):
-            choices[index].apply(out)
-            ctx.metrics.generation_tokens.inc(len(out.token_ids))
-    finally:
-        clock.finished()
+    await collect(streams, choices, ctx.metrics, clock)
     return JSONResponse({**head, "object": "chat.completion",
                          "choices": [c.to_json() for c in choices],
                          "usage": sv.usage(n_prompt, sum(c.num_tokens for c in choices))})

@@ -12,7 +12,7 @@ from loraserve.server.errors import APIError, sse_error
 from loraserve.server.logprobs import LegacyLogprobs, TokenRenderer
 from loraserve.server.protocol import CompletionRequest
 from loraserve.server import serving as sv
-from loraserve.server.streaming import DONE, PrimedStream, merge, sse, start_all
+from loraserve.server.streaming import DONE, PrimedStream, collect, merge, sse, start_all
 
 
 def normalize_prompts(prompt: Any, tokenizer: Any, vocab_size: int,
@@ -115,12 +115,7 @@ async def create_completion(req: CompletionRequest, ctx: sv.ServerContext) -> Re
     if req.stream:
         body = _stream(head, streams, choices, prompt_tokens, req.include_usage(), ctx, clock)
         return StreamingResponse(body, media_type="text/event-stream")
-    try:
-        async for index, out in merge(streams):
-            choices[index].apply(out)
-            ctx.metrics.generation_tokens.inc(len(out.token_ids))
-    finally:
-        clock.finished()
+    await collect(streams, choices, ctx.metrics, clock)
     completion_tokens = sum(c.num_tokens for c in choices)
     return JSONResponse({**head, "choices": [c.to_json() for c in choices],
                          "usage": sv.usage(prompt_tokens, completion_tokens)})
