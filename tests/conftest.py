@@ -21,6 +21,15 @@ from loraserve.demo import build_demo_base
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Tiny matmuls run several times faster on one thread than on two busy cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def demo_dense(tmp_path_factory) -> Path:
     return build_demo_base(tmp_path_factory.mktemp("demo") / "qwen3", arch="qwen3", seed=0)

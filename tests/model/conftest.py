@@ -43,12 +43,8 @@ def save_hf(model, out: Path, **kwargs) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny matmuls run several times faster on one thread than on two busy cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_torch_thread(one_torch_thread):
+    """Every model test runs on one thread (see the root conftest)."""
 
 
 @pytest.fixture
