@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from .config import EngineConfig
 from .llm_engine import LLMEngine
-from .types import EngineError, GenerateRequest, RequestOutput
+from .types import GenerateRequest, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +92,7 @@ class AsyncEngine:
             await self.start()
         eng = self.engine
         eng.validate(req)
-        key = None
-        if req.adapter is not None:
-            if eng.adapters is None:
-                raise EngineError(f"adapter {req.adapter!r} asked for, but this server has no "
-                                  "adapter catalog (start it with --catalog)", status=404,
-                                  code="model_not_found", param="model")
-            key = await asyncio.to_thread(eng.adapters.resolve, req.adapter)
+        key = await asyncio.to_thread(eng.resolve_adapter, req.adapter) if req.adapter else None
         seq = eng.make_sequence(req, key)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[req.request_id] = q

@@ -107,6 +107,16 @@ class LLMEngine:
         if req.request_id in self.seqs:
             raise EngineError(f"duplicate request id {req.request_id!r}")
 
+    def resolve_adapter(self, ref: str | None) -> tuple[str, str] | None:
+        """'tenant/name[@rev]' -> the (adapter_id, revision) a request runs on; None = base only.
+        Any thread (a catalog read). Raises catalog errors, or 404 without a catalog."""
+        if ref is None:
+            return None
+        if self.adapters is None:
+            raise EngineError(f"adapter {ref!r} asked for, but this server has no adapter catalog "
+                              "(start it with --catalog)", status=404, code="model_not_found", param="model")
+        return self.adapters.resolve(ref)
+
     def make_sequence(self, req: GenerateRequest, adapter_key=None) -> Sequence:
         gen = torch.Generator().manual_seed(req.params.seed) if req.params.seed is not None else None
         return Sequence(req.request_id, list(req.prompt_token_ids), req.params, req.adapter,
@@ -139,13 +149,7 @@ class LLMEngine:
     def add_request(self, req: GenerateRequest) -> Sequence:
         """Validate, resolve the adapter and queue. Synchronous convenience (tests, bench)."""
         self.validate(req)
-        key = None
-        if req.adapter is not None:
-            if self.adapters is None:
-                raise EngineError(f"adapter {req.adapter!r} asked for, but this engine has no "
-                                  "adapter catalog", status=404, code="model_not_found", param="model")
-            key = self.adapters.resolve(req.adapter)
-        seq = self.make_sequence(req, key)
+        seq = self.make_sequence(req, self.resolve_adapter(req.adapter))
         self.add_sequence(seq)
         return seq
 

@@ -23,6 +23,11 @@ class ModelRunner:
         self.lora = None  # set by the engine when multi-LoRA is on (loraserve.lora.LoRAState)
 
     @torch.inference_mode()
+    def _logit_slots(self, slots: list[int]) -> None:
+        """Slots for the rows compute_logits sees; only an lm_head LoRA reads them."""
+        if self.lora is not None and self.lora.covers_lm_head:
+            self.lora.set_slots(slots)
+
     def run(self, seqs: list[Sequence], is_prefill: bool) -> StepResult:
         ids, positions, starts, ends = [], [], [], []
         for seq in seqs:
@@ -44,12 +49,10 @@ class ModelRunner:
             row += e - s
         for seq, s, e in zip(seqs, starts, ends):
             seq.num_cached = e
-        if self.lora is not None:
-            self.lora.set_slots([q.slot for q in seqs])
+        self._logit_slots([q.slot for q in seqs])
         logits = self.model.compute_logits(hidden[last_rows])
         prompt_logits = {}
         for b, (lo, hi) in prompt_rows.items():
-            if self.lora is not None:
-                self.lora.set_slots([seqs[b].slot] * (hi - lo))
+            self._logit_slots([seqs[b].slot] * (hi - lo))
             prompt_logits[b] = self.model.compute_logits(hidden[lo:hi])
         return StepResult(logits.float(), prompt_logits)

@@ -29,6 +29,7 @@ class LoRAState:
         self.pool = pool
         self.max_slots = pool.config.max_slots
         self.num_experts = max((s.experts for s in pool.specs.values()), default=0) or 1
+        self.covers_lm_head = "lm_head" in pool.specs  # else the logits pass needs no slots
         self.backend = backend
         self.device = device
         self.token_slots = torch.empty(0, dtype=torch.int32, device=device)  # [T]
