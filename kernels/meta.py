@@ -125,6 +125,44 @@ class LoRAMeta:
         _write(out, t, order, sorted_key, lora_sorted, seg_id, starts, token_experts is not None)
         return out
 
+    @classmethod
+    def from_host(cls, slots: list[int], *, max_segments: int, experts: list[int] | None = None,
+                  device: torch.device | str = "cpu") -> LoRAMeta:
+        """The same metadata as `build`, grouped in Python from host lists. For small CPU batches
+        (a decode step), where a dozen tiny torch ops cost more than sorting a list: the engine
+        already orders its batch by slot, so the sort is a linear pass. Not for CUDA steps, whose
+        metadata `build` writes on the device into capture-stable buffers."""
+        if max_segments < 1:
+            raise ValueError(f"max_segments must be >= 1, got {max_segments}")
+        t = len(slots)
+        if experts is not None and len(experts) != t:
+            raise ValueError("experts must have one entry per slot")
+        ex = experts if experts is not None else [0] * t
+        lora = sorted((i for i in range(t) if slots[i] >= 0), key=lambda i: (slots[i], ex[i]))
+        seg_start, seg_slot, seg_expert, prev = [0], [], [], None
+        for j, i in enumerate(lora):
+            key = (slots[i], ex[i])
+            if key != prev:
+                if prev is not None:
+                    seg_start.append(j)
+                seg_slot.append(key[0])
+                seg_expert.append(key[1])
+                prev = key
+        s = len(seg_slot)
+        if s > max_segments:
+            raise ValueError(f"{s} distinct (slot, expert) keys exceed max_segments={max_segments}")
+        n, pad = len(lora), max_segments - s
+        seg_start += [n] * (max_segments + 1 - len(seg_start))
+        base = [i for i in range(t) if slots[i] < 0]
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        return cls(ints(lora + base), ints([slots[i] for i in lora] + [-1] * len(base)),
+                   ints([ex[i] for i in lora] + [0] * len(base)), ints(seg_start),
+                   ints(seg_slot + [-1] * pad), ints(seg_expert + [-1] * pad), ints([s]), t,
+                   experts is not None)
+
 
 def _write(out: LoRAMeta, t: int, order: torch.Tensor, sorted_key: torch.Tensor,
            lora_sorted: torch.Tensor, seg_id: torch.Tensor, starts: torch.Tensor,

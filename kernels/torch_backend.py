@@ -12,11 +12,13 @@ CUDA):
   is O(heavy segments), but a segment is heavy only when the weight copies the gather would make
   for it cost more than a loop iteration.
 
-`add_lora` has two more strategies for small batches over at most 16 adapters (the common decode
+`add_lora` has two more strategies for small batches over at most 64 adapters (the common decode
 step), both reading each adapter's rows once with no per-token weight copy: *dense* (all LoRA
 tokens against the concatenated rank rows in two GEMMs, a block mask keeping each token's own
 adapter; fewest ops) and *padded* (segments padded to the longest into [S, L, H] blocks, two bmm
-against each segment's rows; fewest MACs), picked by the MACs padded would save.
+against each segment's rows; fewest MACs). A small cost model (ops, MACs, copied weights) picks
+among them and the gather. Since the engine groups its batch by adapter, a decode step usually
+runs with no copy at all: x, y and the pool rows are all views (see `_Padded`).
 `plan_torch` builds the plan once per step and target kind; every layer reuses it.
 """
 
@@ -67,9 +69,10 @@ class _Dense:
     segment in two dense GEMMs, then a block mask keeps each token's own adapter. Reads each
     adapter's rows once (no per-token weight copies) at the price of S x the (tiny) MACs."""
 
-    tok: torch.Tensor | None  # [n] int64 tokens in sorted order; None = all T tokens in order
+    tok: torch.Tensor | None  # [n] int64 LoRA tokens in sorted order; None = they are rows [0, n)
+    n: int  # LoRA tokens
     rows: torch.Tensor  # [sum r] int64 pool rows of the live segments, concatenated
-    other: torch.Tensor  # [n, sum r] bool: column belongs to another token's segment
+    other: torch.Tensor | None  # [n, sum r] bool: column of another token's segment (None: S = 1)
     row_range: tuple[int, int] | None  # rows are pool[start:stop]: views, no copy
 
     def pick(self, pool: torch.Tensor) -> torch.Tensor:
@@ -83,13 +86,26 @@ class _Dense:
 class _Padded:
     """Segments padded to the longest one: token blocks [S, L, H_in] against each segment's rank
     rows [S, r_b, H] in two bmm. Each adapter's rows are read once and the MACs are those of the
-    padded blocks (S x L x r_b), not S x those of every token (the dense strategy's cost)."""
+    padded blocks (S x L x r_b), not S x those of every token (the dense strategy's cost).
 
-    vtok: torch.Tensor  # [n] int64 token of each LoRA position
-    vpos: torch.Tensor  # [n] int64 its place in the flattened [S * L] padded block
+    When the engine has grouped its batch by adapter (it does: `ModelRunner` orders sequences by
+    slot) and every segment is L tokens long, x and y are viewed as [S, L, H] in place; when the
+    live segments' rows are one run of the pool at one rank, the weights are viewed as [S, r, H].
+    The decode step over S adapters is then exactly two bmm with no copy at all."""
+
+    vtok: torch.Tensor | None  # [n] int64 token of each LoRA position (None: direct views)
+    vpos: torch.Tensor | None  # [n] int64 its place in the flattened [S * L] padded block
     rows: torch.Tensor  # [S * r_b] int64 pool rows (row 0 past a segment's rank, masked)
-    invalid: torch.Tensor  # [S, 1, r_b] bool: rank index past the segment's rank
+    row_range: tuple[int, int] | None  # rows are pool[start:stop] (equal ranks): a view
+    invalid: torch.Tensor | None  # [S, 1, r_b] bool: rank index past the segment's rank (None: none)
     shape: tuple[int, int, int]  # S, L, r_b
+
+    def pick(self, pool: torch.Tensor) -> torch.Tensor:
+        """[S, r_b, H]: each segment's rank rows of `pool`."""
+        s, _, r_b = self.shape
+        if self.row_range is not None:
+            return pool[self.row_range[0]:self.row_range[1]].view(s, r_b, -1)
+        return pool.index_select(0, self.rows).view(s, r_b, -1)
 
 
 @dataclass(slots=True)
@@ -102,62 +118,85 @@ class _Plan:
     padded: _Padded | None = None
 
 
-DENSE_MAX_SEGMENTS = 16  # a gathered weight element costs ~20 MACs on a CPU core: S <= 16 wins
+DENSE_MAX_SEGMENTS = 64  # the small-batch strategies (dense, padded) cover at most this many adapters
 DENSE_MAX_MACS = 1 << 24  # n * sum(r) * (H_in + H_out): past it (prefill), use the other paths
+FORCE_SMALL: str | None = None  # tests: "dense" or "padded" overrides the cost model below
+
+# Cost model of one small-batch call on a CPU core, calibrated on the 2-core dev machine (in situ,
+# weights not in L1/L2): a torch op's fixed cost, a GEMM MAC, a gathered weight element.
+OP_NS, MAC_NS, COPY_NS = 5000.0, 0.05, 0.5
 
 
-# padded costs ~3 more torch ops than dense (~15 us on a CPU core); it wins once the MACs it
-# saves (dense: n x sum r, padded: S x L x r_b, each times H_in + H_out) are worth more than that
-PADDED_MIN_SAVED_MACS = 1 << 21
+def _contiguous_run(rows: torch.Tensor) -> tuple[int, int] | None:
+    first, total = int(rows[0]), rows.numel()
+    return (first, first + total) if bool((rows == torch.arange(first, first + total)).all()) else None
 
 
-def _padded_plan(meta: LoRAMeta, row_table: torch.Tensor, slots: list[int], seg_ranks: list[int],
-                 starts: list[int], tok: torch.Tensor, tok_seg: torch.Tensor) -> _Padded:
-    s, r_b = len(slots), max(seg_ranks)
-    lengths = [b - a for a, b in zip(starts, starts[1:])]
-    length = max(lengths)
-    within = torch.arange(tok.numel()) - torch.tensor(starts[:-1])[tok_seg]
-    rows = row_table[torch.tensor(slots), :r_b].long()  # [S, r_b]
-    invalid = torch.arange(r_b)[None, :] >= torch.tensor(seg_ranks)[:, None]
-    return _Padded(tok, tok_seg * length + within, rows.masked_fill(invalid, 0).flatten(),
-                   invalid[:, None, :], (s, length, r_b))
-
-
-def _dense_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, num_experts: int,
-                width: int) -> _Dense | None:
-    """The dense strategy when it applies (dense pools, CPU metadata, few segments, small batch)."""
+def _small_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, num_experts: int,
+                width: int) -> _Dense | _Padded | None:
+    """Dense or padded for a small batch over few adapters (dense pools, CPU metadata), whichever
+    the cost model prices lower; None when neither applies."""
     if num_experts > 1 or meta.device.type != "cpu":
         return None
     s = int(meta.num_segments)
     if not 0 < s <= DENSE_MAX_SEGMENTS:
         return None
     starts = meta.seg_start[: s + 1].tolist()
-    seg_ranks = ranks[meta.seg_slot[:s].long()].tolist()
-    if max(seg_ranks) > row_table.shape[1]:
-        raise ValueError(f"ranks holds {max(seg_ranks)} > R_max={row_table.shape[1]}")
-    n, total = starts[-1], sum(seg_ranks)
-    if total == 0 or n * total * width > DENSE_MAX_MACS:
-        return None
     slots = meta.seg_slot[:s].long().tolist()
-    rows = torch.cat([row_table[a, :r].long() for a, r in zip(slots, seg_ranks)])
-    col_seg = torch.repeat_interleave(torch.arange(s), torch.tensor(seg_ranks))
-    tok_seg = torch.repeat_interleave(torch.arange(s), torch.tensor(starts[1:]) - torch.tensor(starts[:-1]))
+    seg_ranks = ranks[slots].tolist()
+    r_b = max(seg_ranks)
+    if r_b > row_table.shape[1]:
+        raise ValueError(f"ranks holds {r_b} > R_max={row_table.shape[1]}")
+    n, total = starts[-1], sum(seg_ranks)
+    lengths = [b - a for a, b in zip(starts, starts[1:])]
+    length = max(lengths)
+    if total == 0 or min(n * total, s * length * r_b) * width > DENSE_MAX_MACS:
+        return None
     tok = meta.token_ids[:n].long()
-    longest = max(b - a for a, b in zip(starts, starts[1:]))
-    if (n * total - s * longest * max(seg_ranks)) * width >= PADDED_MIN_SAVED_MACS:
-        return _padded_plan(meta, row_table, slots, seg_ranks, starts, tok, tok_seg)
-    identity = n == meta.num_tokens and bool((tok == torch.arange(n)).all())
-    first = int(rows[0])
-    contiguous = bool((rows == torch.arange(first, first + total)).all())
-    return _Dense(None if identity else tok, rows, tok_seg[:, None] != col_seg[None, :],
-                  (first, first + total) if contiguous else None)
+    prefix = bool((tok == torch.arange(n)).all())  # LoRA tokens are rows [0, n), in segment order
+    rows = torch.cat([row_table[a, :r].long() for a, r in zip(slots, seg_ranks)])
+    run = _contiguous_run(rows)
+    equal_ranks = min(seg_ranks) == r_b
+    direct = prefix and min(lengths) == length
+    dense_ns = (OP_NS * (2 + (s > 1) + 2 * (not prefix) + 2 * (run is None))
+                + MAC_NS * n * total * width + COPY_NS * (run is None) * total * width)
+    padded_views = run is not None and equal_ranks
+    padded_ns = (OP_NS * (2 + (not equal_ranks) + 4 * (not direct) + 2 * (not padded_views))
+                 + MAC_NS * s * length * r_b * width + COPY_NS * (not padded_views) * s * r_b * width)
+    gather_ns = OP_NS * 7 + (MAC_NS + COPY_NS) * n * r_b * width  # the light path (None here)
+    if FORCE_SMALL is None and gather_ns < min(dense_ns, padded_ns):
+        return None
+    use_padded = padded_ns < dense_ns if FORCE_SMALL is None else FORCE_SMALL == "padded"
+    if use_padded:
+        return _padded_plan(slots, seg_ranks, lengths, row_table, tok, direct,
+                            run if padded_views else None)
+    other = None
+    if s > 1:
+        col_seg = torch.repeat_interleave(torch.arange(s), torch.tensor(seg_ranks))
+        tok_seg = torch.repeat_interleave(torch.arange(s), torch.tensor(lengths))
+        other = tok_seg[:, None] != col_seg[None, :]
+    return _Dense(None if prefix else tok, n, rows, other, run)
+
+
+def _padded_plan(slots: list[int], seg_ranks: list[int], lengths: list[int], row_table: torch.Tensor,
+                 tok: torch.Tensor, direct: bool, row_range: tuple[int, int] | None) -> _Padded:
+    s, r_b, length = len(slots), max(seg_ranks), max(lengths)
+    invalid = torch.arange(r_b)[None, :] >= torch.tensor(seg_ranks)[:, None]  # [S, r_b]
+    rows = row_table[torch.tensor(slots), :r_b].long().masked_fill(invalid, 0).flatten()
+    vtok = vpos = None
+    if not direct:
+        tok_seg = torch.repeat_interleave(torch.arange(s), torch.tensor(lengths))
+        seg_first = torch.tensor([0] + lengths[:-1]).cumsum(0)
+        vtok, vpos = tok, tok_seg * length + torch.arange(tok.numel()) - seg_first[tok_seg]
+    return _Padded(vtok, vpos, rows, row_range, invalid[:, None, :] if bool(invalid.any()) else None,
+                   (s, length, r_b))
 
 
 def _plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, num_experts: int,
           width: int, allow_segments: bool = False) -> _Plan:
     """Split live segments into light (gathered) and heavy (own GEMM); `width` = H_in + H_out.
     allow_segments (add_lora only): few segments in a small batch use the `dense` strategy."""
-    found = _as_plan(_dense_plan(meta, row_table, ranks, num_experts, width)) if allow_segments else None
+    found = _as_plan(_small_plan(meta, row_table, ranks, num_experts, width)) if allow_segments else None
     if found is not None:
         return found
     s = int(meta.num_segments)
@@ -310,25 +349,38 @@ def add_lora_torch(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_row
 def _add_dense(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
                d: _Dense) -> None:
     """y[tok] += ((x[tok] @ A_all^T) * own-block mask) @ B_all."""
-    xs = x if d.tok is None else x.index_select(0, d.tok)
-    h = (xs @ d.pick(A_rows).T.to(xs.dtype)).masked_fill_(d.other, 0)
-    delta = (h.to(B_rows.dtype) @ d.pick(B_rows)).to(y.dtype)
-    if d.tok is None:
-        y.add_(delta)
+    xs = x[: d.n] if d.tok is None else x.index_select(0, d.tok)
+    h = xs @ d.pick(A_rows).T.to(xs.dtype)
+    if d.other is not None:
+        h.masked_fill_(d.other, 0)
+    B = d.pick(B_rows)
+    if d.tok is None and B.dtype == y.dtype:
+        y[: d.n].addmm_(h.to(B.dtype), B)
     else:
-        y.index_add_(0, d.tok, delta)
+        y.index_add_(0, d.tok if d.tok is not None else torch.arange(d.n), (h.to(B.dtype) @ B).to(y.dtype))
 
 
 def _add_padded(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
                 p: _Padded) -> None:
     """Per segment: y[its tokens] += (x[its tokens] @ A^T) @ B, all segments in one bmm pair."""
     s, length, r_b = p.shape
-    xs = x.new_zeros(s * length, x.shape[1]).index_copy_(0, p.vpos, x.index_select(0, p.vtok))
-    a = A_rows.index_select(0, p.rows).view(s, r_b, -1).to(x.dtype)
-    h = torch.bmm(xs.view(s, length, -1), a.transpose(1, 2)).masked_fill_(p.invalid, 0)  # [S, L, r_b]
-    b = B_rows.index_select(0, p.rows).view(s, r_b, -1)
+    if p.vtok is None:
+        xs = x[: s * length].view(s, length, -1)
+    else:
+        xs = x.new_zeros(s * length, x.shape[1]).index_copy_(0, p.vpos, x.index_select(0, p.vtok))
+        xs = xs.view(s, length, -1)
+    h = torch.bmm(xs, p.pick(A_rows).transpose(1, 2).to(x.dtype))  # [S, L, r_b]
+    if p.invalid is not None:
+        h.masked_fill_(p.invalid, 0)
+    b = p.pick(B_rows)
+    if p.vtok is None and b.dtype == y.dtype:
+        y[: s * length].view(s, length, -1).baddbmm_(h.to(b.dtype), b)
+        return
     delta = torch.bmm(h.to(b.dtype), b).view(s * length, -1)
-    y.index_add_(0, p.vtok, delta.index_select(0, p.vpos).to(y.dtype))
+    if p.vtok is None:
+        y[: s * length].add_(delta.to(y.dtype))
+    else:
+        y.index_add_(0, p.vtok, delta.index_select(0, p.vpos).to(y.dtype))
 
 
 def _shrink_heavy(v: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, hv: _Heavy) -> None:

@@ -140,6 +140,12 @@ class AdapterPool:
         with self._lock:
             return self._slot_keys[slot]
 
+    def has_kind(self, slot: int, kind: str) -> bool:
+        """Whether the adapter in `slot` has LoRA on target `kind` (host-side, no device read)."""
+        key = self._slot_keys[slot]
+        entry = self._entries.get(key) if key is not None else None
+        return entry is not None and kind in entry.rows
+
     def resident(self) -> list[AdapterKey]:
         """Resident adapters, least recently used first."""
         with self._lock:

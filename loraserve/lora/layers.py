@@ -20,6 +20,8 @@ DENSE_KINDS = {  # kind -> attribute path under model.layers[l]
 EXPERT_KINDS = {"experts.gate_proj": "mlp.experts.gate_proj", "experts.up_proj": "mlp.experts.up_proj",
                 "experts.down_proj": "mlp.experts.down_proj"}
 
+HOST_META_MAX_TOKENS = 512  # CPU steps up to this many tokens group them in Python (LoRAMeta.from_host)
+
 
 class LoRAState:
     """What every wrapper reads during one forward: each token's adapter slot and the grouped
@@ -47,7 +49,11 @@ class LoRAState:
         if max(slots, default=-1) < 0:
             self.meta = None
             return
-        self.meta = LoRAMeta.build(self.token_slots, max_segments=min(len(slots), self.max_slots))
+        s_max = min(len(slots), self.max_slots)
+        if self.device.type == "cpu" and len(slots) <= HOST_META_MAX_TOKENS:
+            self.meta = LoRAMeta.from_host(slots, max_segments=s_max)
+        else:
+            self.meta = LoRAMeta.build(self.token_slots, max_segments=s_max)
 
     def pair_meta(self, layer: int, expert_ids: torch.Tensor, token_index: torch.Tensor) -> LoRAMeta:
         """Metadata for MoE (token, expert) pairs; gate/up/down of one layer share it. Keyed by
@@ -55,9 +61,13 @@ class LoRAState:
         key = layer
         if key != self._pair_key:
             slots = self.token_slots[token_index]
-            n_seg = min(slots.numel(), self.max_slots * self.num_experts)
-            self._pair_meta = LoRAMeta.build(slots, max_segments=max(n_seg, 1),
-                                             token_experts=expert_ids.to(torch.int32))
+            n_seg = max(min(slots.numel(), self.max_slots * self.num_experts), 1)
+            if self.device.type == "cpu" and slots.numel() <= HOST_META_MAX_TOKENS:
+                self._pair_meta = LoRAMeta.from_host(slots.tolist(), max_segments=n_seg,
+                                                     experts=expert_ids.tolist())
+            else:
+                self._pair_meta = LoRAMeta.build(slots, max_segments=n_seg,
+                                                 token_experts=expert_ids.to(torch.int32))
             self._pair_key = key
         return self._pair_meta
 

@@ -94,3 +94,27 @@ def test_segments_partition_lora_tokens(pairs, moe):
     segment_keys = [(s, e) for s, e, _ in _segments(meta)]
     assert segment_keys == sorted(set(segment_keys))  # one segment per key, in key order
     assert sorted(meta.token_ids[: meta.num_tokens].tolist()) == list(range(len(pairs)))
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(st.lists(st.tuples(st.integers(-1, 5), st.integers(0, 3)), max_size=40),
+       st.booleans(), st.integers(0, 12))
+def test_from_host_equals_build(pairs, moe, extra):
+    """The host-side builder (CPU decode steps) writes exactly what the device builder writes."""
+    slots = [a for a, _ in pairs]
+    experts = [e for _, e in pairs] if moe else None
+    s_max = len({(a, e if moe else 0) for a, e in pairs if a >= 0}) + extra
+    if s_max == 0:
+        s_max = 1
+    want = LoRAMeta.build(torch.tensor(slots, dtype=torch.int32), max_segments=s_max,
+                          token_experts=None if experts is None else torch.tensor(experts, dtype=torch.int32))
+    got = LoRAMeta.from_host(slots, max_segments=s_max, experts=experts)
+    for name in ("token_ids", "sorted_slots", "sorted_experts", "seg_start", "seg_slot", "seg_expert",
+                 "num_segments"):
+        assert getattr(got, name).tolist() == getattr(want, name)[: getattr(got, name).numel()].tolist(), name
+    assert (got.num_tokens, got.moe) == (want.num_tokens, want.moe)
+
+
+def test_from_host_rejects_too_many_segments():
+    with pytest.raises(ValueError, match="exceed max_segments"):
+        LoRAMeta.from_host([0, 1, 2], max_segments=2)

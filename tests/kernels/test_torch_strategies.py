@@ -1,5 +1,7 @@
 """Each CPU strategy of the torch backend (gather, per-segment GEMM, dense, padded) against the
-reference, forced one at a time through the planner's thresholds."""
+reference, forced one at a time through the planner's thresholds, on random row tables and on
+the layout the engine produces (batch grouped by adapter, one run of pool rows at one rank),
+where dense and padded work on views."""
 from __future__ import annotations
 
 import zlib
@@ -13,15 +15,15 @@ from kernels import LoRAMeta
 from kernels.reference import add_lora_ref
 
 STRATEGIES = {  # attribute overrides that force one strategy
-    "dense": dict(PADDED_MIN_SAVED_MACS=1 << 62),
-    "padded": dict(PADDED_MIN_SAVED_MACS=-(1 << 62)),
+    "dense": dict(FORCE_SMALL="dense"),
+    "padded": dict(FORCE_SMALL="padded"),
     "gather": dict(DENSE_MAX_SEGMENTS=0, HEAVY_MIN_EXTRA_ELEMENTS=1 << 62),
     "segment-gemm": dict(DENSE_MAX_SEGMENTS=0, HEAVY_MIN_EXTRA_ELEMENTS=0),
 }
 
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
-@pytest.mark.parametrize("pattern", ["one", "few", "skewed", "with-base-tokens"])
+@pytest.mark.parametrize("pattern", ["one", "few", "skewed", "with-base-tokens", "grouped", "grouped-uneven"])
 def test_strategy_matches_reference(strategy, pattern, monkeypatch):
     for name, value in STRATEGIES[strategy].items():
         monkeypatch.setattr(tb, name, value)
@@ -30,9 +32,15 @@ def test_strategy_matches_reference(strategy, pattern, monkeypatch):
     A_rows, B_rows = torch.randn(P, H, generator=gen), torch.randn(P, O, generator=gen)
     table = torch.randperm(P, generator=gen)[: A * R].view(A, R).int().contiguous()
     ranks = torch.randint(1, R + 1, (A,), generator=gen, dtype=torch.int32)
+    if pattern.startswith("grouped"):  # the engine's layout: adapter a owns rows 16a..16a+15
+        table = (torch.arange(A * R) + 32).view(A, R).int()
+        ranks = torch.full((A,), R, dtype=torch.int32)
     slots = {"one": torch.full((T,), 3), "few": torch.arange(T) % 3,
              "skewed": torch.where(torch.arange(T) < 20, 5, torch.arange(T) % A),
-             "with-base-tokens": torch.where(torch.arange(T) % 4 == 0, -1, torch.arange(T) % 5)}[pattern]
+             "with-base-tokens": torch.where(torch.arange(T) % 4 == 0, -1, torch.arange(T) % 5),
+             # sorted by slot, base-only tokens last, as ModelRunner orders a LoRA batch
+             "grouped": torch.tensor([1] * 7 + [2] * 7 + [3] * 7 + [4] * 7 + [-1]),
+             "grouped-uneven": torch.tensor([0] * 3 + [1] * 20 + [2] + [-1] * 5)}[pattern]
     slots = slots.int()
     x = torch.randn(T, H, generator=gen)
     y = torch.randn(T, O, generator=gen)
@@ -43,5 +51,8 @@ def test_strategy_matches_reference(strategy, pattern, monkeypatch):
     picked = {"dense": plan.dense, "padded": plan.padded, "gather": plan.light,
               "segment-gemm": plan.heavy}[strategy]
     assert picked is not None, f"{strategy} was not chosen"
+    if pattern == "grouped" and strategy in ("dense", "padded"):  # the copy-free fast paths
+        assert picked.row_range is not None
+        assert (picked.tok is None) if strategy == "dense" else (picked.vtok is None and picked.invalid is None)
     kernels.add_lora_torch(y, x, A_rows, B_rows, table, ranks, meta, plan=plan)
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
