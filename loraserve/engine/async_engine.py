@@ -13,6 +13,7 @@ from .llm_engine import LLMEngine
 from .types import GenerateRequest, RequestOutput
 
 log = logging.getLogger(__name__)
+_FIRST, _STREAMED = object(), object()  # markers in AsyncEngine._quiet
 
 
 class AsyncEngine:
@@ -23,6 +24,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        # engine thread only: non-streamed requests -> _FIRST (first delta not out yet), None
+        # (nothing held) or the merged deltas since the first, handed over when the request ends
+        self._quiet: dict[str, object] = {}
         engine.notify = lambda: self._cmds.put(("wake", None))
 
     @classmethod
@@ -96,7 +100,7 @@ class AsyncEngine:
         seq = eng.make_sequence(req, key)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[req.request_id] = q
-        self._cmds.put(("add", seq))
+        self._cmds.put(("add", (seq, req.stream)))
         done = False
         try:
             while True:
@@ -130,6 +134,7 @@ class AsyncEngine:
             except Exception as exc:  # a bug: fail what is running, keep serving
                 log.exception("engine step failed")
                 outs.extend(eng.fail_all(exc))
+            outs = self._coalesce(outs) if self._quiet else outs
             if outs:
                 self._loop.call_soon_threadsafe(self._dispatch, outs)
 
@@ -145,10 +150,34 @@ class AsyncEngine:
     def _apply(self, cmd) -> list[RequestOutput]:
         kind, arg = cmd
         if kind == "add":
-            self.engine.add_sequence(arg)
+            seq, stream = arg
+            if not stream:
+                self._quiet[seq.request_id] = _FIRST
+            self.engine.add_sequence(seq)
         elif kind == "abort":
+            self._quiet.pop(arg, None)
             self.engine.abort(arg)  # nobody listens any more: its final delta is dropped
         return []
+
+    def _coalesce(self, outs: list[RequestOutput]) -> list[RequestOutput]:
+        """Non-streamed requests: pass the first delta, hold and merge the rest until the last."""
+        sent = []
+        for out in outs:
+            rid = out.request_id
+            held = self._quiet.get(rid, _STREAMED)
+            if held is _STREAMED:
+                sent.append(out)
+                continue
+            last = out.finish_reason is not None or out.error is not None
+            if held is _FIRST or last:
+                sent.append(out if held is _FIRST or held is None else held.merged(out))
+                if last:
+                    del self._quiet[rid]
+                else:
+                    self._quiet[rid] = None
+            else:
+                self._quiet[rid] = out if held is None else held.merged(out)
+        return sent
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
         for out in outs:

@@ -56,6 +56,10 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter: str | None = None  # catalog model ref "tenant/name[@rev]"; None = base only
+    # False: the caller reads the answer whole (a non-streamed HTTP request), so AsyncEngine hands
+    # over the first delta (errors and TTFT surface as early as ever) and then one merged delta at
+    # the end, not one per step: the event loop is not woken per token per request.
+    stream: bool = True
 
 
 @dataclass(slots=True)
@@ -79,3 +83,13 @@ class RequestOutput:
     num_output_tokens: int = 0                  # cumulative
     adapter_revision: str | None = None         # the revision the request runs on
     error: Exception | None = None              # engine-internal: AsyncEngine raises it instead
+
+    def merged(self, later: RequestOutput) -> RequestOutput:
+        """This delta followed by `later`, as one delta (what a reader of both would have seen)."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else \
+            (self.logprobs or []) + (later.logprobs or [])
+        return RequestOutput(self.request_id, self.token_ids + later.token_ids, self.text + later.text,
+                             logprobs, self.prompt_logprobs if self.prompt_logprobs is not None
+                             else later.prompt_logprobs, later.finish_reason, later.num_prompt_tokens,
+                             later.num_output_tokens, later.adapter_revision or self.adapter_revision,
+                             later.error)

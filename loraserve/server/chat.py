@@ -100,7 +100,8 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: sv.ServerConte
     sv.check_prompt(prompt, max_tokens, engine, "messages")
     params = sv.sampling_params(req, max_tokens, top_k)
     request_id = sv.new_id("chatcmpl")
-    streams = await start_all(engine, sv.fan_out(request_id, [prompt], req.n, params, adapter))
+    streams = await start_all(engine, sv.fan_out(request_id, [prompt], req.n, params, adapter,
+                                                 bool(req.stream)))
     clock.first_output()
     ctx.metrics.prompt_tokens.inc(len(prompt.token_ids))
     render = TokenRenderer(engine.tokenizer, req.return_tokens_as_token_ids)

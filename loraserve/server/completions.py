@@ -104,7 +104,8 @@ async def create_completion(req: CompletionRequest, ctx: sv.ServerContext) -> Re
     params = sv.sampling_params(req, max_tokens, req.logprobs,
                                 req.logprobs if req.echo and req.logprobs is not None else None)
     request_id = sv.new_id("cmpl")
-    streams = await start_all(engine, sv.fan_out(request_id, prompts, req.n, params, adapter))
+    streams = await start_all(engine, sv.fan_out(request_id, prompts, req.n, params, adapter,
+                                                 bool(req.stream)))
     clock.first_output()
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     ctx.metrics.prompt_tokens.inc(prompt_tokens)

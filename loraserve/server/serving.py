@@ -132,8 +132,9 @@ def check_stop_token_ids(ids: Sequence[int] | None, vocab_size: int) -> None:
 
 
 def fan_out(request_id: str, prompts: Sequence[Prompt], n: int, params: SamplingParams,
-            adapter: str | None) -> list[GenerateRequest]:
-    """P * n engine requests, prompt-major; choice i of a seeded request samples with seed + i."""
+            adapter: str | None, stream: bool = True) -> list[GenerateRequest]:
+    """P * n engine requests, prompt-major; choice i of a seeded request samples with seed + i.
+    stream=False (a non-streamed answer) lets the engine merge the deltas after the first."""
     requests = []
     for p, prompt in enumerate(prompts):
         for i in range(n):
@@ -141,7 +142,7 @@ def fan_out(request_id: str, prompts: Sequence[Prompt], n: int, params: Sampling
                                                                              params.seed + i)
             requests.append(GenerateRequest(request_id=f"{request_id}-{p * n + i}",
                                             prompt_token_ids=list(prompt.token_ids),
-                                            params=seeded, adapter=adapter))
+                                            params=seeded, adapter=adapter, stream=stream))
     return requests
 
 
