@@ -155,13 +155,12 @@ class LoRAMeta:
         seg_start += [n] * (max_segments + 1 - len(seg_start))
         base = [i for i in range(t) if slots[i] < 0]
 
-        def ints(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=device)
-
-        return cls(ints(lora + base), ints([slots[i] for i in lora] + [-1] * len(base)),
-                   ints([ex[i] for i in lora] + [0] * len(base)), ints(seg_start),
-                   ints(seg_slot + [-1] * pad), ints(seg_expert + [-1] * pad), ints([s]), t,
-                   experts is not None)
+        fields = (lora + base, [slots[i] for i in lora] + [-1] * len(base),
+                  [ex[i] for i in lora] + [0] * len(base), seg_start, seg_slot + [-1] * pad,
+                  seg_expert + [-1] * pad, [s])
+        # one host tensor, split into contiguous views: one allocation instead of seven
+        flat = torch.tensor([v for f in fields for v in f], dtype=torch.int32, device=device)
+        return cls(*flat.split([len(f) for f in fields]), t, experts is not None)
 
 
 def _write(out: LoRAMeta, t: int, order: torch.Tensor, sorted_key: torch.Tensor,

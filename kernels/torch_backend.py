@@ -117,6 +117,24 @@ class _Plan:
     dense: _Dense | None = None
     padded: _Padded | None = None
 
+    def run(self, y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor) -> None:
+        """y += LoRA(x) over this plan's tokens, no checks (see `add_lora_torch`)."""
+        if self.padded is not None:
+            _add_padded(y, x, A_rows, B_rows, self.padded)
+            return
+        if self.dense is not None:
+            _add_dense(y, x, A_rows, B_rows, self.dense)
+            return
+        if self.light is not None:
+            _expand_gathered(y, _shrink_gathered(x, A_rows, self.light), B_rows, self.light)
+        if self.heavy is not None:
+            hv = self.heavy
+            xs, A, B = x[hv.tok], hv.rows_of(A_rows), hv.rows_of(B_rows)
+            delta = torch.empty(hv.tok.numel(), y.shape[1], dtype=B.dtype, device=y.device)
+            for t0, t1, r0, r1 in hv.bounds:
+                torch.mm(xs[t0:t1] @ A[r0:r1].T, B[r0:r1], out=delta[t0:t1])
+            y.index_add_(0, hv.tok, delta.to(y.dtype))
+
 
 DENSE_MAX_SEGMENTS = 64  # the small-batch strategies (dense, padded) cover at most this many adapters
 DENSE_MAX_MACS = 1 << 24  # n * sum(r) * (H_in + H_out): past it (prefill), use the other paths
@@ -331,31 +349,20 @@ def add_lora_torch(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_row
     if plan is None:
         plan = _plan(meta, row_table, ranks, _num_experts(A_rows), x.shape[1] + y.shape[1],
                      allow_segments=True)
-    if plan.dense is not None:
-        _add_dense(y, x, A_rows, B_rows, plan.dense)
-    if plan.padded is not None:
-        _add_padded(y, x, A_rows, B_rows, plan.padded)
-    if plan.light is not None:
-        _expand_gathered(y, _shrink_gathered(x, A_rows, plan.light), B_rows, plan.light)
-    if plan.heavy is not None:
-        hv = plan.heavy
-        xs, A, B = x[hv.tok], hv.rows_of(A_rows), hv.rows_of(B_rows)
-        delta = torch.empty(hv.tok.numel(), y.shape[1], dtype=B.dtype, device=y.device)
-        for t0, t1, r0, r1 in hv.bounds:
-            torch.mm(xs[t0:t1] @ A[r0:r1].T, B[r0:r1], out=delta[t0:t1])
-        y.index_add_(0, hv.tok, delta.to(y.dtype))
+    plan.run(y, x, A_rows, B_rows)
 
 
 def _add_dense(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
                d: _Dense) -> None:
     """y[tok] += ((x[tok] @ A_all^T) * own-block mask) @ B_all."""
     xs = x[: d.n] if d.tok is None else x.index_select(0, d.tok)
-    h = xs @ d.pick(A_rows).T.to(xs.dtype)
+    A = d.pick(A_rows)
+    h = torch.mm(xs, A.T if A.dtype == xs.dtype else A.T.to(xs.dtype))
     if d.other is not None:
         h.masked_fill_(d.other, 0)
     B = d.pick(B_rows)
     if d.tok is None and B.dtype == y.dtype:
-        y[: d.n].addmm_(h.to(B.dtype), B)
+        y[: d.n].addmm_(h if h.dtype == B.dtype else h.to(B.dtype), B)
     else:
         y.index_add_(0, d.tok if d.tok is not None else torch.arange(d.n), (h.to(B.dtype) @ B).to(y.dtype))
 

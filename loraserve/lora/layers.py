@@ -85,12 +85,13 @@ class LoRAState:
             kernels.add_lora(y, x, A, B, table, ranks, meta, backend=self.backend)
             return
         plan = self._plans.get(plan_key)
-        first = plan is None
-        if first:
-            plan = self._shared_plan(meta, table, ranks) or kernels.plan_torch(meta, table, ranks, A, B)
-            self._plans[plan_key] = plan
-            self._plan_rows.append((meta, table, ranks, plan))
-        kernels.add_lora_torch(y, x, A, B, table, ranks, meta, plan=plan, check=first)
+        if plan is not None:  # later layers: same shapes as the checked first call
+            plan.run(y, x, A, B)
+            return
+        plan = self._shared_plan(meta, table, ranks) or kernels.plan_torch(meta, table, ranks, A, B)
+        self._plans[plan_key] = plan
+        self._plan_rows.append((meta, table, ranks, plan))
+        kernels.add_lora_torch(y, x, A, B, table, ranks, meta, plan=plan)
 
     def _shared_plan(self, meta: LoRAMeta, table: torch.Tensor, ranks: torch.Tensor):
         """A plan this step already built for another kind with the same rows: adapters that
