@@ -172,7 +172,9 @@ def _small_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, nu
         return None
     tok = meta.token_ids[:n].long()
     prefix = bool((tok == torch.arange(n)).all())  # LoRA tokens are rows [0, n), in segment order
-    rows = torch.cat([row_table[a, :r].long() for a, r in zip(slots, seg_ranks)])
+    table = row_table[meta.seg_slot[:s].long(), :r_b].long()  # [S, r_b]
+    rows = table.flatten() if min(seg_ranks) == r_b else \
+        table[torch.arange(r_b)[None, :] < torch.tensor(seg_ranks)[:, None]]  # each segment's own ranks
     run = _contiguous_run(rows)
     equal_ranks = min(seg_ranks) == r_b
     direct = prefix and min(lengths) == length
