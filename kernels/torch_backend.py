@@ -24,7 +24,7 @@ runs with no copy at all: x, y and the pool rows are all views (see `_Padded`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -74,12 +74,16 @@ class _Dense:
     rows: torch.Tensor  # [sum r] int64 pool rows of the live segments, concatenated
     other: torch.Tensor | None  # [n, sum r] bool: column of another token's segment (None: S = 1)
     row_range: tuple[int, int] | None  # rows are pool[start:stop]: views, no copy
+    views: dict = field(default_factory=dict)  # id(pool) -> (pool, its view)
 
     def pick(self, pool: torch.Tensor) -> torch.Tensor:
         """[sum r, H]: the live segments' rows of `pool`."""
-        if self.row_range is not None:
-            return pool[self.row_range[0]:self.row_range[1]]
-        return pool.index_select(0, self.rows)
+        if self.row_range is None:
+            return pool.index_select(0, self.rows)
+        hit = self.views.get(id(pool))  # holding the pool keeps its id from being reused
+        if hit is None or hit[0] is not pool:
+            hit = self.views[id(pool)] = (pool, pool[self.row_range[0]:self.row_range[1]])
+        return hit[1]
 
 
 @dataclass(slots=True)
@@ -99,13 +103,17 @@ class _Padded:
     row_range: tuple[int, int] | None  # rows are pool[start:stop] (equal ranks): a view
     invalid: torch.Tensor | None  # [S, 1, r_b] bool: rank index past the segment's rank (None: none)
     shape: tuple[int, int, int]  # S, L, r_b
+    views: dict = field(default_factory=dict)  # id(pool) -> (pool, its [S, r_b, H] view)
 
     def pick(self, pool: torch.Tensor) -> torch.Tensor:
         """[S, r_b, H]: each segment's rank rows of `pool`."""
         s, _, r_b = self.shape
-        if self.row_range is not None:
-            return pool[self.row_range[0]:self.row_range[1]].view(s, r_b, -1)
-        return pool.index_select(0, self.rows).view(s, r_b, -1)
+        if self.row_range is None:
+            return pool.index_select(0, self.rows).view(s, r_b, -1)
+        hit = self.views.get(id(pool))  # holding the pool keeps its id from being reused
+        if hit is None or hit[0] is not pool:
+            hit = self.views[id(pool)] = (pool, pool[self.row_range[0]:self.row_range[1]].view(s, r_b, -1))
+        return hit[1]
 
 
 @dataclass(slots=True)

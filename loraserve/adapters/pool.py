@@ -89,6 +89,7 @@ class AdapterPool:
         self._free_slots = list(range(config.max_slots - 1, -1, -1))  # pop() -> lowest
         self._free_rows = {k: list(range(self.rows_per_kind - 1, -1, -1)) for k in self.specs}
         self._stats = PoolStats(max_slots=config.max_slots, bytes_capacity=self.bytes_capacity)
+        self.version = 0  # bumped whenever row tables or rows change (load, eviction)
 
     def _rows_per_kind(self, bytes_per_row: int) -> int:
         cfg = self.config
@@ -294,6 +295,7 @@ class AdapterPool:
 
     def _drop(self, key: AdapterKey, entry: _Resident) -> None:
         del self._entries[key]
+        self.version += 1
         self._slot_keys[entry.slot] = None
         self._free_slots.append(entry.slot)
         for kind, rows in entry.rows.items():
@@ -305,6 +307,7 @@ class AdapterPool:
     def _copy_in(self, slot: int, rows: dict[str, list[int]], plan: LoadPlan) -> None:
         """One index_copy_ per blob tensor; layers the adapter skips get zero rows."""
         dev, dtype = self.config.device, self.config.dtype
+        self.version += 1
         for kind, kind_rows in rows.items():
             idx = torch.tensor(kind_rows, dtype=torch.int64, device=dev)  # [r]
             moe = self.specs[kind].experts > 0

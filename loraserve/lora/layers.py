@@ -38,22 +38,35 @@ class LoRAState:
         self.meta: LoRAMeta | None = None      # None = no LoRA token in this step
         self._pair_key: int | None = None
         self._pair_meta: LoRAMeta | None = None
-        self._plans: dict = {}  # torch backend: (kind[, layer]) -> row-gather plan of this step
-        self._plan_rows: list = []  # (meta, row table, ranks, plan) of this step's plans
+        self._plans: dict = {}  # torch backend: kind -> row-gather plan (dense targets)
+        self._plan_rows: list = []  # (meta, row table, ranks, plan) of the dense plans
+        self._moe_plans: dict = {}  # (kind, layer) -> plan for this step's routing (MoE targets)
+        self._moe_plan_rows: list = []
+        self._step_key: tuple | None = None  # (slots, pool version) the dense meta and plans are for
 
     def set_slots(self, slots: list[int]) -> None:
-        self.token_slots = torch.tensor(slots, dtype=torch.int32, device=self.device)
+        """Each token's adapter slot for the next forward. A decode step whose batch layout and
+        pool are those of the step before (the steady state) keeps that step's metadata and
+        plans: the pool's version changes with every adapter load and eviction."""
         self._pair_key = None
+        self._moe_plans.clear()
+        self._moe_plan_rows.clear()
+        key = (tuple(slots), self.pool.version)
+        if key == self._step_key:
+            self.meta = self._step_meta
+            return
+        self.token_slots = torch.tensor(slots, dtype=torch.int32, device=self.device)
         self._plans.clear()
         self._plan_rows.clear()
         if max(slots, default=-1) < 0:
             self.meta = None
-            return
-        s_max = min(len(slots), self.max_slots)
-        if self.device.type == "cpu" and len(slots) <= HOST_META_MAX_TOKENS:
-            self.meta = LoRAMeta.from_host(slots, max_segments=s_max)
         else:
-            self.meta = LoRAMeta.build(self.token_slots, max_segments=s_max)
+            s_max = min(len(slots), self.max_slots)
+            if self.device.type == "cpu" and len(slots) <= HOST_META_MAX_TOKENS:
+                self.meta = LoRAMeta.from_host(slots, max_segments=s_max)
+            else:
+                self.meta = LoRAMeta.build(self.token_slots, max_segments=s_max)
+        self._step_key, self._step_meta = key, self.meta
 
     def pair_meta(self, layer: int, expert_ids: torch.Tensor, token_index: torch.Tensor) -> LoRAMeta:
         """Metadata for MoE (token, expert) pairs; gate/up/down of one layer share it. Keyed by
@@ -84,20 +97,24 @@ class LoRAState:
         if self.backend != "torch":
             kernels.add_lora(y, x, A, B, table, ranks, meta, backend=self.backend)
             return
-        plan = self._plans.get(plan_key)
+        dense = isinstance(plan_key, str)
+        plans = self._plans if dense else self._moe_plans
+        plan = plans.get(plan_key)
         if plan is not None:  # later layers: same shapes as the checked first call
             plan.run(y, x, A, B)
             return
-        plan = self._shared_plan(meta, table, ranks) or kernels.plan_torch(meta, table, ranks, A, B)
-        self._plans[plan_key] = plan
-        self._plan_rows.append((meta, table, ranks, plan))
+        rows = self._plan_rows if dense else self._moe_plan_rows
+        plan = self._shared_plan(rows, meta, table, ranks) or kernels.plan_torch(meta, table, ranks, A, B)
+        plans[plan_key] = plan
+        rows.append((meta, table, ranks, plan))
         kernels.add_lora_torch(y, x, A, B, table, ranks, meta, plan=plan)
 
-    def _shared_plan(self, meta: LoRAMeta, table: torch.Tensor, ranks: torch.Tensor):
+    @staticmethod
+    def _shared_plan(plan_rows: list, meta: LoRAMeta, table: torch.Tensor, ranks: torch.Tensor):
         """A plan this step already built for another kind with the same rows: adapters that
         target every kind at one rank get identical row tables in each kind's pool (the free
         lists hand rows out in the same order), so q/k/v/o/gate/up/down share one plan."""
-        for plan_meta, plan_table, plan_ranks, plan in self._plan_rows:
+        for plan_meta, plan_table, plan_ranks, plan in plan_rows:
             if plan_meta is meta and torch.equal(plan_ranks, ranks) and torch.equal(plan_table, table):
                 return plan
         return None

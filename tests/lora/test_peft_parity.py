@@ -90,3 +90,27 @@ def test_evicted_adapter_paged_in_again_gives_identical_output(dense_set):
     again = eng.generate([prompt], params, ["t/all-r8-rslora"])[0]
     assert again == first
     assert eng.adapters.pool.stats.evictions >= 1
+
+
+def test_a_slot_reused_by_another_adapter_serves_the_new_one(dense_set):
+    """Steps with the same batch layout reuse the step before's LoRA metadata and plans; a load
+    or eviction in between (a new pool version) must rebuild them."""
+    eng = _engine(dense_set, "torch", max_gpu_adapters=1)
+    prompt = _prompts(eng.vocab_size, 1, seed=5)[0]
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    state = eng.runner.lora
+    outs = {}
+    for adapter in ["t/all-r8-rslora", "t/qv-r4", "t/o-head-r2", "t/all-r8-rslora"]:
+        version = eng.adapters.pool.version
+        outs.setdefault(adapter, []).append(eng.generate([prompt], params, [adapter])[0])
+        assert eng.adapters.pool.version > version  # each one evicted the last and loaded
+    for adapter, got in outs.items():
+        want = _peft_reference(dense_set, adapter, prompt)[1]
+        assert all(g == want for g in got), adapter
+    state.set_slots([0])
+    meta = state.meta
+    state.set_slots([0])
+    assert state.meta is meta  # unchanged layout and pool: reused
+    eng.adapters.pool.version += 1
+    state.set_slots([0])
+    assert state.meta is not meta
