@@ -32,8 +32,8 @@ class PagedAttention:
 
     Tokens of the step are flattened: N = sum of new tokens over B sequences. Gathers use
     `index_select` on flat indices (several times faster on CPU than 2-D advanced indexing), GQA
-    goes to SDPA as is (`enable_gqa`: no repeated K/V copies), and a decode step (one query per
-    sequence, the common case) views q and the output in place.
+    goes to SDPA as is on CPU (`enable_gqa`: no repeated K/V copies), and a decode step (one query
+    per sequence, the common case) views q and the output in place.
     """
 
     cache: KVCache
@@ -56,6 +56,11 @@ class PagedAttention:
         vb = vc.index_select(0, self.kv_index).view(b, c, -1, d).transpose(1, 2)
         qs = q if self.single_query else q.index_select(0, self.q_index)
         qb = qs.view(b, nq, heads, d).transpose(1, 2)                                # [B, Hq, Q, D]
+        rep = heads // kb.shape[1]
+        if rep > 1 and q.device.type != "cpu":
+            # CUDA: a boolean mask rules out flash attention, and the memory-efficient kernel
+            # does not take GQA, so repeat K/V rather than fall back to the math kernel
+            kb, vb = kb.repeat_interleave(rep, dim=1), vb.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(qb, kb.to(qb.dtype), vb.to(qb.dtype), attn_mask=self.mask,
                                              enable_gqa=heads != kb.shape[1])
         out = out.transpose(1, 2).reshape(b * nq, heads, d)                          # [B * Q, Hq, D]
