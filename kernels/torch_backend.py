@@ -25,6 +25,7 @@ runs with no copy at all: x, y and the pool rows are all views (see `_Padded`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 
@@ -174,7 +175,7 @@ def _small_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, nu
     if r_b > row_table.shape[1]:
         raise ValueError(f"ranks holds {r_b} > R_max={row_table.shape[1]}")
     n, total = starts[-1], sum(seg_ranks)
-    lengths = [b - a for a, b in zip(starts, starts[1:])]
+    lengths = [b - a for a, b in pairwise(starts)]
     length = max(lengths)
     if total == 0 or min(n * total, s * length * r_b) * width > DENSE_MAX_MACS:
         return None
@@ -380,7 +381,7 @@ def _add_dense(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: t
 def _add_padded(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
                 p: _Padded) -> None:
     """Per segment: y[its tokens] += (x[its tokens] @ A^T) @ B, all segments in one bmm pair."""
-    s, length, r_b = p.shape
+    s, length, _ = p.shape
     if p.vtok is None:
         xs = x[: s * length].view(s, length, -1)
     else:

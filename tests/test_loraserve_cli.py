@@ -43,3 +43,9 @@ def test_serve_with_a_missing_model_dir_fails_with_one_line(tmp_path) -> None:
 def test_serve_rejects_bad_bounds(tmp_path, demo_dense) -> None:
     out = _run("serve", "--model", str(demo_dense), "--max-batch-size", "0")
     assert out.returncode == 1 and "max_batch_size must be >= 1" in out.stderr
+
+
+def test_serve_prefix_caching_flag() -> None:
+    from loraserve.cli import build_parser
+    assert build_parser().parse_args(["serve"]).prefix_caching is True
+    assert build_parser().parse_args(["serve", "--no-prefix-caching"]).prefix_caching is False

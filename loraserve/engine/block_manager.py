@@ -1,7 +1,17 @@
-"""Paged KV cache bookkeeping: which fixed-size blocks each sequence owns. No tensors here."""
+"""Paged KV cache bookkeeping: which fixed-size blocks each sequence owns. No tensors here.
+
+Automatic prefix caching. A *full* block whose K/V have been computed is registered under a key
+that chains the keys of every block before it, the block's own token ids and the adapter
+revision the sequence runs on (an adapter changes K/V from the first layer on, so each adapter
+revision, and the base, has its own namespace). A new sequence takes the registered blocks of
+its longest cached prefix (reference-counted, never written again) and computes only the rest.
+Blocks nobody references keep their contents and stay findable until a fresh block is needed:
+then the least recently released one is reused.
+"""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable
 
 from .sequence import Sequence
 
@@ -13,39 +23,127 @@ class BlockManager:
     block_table[i // block_size] at offset i % block_size.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.prefix_caching = prefix_caching
+        self._free: deque[int] = deque(range(num_blocks))  # no contents worth keeping
+        self._refs = [0] * num_blocks
+        self._key_of: dict[int, Hashable] = {}               # registered block -> its key
+        self._block_of: dict[Hashable, int] = {}             # key -> registered block
+        self._idle: OrderedDict[int, None] = OrderedDict()   # registered, unreferenced; LRU first
+        self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hit_tokens = 0    # of which found cached
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a new allocation can take: never used, or cached but unreferenced."""
+        return len(self._free) + len(self._idle)
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._key_of)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, seq: Sequence) -> bool:
-        return self.blocks_needed(len(seq)) - len(seq.block_table) <= len(self._free)
+        return self.blocks_needed(len(seq)) - len(seq.block_table) <= self.num_free
 
     def allocate(self, seq: Sequence) -> None:
-        """Grow seq's block table to hold all len(seq) tokens."""
+        """Grow seq's block table to hold all len(seq) tokens. A sequence with no blocks yet
+        first takes its longest cached prefix and starts computing after it (`num_cached`)."""
+        if not seq.block_table and seq.num_cached == 0 and self.prefix_caching:
+            self._take_cached_prefix(seq)
         need = self.blocks_needed(len(seq)) - len(seq.block_table)
-        if need > len(self._free):
+        if need > self.num_free:
             raise RuntimeError("KV cache exhausted (caller must check can_allocate)")
-        seq.block_table.extend(self._free.popleft() for _ in range(need))
+        for _ in range(need):
+            block = self._fresh()
+            self._refs[block] = 1
+            seq.block_table.append(block)
 
     def can_append(self, seq: Sequence) -> bool:
         """One more token fits: either room in the last block or a free block."""
-        return len(seq) <= len(seq.block_table) * self.block_size or len(self._free) > 0
+        return len(seq) <= len(seq.block_table) * self.block_size or self.num_free > 0
+
+    def commit(self, seqs: Iterable[Sequence]) -> None:
+        """After a step: register the blocks these sequences have just filled and computed."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        for seq in seqs:
+            full = min(seq.num_cached // bs, len(seq.block_table))
+            if full <= seq.num_registered:
+                continue
+            keys = self._keys(seq, full)
+            for i in range(seq.num_registered, full):
+                block, key = seq.block_table[i], keys[i]
+                if key not in self._block_of and block not in self._key_of:
+                    self._block_of[key] = block
+                    self._key_of[block] = key
+            seq.num_registered = full
 
     def free(self, seq: Sequence) -> None:
-        self._free.extend(seq.block_table)
+        """Drop seq's references. Its registered blocks stay cached (tail blocks are reused
+        first, so a shared prefix outlives the suffixes hanging off it)."""
+        for block in reversed(seq.block_table):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._key_of:
+                    self._idle[block] = None
+                else:
+                    self._free.append(block)
         seq.block_table = []
         seq.num_cached = 0
+        seq.num_registered = 0
+
+    # -- internals ----------------------------------------------------------------------------
+    def _keys(self, seq: Sequence, n: int) -> list[Hashable]:
+        """Chained keys of seq's first n full blocks (memoised on the sequence: its tokens only
+        grow, and a block's key depends on nothing after it)."""
+        keys = seq.block_keys
+        if len(keys) >= n:
+            return keys
+        bs, ids = self.block_size, seq.all_ids
+        parent = hash(keys[-1]) if keys else hash(("loraserve-prefix", seq.adapter_key))
+        for i in range(len(keys), n):
+            key = (parent, tuple(ids[i * bs:(i + 1) * bs]))
+            keys.append(key)
+            parent = hash(key)
+        return keys
+
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        if seq.wants_prompt_logprobs:  # every prompt position must be computed for its logits
+            return
+        # full blocks strictly before the last token: at least one token is always computed,
+        # and it lands in a fresh block, so a shared block is never written
+        n = (len(seq) - 1) // self.block_size
+        self.prefix_query_tokens += len(seq.prompt_ids)
+        hits = 0
+        for key in self._keys(seq, n)[:n]:
+            block = self._block_of.get(key)
+            if block is None:
+                break
+            if self._refs[block] == 0:
+                del self._idle[block]
+            self._refs[block] += 1
+            seq.block_table.append(block)
+            hits += 1
+        seq.num_registered = hits
+        seq.num_cached = hits * self.block_size
+        self.prefix_hit_tokens += min(seq.num_cached, len(seq.prompt_ids))
+
+    def _fresh(self) -> int:
+        """A block to write into: a never-registered one first, else the LRU idle cached one."""
+        if self._free:
+            return self._free.popleft()
+        block, _ = self._idle.popitem(last=False)
+        del self._block_of[self._key_of.pop(block)]
+        return block

@@ -16,6 +16,7 @@ class EngineConfig:
     block_size: int = 16             # KV cache tokens per block
     kv_cache_mb: int | None = None   # None: sized from max_batch_size * max_model_len (capped)
     num_kv_blocks: int | None = None  # explicit block count (overrides kv_cache_mb; tests, tuning)
+    prefix_caching: bool = True      # reuse the K/V of cached prompt prefixes (per adapter revision)
     # multi-LoRA
     catalog_dir: str | None = None
     max_gpu_adapters: int = 32

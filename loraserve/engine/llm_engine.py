@@ -70,7 +70,7 @@ class LLMEngine:
         blocks = _num_kv_blocks(cfg, mc, self.dtype)
         self.cache = KVCache(mc.num_layers, blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim,
                              self.dtype, self.device)
-        self.blocks = BlockManager(blocks, cfg.block_size)
+        self.blocks = BlockManager(blocks, cfg.block_size, prefix_caching=cfg.prefix_caching)
         self.adapters = None  # AdapterManager once enable_lora() ran
         self.scheduler = Scheduler(self.blocks, max_batch_size=cfg.max_batch_size,
                                    max_batched_tokens=cfg.max_batched_tokens)
@@ -190,6 +190,7 @@ class LLMEngine:
         if not seqs:
             return outs
         result = self.runner.run(seqs, is_prefill)
+        self.blocks.commit(seqs)
         for b, logits in result.prompt_logits.items():
             self.output.set_prompt_logprobs(seqs[b], logits)
         active = [i for i, s in enumerate(seqs) if s.params.max_tokens > len(s.output_ids)]
@@ -232,4 +233,9 @@ class LLMEngine:
         sch = self.scheduler
         return {"running": len(sch.running), "waiting": len(sch.waiting), "parked": len(sch.parked),
                 "batch_size": self.last_batch_size, "kv_usage": self.blocks.usage,
-                "preemptions": sch.num_preemptions}
+                "preemptions": sch.num_preemptions, "prefix_cache_hit_rate": self._prefix_hit_rate()}
+
+    def _prefix_hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache / prompt tokens looked up, since start."""
+        b = self.blocks
+        return b.prefix_hit_tokens / b.prefix_query_tokens if b.prefix_query_tokens else 0.0

@@ -29,6 +29,8 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0                    # tokens whose K/V are in the cache
+    num_registered: int = 0                # leading full blocks registered in the prefix cache
+    block_keys: list = field(default_factory=list)  # prefix-cache keys of its full blocks so far
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.monotonic)

@@ -14,7 +14,7 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 
 # engine.stats() key -> gauge attribute
 _STAT_GAUGES = {"running": "running", "waiting": "waiting", "batch_size": "batch_size",
-                "kv_usage": "kv_usage"}
+                "kv_usage": "kv_usage", "prefix_cache_hit_rate": "prefix_hit_rate"}
 
 
 class ServerMetrics:
@@ -46,6 +46,9 @@ class ServerMetrics:
                                 registry=r)
         self.kv_usage = Gauge("loraserve_kv_cache_usage", "Fraction of KV cache blocks in use",
                               registry=r)
+        self.prefix_hit_rate = Gauge("loraserve_prefix_cache_hit_rate",
+                                     "Prompt tokens found in the prefix cache / looked up, since start",
+                                     registry=r)
 
     def register(self, collector: Collector) -> None:
         """Expose another collector (e.g. adapter residency) on this app's /metrics."""

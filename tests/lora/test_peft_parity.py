@@ -114,3 +114,18 @@ def test_a_slot_reused_by_another_adapter_serves_the_new_one(dense_set):
     eng.adapters.pool.version += 1
     state.set_slots([0])
     assert state.meta is not meta
+
+
+def test_prefix_cache_is_per_adapter_revision(dense_set):
+    """One long prompt served by two adapters and the base in turn: each matches PEFT, and only
+    a repeat on the same adapter reuses cached K/V."""
+    eng = _engine(dense_set, "torch")
+    prompt = torch.randint(3, eng.vocab_size - 3, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    hits = []
+    for adapter in ["t/all-r8-rslora", "t/qv-r4", None, "t/all-r8-rslora"]:
+        before = eng.blocks.prefix_hit_tokens
+        out = eng.generate([prompt], params, [adapter])[0]
+        assert out == _peft_reference(dense_set, adapter, prompt)[1], adapter
+        hits.append(eng.blocks.prefix_hit_tokens - before)
+    assert hits[:3] == [0, 0, 0] and hits[3] == 32  # two full blocks of 16 before the last token
