@@ -94,7 +94,9 @@ def http_tokens_per_s(base: Path, catalog: Path, prompts: list[str], models: lis
                         "--max-gpu-adapters", str(len(set(models))), "--max-lora-rank", "16")
     url = f"http://127.0.0.1:{port}"
     try:
-        asyncio.run(_http_batch(url, prompts, models, 2))  # warm-up: page every adapter in
+        # warm-up: page every adapter in. Other prompts than the timed batch's, so that the
+        # prefix cache (on by default) cannot skip any of the timed prefill
+        asyncio.run(_http_batch(url, [f"Warm-up {i}: {p}" for i, p in enumerate(prompts)], models, 2))
         t0 = time.perf_counter()
         n = asyncio.run(_http_batch(url, prompts, models, tokens))
         dt = time.perf_counter() - t0
