@@ -25,6 +25,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-mb", type=int, default=None)
+    p.add_argument("--max-batched-tokens", type=int, default=4096,
+                   help="tokens one prefill step computes; longer prompts are prefilled in chunks")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="recompute every prompt (default: reuse the K/V of cached prompt prefixes)")
     p.add_argument("--served-model-name", default=None)
@@ -56,7 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
         catalog_dir=catalog, max_gpu_adapters=args.max_gpu_adapters, max_lora_rank=args.max_lora_rank,
         gpu_adapter_mb=args.gpu_adapter_mb, cpu_cache_mb=args.cpu_cache_mb, lora_backend=args.lora_backend,
         pinned_adapters=args.pin, adapter_root=args.adapter_root, torch_threads=args.torch_threads,
-        prefix_caching=args.prefix_caching)
+        prefix_caching=args.prefix_caching, max_batched_tokens=args.max_batched_tokens)
     engine = AsyncEngine.from_config(cfg)
     run_server(engine, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level.lower())
     return 0

@@ -12,7 +12,7 @@ class EngineConfig:
     served_model_name: str | None = None
     max_batch_size: int = 64         # sequences in one step
     max_model_len: int = 2048        # prompt + output tokens per sequence
-    max_batched_tokens: int = 4096   # tokens in one prefill step
+    max_batched_tokens: int = 4096   # tokens in one prefill step; longer prompts run in chunks
     block_size: int = 16             # KV cache tokens per block
     kv_cache_mb: int | None = None   # None: sized from max_batch_size * max_model_len (capped)
     num_kv_blocks: int | None = None  # explicit block count (overrides kv_cache_mb; tests, tuning)
@@ -42,7 +42,5 @@ class EngineConfig:
                      "max_gpu_adapters", "max_lora_rank", "cpu_cache_mb", "pager_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.max_batched_tokens < self.max_model_len:
-            self.max_batched_tokens = self.max_model_len
         if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
             raise ValueError("kv_cache_mb must be >= 1")

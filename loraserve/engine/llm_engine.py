@@ -193,7 +193,9 @@ class LLMEngine:
         self.blocks.commit(seqs)
         for b, logits in result.prompt_logits.items():
             self.output.set_prompt_logprobs(seqs[b], logits)
-        active = [i for i, s in enumerate(seqs) if s.params.max_tokens > len(s.output_ids)]
+        # sample for sequences whose tokens are all computed (not those mid-way through a chunked prefill)
+        active = [i for i, s in enumerate(seqs)
+                  if s.num_pending == 0 and s.params.max_tokens > len(s.output_ids)]
         if active:
             rows = result.last_logits[active]
             picked = [seqs[i] for i in active]
@@ -205,7 +207,7 @@ class LLMEngine:
                 seq.first_token_time = seq.first_token_time or now
                 self.output.append(seq, int(tokens[j]), lps[j] if lps and ks[j] is not None else None)
         for seq in seqs:
-            if seq.params.max_tokens == 0:
+            if seq.params.max_tokens == 0 and seq.num_pending == 0:
                 seq.finish_reason = "length"
             if seq.finish_reason is not None:
                 self.scheduler.remove(seq)

@@ -45,15 +45,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> StepResult:
+        """One forward. A prefill step computes `seq.num_scheduled` tokens of each sequence from
+        `num_cached` on (a whole prompt, or a chunk of a long one); a decode step computes each
+        sequence's last token. Logits come back for every sequence's last computed row; the
+        engine samples only those whose tokens are all computed."""
         batch = self._order(seqs)
         ids, positions, starts, ends, rows = [], [], [], [], {}
         for seq in batch:
-            start = seq.num_cached if is_prefill else len(seq) - 1
-            rows[id(seq)] = (len(ids), start)  # first hidden row, first position
-            ids.extend(seq.all_ids[start:] if is_prefill else seq.output_ids[-1:])
-            positions.extend(range(start, len(seq)))
+            if is_prefill:
+                start = seq.num_cached
+                end = start + seq.num_scheduled
+                ids.extend(seq.all_ids[start:end])
+            else:
+                start, end = len(seq) - 1, len(seq)
+                ids.extend(seq.output_ids[-1:] if seq.output_ids else seq.prompt_ids[-1:])
+            rows[id(seq)] = (len(ids) - (end - start), start, end)  # first hidden row, positions
+            positions.extend(range(start, end))
             starts.append(start)
-            ends.append(len(seq))
+            ends.append(end)
         dev = self.device
         attn = PagedAttention.build(self.cache, [s.block_table for s in batch], starts, ends, dev)
         if self.lora is not None:
@@ -61,11 +70,11 @@ class ModelRunner:
         hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), attn)
         last_rows, prompt_rows = [], {}
         for b, seq in enumerate(seqs):  # the caller's order from here on
-            row, start = rows[id(seq)]
-            last_rows.append(row + len(seq) - start - 1)
-            if is_prefill and seq.wants_prompt_logprobs and start == 0:
+            row, start, end = rows[id(seq)]
+            last_rows.append(row + end - start - 1)
+            if is_prefill and seq.wants_prompt_logprobs and start == 0:  # never chunked (scheduler)
                 prompt_rows[b] = (row, row + len(seq.prompt_ids) - 1)
-            seq.num_cached = len(seq)
+            seq.num_cached = end
         self._logit_slots([q.slot for q in seqs])
         logits = self.model.compute_logits(hidden[last_rows])
         prompt_logits = {}

@@ -39,6 +39,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.parked: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self._chunking = False  # the last prefill step left a prompt half done
 
     # -- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -74,21 +75,42 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """Pick the next batch: (sequences, is_prefill). Empty when nothing can run."""
-        batch = self._schedule_prefill()
+        """Pick the next batch: (sequences, is_prefill). Empty when nothing can run.
+
+        Prefill goes first, except right after a step that left a prompt half done (chunked
+        prefill): then the running sequences decode one token first, so a long prompt costs
+        them one chunk of latency at a time, not the whole prompt."""
+        if not (self._chunking and any(q.num_pending == 1 for q in self.running)):
+            batch = self._schedule_prefill()
+            if batch:
+                return batch, True
+        batch = self._schedule_decode()
+        self._chunking = False
         if batch:
-            return batch, True
-        return self._schedule_decode(), False
+            return batch, False
+        batch = self._schedule_prefill()  # every running sequence was mid-prefill
+        return batch, bool(batch)
 
     def _schedule_prefill(self) -> list[Sequence]:
+        """Continue prompts already being prefilled, then admit waiting sequences, within
+        `max_batched_tokens`; the last prompt that does not fit gets a chunk of what is left.
+        A sequence that wants prompt logprobs is never chunked (it may run alone over budget)."""
         batch: list[Sequence] = []
         budget = self.max_batched_tokens
+        for seq in self.running:  # admitted earlier, prompt not done
+            if seq.num_pending > 1 and budget > 0:
+                seq.num_scheduled = min(seq.num_pending, budget)
+                budget -= seq.num_scheduled
+                batch.append(seq)
         starving: Sequence | None = None
+        admitted: list[Sequence] = []
         for seq in list(self.waiting):
-            if len(self.running) + len(batch) >= self.max_batch_size:
+            if len(self.running) + len(admitted) >= self.max_batch_size or budget <= 0:
                 break
-            new_tokens = len(seq) - seq.num_cached
-            if new_tokens > budget or not self.blocks.can_allocate(seq):
+            whole = seq.wants_prompt_logprobs
+            if whole and len(seq) - seq.num_cached > budget and batch:
+                break  # keep arrival order: it runs alone in a later step
+            if not self.blocks.can_allocate(seq):
                 break  # keep arrival order for memory: later, smaller requests do not jump ahead
             if seq.adapter_key is not None:
                 if starving is not None and not self.gate.is_resident(seq):
@@ -97,19 +119,22 @@ class Scheduler:
                     if time.monotonic() - seq.arrival > self.starve_s:
                         starving = starving or seq
                     continue
-            self.blocks.allocate(seq)
+            self.blocks.allocate(seq)  # may find a cached prefix and advance num_cached
             self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
+            seq.num_scheduled = seq.num_pending if whole else min(seq.num_pending, budget)
+            budget -= seq.num_scheduled
             batch.append(seq)
-            budget -= new_tokens
-        self.running.extend(batch)
+            admitted.append(seq)
+        self.running.extend(admitted)
+        self._chunking = any(q.num_scheduled < q.num_pending for q in batch)
         return batch
 
     def _schedule_decode(self) -> list[Sequence]:
         batch: list[Sequence] = []
         for seq in list(self.running):
-            if seq not in self.running:
-                continue  # preempted below to make room for an older sequence
+            if seq not in self.running or seq.num_pending != 1:
+                continue  # preempted below to make room for an older one, or mid-prefill
             while not self.blocks.can_append(seq):
                 victim = self.running[-1]
                 self._preempt(victim)

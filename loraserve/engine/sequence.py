@@ -29,6 +29,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0                    # tokens whose K/V are in the cache
+    num_scheduled: int = 0                 # prefill step: tokens to compute from num_cached on
     num_registered: int = 0                # leading full blocks registered in the prefix cache
     block_keys: list = field(default_factory=list)  # prefix-cache keys of its full blocks so far
     generator: torch.Generator | None = None
@@ -48,6 +49,12 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose K/V are not computed yet: 1 for a sequence ready to decode, more while
+        its prompt (or a preempted sequence's recompute) is still being prefilled in chunks."""
+        return len(self.prompt_ids) + len(self.output_ids) - self.num_cached
 
     @property
     def wants_prompt_logprobs(self) -> bool:
