@@ -13,7 +13,7 @@ from collections import deque
 from typing import Protocol
 
 from .block_manager import BlockManager
-from .sequence import Sequence, SeqStatus
+from .sequence import SeqStatus, Sequence
 
 
 class AdapterGate(Protocol):
