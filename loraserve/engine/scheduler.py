@@ -1,7 +1,8 @@
 """Continuous batching with adapter-aware admission. Plain Python state machine, no tensors.
 
-Each step is either a prefill step (admit waiting sequences, up to the token and batch budgets)
-or a decode step (one token for every running sequence). Sequences whose adapter is still paging
+Each step is either a prefill step (admit waiting sequences, up to the token and batch budgets;
+a prompt longer than what is left of the token budget is prefilled in chunks over several steps)
+or a decode step (one token for every running sequence whose prompt is done). Sequences whose adapter is still paging
 in from disk are *parked* outside the waiting queue, so they never block the queue; when their
 adapter arrives they rejoin it in arrival order.
 """
