@@ -3,6 +3,8 @@
 # benchmark, then a summary table. Needs torch + triton already installed; no network; never
 # installs torch. Runs from any directory; about 3-5 minutes (hard limits below keep it < 8).
 #   bash scripts/gpu_check.sh              # logs land in ${GPU_CHECK_OUT:-$OUT or /tmp}/gpu_check
+# On the device machine: first `bash scripts/gpu_bundle.sh` here, then carry
+# [".gpu_bundle", ".loraserve"] (test packages and the demo base) with the run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -23,7 +25,11 @@ if [ -z "$PY" ]; then echo "gpu_check: no python with CUDA torch + triton found"
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$LOG/env.txt"
 
 # pytest / hypothesis may be missing on a bare GPU image: borrow the pure-Python test packages
-# (and their dist-info, so plugins register) from a carried .venv, appended after site-packages.
+# (and their dist-info, so plugins register) from a carried .gpu_bundle (scripts/gpu_bundle.sh)
+# or .venv, appended after site-packages.
+if [ -d "$REPO/.gpu_bundle/site" ] && ! "$PY" -c "import pytest, hypothesis" 2>/dev/null; then
+  export PYTHONPATH="$PYTHONPATH:$REPO/.gpu_bundle/site"
+fi
 if ! "$PY" -c "import pytest, hypothesis" 2>/dev/null; then
   SHIM="$LOG/pytest_shim"; mkdir -p "$SHIM"
   for site in "$REPO"/.venv/lib/python3*/site-packages; do
@@ -64,11 +70,20 @@ if "$PY" -c "import safetensors, tokenizers, jinja2, lmdb, xxhash, numpy" 2>/dev
 fi
 # ---- end decode benchmark ----
 
+# packed vs per-expert MoE LoRA loading into the device row pool (issue 4's >= 10x is a GPU effect)
+status_moe="not run (missing python packages)"
+if "$PY" -c "import safetensors, lmdb, xxhash" 2>/dev/null; then
+  timeout 90 "$PY" bench/catalog.py moe --device cuda 2>&1 | tee "$LOG/bench_moe_load.txt"
+  status_moe="rc=${PIPESTATUS[0]}"
+fi
+
 echo
 echo "================ gpu_check summary ================"
 cat "$LOG/env.txt"
 echo "kernel tests : $status_tests"
 echo "kernel bench : $status_bench"
 echo "decode bench : $status_decode"
+echo "moe loading  : $status_moe"
 grep -E '^#|^ *[0-9T-]' "$LOG/bench_kernels.txt" || true
 cat "$LOG"/bench_decode.txt "$LOG"/bench_lora_decode.txt 2>/dev/null | grep -E 'tok/s|^ +[0-9]|adapters|base only' || true
+tail -n 4 "$LOG/bench_moe_load.txt" 2>/dev/null || true

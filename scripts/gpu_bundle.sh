@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Pack what scripts/gpu_check.sh borrows on a bare GPU image into one ignored folder, small
+# enough to carry to the device machine (its carry limit is 64 MiB and 8 paths; .venv is far
+# bigger): the pure-Python test packages (pytest, hypothesis and what they import) from the
+# local .venv, without bytecode. The demo base is carried as .loraserve (about 11 MiB).
+#   bash scripts/gpu_bundle.sh     # then: carry [".gpu_bundle", ".loraserve"], run gpu_check.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=python3; [ -x .venv/bin/python ] && PY=.venv/bin/python
+"$PY" -m loraserve.cli demo >/dev/null   # builds .loraserve/demo once (idempotent)
+OUT=.gpu_bundle/site
+rm -rf .gpu_bundle
+mkdir -p "$OUT"
+for site in .venv/lib/python3*/site-packages; do
+  for pkg in pytest _pytest pluggy iniconfig packaging pygments py.py hypothesis \
+             _hypothesis_globals.py _hypothesis_ftz_detector.py _hypothesis_pytestplugin.py \
+             sortedcontainers; do
+    for hit in "$site/$pkg" "$site/$pkg"-*.dist-info; do
+      if [ -e "$hit" ]; then cp -r "$hit" "$OUT/"; fi
+    done
+  done
+done
+find .gpu_bundle -name __pycache__ -prune -exec rm -rf {} +
+du -sh .gpu_bundle .loraserve
