@@ -181,11 +181,11 @@ def _small_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, nu
         return None
     tok = meta.token_ids[:n].long()
     prefix = bool((tok == torch.arange(n)).all())  # LoRA tokens are rows [0, n), in segment order
+    equal_ranks = min(seg_ranks) == r_b
     table = row_table[meta.seg_slot[:s].long(), :r_b].long()  # [S, r_b]
-    rows = table.flatten() if min(seg_ranks) == r_b else \
+    rows = table.flatten() if equal_ranks else \
         table[torch.arange(r_b)[None, :] < torch.tensor(seg_ranks)[:, None]]  # each segment's own ranks
     run = _contiguous_run(rows)
-    equal_ranks = min(seg_ranks) == r_b
     direct = prefix and min(lengths) == length
     dense_ns = (OP_NS * (2 + (s > 1) + 2 * (not prefix) + 2 * (run is None))
                 + MAC_NS * n * total * width + COPY_NS * (run is None) * total * width)
