@@ -104,6 +104,25 @@ class BlockManager:
         seq.num_cached = 0
         seq.num_registered = 0
 
+    def check_invariants(self, seqs: Iterable[Sequence]) -> None:
+        """Assert the books balance against the live sequences `seqs` (tests): every block is
+        exactly one of free, idle (cached, unreferenced) or referenced, with the right count."""
+        refs = [0] * self.num_blocks
+        for seq in seqs:
+            for block in seq.block_table:
+                refs[block] += 1
+            assert seq.num_cached <= len(seq.block_table) * self.block_size, seq.request_id
+        assert refs == self._refs, "reference counts disagree with the block tables"
+        free, idle = set(self._free), set(self._idle)
+        assert len(free) == len(self._free) and not free & idle, "a block is listed twice"
+        for block in range(self.num_blocks):
+            state = (block in free) + (block in idle) + (refs[block] > 0)
+            assert state == 1, f"block {block} is in {state} states"
+            assert block not in free or block not in self._key_of, f"free block {block} is registered"
+        assert idle <= self._key_of.keys(), "an idle block is not registered"
+        assert all(self._block_of[k] == b for b, k in self._key_of.items()), "the key maps disagree"
+        assert len(self._block_of) == len(self._key_of)
+
     # -- internals ----------------------------------------------------------------------------
     def _keys(self, seq: Sequence, n: int) -> list[Hashable]:
         """Chained keys of seq's first n full blocks (memoised on the sequence: its tokens only

@@ -68,3 +68,4 @@ def test_chunked_prefill_with_preemption_and_prefix_cache(demo_dense):
     assert eng.generate(prompts, params) == want
     assert eng.generate(prompts, params) == want          # again, now partly from the prefix cache
     assert eng.scheduler.num_preemptions > 0 and eng.blocks.prefix_hit_tokens > 0
+    eng.blocks.check_invariants([])

@@ -3,6 +3,8 @@ and, through the engine, outputs identical to recomputing every prompt."""
 from __future__ import annotations
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loraserve.engine.block_manager import BlockManager
 from loraserve.engine.config import EngineConfig
@@ -108,6 +110,7 @@ def test_engine_outputs_equal_recompute_with_shared_prefixes_and_preemption(demo
     assert eng.blocks.prefix_hit_tokens >= 3 * 20
     assert eng.stats()["prefix_cache_hit_rate"] > 0
     assert eng.blocks.num_free == 15
+    eng.blocks.check_invariants([])
 
 
 def test_engine_greedy_with_a_fully_cached_prompt_matches(demo_dense):
@@ -121,3 +124,38 @@ def test_engine_greedy_with_a_fully_cached_prompt_matches(demo_dense):
     while eng.has_work():
         eng.step()
     assert len(seq.prompt_logprobs) == len(prompt)   # prompt logprobs bypass the cache
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "grow", "free", "preempt"]), st.integers(0, 5),
+                          st.integers(1, 30), st.sampled_from([None, ("t/a", "r1")])), max_size=60))
+def test_random_workload_keeps_the_books_balanced(ops):
+    """Sequences drawn from a few shared prefixes come and go, grow and get preempted; after every
+    operation each block is exactly one of free, idle-cached or referenced, and cached prefixes
+    are found only where they were registered."""
+    bm = BlockManager(24, 4)
+    live: list[Sequence] = []
+    for op, which, length, adapter in ops:
+        if op == "add":
+            seq = _seq([which] * 6 + list(range(100, 100 + length)), adapter=adapter)
+            if bm.can_allocate(seq):
+                bm.allocate(seq)
+                assert seq.num_cached % 4 == 0 and seq.num_cached < len(seq)
+                seq.num_cached = len(seq)
+                bm.commit([seq])
+                live.append(seq)
+        elif live:
+            seq = live[which % len(live)]
+            if op == "grow" and bm.can_append(seq):
+                seq.output_ids.append(7)
+                bm.allocate(seq)
+                seq.num_cached = len(seq)
+                bm.commit([seq])
+            elif op in ("free", "preempt"):
+                bm.free(seq)
+                live.remove(seq)
+        bm.check_invariants(live)
+    for seq in live:
+        bm.free(seq)
+    bm.check_invariants([])
+    assert bm.num_free == bm.num_blocks
