@@ -88,6 +88,7 @@ def test_random_workload_never_exceeds_bounds_or_evicts_in_use(dense_set, tmp_pa
             eng.abort(live.pop(rng.randrange(len(live))))
         eng.step()
         pool.check_invariants()
+        eng.blocks.check_invariants(eng.scheduler.running)  # KV blocks and prefix cache too
         assert len(pool.resident()) <= 2
         assert pool.stats.bytes_used <= pool.bytes_capacity
         assert eng.adapters.cpu_cache.stats.bytes <= 2**20
