@@ -73,14 +73,15 @@ def test_a_request_in_flight_keeps_its_revision_across_a_promote(dense_set, tmp_
 
 def test_random_workload_never_exceeds_bounds_or_evicts_in_use(dense_set, tmp_path):
     eng = _engine(dense_set.base, _copy_catalog(dense_set, tmp_path), max_gpu_adapters=2, max_batch_size=6,
-                  cpu_cache_mb=1)
+                  cpu_cache_mb=1, block_size=4)
     pool, rng = eng.adapters.pool, random.Random(0)
     choices = ["t/qv-r4", "t/all-r8-rslora", "t/o-head-r2", None]
+    stems = [[rng.randrange(3, 250) for _ in range(12)] for _ in range(3)]  # shared prefixes
     live: list[str] = []
     for step in range(160):
         if rng.random() < 0.35:
             rid = f"w{step}"
-            prompt = [rng.randrange(3, 250) for _ in range(rng.randint(1, 12))]
+            prompt = rng.choice(stems)[: rng.randint(1, 12)] + [rng.randrange(3, 250)]
             p = SamplingParams(max_tokens=rng.randint(1, 8), temperature=rng.choice([0.0, 0.8]), seed=step)
             eng.add_request(GenerateRequest(rid, prompt, p, rng.choice(choices)))
             live.append(rid)
@@ -103,6 +104,7 @@ def test_random_workload_never_exceeds_bounds_or_evicts_in_use(dense_set, tmp_pa
         eng.step()
     assert all(pool.refcount(k) == 0 for k in pool.resident())
     assert eng.blocks.num_free == eng.blocks.num_blocks
+    assert eng.blocks.prefix_hit_tokens > 0
 
 
 def test_pinned_adapter_stays_resident_under_pressure(dense_set, tmp_path):
