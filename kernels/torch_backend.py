@@ -59,6 +59,7 @@ class _Heavy:
     tok: torch.Tensor  # [m] int64, tokens of the heavy segments, sorted by segment
     flat_rows: torch.Tensor  # [sum r] int64, rows of the pool viewed as [P * E, H]
     bounds: list[tuple[int, int, int, int]]  # per segment: token range, row range
+    direct: bool = False  # tok is 0..m-1 (a batch grouped by adapter): slice x and y, no gather
 
     def rows_of(self, pool: torch.Tensor) -> torch.Tensor:
         return pool.view(-1, pool.shape[-1]).index_select(0, self.flat_rows)  # [sum r, H]
@@ -138,10 +139,15 @@ class _Plan:
             _expand_gathered(y, _shrink_gathered(x, A_rows, self.light), B_rows, self.light)
         if self.heavy is not None:
             hv = self.heavy
-            xs, A, B = x[hv.tok], hv.rows_of(A_rows), hv.rows_of(B_rows)
+            A, B = hv.rows_of(A_rows), hv.rows_of(B_rows)
+            if hv.direct and A.dtype == x.dtype and B.dtype == y.dtype:  # segments are row ranges
+                for t0, t1, r0, r1 in hv.bounds:
+                    y[t0:t1].addmm_(x[t0:t1] @ A[r0:r1].T, B[r0:r1])
+                return
+            xs = x[hv.tok]
             delta = torch.empty(hv.tok.numel(), y.shape[1], dtype=B.dtype, device=y.device)
             for t0, t1, r0, r1 in hv.bounds:
-                torch.mm(xs[t0:t1] @ A[r0:r1].T, B[r0:r1], out=delta[t0:t1])
+                torch.mm(xs[t0:t1] @ A[r0:r1].T.to(xs.dtype), B[r0:r1], out=delta[t0:t1])
             y.index_add_(0, hv.tok, delta.to(y.dtype))
 
 
@@ -273,7 +279,8 @@ def _heavy_plan(meta: LoRAMeta, row_table: torch.Tensor, s: int, lengths: torch.
     for i in idx:
         bounds.append((t0, t0 + len_list[i], r0, r0 + r_list[i]))
         t0, r0 = t0 + len_list[i], r0 + r_list[i]
-    return _Heavy(tok, rows[in_rank], bounds)
+    direct = bool((tok == torch.arange(tok.numel(), device=tok.device)).all())
+    return _Heavy(tok, rows[in_rank], bounds, direct)
 
 
 def _gather_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, n: int,

@@ -1,0 +1,85 @@
+"""Multi-LoRA prefill: one prefill step of `--batch` prompts over 1, 8 and 32 distinct adapters
+against the same step on the base alone.
+
+    python bench/lora_prefill.py [--model DIR] [--batch 32] [--prompt 128] [--distinct 1,8,32]
+
+The adapters are rank 16 on all seven targets, synthesized into a temporary catalog by
+`loraserve catalog materialize`. Prefix caching is off, so
+every step computes every prompt token. Cases run interleaved, best of 3.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# the repo root first: bench/kernels.py and bench/catalog.py must not shadow the packages
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import subprocess
+import tempfile
+import time
+
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.types import GenerateRequest, SamplingParams
+from loraserve.lora.setup import build_engine
+
+TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+
+
+def prefill_ms(eng, prompt: list[int], adapters: list[str | None]) -> float:
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for i, a in enumerate(adapters):
+        eng.add_request(GenerateRequest(f"p{time.monotonic_ns()}-{i}", prompt, params, a))
+    while eng.scheduler.parked:  # page-ins outside the timing
+        eng.step()
+        time.sleep(0.001)
+    t0 = time.perf_counter()
+    eng.step()
+    dt = time.perf_counter() - t0
+    while eng.has_work():
+        eng.step()
+    return dt * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--distinct", default="1,8,32")
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args()
+    model = args.model
+    if model is None:
+        from loraserve.demo import build_demo
+        model = str(build_demo(Path(".loraserve/demo")).qwen3)
+    distinct = [int(d) for d in args.distinct.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        cat = Path(tmp) / "cat"
+        subprocess.run([sys.executable, "-m", "loraserve.cli", "catalog", "materialize", str(cat), "--model", model,
+                        "--count", str(max(distinct)), "--rank", "16", "--targets", TARGETS, "--prefix", "pf/",
+                        "--workers", "1"], check=True, capture_output=True)
+        ids = [f"pf/{i:07d}" for i in range(max(distinct))]
+        eng = build_engine(EngineConfig(model_dir=model, catalog_dir=str(cat), device=args.device,
+                                        max_batch_size=args.batch, max_model_len=args.prompt + 8,
+                                        max_batched_tokens=args.batch * args.prompt, prefix_caching=False,
+                                        max_gpu_adapters=max(distinct), max_lora_rank=16))
+        prompt = [(7 * i) % (eng.vocab_size - 6) + 3 for i in range(args.prompt)]
+        cases = [("base only", [None] * args.batch)] + [
+            (f"{d} adapters", [ids[i % d] for i in range(args.batch)]) for d in distinct]
+        for _, adapters in cases:  # warm-up, pages every adapter in
+            prefill_ms(eng, prompt, adapters)
+        best = {name: float("inf") for name, _ in cases}
+        for _ in range(3):
+            for name, adapters in cases:
+                best[name] = min(best[name], prefill_ms(eng, prompt, adapters))
+    tokens = args.batch * args.prompt
+    print(f"prefill step: {args.batch} prompts x {args.prompt} tokens, rank 16, all 7 targets, device {eng.device}")
+    print(f"{'batch':>12} {'ms':>8} {'tok/s':>9} {'vs base':>8}")
+    for name, _ in cases:
+        print(f"{name:>12} {best[name]:>8.1f} {tokens / best[name] * 1e3:>9.0f} {best['base only'] / best[name]:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
