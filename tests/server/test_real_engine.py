@@ -19,8 +19,11 @@ MAX_MODEL_LEN = 96
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, AsyncEngine]]:
     model_dir = build_demo_base(tmp_path_factory.mktemp("server-demo") / "qwen3")
+    # small blocks and a 16-token prefill budget: chunked prefill and the prefix cache are in
+    # play for every test here
     engine = AsyncEngine.from_model_dir(str(model_dir), device="cpu", dtype="float32",
-                                        max_model_len=MAX_MODEL_LEN, max_batch_size=8)
+                                        max_model_len=MAX_MODEL_LEN, max_batch_size=8,
+                                        max_batched_tokens=16, block_size=4)
     with LiveServer(build_app(engine, max_n=4)) as server:
         yield server, engine
 
@@ -87,3 +90,19 @@ def test_bad_input_then_good(live: tuple[LiveServer, AsyncEngine]) -> None:
             assert http.post("/v1/completions", json=good).status_code == 200
         m = http.get("/metrics").text
     assert "loraserve_kv_cache_usage" in m and 'loraserve_requests_total{status="404"}' in m
+
+
+def test_long_prompt_chunked_and_cached_gives_one_answer(client: openai.OpenAI,
+                                                         live: tuple[LiveServer, AsyncEngine]) -> None:
+    """A 60-token prompt (four prefill chunks) asked three times, streamed and not, next to
+    other requests: the same greedy text each time; the repeats reuse cached prefix blocks."""
+    engine = live[1]
+    prompt = " ".join(f"w{i}" for i in range(20))
+    assert len(engine.tokenizer.encode(prompt)) > 48
+    kw = dict(model=engine.model_name, prompt=prompt, max_tokens=8, temperature=0)
+    hits = engine.engine.blocks.prefix_hit_tokens
+    first = client.completions.create(**kw).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True))
+    again = client.completions.create(**{**kw, "n": 2}).choices
+    assert streamed == first and [c.text for c in again] == [first, first]
+    assert engine.engine.blocks.prefix_hit_tokens > hits
