@@ -16,6 +16,8 @@ from pathlib import Path
 # the repo root first: bench/kernels.py and bench/catalog.py must not shadow the packages
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import base_or_demo  # bench/_common.py, beside this script
+
 import argparse
 import time
 
@@ -63,10 +65,7 @@ def main() -> None:
     ap.add_argument("--chunks", default="4096,512,128")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
-    model = args.model
-    if model is None:
-        from loraserve.demo import build_demo
-        model = str(build_demo(Path(".loraserve/demo")).qwen3)
+    model = base_or_demo(args.model)
     print(f"model={model} running={args.running} long prompt={args.prompt} tokens")
     print(f"{'max_batched_tokens':>19} {'max stall ms':>13} {'long TTFT ms':>13} {'ms/token (running)':>19}")
     for chunk in [int(c) for c in args.chunks.split(",")]:

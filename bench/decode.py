@@ -12,6 +12,8 @@ from pathlib import Path
 # the repo root first: bench/kernels.py and bench/catalog.py must not shadow the packages
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import base_or_demo  # bench/_common.py, beside this script
+
 import argparse
 import time
 from pathlib import Path
@@ -52,10 +54,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
-    model = args.model
-    if model is None:
-        from loraserve.demo import build_demo
-        model = str(build_demo(Path(".loraserve/demo")).qwen3)
+    model = base_or_demo(args.model)
     batches = [int(b) for b in args.batches.split(",")]
     eng = LLMEngine(EngineConfig(model_dir=model, device=args.device, dtype=args.dtype,
                                  max_batch_size=max(batches), max_model_len=args.prompt_len + args.tokens + 1))

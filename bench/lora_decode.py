@@ -18,6 +18,8 @@ from pathlib import Path
 # the repo root first: bench/kernels.py and bench/catalog.py must not shadow the packages
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import base_or_demo  # bench/_common.py, beside this script
+
 import argparse
 import asyncio
 import tempfile
@@ -149,10 +151,7 @@ def main() -> None:
     ap.add_argument("--no-peft", action="store_true")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
-    base = Path(args.model) if args.model else None
-    if base is None:
-        from loraserve.demo import build_demo
-        base = build_demo(Path(".loraserve/demo")).qwen3
+    base = Path(base_or_demo(args.model))
     distinct = [int(d) for d in args.distinct.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         catalog, ids, dirs = make_adapters(base, Path(tmp), max(distinct), args.rank)

@@ -15,6 +15,8 @@ from pathlib import Path
 # the repo root first: bench/kernels.py and bench/catalog.py must not shadow the packages
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import base_or_demo  # bench/_common.py, beside this script
+
 import argparse
 import subprocess
 import tempfile
@@ -50,10 +52,7 @@ def main() -> None:
     ap.add_argument("--distinct", default="1,8,32")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
-    model = args.model
-    if model is None:
-        from loraserve.demo import build_demo
-        model = str(build_demo(Path(".loraserve/demo")).qwen3)
+    model = base_or_demo(args.model)
     distinct = [int(d) for d in args.distinct.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         cat = Path(tmp) / "cat"

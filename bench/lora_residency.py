@@ -18,6 +18,8 @@ from pathlib import Path
 # the repo root first: bench/kernels.py and bench/catalog.py must not shadow the packages
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import base_or_demo  # bench/_common.py, beside this script
+
 import argparse
 import os
 import re
@@ -151,10 +153,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--duration-cap", type=float, default=7200.0, help="sweep: stop after this many seconds")
     args = ap.parse_args()
-    model = args.model
-    if model is None:
-        from loraserve.demo import build_demo
-        model = str(build_demo(Path(".loraserve/demo")).qwen3)
+    model = base_or_demo(args.model)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     (cliff if args.mode == "cliff" else sweep)(args, model)
 

@@ -65,6 +65,15 @@ class _Heavy:
         return pool.view(-1, pool.shape[-1]).index_select(0, self.flat_rows)  # [sum r, H]
 
 
+def _cached_view(views: dict, pool: torch.Tensor, make) -> torch.Tensor:
+    """A plan's view of `pool`, made once: `views` maps id(pool) -> (pool, view), and holding
+    the pool keeps its id from being reused by another tensor."""
+    hit = views.get(id(pool))
+    if hit is None or hit[0] is not pool:
+        hit = views[id(pool)] = (pool, make())
+    return hit[1]
+
+
 @dataclass(slots=True)
 class _Dense:
     """Few adapters in a small batch: every LoRA token against the rank rows of every live
@@ -82,10 +91,7 @@ class _Dense:
         """[sum r, H]: the live segments' rows of `pool`."""
         if self.row_range is None:
             return pool.index_select(0, self.rows)
-        hit = self.views.get(id(pool))  # holding the pool keeps its id from being reused
-        if hit is None or hit[0] is not pool:
-            hit = self.views[id(pool)] = (pool, pool[self.row_range[0]:self.row_range[1]])
-        return hit[1]
+        return _cached_view(self.views, pool, lambda: pool[self.row_range[0]:self.row_range[1]])
 
 
 @dataclass(slots=True)
@@ -112,10 +118,8 @@ class _Padded:
         s, _, r_b = self.shape
         if self.row_range is None:
             return pool.index_select(0, self.rows).view(s, r_b, -1)
-        hit = self.views.get(id(pool))  # holding the pool keeps its id from being reused
-        if hit is None or hit[0] is not pool:
-            hit = self.views[id(pool)] = (pool, pool[self.row_range[0]:self.row_range[1]].view(s, r_b, -1))
-        return hit[1]
+        return _cached_view(self.views, pool,
+                            lambda: pool[self.row_range[0]:self.row_range[1]].view(s, r_b, -1))
 
 
 @dataclass(slots=True)
@@ -189,8 +193,8 @@ def _small_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, nu
     prefix = bool((tok == torch.arange(n)).all())  # LoRA tokens are rows [0, n), in segment order
     equal_ranks = min(seg_ranks) == r_b
     table = row_table[meta.seg_slot[:s].long(), :r_b].long()  # [S, r_b]
-    rows = table.flatten() if equal_ranks else \
-        table[torch.arange(r_b)[None, :] < torch.tensor(seg_ranks)[:, None]]  # each segment's own ranks
+    in_rank = torch.arange(r_b)[None, :] < torch.tensor(seg_ranks)[:, None]  # [S, r_b]
+    rows = table.flatten() if equal_ranks else table[in_rank]  # each segment's own ranks
     run = _contiguous_run(rows)
     direct = prefix and min(lengths) == length
     dense_ns = (OP_NS * (2 + (s > 1) + 2 * (not prefix) + 2 * (run is None))
@@ -203,8 +207,7 @@ def _small_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, nu
         return None
     use_padded = padded_ns < dense_ns if FORCE_SMALL is None else FORCE_SMALL == "padded"
     if use_padded:
-        return _padded_plan(slots, seg_ranks, lengths, row_table, tok, direct,
-                            run if padded_views else None)
+        return _padded_plan(table, in_rank, lengths, tok, direct, run if padded_views else None)
     other = None
     if s > 1:
         col_seg = torch.repeat_interleave(torch.arange(s), torch.tensor(seg_ranks))
@@ -213,18 +216,18 @@ def _small_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, nu
     return _Dense(None if prefix else tok, n, rows, other, run)
 
 
-def _padded_plan(slots: list[int], seg_ranks: list[int], lengths: list[int], row_table: torch.Tensor,
-                 tok: torch.Tensor, direct: bool, row_range: tuple[int, int] | None) -> _Padded:
-    s, r_b, length = len(slots), max(seg_ranks), max(lengths)
-    invalid = torch.arange(r_b)[None, :] >= torch.tensor(seg_ranks)[:, None]  # [S, r_b]
-    rows = row_table[torch.tensor(slots), :r_b].long().masked_fill(invalid, 0).flatten()
+def _padded_plan(table: torch.Tensor, in_rank: torch.Tensor, lengths: list[int], tok: torch.Tensor,
+                 direct: bool, row_range: tuple[int, int] | None) -> _Padded:
+    """table / in_rank [S, r_b]: each segment's pool rows and which of them are within its rank."""
+    (s, r_b), length = table.shape, max(lengths)
+    invalid = ~in_rank
     vtok = vpos = None
     if not direct:
         tok_seg = torch.repeat_interleave(torch.arange(s), torch.tensor(lengths))
         seg_first = torch.tensor([0] + lengths[:-1]).cumsum(0)
         vtok, vpos = tok, tok_seg * length + torch.arange(tok.numel()) - seg_first[tok_seg]
-    return _Padded(vtok, vpos, rows, row_range, invalid[:, None, :] if bool(invalid.any()) else None,
-                   (s, length, r_b))
+    return _Padded(vtok, vpos, table.masked_fill(invalid, 0).flatten(), row_range,
+                   invalid[:, None, :] if bool(invalid.any()) else None, (s, length, r_b))
 
 
 def _plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, num_experts: int,
@@ -381,8 +384,12 @@ def _add_dense(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: t
     B = d.pick(B_rows)
     if d.tok is None and B.dtype == y.dtype:
         y[: d.n].addmm_(h if h.dtype == B.dtype else h.to(B.dtype), B)
+        return
+    delta = (h.to(B.dtype) @ B).to(y.dtype)
+    if d.tok is None:
+        y[: d.n].add_(delta)
     else:
-        y.index_add_(0, d.tok if d.tok is not None else torch.arange(d.n), (h.to(B.dtype) @ B).to(y.dtype))
+        y.index_add_(0, d.tok, delta)
 
 
 def _add_padded(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,

@@ -165,18 +165,18 @@ class AsyncEngine:
         for out in outs:
             rid = out.request_id
             held = self._quiet.get(rid, _STREAMED)
+            last = out.finish_reason is not None or out.error is not None
             if held is _STREAMED:
                 sent.append(out)
                 continue
-            last = out.finish_reason is not None or out.error is not None
             if held is _FIRST or last:
                 sent.append(out if held is _FIRST or held is None else held.merged(out))
-                if last:
-                    del self._quiet[rid]
-                else:
-                    self._quiet[rid] = None
             else:
-                self._quiet[rid] = out if held is None else held.merged(out)
+                out = out if held is None else held.merged(out)
+            if last:
+                del self._quiet[rid]
+            else:
+                self._quiet[rid] = None if held is _FIRST else out
         return sent
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:

@@ -28,11 +28,7 @@ class ModelRunner:
         lora = self.lora
         if lora is None or not lora.covers_lm_head:
             return
-        slots = [a if a >= 0 and lora.pool.has_kind(a, "lm_head") else -1 for a in slots]
-        if max(slots, default=-1) < 0:
-            lora.meta = None  # the common case: no lm_head LoRA in this batch
-        else:
-            lora.set_slots(slots)
+        lora.set_slots([a if a >= 0 and lora.pool.has_kind(a, "lm_head") else -1 for a in slots])
 
     def _order(self, seqs: list[Sequence]) -> list[Sequence]:
         """The order the model sees the batch in. With LoRA on, sequences are grouped by adapter

@@ -54,7 +54,7 @@ class Sequence:
     def num_pending(self) -> int:
         """Tokens whose K/V are not computed yet: 1 for a sequence ready to decode, more while
         its prompt (or a preempted sequence's recompute) is still being prefilled in chunks."""
-        return len(self.prompt_ids) + len(self.output_ids) - self.num_cached
+        return len(self) - self.num_cached
 
     @property
     def wants_prompt_logprobs(self) -> bool:

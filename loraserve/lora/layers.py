@@ -52,6 +52,9 @@ class LoRAState:
         self._pair_key = None
         self._moe_plans.clear()
         self._moe_plan_rows.clear()
+        if max(slots, default=-1) < 0:  # no LoRA token: the wrappers skip; the cache stays
+            self.meta = None
+            return
         key = (tuple(slots), self.pool.version)
         if key == self._step_key:
             self.meta = self._step_meta
@@ -59,14 +62,11 @@ class LoRAState:
         self.token_slots = torch.tensor(slots, dtype=torch.int32, device=self.device)
         self._plans.clear()
         self._plan_rows.clear()
-        if max(slots, default=-1) < 0:
-            self.meta = None
+        s_max = min(len(slots), self.max_slots)
+        if self.device.type == "cpu" and len(slots) <= HOST_META_MAX_TOKENS:
+            self.meta = LoRAMeta.from_host(slots, max_segments=s_max)
         else:
-            s_max = min(len(slots), self.max_slots)
-            if self.device.type == "cpu" and len(slots) <= HOST_META_MAX_TOKENS:
-                self.meta = LoRAMeta.from_host(slots, max_segments=s_max)
-            else:
-                self.meta = LoRAMeta.build(self.token_slots, max_segments=s_max)
+            self.meta = LoRAMeta.build(self.token_slots, max_segments=s_max)
         self._step_key, self._step_meta = key, self.meta
 
     def pair_meta(self, layer: int, expert_ids: torch.Tensor, token_index: torch.Tensor) -> LoRAMeta:
@@ -137,10 +137,7 @@ class LoRALinear(nn.Module):
         st = self.state
         if st.meta is None:
             return y
-        if x.dim() == 2:  # the model's flattened [T, H] tokens
-            st.add(y, x, self.weights, st.meta, self.kind)
-        else:
-            st.add(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), self.weights, st.meta, self.kind)
+        st.add(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), self.weights, st.meta, self.kind)
         return y
 
 
