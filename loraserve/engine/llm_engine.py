@@ -38,14 +38,13 @@ def resolve_device(name: str) -> torch.device:
 
 def _num_kv_blocks(cfg: EngineConfig, mc, dtype: torch.dtype) -> int:
     per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+    need = -(-cfg.max_model_len // cfg.block_size)  # blocks of one full-length sequence
     if cfg.num_kv_blocks is not None:
-        tokens = cfg.num_kv_blocks * cfg.block_size
+        blocks = cfg.num_kv_blocks
     elif cfg.kv_cache_mb is not None:
-        tokens = cfg.kv_cache_mb * 2**20 // per_token
+        blocks = cfg.kv_cache_mb * 2**20 // per_token // cfg.block_size
     else:  # room for every slot at full length, capped at 1 GiB
-        tokens = min(cfg.max_batch_size * cfg.max_model_len, 2**30 // per_token)
-    blocks = tokens // cfg.block_size
-    need = -(-cfg.max_model_len // cfg.block_size)
+        blocks = min(cfg.max_batch_size * need, 2**30 // per_token // cfg.block_size)
     if blocks < need:
         raise ValueError(f"KV cache of {blocks} blocks cannot hold one sequence of max_model_len="
                          f"{cfg.max_model_len} ({need} blocks); raise kv_cache_mb")

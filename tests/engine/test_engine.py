@@ -121,3 +121,11 @@ def test_stop_strings_and_stop_ids(demo_dense):
         pieces += [o.text for o in eng.step()]
     assert seq.finish_reason == "stop"
     assert "".join(pieces) == text[: text.index(stop)]
+
+
+def test_default_kv_cache_holds_a_full_batch_when_lengths_are_not_block_multiples(demo_dense):
+    # 37 tokens need 3 blocks of 16; sizing in tokens (37 // 16 = 2 blocks) used to refuse this
+    eng = _engine(demo_dense, max_batch_size=1, max_model_len=37)
+    assert eng.blocks.num_blocks == 3
+    prompt = _prompts(eng.vocab_size, [30])[0]
+    assert len(eng.generate([prompt], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))[0]) == 7
