@@ -21,11 +21,11 @@ from safetensors.torch import load_file, save, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from catalog.base import BaseInfo  # noqa: E402
-from catalog.export import export_peft  # noqa: E402
-from catalog.layout import load_revision, save_revision  # noqa: E402
-from catalog.materialize import MaterializeConfig, materialize  # noqa: E402
-from catalog.store import Catalog  # noqa: E402
+from loraserve.catalog.base import BaseInfo  # noqa: E402
+from loraserve.catalog.export import export_peft  # noqa: E402
+from loraserve.catalog.layout import load_revision, save_revision  # noqa: E402
+from loraserve.catalog.materialize import MaterializeConfig, materialize  # noqa: E402
+from loraserve.catalog.store import Catalog  # noqa: E402
 
 
 def table(title: str, rows: list[tuple]) -> None:
@@ -120,7 +120,7 @@ def _pool(layers: int, experts: int, hidden: int, inter: int, rank: int, device)
 
 def blob_views(buf: torch.Tensor) -> dict[str, torch.Tensor]:
     """Zero-copy tensor views into a blob held as a uint8 tensor (the CPU cache's bytes; pinned for CUDA)."""
-    from catalog.format import read_header
+    from loraserve.catalog.format import read_header
 
     entries, _, offset = read_header(memoryview(buf.numpy()))
     return {name: buf[offset + e["data_offsets"][0]: offset + e["data_offsets"][1]].view(torch.bfloat16).view(e["shape"])

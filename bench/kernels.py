@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import LoRAMeta, add_lora, resolve_backend  # noqa: E402
+from loraserve.kernels import LoRAMeta, add_lora, resolve_backend  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

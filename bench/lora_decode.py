@@ -33,9 +33,9 @@ ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def make_adapters(base: Path, root: Path, n: int, rank: int) -> tuple[Path, list[str], dict[str, Path]]:
-    from catalog.base import BaseInfo
-    from catalog.importer import import_peft
-    from catalog.store import Catalog
+    from loraserve.catalog.base import BaseInfo
+    from loraserve.catalog.importer import import_peft
+    from loraserve.catalog.store import Catalog
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from catalog.store import Catalog
+from loraserve.catalog.store import Catalog
 from loraserve.loadtest import LoadTestConfig, run_loadtest
 
 

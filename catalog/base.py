@@ -21,7 +21,7 @@ from pathlib import Path
 
 import xxhash
 
-from catalog.format import ATTN_KINDS, LM_HEAD, MLP_KINDS, ST_DTYPES, parse_module_path
+from .format import ATTN_KINDS, LM_HEAD, MLP_KINDS, ST_DTYPES, parse_module_path
 
 ARCHES = ("qwen3", "qwen3_moe", "qwen2", "qwen2_moe", "llama")
 ARCH_KEYS = (
@@ -236,6 +236,6 @@ class BaseInfo:
 
     def load_weight(self, path: str):
         """The base weight of a module as a torch tensor: [out, in], or [E, out, in] for experts."""
-        from catalog.baseweights import load_module_weight
+        from .baseweights import load_module_weight
 
         return load_module_weight(self, path)

@@ -1,4 +1,4 @@
 """`base_fingerprint(model_dir)`, under the name docs/INTERNALS.md §3 uses (lives in catalog.base)."""
-from catalog.base import base_fingerprint
+from .base import base_fingerprint
 
 __all__ = ["base_fingerprint"]

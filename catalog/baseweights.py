@@ -6,11 +6,11 @@ from collections import defaultdict
 import torch
 from safetensors import safe_open
 
-from catalog.base import BaseInfo
+from .base import BaseInfo
 
 
 def _read(info: BaseInfo, names: tuple[str, ...]) -> list[torch.Tensor]:
-    from catalog.base import read_tensor_index
+    from .base import read_tensor_index
 
     index = read_tensor_index(info.model_dir)
     by_file: dict = defaultdict(list)

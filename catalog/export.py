@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from catalog.base import BaseInfo, ModuleInfo
-from catalog.errors import ExportError
-from catalog.format import ALL_KINDS, parse_module_path
-from catalog.layout import AdapterWeights, parse_dtype
-from catalog.peft_reader import PeftLoraConfig, group_factors, read_peft_tensors, split_base_copies
+from .base import BaseInfo, ModuleInfo
+from .errors import ExportError
+from .format import ALL_KINDS, parse_module_path
+from .layout import AdapterWeights, parse_dtype
+from .peft_reader import PeftLoraConfig, group_factors, read_peft_tensors, split_base_copies
 
 _PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 _FUSED = re.compile(r"^(layers\.\d+\.mlp\.experts)((?:\.base_layer)*)$")

@@ -19,7 +19,7 @@ import struct
 
 import xxhash
 
-from catalog.errors import CorruptBlob
+from .errors import CorruptBlob
 
 FORMAT = "loraserve.adapter.v1"
 ATTN_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from catalog.errors import InvalidAdapterId
+from .errors import InvalidAdapterId
 
 _PART = re.compile(r"[A-Za-z0-9._-]+")
 TENANT_MAX = 64

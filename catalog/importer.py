@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from catalog.base import BaseInfo
-from catalog.errors import BaseMismatch, ExportError
-from catalog.export import export_peft
-from catalog.ids import validate_adapter_id
-from catalog.layout import load_revision, save_revision
-from catalog.records import RevisionRecord
-from catalog.store import Catalog
+from .base import BaseInfo
+from .errors import BaseMismatch, ExportError
+from .export import export_peft
+from .ids import validate_adapter_id
+from .layout import load_revision, save_revision
+from .records import RevisionRecord
+from .store import Catalog
 
 
 def check_base(blob_fingerprint: str, base: BaseInfo, what: str) -> None:

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import safetensors.torch
 import torch
 
-from catalog.errors import CorruptBlob
-from catalog.format import EXPERT_KINDS, FORMAT, canonical_blob, parse_module_path, read_adapter_meta
+from .errors import CorruptBlob
+from .format import EXPERT_KINDS, FORMAT, canonical_blob, parse_module_path, read_adapter_meta
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

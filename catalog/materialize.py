@@ -14,13 +14,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from catalog.base import BaseInfo
-from catalog.format import parse_targets
-from catalog.ids import validate_adapter_id
-from catalog.materialize_worker import WorkerJob, adapter_id, run_worker
-from catalog.shards import MiB
-from catalog.store import Catalog
-from catalog.synth import build_template, target_modules
+from .base import BaseInfo
+from .format import parse_targets
+from .ids import validate_adapter_id
+from .materialize_worker import WorkerJob, adapter_id, run_worker
+from .shards import MiB
+from .store import Catalog
+from .synth import build_template, target_modules
 
 
 @dataclass(slots=True)

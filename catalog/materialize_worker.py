@@ -12,10 +12,10 @@ from pathlib import Path
 
 import xxhash
 
-from catalog.format import blob_checksum
-from catalog.records import PolicyRecord, RevisionRecord
-from catalog.shards import Shard, ShardOptions, add_blob_bytes, shard_dirname
-from catalog.synth import BlobTemplate
+from .format import blob_checksum
+from .records import PolicyRecord, RevisionRecord
+from .shards import Shard, ShardOptions, add_blob_bytes, shard_dirname
+from .synth import BlobTemplate
 
 REVISION = "r1"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from catalog.errors import ExportError
+from .errors import ExportError
 
 _KEY = re.compile(r"^(?P<module>.+?)\.lora_(?P<factor>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight$")
 _UNSUPPORTED_FLAGS = ("use_dora", "fan_in_fan_out", "lora_bias", "use_qalora")

@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple, TypeVar
 import lmdb
 import xxhash
 
-from catalog.errors import CatalogError
+from .errors import CatalogError
 
 T = TypeVar("T")
 MiB = 1 << 20

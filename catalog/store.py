@@ -14,12 +14,12 @@ import os
 import time
 from pathlib import Path
 
-from catalog.errors import AdapterNotFound, CatalogError, CorruptBlob, RevisionNotFound
-from catalog.format import blob_checksum
-from catalog.ids import validate_adapter_id, validate_revision
-from catalog.records import PolicyRecord, RevisionRecord
-from catalog.shards import Shard, ShardOptions, shard_dirname, shard_of
-from catalog.writes import promote_in_txn, put_revision_in_txn, read_policy, read_revision, rollback_in_txn, tag_in_txn
+from .errors import AdapterNotFound, CatalogError, CorruptBlob, RevisionNotFound
+from .format import blob_checksum
+from .ids import validate_adapter_id, validate_revision
+from .records import PolicyRecord, RevisionRecord
+from .shards import Shard, ShardOptions, shard_dirname, shard_of
+from .writes import promote_in_txn, put_revision_in_txn, read_policy, read_revision, rollback_in_txn, tag_in_txn
 
 CATALOG_FORMAT = "loraserve.catalog.v1"
 

@@ -13,7 +13,7 @@ import numpy as np
 import safetensors.numpy
 import xxhash
 
-from catalog.format import FORMAT, canonical_blob, parse_module_path, read_header
+from .format import FORMAT, canonical_blob, parse_module_path, read_header
 
 B_STD = 0.02  # std of synthetic B entries; A entries have std 1/sqrt(in)
 

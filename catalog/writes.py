@@ -9,10 +9,10 @@ import re
 
 import lmdb
 
-from catalog.errors import AdapterNotFound, BaseMismatch, RevisionExists, RevisionNotFound
-from catalog.format import blob_checksum, read_adapter_meta
-from catalog.records import PolicyRecord, RevisionRecord
-from catalog.shards import Dbs, add_blob_bytes
+from .errors import AdapterNotFound, BaseMismatch, RevisionExists, RevisionNotFound
+from .format import blob_checksum, read_adapter_meta
+from .records import PolicyRecord, RevisionRecord
+from .shards import Dbs, add_blob_bytes
 
 _AUTO_REV = re.compile(r"r(\d+)")
 

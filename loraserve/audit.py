@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from catalog.base import BaseInfo
-from catalog.errors import CatalogError
-from catalog.format import EXPERT_KINDS, parse_module_path
-from catalog.layout import load_revision
-from catalog.records import RevisionRecord
-from catalog.store import Catalog
+from loraserve.catalog.base import BaseInfo
+from loraserve.catalog.errors import CatalogError
+from loraserve.catalog.format import EXPERT_KINDS, parse_module_path
+from loraserve.catalog.layout import load_revision
+from loraserve.catalog.records import RevisionRecord
+from loraserve.catalog.store import Catalog
 from loraserve.adapters.pool import AdapterPool, PoolConfig, TargetSpec
 from loraserve.lora.layers import LoRAExpertLinear, LoRALinear, LoRAState
 from loraserve.model.qwen3 import ExpertLinear

@@ -124,8 +124,8 @@ def _add_tag(csub) -> None:
 
 # -- commands -------------------------------------------------------------------------------
 def cmd_export(args) -> int:
-    from catalog.base import BaseInfo
-    from catalog.importer import adapter_blob
+    from loraserve.catalog.base import BaseInfo
+    from loraserve.catalog.importer import adapter_blob
 
     blob = adapter_blob(args.peft_dir, BaseInfo.from_dir(args.model), args.dtype)
     out = Path(args.out)
@@ -137,7 +137,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_init(args) -> int:
-    from catalog.store import Catalog
+    from loraserve.catalog.store import Catalog
 
     with Catalog.create(args.dir, shards=args.shards) as cat:
         print(f"catalog {cat.path}: {cat.shards} shards")
@@ -145,8 +145,8 @@ def cmd_init(args) -> int:
 
 
 def cmd_import(args) -> int:
-    from catalog.importer import import_peft
-    from catalog.store import Catalog
+    from loraserve.catalog.importer import import_peft
+    from loraserve.catalog.store import Catalog
 
     with Catalog.open(args.dir) as cat:
         rec = import_peft(cat, args.adapter_id, args.peft_dir, args.model, revision=args.revision,
@@ -157,8 +157,8 @@ def cmd_import(args) -> int:
 
 
 def cmd_materialize(args) -> int:
-    from catalog.materialize import MaterializeConfig, materialize
-    from catalog.store import Catalog
+    from loraserve.catalog.materialize import MaterializeConfig, materialize
+    from loraserve.catalog.store import Catalog
 
     if not (Path(args.dir) / "catalog.json").exists():
         Catalog.create(args.dir, shards=args.shards).close()
@@ -188,8 +188,8 @@ def cmd_audit(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from catalog.ids import parse_model_ref
-    from catalog.store import Catalog
+    from loraserve.catalog.ids import parse_model_ref
+    from loraserve.catalog.store import Catalog
 
     adapter_id, rev = parse_model_ref(args.ref)
     with Catalog.open(args.dir, readonly=True) as cat:
@@ -202,7 +202,7 @@ def cmd_show(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from catalog.store import Catalog
+    from loraserve.catalog.store import Catalog
 
     with Catalog.open(args.dir, readonly=True) as cat:
         rows = cat.list(args.prefix, limit=args.limit, after=args.after)
@@ -214,7 +214,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_stats(args) -> int:
-    from catalog.store import Catalog
+    from loraserve.catalog.store import Catalog
 
     with Catalog.open(args.dir, readonly=True) as cat:
         st = cat.stats()
@@ -235,7 +235,7 @@ def _policy_line(p) -> str:
 
 
 def cmd_promote(args) -> int:
-    from catalog.store import Catalog
+    from loraserve.catalog.store import Catalog
 
     with Catalog.open(args.dir) as cat:
         print(_policy_line(cat.promote(args.adapter_id, args.revision)))
@@ -243,7 +243,7 @@ def cmd_promote(args) -> int:
 
 
 def cmd_rollback(args) -> int:
-    from catalog.store import Catalog
+    from loraserve.catalog.store import Catalog
 
     with Catalog.open(args.dir) as cat:
         print(_policy_line(cat.rollback(args.adapter_id)))
@@ -251,7 +251,7 @@ def cmd_rollback(args) -> int:
 
 
 def cmd_tag(args) -> int:
-    from catalog.store import Catalog
+    from loraserve.catalog.store import Catalog
 
     with Catalog.open(args.dir) as cat:
         print(_policy_line(cat.tag(args.adapter_id, args.tag, args.revision)))

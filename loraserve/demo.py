@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from catalog.ids import validate_adapter_id
+from loraserve.catalog.ids import validate_adapter_id
 from loraserve.model.generate import greedy_generate
 from loraserve.model.loader import load_model
 from loraserve.model.tiny import random_model, tiny_config, write_tokenizer_files
@@ -107,9 +107,9 @@ def train_demo_adapter(model_dir: str | Path, out_dir: str | Path, prompt: str, 
 
 def import_demo_adapters(catalog_dir: Path, adapters: dict[str, Path], model_dir: Path) -> None:
     """Create the catalog if needed and import + promote every adapter it does not hold yet."""
-    from catalog.errors import AdapterNotFound
-    from catalog.importer import import_peft
-    from catalog.store import Catalog
+    from loraserve.catalog.errors import AdapterNotFound
+    from loraserve.catalog.importer import import_peft
+    from loraserve.catalog.store import Catalog
 
     exists = (catalog_dir / "catalog.json").is_file()
     with Catalog(catalog_dir) if exists else Catalog.create(catalog_dir) as cat:

@@ -319,7 +319,7 @@ def read_adapter_file(path: str | Path) -> list[str]:
 
 def list_catalog_adapters(path: str | Path, limit: int) -> list[str]:
     """Ids of up to `limit` catalog adapters that have a promoted revision (in id order)."""
-    from catalog.store import Catalog
+    from loraserve.catalog.store import Catalog
 
     with Catalog(path, readonly=True) as catalog:
         return [p.adapter_id for p in catalog.list(limit=limit) if p.promoted is not None]

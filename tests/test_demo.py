@@ -89,7 +89,7 @@ def test_each_demo_adapter_answers_its_phrase_in_peft(demo):
 
 
 def test_demo_catalog_holds_promoted_adapters_and_rerun_reuses(demo):
-    from catalog.store import Catalog
+    from loraserve.catalog.store import Catalog
 
     with Catalog(demo.catalog, readonly=True) as cat:
         revisions = {a: cat.policy(a).promoted for a, _, _ in DEMO_ADAPTERS}
@@ -147,7 +147,7 @@ def test_lora_trainer_wraps_restores_and_saves_peft_layout(tmp_path):
 
 
 def test_build_demo_rejects_bad_adapter_ids(tmp_path):
-    from catalog.errors import InvalidAdapterId
+    from loraserve.catalog.errors import InvalidAdapterId
 
     with pytest.raises(InvalidAdapterId):
         build_demo(tmp_path, adapters=[("../escape", "hi", "there")])

@@ -150,8 +150,8 @@ def test_cli_reports_failure_when_nothing_succeeds(stub, tmp_path):
 
 
 def test_adapters_listed_from_a_real_catalog(tmp_path):
-    from catalog.layout import AdapterWeights, save_revision
-    from catalog.store import Catalog
+    from loraserve.catalog.layout import AdapterWeights, save_revision
+    from loraserve.catalog.store import Catalog
     import torch
 
     weights = AdapterWeights("fp", 1, ["q_proj"], torch.float32, {

@@ -15,10 +15,10 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from catalog.errors import BaseMismatch
-from catalog.ids import parse_model_ref
-from catalog.layout import load_revision
-from catalog.records import RevisionRecord
+from loraserve.catalog.errors import BaseMismatch
+from loraserve.catalog.ids import parse_model_ref
+from loraserve.catalog.layout import load_revision
+from loraserve.catalog.records import RevisionRecord
 from loraserve.adapters.cpu_cache import CpuCache
 from loraserve.adapters.stats import PagerStats
 from loraserve.adapters.weights import AdapterKey

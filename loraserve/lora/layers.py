@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from kernels import LoRAMeta
+from loraserve import kernels
+from loraserve.kernels import LoRAMeta
 
 DENSE_KINDS = {  # kind -> attribute path under model.layers[l]
     "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",

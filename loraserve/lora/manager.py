@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from typing import Callable
 
 
-from catalog.records import RevisionRecord
+from loraserve.catalog.records import RevisionRecord
 
 from ..adapters.pool import AdapterPool, PoolFull
 from ..engine.sequence import Sequence

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-import kernels
-from catalog.base import base_fingerprint
-from catalog.store import Catalog
+from loraserve import kernels
+from loraserve.catalog.base import base_fingerprint
+from loraserve.catalog.store import Catalog
 
 from ..adapters.cpu_cache import CpuCache
 from ..adapters.pager import Pager

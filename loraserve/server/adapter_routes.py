@@ -10,7 +10,7 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
-from catalog.errors import CatalogError
+from loraserve.catalog.errors import CatalogError
 from loraserve.engine.types import EngineError
 from loraserve.server.errors import APIError, as_api_error
 
@@ -71,7 +71,7 @@ def adapter_router() -> APIRouter:
 
     @router.post("/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> dict:
-        from catalog.importer import import_peft
+        from loraserve.catalog.importer import import_peft
 
         mgr = _manager(request)
         cfg = request.app.state.ctx.engine.config

@@ -99,8 +99,8 @@ def _api_router() -> APIRouter:
             return _model_card(model_id, engine)
         mgr = getattr(engine, "adapter_manager", None)
         if mgr is not None and "/" in model_id:
-            from catalog.errors import CatalogError
-            from catalog.ids import parse_model_ref
+            from loraserve.catalog.errors import CatalogError
+            from loraserve.catalog.ids import parse_model_ref
             try:
                 adapter_id, _ = parse_model_ref(model_id)  # 400 for an invalid id
                 await asyncio.to_thread(mgr.catalog.policy, adapter_id)  # 404 when unknown

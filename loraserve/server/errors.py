@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
-from catalog.errors import CatalogError
+from loraserve.catalog.errors import CatalogError
 
 from loraserve.engine.types import EngineError
 

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from catalog.errors import InvalidAdapterId
-from catalog.ids import parse_model_ref
+from loraserve.catalog.errors import InvalidAdapterId
+from loraserve.catalog.ids import parse_model_ref
 
 from loraserve.engine.types import GenerateRequest, RequestOutput, SamplingParams
 from loraserve.server.errors import APIError

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from catalog.layout import AdapterWeights
+from loraserve.catalog.layout import AdapterWeights
 from loraserve.adapters.targets import TargetSpec, tensor_names
 
 FINGERPRINT = "fp-tiny-base"

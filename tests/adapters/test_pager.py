@@ -6,9 +6,9 @@ import pytest
 import torch
 from adapter_fakes import FINGERPRINT, make_weights, tiny_specs
 
-from catalog.errors import AdapterNotFound, BaseMismatch, CorruptBlob, InvalidAdapterId, RevisionNotFound
-from catalog.layout import save_revision
-from catalog.store import Catalog
+from loraserve.catalog.errors import AdapterNotFound, BaseMismatch, CorruptBlob, InvalidAdapterId, RevisionNotFound
+from loraserve.catalog.layout import save_revision
+from loraserve.catalog.store import Catalog
 from loraserve.adapters.cpu_cache import CpuCache
 from loraserve.adapters.pager import Pager, record_key
 

@@ -1,11 +1,11 @@
 """Audit: covers every shard, passes on good adapters, catches planted corruption and wrong-base revisions."""
 import pytest
 
-from catalog.base import BaseInfo
-from catalog.importer import import_peft
-from catalog.materialize import MaterializeConfig, materialize
-from catalog.store import Catalog
-from catalog.synth import build_template, target_modules
+from loraserve.catalog.base import BaseInfo
+from loraserve.catalog.importer import import_peft
+from loraserve.catalog.materialize import MaterializeConfig, materialize
+from loraserve.catalog.store import Catalog
+from loraserve.catalog.synth import build_template, target_modules
 from catalog_fixtures import make_peft
 from loraserve.audit import run_audit, sample_ids
 from loraserve.cli_catalog import run

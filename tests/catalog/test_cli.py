@@ -1,7 +1,7 @@
 """`loraserve export` / `loraserve catalog ...` command lines: output, exit codes, one-line errors."""
 import json
 
-from catalog.layout import load_revision
+from loraserve.catalog.layout import load_revision
 from catalog_fixtures import make_peft
 from loraserve.cli_catalog import run
 

@@ -6,16 +6,16 @@ import sys
 
 import torch
 
-from catalog.layout import AdapterWeights, save_revision
-from catalog.shards import MiB, ShardOptions
-from catalog.store import Catalog
+from loraserve.catalog.layout import AdapterWeights, save_revision
+from loraserve.catalog.shards import MiB, ShardOptions
+from loraserve.catalog.store import Catalog
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 READER = r"""
 import json, sys, random
 from pathlib import Path
-from catalog.layout import load_revision
-from catalog.store import Catalog
+from loraserve.catalog.layout import load_revision
+from loraserve.catalog.store import Catalog
 cat_dir, stop = sys.argv[1], Path(sys.argv[2])
 reads, errors, rng = 0, [], random.Random(0)
 with Catalog.open(cat_dir, readonly=True) as cat:

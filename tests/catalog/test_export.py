@@ -6,12 +6,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from catalog.base import BaseInfo, base_fingerprint
-from catalog.errors import BaseMismatch, ExportError
-from catalog.export import export_peft
-from catalog.importer import adapter_blob, import_peft
-from catalog.layout import load_revision, save_revision
-from catalog.store import Catalog
+from loraserve.catalog.base import BaseInfo, base_fingerprint
+from loraserve.catalog.errors import BaseMismatch, ExportError
+from loraserve.catalog.export import export_peft
+from loraserve.catalog.importer import adapter_blob, import_peft
+from loraserve.catalog.layout import load_revision, save_revision
+from loraserve.catalog.store import Catalog
 from catalog_fixtures import DENSE_TARGETS, make_peft
 
 ATOL = 1e-5

@@ -1,9 +1,9 @@
 """Adapter ids, model references and record round-trips."""
 import pytest
 
-from catalog.errors import InvalidAdapterId
-from catalog.ids import parse_model_ref, validate_adapter_id
-from catalog.records import PolicyRecord, RevisionRecord
+from loraserve.catalog.errors import InvalidAdapterId
+from loraserve.catalog.ids import parse_model_ref, validate_adapter_id
+from loraserve.catalog.records import PolicyRecord, RevisionRecord
 
 
 @pytest.mark.parametrize("good", ["acme/support", "a/b", "t-1/n_2.v3", "x" * 64 + "/" + "y" * 128])

@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from catalog.base import BaseInfo
-from catalog.format import blob_checksum
-from catalog.layout import load_revision
-from catalog.materialize import MaterializeConfig, materialize
-from catalog.store import Catalog
-from catalog.synth import build_template, target_modules
+from loraserve.catalog.base import BaseInfo
+from loraserve.catalog.format import blob_checksum
+from loraserve.catalog.layout import load_revision
+from loraserve.catalog.materialize import MaterializeConfig, materialize
+from loraserve.catalog.store import Catalog
+from loraserve.catalog.synth import build_template, target_modules
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -5,11 +5,11 @@ import lmdb
 import pytest
 import torch
 
-from catalog.errors import (AdapterNotFound, BaseMismatch, CatalogError, CorruptBlob, InvalidAdapterId,
+from loraserve.catalog.errors import (AdapterNotFound, BaseMismatch, CatalogError, CorruptBlob, InvalidAdapterId,
                             RevisionExists, RevisionNotFound)
-from catalog.layout import AdapterWeights, load_revision, save_revision
-from catalog.shards import MiB, ShardOptions, shard_of
-from catalog.store import Catalog
+from loraserve.catalog.layout import AdapterWeights, load_revision, save_revision
+from loraserve.catalog.shards import MiB, ShardOptions, shard_of
+from loraserve.catalog.store import Catalog
 
 
 def blob(fp="fp-a", rank=2, seed=0, hidden=8, dtype=torch.float32):

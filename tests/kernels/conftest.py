@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels import LoRAMeta  # noqa: E402
+from loraserve.kernels import LoRAMeta  # noqa: E402
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 BACKENDS = ["triton", "torch"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import add_lora, expand, resolve_backend, shrink
-from kernels._triton import interpreted
-from kernels.shrink import _shrink_kernel
+from loraserve.kernels import add_lora, expand, resolve_backend, shrink
+from loraserve.kernels._triton import interpreted
+from loraserve.kernels.shrink import _shrink_kernel
 
 
 def test_resolve_backend(monkeypatch):

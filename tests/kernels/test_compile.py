@@ -40,8 +40,8 @@ def _compile(kernel, dtype: str, constexprs: dict[str, object]) -> bytes:
 
 def compile_all() -> int:
     """Compile shrink (split-K off/on) and expand for bf16, fp16 and fp32; return the count."""
-    from kernels.expand import _expand_kernel
-    from kernels.shrink import _shrink_kernel
+    from loraserve.kernels.expand import _expand_kernel
+    from loraserve.kernels.shrink import _shrink_kernel
 
     count = 0
     for dtype in ("bf16", "fp16", "fp32"):

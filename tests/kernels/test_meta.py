@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
 
-from kernels import LoRAMeta
+from loraserve.kernels import LoRAMeta
 
 
 def _segments(meta: LoRAMeta) -> list[tuple[int, int, list[int]]]:

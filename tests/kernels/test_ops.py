@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.torch_backend as torch_backend
-from kernels import add_lora, add_lora_stacked, expand, shrink
-from kernels.reference import add_lora_ref, expand_ref, moe_lora_ref, shrink_ref
+import loraserve.kernels.torch_backend as torch_backend
+from loraserve.kernels import add_lora, add_lora_stacked, expand, shrink
+from loraserve.kernels.reference import add_lora_ref, expand_ref, moe_lora_ref, shrink_ref
 
 PATTERNS = ["distinct", "uniform", "zipf", "identical", "skewed"]
 MIXED_RANKS = [1, 64, 4, 0, 16, 7, 33, 2]

@@ -9,10 +9,10 @@ import zlib
 import pytest
 import torch
 
-import kernels
-import kernels.torch_backend as tb
-from kernels import LoRAMeta
-from kernels.reference import add_lora_ref
+from loraserve import kernels
+import loraserve.kernels.torch_backend as tb
+from loraserve.kernels import LoRAMeta
+from loraserve.kernels.reference import add_lora_ref
 
 STRATEGIES = {  # attribute overrides that force one strategy
     "dense": dict(FORCE_SMALL="dense"),

@@ -43,8 +43,8 @@ def make_peft(base: Path, out: Path, seed: int, **lora_kw) -> Path:
 
 
 def build_set(root: Path, base: Path, adapters: dict[str, dict]) -> AdapterSet:
-    from catalog.importer import import_peft
-    from catalog.store import Catalog
+    from loraserve.catalog.importer import import_peft
+    from loraserve.catalog.store import Catalog
 
     peft_dirs = {aid: make_peft(base, root / aid.replace("/", "_"), i, **kw)
                  for i, (aid, kw) in enumerate(adapters.items())}

@@ -6,7 +6,7 @@ import random
 import shutil
 import threading
 
-from catalog.importer import import_peft
+from loraserve.catalog.importer import import_peft
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.sequence import SeqStatus
 from loraserve.engine.types import GenerateRequest, SamplingParams

@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from catalog.layout import load_revision, save_revision
-from catalog.store import Catalog
+from loraserve.catalog.layout import load_revision, save_revision
+from loraserve.catalog.store import Catalog
 from loraserve.engine.async_engine import AsyncEngine
 from loraserve.server import build_app
 

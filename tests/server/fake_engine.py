@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from catalog.errors import CatalogError
+from loraserve.catalog.errors import CatalogError
 
 from loraserve.engine.types import GenerateRequest, RequestOutput, TokenLogprob
 

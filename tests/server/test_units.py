@@ -8,7 +8,7 @@ import openai
 import pytest
 from fastapi.exceptions import RequestValidationError
 
-from catalog.errors import (AdapterNotFound, BaseMismatch, CatalogError, CorruptBlob,
+from loraserve.catalog.errors import (AdapterNotFound, BaseMismatch, CatalogError, CorruptBlob,
                             InvalidAdapterId)
 from loraserve.engine.types import EngineError, SamplingParams, TokenLogprob
 from loraserve.server.errors import APIError, as_api_error, validation_error
