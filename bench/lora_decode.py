@@ -59,7 +59,7 @@ def engine_decode(base: Path, catalog: Path, ids: list[str], batch: int, tokens:
     sys.path.insert(0, str(Path(__file__).parent))
     from decode import measure
     from loraserve.engine.config import EngineConfig
-    from loraserve.lora.setup import build_engine
+    from loraserve.engine.build import build_engine
 
     eng = build_engine(EngineConfig(model_dir=str(base), catalog_dir=str(catalog), max_batch_size=batch, device=device,
                                     max_model_len=64 + tokens, max_gpu_adapters=max(distinct), max_lora_rank=16))

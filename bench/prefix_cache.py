@@ -52,7 +52,7 @@ def main() -> None:
     cfg = EngineConfig(model_dir=model, device=args.device, catalog_dir=args.catalog, max_batch_size=args.batch,
                        max_model_len=args.prefix + args.suffix + 8)
     if args.catalog:
-        from loraserve.lora.setup import build_engine
+        from loraserve.engine.build import build_engine
         eng = build_engine(cfg)
     else:
         eng = LLMEngine(cfg)

@@ -15,13 +15,14 @@ from __future__ import annotations
 import json
 import mmap
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
 
-from .format import ATTN_KINDS, LM_HEAD, MLP_KINDS, ST_DTYPES, parse_module_path
+from .checkpoint import TensorEntry, parse_weight_name, read_tensor_index, weight_name
+from .dtypes import name_of_code
+from .targets import DENSE_KINDS, LM_HEAD, module_path, parse_expert_plane_path, parse_module_path
 
 ARCHES = ("qwen3", "qwen3_moe", "qwen2", "qwen2_moe", "llama")
 ARCH_KEYS = (
@@ -31,18 +32,8 @@ ARCH_KEYS = (
     "rms_norm_eps", "rope_theta", "rope_scaling", "hidden_act", "tie_word_embeddings",
     "attention_bias", "shared_expert_intermediate_size",
 )
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(.+)$")
-
-
-@dataclass(frozen=True, slots=True)
-class TensorEntry:
-    """Where one checkpoint tensor lies: file, dtype code, shape, byte range in the file."""
-
-    file: Path
-    dtype: str
-    shape: tuple[int, ...]
-    start: int
-    end: int
+# transformers' fused expert tensors: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]
+_FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
 @dataclass(slots=True)
@@ -65,45 +56,6 @@ def normalize_config(config: dict) -> dict:
     if rope and rope.get("rope_type", "default") != "default":
         cfg["rope_scaling"] = rope
     return {k: cfg[k] for k in ARCH_KEYS if cfg.get(k) is not None}
-
-
-def read_file_header(path: Path) -> dict[str, TensorEntry]:
-    """The tensor entries of one safetensors file (header only, no tensor bytes)."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ValueError(f"{path}: not a safetensors file (truncated)")
-        (n,) = struct.unpack("<Q", raw)
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    base = 8 + n
-    return {
-        name: TensorEntry(path, e["dtype"], tuple(e["shape"]), base + e["data_offsets"][0], base + e["data_offsets"][1])
-        for name, e in header.items()
-    }
-
-
-def weight_files(model_dir: Path) -> list[Path]:
-    """The checkpoint's safetensors files (from the index if sharded)."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / n for n in names]
-    single = model_dir / "model.safetensors"
-    if single.exists():
-        return [single]
-    found = sorted(model_dir.glob("model-*.safetensors"))
-    if not found:
-        raise FileNotFoundError(f"{model_dir}: no model.safetensors or model-*.safetensors")
-    return found
-
-
-def read_tensor_index(model_dir: Path) -> dict[str, TensorEntry]:
-    """Every tensor of the checkpoint by name."""
-    index: dict[str, TensorEntry] = {}
-    for path in weight_files(model_dir):
-        index.update(read_file_header(path))
-    return index
 
 
 def read_config(model_dir: str | Path) -> dict:
@@ -138,36 +90,48 @@ def base_fingerprint(model_dir: str | Path) -> str:
     return h.hexdigest()
 
 
+def _layer_kind(name: str) -> str | None:
+    """The target kind whose module weight checkpoint tensor `name` is, or None."""
+    path = parse_weight_name(name)
+    try:
+        return parse_module_path(path)[0] if path else None
+    except ValueError:
+        return None
+
+
 def _dense_modules(index: dict[str, TensorEntry]) -> dict[str, ModuleInfo]:
     modules = {}
     for name, e in index.items():
-        m = _LAYER.match(name)
-        if not m or len(e.shape) != 2:
-            continue
-        layer, block, rest = m.groups()
-        kind = rest.removesuffix(".weight")
-        if rest.endswith(".weight") and kind in (ATTN_KINDS if block == "self_attn" else MLP_KINDS):
-            modules[f"layers.{layer}.{block}.{kind}"] = ModuleInfo(e.shape[1], e.shape[0], 0, (name,))
+        kind = _layer_kind(name)
+        if kind in DENSE_KINDS and len(e.shape) == 2:
+            modules[parse_weight_name(name)] = ModuleInfo(e.shape[1], e.shape[0], 0, (name,))
     return modules
 
 
-def _expert_modules(index: dict[str, TensorEntry]) -> dict[str, ModuleInfo]:
-    per_expert: dict[str, dict[int, str]] = {}
+def _fused_expert_modules(index: dict[str, TensorEntry]) -> dict[str, ModuleInfo]:
     modules = {}
     for name, e in index.items():
-        m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
-        if m:
-            per_expert.setdefault(f"layers.{m[1]}.mlp.experts.{m[3]}", {})[int(m[2])] = name
+        m = _FUSED_EXPERTS.match(name)
+        if not m or len(e.shape) != 3:
             continue
-        m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", name)
-        if m and len(e.shape) == 3:
-            experts, rows, cols = e.shape
-            if m[2] == "down_proj":
-                modules[f"layers.{m[1]}.mlp.experts.down_proj"] = ModuleInfo(cols, rows, experts, (name,))
-            else:
-                half = rows // 2
-                modules[f"layers.{m[1]}.mlp.experts.gate_proj"] = ModuleInfo(cols, half, experts, (name,), (0, half))
-                modules[f"layers.{m[1]}.mlp.experts.up_proj"] = ModuleInfo(cols, half, experts, (name,), (half, rows))
+        layer, (experts, rows, cols) = int(m[1]), e.shape
+        if m[2] == "down_proj":
+            modules[module_path("experts.down_proj", layer)] = ModuleInfo(cols, rows, experts, (name,))
+        else:
+            half = rows // 2
+            modules[module_path("experts.gate_proj", layer)] = ModuleInfo(cols, half, experts, (name,), (0, half))
+            modules[module_path("experts.up_proj", layer)] = ModuleInfo(cols, half, experts, (name,), (half, rows))
+    return modules
+
+
+def _per_expert_modules(index: dict[str, TensorEntry]) -> dict[str, ModuleInfo]:
+    per_expert: dict[str, dict[int, str]] = {}
+    for name in index:
+        path = parse_weight_name(name)
+        plane = parse_expert_plane_path(path) if path else None
+        if plane:
+            per_expert.setdefault(plane[0], {})[plane[1]] = name
+    modules = {}
     for path, by_expert in per_expert.items():
         names = tuple(by_expert[e] for e in sorted(by_expert))
         if sorted(by_expert) != list(range(len(by_expert))):
@@ -180,11 +144,18 @@ def _expert_modules(index: dict[str, TensorEntry]) -> dict[str, ModuleInfo]:
 
 
 def _lm_head(index: dict[str, TensorEntry], config: dict) -> dict[str, ModuleInfo]:
-    for name in ("lm_head.weight", "model.embed_tokens.weight"):
-        if name in index and (name == "lm_head.weight" or config.get("tie_word_embeddings")):
+    head = weight_name(LM_HEAD)
+    for name in (head, "model.embed_tokens.weight"):
+        if name in index and (name == head or config.get("tie_word_embeddings")):
             vocab, hidden = index[name].shape
             return {LM_HEAD: ModuleInfo(hidden, vocab, 0, (name,))}
     return {}
+
+
+def _bulk_dtype(index: dict[str, TensorEntry]) -> str:
+    """Dtype name of most tensors; float32 when the checkpoint is empty or the code unknown."""
+    codes = [e.dtype for e in index.values()]
+    return (name_of_code(max(set(codes), key=codes.count)) if codes else None) or "float32"
 
 
 @dataclass(slots=True)
@@ -213,10 +184,9 @@ class BaseInfo:
         model_dir = Path(model_dir)
         config = read_config(model_dir)
         index = read_tensor_index(model_dir)
-        modules = {**_dense_modules(index), **_expert_modules(index), **_lm_head(index, config)}
+        modules = {**_dense_modules(index), **_fused_expert_modules(index), **_per_expert_modules(index),
+                   **_lm_head(index, config)}
         norm = normalize_config(config)
-        dtypes = [e.dtype for e in index.values()]
-        dtype = ST_DTYPES.get(max(set(dtypes), key=dtypes.count), "float32") if dtypes else "float32"
         return cls(
             model_dir=model_dir,
             arch=str(config.get("model_type")),
@@ -224,7 +194,7 @@ class BaseInfo:
             hidden_size=int(norm.get("hidden_size", 0)),
             vocab_size=int(norm.get("vocab_size", 0)),
             num_experts=int(norm.get("num_experts") or 0),
-            dtype=dtype,
+            dtype=_bulk_dtype(index),
             fingerprint=fingerprint or base_fingerprint(model_dir),
             modules=modules,
         )
@@ -233,9 +203,3 @@ class BaseInfo:
         """Module paths of one target kind, in layer order (`lm_head` -> `["lm_head"]`)."""
         found = [(parse_module_path(p), p) for p in self.modules]
         return [p for (k, layer), p in sorted(found, key=lambda x: x[0][1] or 0) if k == kind]
-
-    def load_weight(self, path: str):
-        """The base weight of a module as a torch tensor: [out, in], or [E, out, in] for experts."""
-        from .baseweights import load_module_weight
-
-        return load_module_weight(self, path)

@@ -1,4 +1,7 @@
-"""Load one targetable base weight from the checkpoint (for the audit's merged reference)."""
+"""Load one targetable base weight from the checkpoint as a torch tensor (the audit's merged reference).
+
+Kept apart from `base` so that reading a base's layout (`BaseInfo`) never imports torch.
+"""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -7,11 +10,10 @@ import torch
 from safetensors import safe_open
 
 from .base import BaseInfo
+from .checkpoint import read_tensor_index
 
 
 def _read(info: BaseInfo, names: tuple[str, ...]) -> list[torch.Tensor]:
-    from .base import read_tensor_index
-
     index = read_tensor_index(info.model_dir)
     by_file: dict = defaultdict(list)
     for n in names:

@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from .base import BaseInfo, ModuleInfo
+from .dtypes import torch_dtype
 from .errors import ExportError
-from .format import ALL_KINDS, parse_module_path
-from .layout import AdapterWeights, parse_dtype
+from .layout import AdapterWeights
+from .targets import ALL_KINDS, KINDS_BY_NAME, parse_expert_plane_path, parse_module_path, tensor_names
 from .peft_reader import PeftLoraConfig, group_factors, read_peft_tensors, split_base_copies
 
-_PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 _FUSED = re.compile(r"^(layers\.\d+\.mlp\.experts)((?:\.base_layer)*)$")
 
 Factor = tuple[str, torch.Tensor]  # (PEFT tensor name, tensor)
@@ -103,14 +103,14 @@ def convert_modules(groups: dict, cfg: PeftLoraConfig, base: BaseInfo,
     for module, f in sorted(groups.items()):
         path = module.removeprefix("model.")
         r, scale = cfg.rank_and_scale(module.removesuffix(".base_layer"))
-        if (m := _PER_EXPERT.match(path)):
-            packed_path = f"{m[1]}.{m[3]}"
+        if (plane := parse_expert_plane_path(path)):
+            packed_path, expert = plane
             _expect(base, packed_path, f["A"][0])
             # per-expert modules are checked against the packed module's per-expert (in, out)
             info = base.modules[packed_path]
             _check_shape(f["A"][0], f["A"][1], (r, info.in_features), base)
             _check_shape(f["B"][0], f["B"][1], (info.out_features, r), base)
-            experts.setdefault(packed_path, {})[int(m[2])] = (f["A"][1].to(dtype), fold(f["B"][1], scale, dtype))
+            experts.setdefault(packed_path, {})[expert] = (f["A"][1].to(dtype), fold(f["B"][1], scale, dtype))
             expert_names[packed_path] = f["A"][0]
         elif (m := _FUSED.match(path)):
             r, scale = cfg.rank_and_scale(module.replace(".base_layer", ""))
@@ -120,7 +120,7 @@ def convert_modules(groups: dict, cfg: PeftLoraConfig, base: BaseInfo,
                 kind, _ = parse_module_path(path)
             except ValueError:
                 raise ExportError(f"{f['A'][0]}: unknown LoRA target {module!r}; supported kinds: {', '.join(ALL_KINDS)}") from None
-            if kind.startswith("experts."):
+            if KINDS_BY_NAME[kind].is_expert:  # packed experts come per expert or fused, never as one module
                 raise ExportError(f"{f['A'][0]}: unknown LoRA target {module!r}")
             out[path] = _dense(base, path, f["A"], f["B"], r, scale, dtype)
     out.update(_pack_experts(base, experts, expert_names))
@@ -152,13 +152,13 @@ def export_peft(peft_dir: str | Path, base: BaseInfo, dtype: str | None = None, 
     groups = group_factors(lora)
     if not groups:
         raise ExportError(f"{peft_dir}: adapter has no LoRA tensors")
-    serving = parse_dtype(dtype or base.dtype)
+    serving = torch_dtype(dtype or base.dtype)
     modules = convert_modules(groups, cfg, base, serving)
     rank = max(a.shape[-2] for a, _ in modules.values())
     tensors = {}
     for path, (a, b) in modules.items():
         a, b = _pad_rank(a, b, rank)
-        tensors[f"{path}.lora_A"] = a.contiguous()
-        tensors[f"{path}.lora_B"] = b.contiguous()
+        a_name, b_name = tensor_names(*parse_module_path(path))
+        tensors[a_name], tensors[b_name] = a.contiguous(), b.contiguous()
     kinds = sorted({parse_module_path(p)[0] for p in modules}, key=ALL_KINDS.index)
     return AdapterWeights(base.fingerprint, rank, kinds, serving, tensors, source or f"peft:{peft_dir.name}")

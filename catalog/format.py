@@ -1,4 +1,4 @@
-"""The adapter blob format, torch-free: target kinds, tensor names, header, checksum.
+"""The adapter blob format, torch-free: metadata, header, checksum (kinds and names: catalog.targets).
 
 A revision blob is one safetensors file (docs/INTERNALS.md §1). Tensor names mirror the
 Hugging Face module path without `model.`:
@@ -15,58 +15,21 @@ materializer stay light.
 from __future__ import annotations
 
 import json
-import struct
 
 import xxhash
 
+from . import safetensors_header
 from .errors import CorruptBlob
+from .safetensors_header import PREFIX, header_json, header_length
+from .targets import ALL_KINDS, EXPERT_KINDS, LM_HEAD, module_path, parse_module_path, parse_targets
+
+__all__ = [  # the target names are the table's (catalog.targets), re-exported for blob users
+    "ALL_KINDS", "EXPERT_KINDS", "FORMAT", "LM_HEAD", "META_KEYS", "blob_checksum", "canonical_blob",
+    "module_path", "parse_module_path", "parse_targets", "read_adapter_meta", "read_header",
+]
 
 FORMAT = "loraserve.adapter.v1"
-ATTN_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_KINDS = ("gate_proj", "up_proj", "down_proj")
-EXPERT_KINDS = tuple(f"experts.{p}" for p in MLP_KINDS)
-LM_HEAD = "lm_head"
-ALL_KINDS = ATTN_KINDS + MLP_KINDS + EXPERT_KINDS + (LM_HEAD,)
 META_KEYS = ("format", "base_fingerprint", "rank", "targets", "dtype", "source")
-# safetensors dtype codes <-> torch dtype names used in records and metadata
-ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
-MAX_HEADER = 100 * 1024 * 1024
-
-
-def module_path(kind: str, layer: int | None) -> str:
-    """Blob tensor-name prefix of a target kind in a layer (`lm_head` has no layer)."""
-    if kind == LM_HEAD:
-        return LM_HEAD
-    if kind in ATTN_KINDS:
-        return f"layers.{layer}.self_attn.{kind}"
-    if kind in MLP_KINDS:
-        return f"layers.{layer}.mlp.{kind}"
-    if kind in EXPERT_KINDS:
-        return f"layers.{layer}.mlp.{kind}"
-    raise ValueError(f"unknown target kind {kind!r}; known: {', '.join(ALL_KINDS)}")
-
-
-def parse_module_path(path: str) -> tuple[str, int | None]:
-    """Inverse of `module_path`: `layers.3.mlp.experts.up_proj` -> (`experts.up_proj`, 3)."""
-    if path == LM_HEAD:
-        return LM_HEAD, None
-    parts = path.split(".")
-    if len(parts) >= 4 and parts[0] == "layers" and parts[1].isdigit():
-        kind = ".".join(parts[3:])
-        if parts[2] == "self_attn" and kind in ATTN_KINDS:
-            return kind, int(parts[1])
-        if parts[2] == "mlp" and (kind in MLP_KINDS or kind in EXPERT_KINDS):
-            return kind, int(parts[1])
-    raise ValueError(f"not an adapter module path: {path!r}")
-
-
-def parse_targets(text: str) -> list[str]:
-    """`"q_proj,v_proj"` -> `["q_proj", "v_proj"]`, each checked against the known kinds."""
-    kinds = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [k for k in kinds if k not in ALL_KINDS]
-    if unknown or not kinds:
-        raise ValueError(f"unknown target kinds {unknown or text!r}; known: {', '.join(ALL_KINDS)}")
-    return kinds
 
 
 def blob_checksum(blob: bytes | memoryview) -> str:
@@ -76,22 +39,7 @@ def blob_checksum(blob: bytes | memoryview) -> str:
 
 def read_header(blob: bytes | memoryview, what: str = "adapter blob") -> tuple[dict, dict, int]:
     """Parse a safetensors header: (tensor entries, `__metadata__`, data offset). CorruptBlob if bad."""
-    if len(blob) < 8:
-        raise CorruptBlob(f"{what}: truncated ({len(blob)} bytes)")
-    (n,) = struct.unpack("<Q", bytes(blob[:8]))
-    if n > MAX_HEADER or 8 + n > len(blob):
-        raise CorruptBlob(f"{what}: truncated or bad header length {n}")
-    try:
-        header = json.loads(bytes(blob[8 : 8 + n]))
-    except ValueError as e:
-        raise CorruptBlob(f"{what}: header is not JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise CorruptBlob(f"{what}: header is not a JSON object")
-    meta = header.pop("__metadata__", None) or {}
-    data_len = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
-    if 8 + n + data_len > len(blob):
-        raise CorruptBlob(f"{what}: truncated (needs {8 + n + data_len} bytes, has {len(blob)})")
-    return header, meta, 8 + n
+    return safetensors_header.read_header(blob, what, CorruptBlob)
 
 
 def read_adapter_meta(blob: bytes | memoryview, what: str = "adapter blob") -> dict:
@@ -117,12 +65,12 @@ def canonical_blob(blob: bytes, dtype_code: str | None = None) -> bytes:
     differ in bytes; a canonical header makes a blob a pure function of its content (stable
     checksums, idempotent re-imports). Offsets are unchanged; padding keeps the 8-byte alignment.
     """
-    (n,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + n])
+    n = header_length(blob[: PREFIX.size], len(blob), "adapter blob", CorruptBlob)
+    header = header_json(blob[PREFIX.size : PREFIX.size + n], "adapter blob", CorruptBlob)
     if dtype_code is not None:
         for k, v in header.items():
             if k != "__metadata__":
                 v["dtype"] = dtype_code
     text = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-    text += b" " * ((-(8 + len(text))) % 8)
-    return b"".join((struct.pack("<Q", len(text)), text, memoryview(blob)[8 + n :]))  # one copy of the data
+    text += b" " * ((-(PREFIX.size + len(text))) % 8)
+    return b"".join((PREFIX.pack(len(text)), text, memoryview(blob)[PREFIX.size + n :]))  # one copy of the data

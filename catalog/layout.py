@@ -11,25 +11,10 @@ from dataclasses import dataclass, field
 import safetensors.torch
 import torch
 
+from .dtypes import dtype_name, torch_dtype
 from .errors import CorruptBlob
-from .format import EXPERT_KINDS, FORMAT, canonical_blob, parse_module_path, read_adapter_meta
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """`torch.bfloat16` -> `"bfloat16"` (the name used in records and metadata)."""
-    for name, dt in DTYPES.items():
-        if dt == dtype:
-            return name
-    raise ValueError(f"unsupported serving dtype {dtype}; use one of {', '.join(DTYPES)}")
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """`"bfloat16"` -> `torch.bfloat16`; ValueError for anything else."""
-    if name not in DTYPES:
-        raise ValueError(f"unsupported serving dtype {name!r}; use one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+from .format import FORMAT, canonical_blob, read_adapter_meta
+from .targets import EXPERT_KINDS, module_path, parse_tensor_name, tensor_names
 
 
 def _check_pair(path: str, kind: str, a: torch.Tensor, b: torch.Tensor, rank: int) -> None:
@@ -44,26 +29,23 @@ def _check_pair(path: str, kind: str, a: torch.Tensor, b: torch.Tensor, rank: in
 
 def check_layout(weights: AdapterWeights) -> None:
     """Raise ValueError unless `weights` is a complete, consistent serving-layout adapter."""
-    modules: dict[str, set[str]] = {}
+    halves: dict[tuple[str, int | None], set[bool]] = {}  # (kind, layer) -> {is lora_A}
     for name, t in weights.tensors.items():
-        path, _, leaf = name.rpartition(".")
-        if leaf not in ("lora_A", "lora_B"):
-            raise ValueError(f"{name}: tensor names must end in .lora_A or .lora_B")
-        kind, _ = parse_module_path(path)
+        kind, layer, is_a = parse_tensor_name(name)
         if kind not in weights.targets:
             raise ValueError(f"{name}: kind {kind!r} is not among the targets {weights.targets}")
         if t.dtype != weights.dtype:
             raise ValueError(f"{name}: dtype {t.dtype} differs from adapter dtype {weights.dtype}")
-        modules.setdefault(path, set()).add(leaf)
-    for path, leaves in modules.items():
-        if leaves != {"lora_A", "lora_B"}:
+        halves.setdefault((kind, layer), set()).add(is_a)
+    for (kind, layer), seen_a in halves.items():
+        path = module_path(kind, layer)
+        if seen_a != {True, False}:
             raise ValueError(f"{path}: needs both lora_A and lora_B")
-        kind, _ = parse_module_path(path)
-        t = weights.tensors
-        _check_pair(path, kind, t[f"{path}.lora_A"], t[f"{path}.lora_B"], weights.rank)
-    seen = {parse_module_path(p)[0] for p in modules}
-    if seen != set(weights.targets):
-        raise ValueError(f"targets {weights.targets} but tensors cover {sorted(seen)}")
+        a_name, b_name = tensor_names(kind, layer)
+        _check_pair(path, kind, weights.tensors[a_name], weights.tensors[b_name], weights.rank)
+    covered = {kind for kind, _ in halves}
+    if covered != set(weights.targets):
+        raise ValueError(f"targets {weights.targets} but tensors cover {sorted(covered)}")
 
 
 @dataclass(slots=True)
@@ -117,7 +99,7 @@ def load_revision(blob: bytes) -> AdapterWeights:
             base_fingerprint=meta["base_fingerprint"],
             rank=meta["rank"],
             targets=meta["targets"],
-            dtype=parse_dtype(meta["dtype"]),
+            dtype=torch_dtype(meta["dtype"]),
             tensors=tensors,
             source=meta["source"],
         )

@@ -15,12 +15,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .base import BaseInfo
-from .format import parse_targets
+from .dtypes import SERVING_DTYPES
 from .ids import validate_adapter_id
 from .materialize_worker import WorkerJob, adapter_id, run_worker
 from .shards import MiB
 from .store import Catalog
 from .synth import build_template, target_modules
+from .targets import parse_targets
 
 
 @dataclass(slots=True)
@@ -47,7 +48,7 @@ class MaterializeConfig:
         if isinstance(self.targets, str):
             self.targets = parse_targets(self.targets)
         parse_targets(",".join(self.targets))
-        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+        if self.dtype is not None and self.dtype not in SERVING_DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         validate_adapter_id(adapter_id(self.prefix, max(self.count - 1, 0), self.width))
 

@@ -13,7 +13,9 @@ import numpy as np
 import safetensors.numpy
 import xxhash
 
-from .format import FORMAT, canonical_blob, parse_module_path, read_header
+from .dtypes import serving_dtype
+from .format import FORMAT, canonical_blob, read_header
+from .targets import parse_module_path, parse_tensor_name, tensor_names
 
 B_STD = 0.02  # std of synthetic B entries; A entries have std 1/sqrt(in)
 
@@ -70,8 +72,9 @@ def synthetic_shapes(modules: dict[str, tuple[int, int, int]], rank: int) -> dic
     shapes = {}
     for path, (fan_in, fan_out, experts) in modules.items():
         lead = (experts,) if experts else ()
-        shapes[f"{path}.lora_A"] = (*lead, rank, fan_in)
-        shapes[f"{path}.lora_B"] = (*lead, fan_out, rank)
+        a_name, b_name = tensor_names(*parse_module_path(path))
+        shapes[a_name] = (*lead, rank, fan_in)
+        shapes[b_name] = (*lead, fan_out, rank)
     return shapes
 
 
@@ -79,20 +82,19 @@ def build_template(
     modules: dict[str, tuple[int, int, int]], rank: int, targets: list[str], dtype: str, fingerprint: str
 ) -> BlobTemplate:
     """Write a zero blob with safetensors once and keep its header and per-element scales."""
-    np_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[dtype]
+    d = serving_dtype(dtype)
     shapes = synthetic_shapes(modules, rank)
     meta = {"format": FORMAT, "base_fingerprint": fingerprint, "rank": str(rank),
             "targets": ",".join(targets), "dtype": dtype, "source": "synthetic"}
-    zeros = {name: np.zeros(shape, dtype=np_dtype) for name, shape in shapes.items()}
-    # numpy has no bfloat16: write uint16 (same element size) and patch the dtype code
-    blob = canonical_blob(safetensors.numpy.save(zeros, metadata=meta), "BF16" if dtype == "bfloat16" else None)
+    # numpy has no bfloat16: write unsigned ints of the element size and patch in the dtype code
+    zeros = {name: np.zeros(shape, dtype=f"<u{d.itemsize}") for name, shape in shapes.items()}
+    blob = canonical_blob(safetensors.numpy.save(zeros, metadata=meta), d.st_code)
     entries, _, offset = read_header(blob)
-    itemsize = np.dtype(np_dtype).itemsize
-    scale = np.empty((len(blob) - offset) // itemsize, dtype=np.float32)
+    scale = np.empty((len(blob) - offset) // d.itemsize, dtype=np.float32)
     for name, e in entries.items():
-        lo, hi = (o // itemsize for o in e["data_offsets"])
+        lo, hi = (o // d.itemsize for o in e["data_offsets"])
         fan_in = shapes[name][-1]
-        scale[lo:hi] = fan_in ** -0.5 if name.endswith("lora_A") else B_STD
+        scale[lo:hi] = fan_in ** -0.5 if parse_tensor_name(name)[2] else B_STD
     return BlobTemplate(blob[:offset], scale, dtype)
 
 

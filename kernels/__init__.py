@@ -27,8 +27,14 @@ Kernels launch over the first `min(S_max, T)` segments and skip unused ones, so 
 depend only on `T` and `S_max` (CUDA-graph friendly).
 
 The rank-space intermediate `v` is `[T, R_max]` float32 (the activation dtype is accepted too);
-`shrink` zeroes it and writes `v[t, :r(a)]`, so every other entry is 0. `add_lora_stacked` runs
-up to three targets that share `x` (q/k/v, gate/up) in one shrink and one expand launch.
+`shrink` zeroes it and writes `v[t, :r(a)]`, so every other entry is 0.
+
+Tiling: `launch.LaunchConfig.pick` chooses every tile size, K split and grid of a launch from
+(op, T, H, R_max, S_max, dtype, device); the launchers take its choice as is.
+
+Custom ops: `shrink`, `expand` and `add_lora` are registered as `torch.ops.loraserve.*`
+(in-place outputs in `mutates_args`, fake implementations), so `torch.compile` traces a model
+that calls them without a graph break (see `ops.py`).
 
 Backends: `resolve_backend("auto" | "triton" | "torch", device)`; "auto" is Triton on CUDA and
 torch elsewhere; Triton on CPU needs TRITON_INTERPRET=1 (tests only). `reference.py` holds the
@@ -36,14 +42,14 @@ per-token float32 oracles.
 """
 
 from .backend import BACKENDS, resolve_backend
-from .expand import expand_stacked_triton, expand_triton
+from .expand import expand_triton
+from .launch import LaunchConfig
 from .meta import LoRAMeta
-from .ops import add_lora, add_lora_stacked, expand, shrink
-from .shrink import shrink_stacked_triton, shrink_triton
+from .ops import add_lora, expand, shrink
+from .shrink import shrink_triton
 from .torch_backend import add_lora_torch, plan_torch
 
 __all__ = [
-    "BACKENDS", "LoRAMeta", "add_lora", "add_lora_stacked", "add_lora_torch", "expand",
-    "expand_stacked_triton", "plan_torch",
-    "expand_triton", "resolve_backend", "shrink", "shrink_stacked_triton", "shrink_triton",
+    "BACKENDS", "LaunchConfig", "LoRAMeta", "add_lora", "add_lora_torch", "expand",
+    "expand_triton", "plan_torch", "resolve_backend", "shrink", "shrink_triton",
 ]

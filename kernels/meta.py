@@ -60,6 +60,12 @@ class LoRAMeta:
         if not 0 <= self.num_tokens <= t_max:
             raise ValueError(f"LoRAMeta.num_tokens={self.num_tokens} outside [0, {t_max}]")
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The seven buffers in field order, so `LoRAMeta(*meta.tensors(), meta.num_tokens,
+        meta.moe)` rebuilds the meta (how the custom ops in `ops.py` take it as arguments)."""
+        return [self.token_ids, self.sorted_slots, self.sorted_experts, self.seg_start,
+                self.seg_slot, self.seg_expert, self.num_segments]
+
     @property
     def max_tokens(self) -> int:
         """T_max: the token capacity of the buffers."""

@@ -1,13 +1,27 @@
-"""Public LoRA ops: one entry point per op, dispatching to the Triton or torch backend."""
+"""Public LoRA ops: one entry point per op, dispatching to the Triton or torch backend.
+
+Each op is also a torch custom op (`torch.ops.loraserve.shrink`, `.expand`, `.add_lora`) with
+its in-place outputs declared in `mutates_args` and a fake implementation, so `torch.compile`
+(and `torch.export`) can trace a model that calls them without a graph break. Custom ops take
+tensors, ints, bools, strings and lists, not a `LoRAMeta`: the meta travels as its seven buffers
+(`meta.tensors()`) plus `num_tokens` and `moe`, and the implementation rebuilds it.
+
+The public functions call the registered op while a compiler traces them (or any
+TorchDispatchMode, e.g. FakeTensorMode, is active). Plain eager calls run the same
+implementation directly: the custom-op dispatcher costs ~30 us a call in torch 2.13, as much as
+a Triton launch, and the server runs eagerly.
+"""
 
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .backend import resolve_backend
-from .expand import MAX_SLICES, expand_stacked_triton, expand_triton
+from ._checks import check_expand, check_shrink
+from .backend import BACKENDS, resolve_backend
+from .expand import expand_triton
 from .meta import LoRAMeta
-from .shrink import shrink_stacked_triton, shrink_triton
+from .shrink import shrink_triton
 from .torch_backend import add_lora_torch, expand_torch, shrink_torch
 
 
@@ -15,27 +29,32 @@ def shrink(v: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, row_table: to
            ranks: torch.Tensor, meta: LoRAMeta, *, backend: str = "auto") -> None:
     """v[t, :r(a)] = x[t] @ A[a]^T for each token t with slot a >= 0; every other v entry := 0.
 
-    v [T, R_max] float32 (recommended; x's dtype also accepted), written in place.
-    x [T, H_in]; A_rows [P, H_in] (MoE: [P, E, H_in]) in x's dtype; row_table [A, R_max] int32;
-    ranks [A] int32 (0 = slot has no LoRA on this target); meta from `LoRAMeta.build`.
+    v [T, R_max] float32 (recommended; x's dtype also accepted), written in place;
+    x [T, H_in] float32 / bfloat16 / float16, read; A_rows [P, H_in] (MoE: [P, E, H_in]) in x's
+    dtype, read; row_table [A, R_max] int32, read; ranks [A] int32 (0 = slot has no LoRA on this
+    target), read; meta from `LoRAMeta.build` for these T tokens.
     """
-    if resolve_backend(backend, x.device) == "triton":
-        shrink_triton(v, x, A_rows, row_table, ranks, meta)
+    if _through_op():
+        torch.ops.loraserve.shrink(v, x, A_rows, row_table, ranks, meta.tensors(),
+                                   meta.num_tokens, meta.moe, backend)
     else:
-        shrink_torch(v, x, A_rows, row_table, ranks, meta)
+        _shrink_impl(v, x, A_rows, row_table, ranks, meta, backend)
 
 
 def expand(y: torch.Tensor, v: torch.Tensor, B_rows: torch.Tensor, row_table: torch.Tensor,
            ranks: torch.Tensor, meta: LoRAMeta, *, backend: str = "auto") -> None:
     """y[t] += v[t, :r(a)] @ B[a]^T for each token t with slot a >= 0 (scale folded into B).
 
-    y [T, H_out], updated in place (unit column stride, any row stride); v [T, R_max] from
-    `shrink`; B_rows [P, H_out] (MoE: [P, E, H_out]) in y's dtype, i.e. B transposed.
+    y [T, H_out] float32 / bfloat16 / float16, updated in place (unit column stride, any row
+    stride); v [T, R_max] float32 or y's dtype from `shrink`, read; B_rows [P, H_out]
+    (MoE: [P, E, H_out]) in y's dtype, i.e. B transposed, read; row_table [A, R_max] int32 and
+    ranks [A] int32, read; meta from `LoRAMeta.build`.
     """
-    if resolve_backend(backend, y.device) == "triton":
-        expand_triton(y, v, B_rows, row_table, ranks, meta)
+    if _through_op():
+        torch.ops.loraserve.expand(y, v, B_rows, row_table, ranks, meta.tensors(),
+                                   meta.num_tokens, meta.moe, backend)
     else:
-        expand_torch(y, v, B_rows, row_table, ranks, meta)
+        _expand_impl(y, v, B_rows, row_table, ranks, meta, backend)
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
@@ -43,44 +62,116 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: tor
              backend: str = "auto", buffer: torch.Tensor | None = None, plan=None) -> None:
     """y[t] += B[a] @ (A[a] @ x[t]) for each LoRA token (MoE pairs: B[a, e] @ A[a, e]).
 
-    Shapes as in `shrink` / `expand`. buffer: optional [T, R_max] float32 scratch for the
-    rank-space intermediate (allocated when None; pass a preallocated one under CUDA graphs).
-    plan: torch backend only, from `plan_torch` (built once per step and target kind).
+    y [T, H_out], updated in place; x [T, H_in], read; A_rows [P, H_in] / B_rows [P, H_out]
+    (MoE: [P, E, H]) in x's dtype, read; row_table [A, R_max] int32 and ranks [A] int32, read.
+    buffer: optional [T, R_max] float32 scratch for the rank-space intermediate (Triton only;
+    allocated when None; pass a preallocated one under CUDA graphs), overwritten.
+    plan: torch backend only, from `plan_torch` (built once per step and target kind); an eager
+    host-side shortcut, dropped while a compiler traces the call (the op plans for itself).
     """
+    if _through_op():
+        torch.ops.loraserve.add_lora(y, x, A_rows, B_rows, row_table, ranks, buffer,
+                                     meta.tensors(), meta.num_tokens, meta.moe, backend)
+    else:
+        _add_lora_impl(y, x, A_rows, B_rows, row_table, ranks, meta, backend, buffer, plan)
+
+
+def _through_op() -> bool:
+    """Call the registered custom op (not the implementation directly): while torch.compile /
+    export traces the caller, or under a TorchDispatchMode (FakeTensorMode, make_fx, ...)."""
+    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+
+
+# -- implementations (the custom ops' bodies) ------------------------------------------------
+
+
+def _shrink_impl(v: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, row_table: torch.Tensor,
+                 ranks: torch.Tensor, meta: LoRAMeta, backend: str) -> None:
+    if resolve_backend(backend, x.device) == "triton":
+        shrink_triton(v, x, A_rows, row_table, ranks, meta)
+    else:
+        shrink_torch(v, x, A_rows, row_table, ranks, meta)
+
+
+def _expand_impl(y: torch.Tensor, v: torch.Tensor, B_rows: torch.Tensor, row_table: torch.Tensor,
+                 ranks: torch.Tensor, meta: LoRAMeta, backend: str) -> None:
+    if resolve_backend(backend, y.device) == "triton":
+        expand_triton(y, v, B_rows, row_table, ranks, meta)
+    else:
+        expand_torch(y, v, B_rows, row_table, ranks, meta)
+
+
+def _add_lora_impl(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
+                   row_table: torch.Tensor, ranks: torch.Tensor, meta: LoRAMeta, backend: str,
+                   buffer: torch.Tensor | None, plan=None) -> None:
     if resolve_backend(backend, x.device) == "triton":
         if buffer is None:
-            buffer = _buffer(x, row_table.shape[1])
+            buffer = torch.empty(x.shape[0], row_table.shape[1], dtype=torch.float32,
+                                 device=x.device)
         shrink_triton(buffer, x, A_rows, row_table, ranks, meta)
         expand_triton(y, buffer, B_rows, row_table, ranks, meta)
     else:
-        add_lora_torch(y, x, A_rows, B_rows, row_table, ranks, meta, buffer, plan)
+        add_lora_torch(y, x, A_rows, B_rows, row_table, ranks, meta, plan=plan)
 
 
-def add_lora_stacked(ys: list[torch.Tensor], x: torch.Tensor, A_list: list[torch.Tensor],
-                     B_list: list[torch.Tensor], row_tables: list[torch.Tensor],
-                     ranks_list: list[torch.Tensor], meta: LoRAMeta, *,
-                     backend: str = "auto") -> None:
-    """ys[i][t] += B_i[a] @ (A_i[a] @ x[t]) for several targets sharing x (q/k/v, gate/up).
-
-    ys[i] [T, H_out_i] (may be column slices of one fused output); A_list[i] [P_i, H_in];
-    B_list[i] [P_i, H_out_i]; row_tables[i] [A, R_max_i]; ranks_list[i] [A]. One meta for all.
-    Triton: one shrink and one expand launch per group of up to 3 targets.
-    """
-    n = len(ys)
-    if not n or any(len(seq) != n for seq in (A_list, B_list, row_tables, ranks_list)):
-        raise ValueError("add_lora_stacked needs equally long, non-empty lists of targets")
-    if resolve_backend(backend, x.device) == "torch":
-        for y, A, B, row_table, ranks in zip(ys, A_list, B_list, row_tables, ranks_list):
-            add_lora_torch(y, x, A, B, row_table, ranks, meta, _buffer(x, row_table.shape[1]))
-        return
-    for i in range(0, n, MAX_SLICES):
-        group = slice(i, i + MAX_SLICES)
-        r_max = max(rt.shape[1] for rt in row_tables[group])
-        v = torch.empty(len(ys[group]), x.shape[0], r_max, dtype=torch.float32, device=x.device)
-        shrink_stacked_triton(v, x, A_list[group], row_tables[group], ranks_list[group], meta)
-        expand_stacked_triton(ys[group], v, B_list[group], row_tables[group], ranks_list[group],
-                              meta)
+# -- torch custom ops ----------------------------------------------------------------------------
 
 
-def _buffer(x: torch.Tensor, r_max: int) -> torch.Tensor:
-    return torch.empty(x.shape[0], r_max, dtype=torch.float32, device=x.device)
+@torch.library.custom_op("loraserve::shrink", mutates_args=("v",))
+def _shrink_op(v: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, row_table: torch.Tensor,
+               ranks: torch.Tensor, meta_tensors: list[torch.Tensor], num_tokens: int, moe: bool,
+               backend: str) -> None:
+    """`shrink` as a custom op: the meta as `LoRAMeta.tensors()`, num_tokens, moe."""
+    _shrink_impl(v, x, A_rows, row_table, ranks, LoRAMeta(*meta_tensors, num_tokens, moe),
+                 backend)
+
+
+@torch.library.custom_op("loraserve::expand", mutates_args=("y",))
+def _expand_op(y: torch.Tensor, v: torch.Tensor, B_rows: torch.Tensor, row_table: torch.Tensor,
+               ranks: torch.Tensor, meta_tensors: list[torch.Tensor], num_tokens: int, moe: bool,
+               backend: str) -> None:
+    """`expand` as a custom op: the meta as `LoRAMeta.tensors()`, num_tokens, moe."""
+    _expand_impl(y, v, B_rows, row_table, ranks, LoRAMeta(*meta_tensors, num_tokens, moe),
+                 backend)
+
+
+@torch.library.custom_op("loraserve::add_lora", mutates_args=("y", "buffer"))
+def _add_lora_op(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
+                 row_table: torch.Tensor, ranks: torch.Tensor, buffer: torch.Tensor | None,
+                 meta_tensors: list[torch.Tensor], num_tokens: int, moe: bool,
+                 backend: str) -> None:
+    """`add_lora` as a custom op (no torch-backend plan: the op plans for itself)."""
+    _add_lora_impl(y, x, A_rows, B_rows, row_table, ranks,
+                   LoRAMeta(*meta_tensors, num_tokens, moe), backend, buffer)
+
+
+# Fake (meta) implementations: no output to allocate (every result is written in place); they
+# run the launchers' shape / dtype / device checks, so bad input fails while tracing.
+
+
+@_shrink_op.register_fake
+def _(v, x, A_rows, row_table, ranks, meta_tensors, num_tokens, moe, backend) -> None:
+    _check_backend_name(backend)
+    check_shrink(v, x, A_rows, row_table, ranks, LoRAMeta(*meta_tensors, num_tokens, moe))
+
+
+@_expand_op.register_fake
+def _(y, v, B_rows, row_table, ranks, meta_tensors, num_tokens, moe, backend) -> None:
+    _check_backend_name(backend)
+    check_expand(y, v, B_rows, row_table, ranks, LoRAMeta(*meta_tensors, num_tokens, moe))
+
+
+@_add_lora_op.register_fake
+def _(y, x, A_rows, B_rows, row_table, ranks, buffer, meta_tensors, num_tokens, moe,
+      backend) -> None:
+    _check_backend_name(backend)
+    meta = LoRAMeta(*meta_tensors, num_tokens, moe)
+    v = buffer if buffer is not None else x.new_empty(x.shape[0], row_table.shape[1],
+                                                      dtype=torch.float32)
+    check_shrink(v, x, A_rows, row_table, ranks, meta)
+    check_expand(y, v, B_rows, row_table, ranks, meta)
+
+
+def _check_backend_name(name: str) -> None:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown LoRA backend {name!r}; choose one of {', '.join(BACKENDS)}")

@@ -1,68 +1,51 @@
 """The `torch` backend: vectorised LoRA ops for CPU (and, slower, any device). Same semantics as
 the Triton kernels and `reference.py`.
 
-Each call splits the step's live segments in two, from host-side sizes (free on CPU, one sync on
-CUDA):
+A *plan* says how one call covers the step's LoRA tokens for one target kind, and runs itself:
+`plan.run(y, x, A_rows, B_rows)`. Every layer of that kind reuses it (same metadata, row table,
+ranks and widths), so `PlanCache` builds it once per step. The strategies:
 
-- *light* segments (decode: one or a few tokens per adapter) go through one batched *gather*:
-  each token's rank rows are gathered into `[n, r_b, H]` and multiplied with one `bmm`; a fixed
-  ~15 torch ops however many adapters there are. `r_b` is the largest rank among these tokens;
-  rank indices past a token's own rank are masked to zero.
-- *heavy* segments (prefill, popular adapters) get one GEMM each at their exact rank: Python work
-  is O(heavy segments), but a segment is heavy only when the weight copies the gather would make
-  for it cost more than a loop iteration.
+- `_Padded` (small batches over at most 64 adapters, the common decode step): segments padded to
+  the longest into `[S, L, H]` blocks, two `bmm` against each segment's rank rows. Each adapter's
+  rows are read once; the engine groups its batch by adapter, so x, y and the pool rows are
+  usually all views and a decode step is exactly two `bmm` with no copy.
+- `_Dense` (same domain): all LoRA tokens against the concatenated rank rows of every live
+  segment in two GEMMs, a block mask keeping each token's own adapter. Fewest ops; it wins for
+  one adapter and for mixed ranks or scattered pool rows at small hidden sizes.
+- `_Gather` (*light* segments: one or a few tokens per adapter, and every MoE decode step): each
+  token's rank rows gathered into `[n, r_b, H]` and one `bmm`; ~15 ops however many adapters.
+  `r_b` is the largest rank among these tokens; rank indices past a token's own are masked.
+- `_Segments` (*heavy* segments: prefill, popular adapters): one GEMM per segment at its exact
+  rank; a segment is heavy when the weight copies the gather would make for it cost more than
+  a loop iteration.
 
-`add_lora` has two more strategies for small batches over at most 64 adapters (the common decode
-step), both reading each adapter's rows once with no per-token weight copy: *dense* (all LoRA
-tokens against the concatenated rank rows in two GEMMs, a block mask keeping each token's own
-adapter; fewest ops) and *padded* (segments padded to the longest into [S, L, H] blocks, two bmm
-against each segment's rows; fewest MACs). A small cost model (ops, MACs, copied weights) picks
-among them and the gather. Since the engine groups its batch by adapter, a decode step usually
-runs with no copy at all: x, y and the pool rows are all views (see `_Padded`).
-`plan_torch` builds the plan once per step and target kind; every layer reuses it.
+A small cost model (ops, MACs, copied weights) picks dense, padded or the gather; otherwise
+segments split into light (`_Gather`) and heavy (`_Segments`), both run by `_Parts` when a step
+has both. `shrink_torch` / `expand_torch` use the light / heavy split only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import pairwise
+from typing import ClassVar
 
 import torch
 
-from ._checks import check_expand, check_shrink
+from ._checks import check_expand, check_pool, check_rows, check_shrink, check_tables
 from .meta import LoRAMeta
 
 # A segment runs its own GEMM when gathering per token would copy at least this many extra
 # weight elements ((len - 1) * r * (H_in + H_out)); below it, a loop iteration's fixed cost wins.
 HEAVY_MIN_EXTRA_ELEMENTS = 1 << 16
 GATHER_MAX_ELEMENTS = 1 << 26  # cap on the gathered [n, r_b, H] copy; past it, loop everything
+SMALL_MAX_SEGMENTS = 64  # dense and padded cover at most this many adapters
+SMALL_MAX_MACS = 1 << 24  # n * sum(r) * (H_in + H_out): past it (prefill), use the other paths
+STRATEGIES = ("dense", "padded", "gather", "segments")  # what `plan_torch(strategy=)` can force
 
-
-@dataclass(slots=True)
-class _Gathered:
-    """Light tokens with their pool rows (sorted by segment)."""
-
-    tok: torch.Tensor  # [n] int64, token index
-    flat_rows: torch.Tensor  # [n * r_b] int64, row of the pool viewed as [P * E, H] (0 if masked)
-    invalid: torch.Tensor  # [n, r_b] bool, rank index >= the token's slot rank
-
-    def rows_of(self, pool: torch.Tensor) -> torch.Tensor:
-        """[n, r_b, H]: each token's rank rows of `pool` (its expert plane for MoE pools)."""
-        flat = pool.view(-1, pool.shape[-1]).index_select(0, self.flat_rows)
-        return flat.view(*self.invalid.shape, pool.shape[-1])
-
-
-@dataclass(slots=True)
-class _Heavy:
-    """Heavy segments' tokens and rows, each segment a contiguous range of both."""
-
-    tok: torch.Tensor  # [m] int64, tokens of the heavy segments, sorted by segment
-    flat_rows: torch.Tensor  # [sum r] int64, rows of the pool viewed as [P * E, H]
-    bounds: list[tuple[int, int, int, int]]  # per segment: token range, row range
-    direct: bool = False  # tok is 0..m-1 (a batch grouped by adapter): slice x and y, no gather
-
-    def rows_of(self, pool: torch.Tensor) -> torch.Tensor:
-        return pool.view(-1, pool.shape[-1]).index_select(0, self.flat_rows)  # [sum r, H]
+# Cost model of one small-batch call on a CPU core, calibrated on the 2-core dev machine (in situ,
+# weights not in L1/L2): a torch op's fixed cost, a GEMM MAC, a gathered weight element.
+OP_NS, MAC_NS, COPY_NS = 5000.0, 0.05, 0.5
 
 
 def _cached_view(views: dict, pool: torch.Tensor, make) -> torch.Tensor:
@@ -75,11 +58,104 @@ def _cached_view(views: dict, pool: torch.Tensor, make) -> torch.Tensor:
 
 
 @dataclass(slots=True)
+class _Gather:
+    """Light tokens with their pool rows (sorted by segment): one batched gather for all."""
+
+    name: ClassVar[str] = "gather"
+    tok: torch.Tensor  # [n] int64, token index
+    flat_rows: torch.Tensor  # [n * r_b] int64, row of the pool viewed as [P * E, H] (0 if masked)
+    invalid: torch.Tensor  # [n, r_b] bool, rank index >= the token's slot rank
+
+    def rows_of(self, pool: torch.Tensor) -> torch.Tensor:
+        """[n, r_b, H]: each token's rank rows of `pool` (its expert plane for MoE pools)."""
+        flat = pool.view(-1, pool.shape[-1]).index_select(0, self.flat_rows)
+        return flat.view(*self.invalid.shape, pool.shape[-1])
+
+    def down(self, x: torch.Tensor, A_rows: torch.Tensor) -> torch.Tensor:
+        """[n, r_b] in x's dtype: each token's x against its gathered A rows (0 past its rank)."""
+        # [n, 1, H] @ [n, H, r_b]: this orientation is ~10x faster on CPU than [n, r_b, H] @ [n, H, 1]
+        h = torch.bmm(x[self.tok].unsqueeze(1), self.rows_of(A_rows).transpose(1, 2)).squeeze(1)
+        return h.masked_fill_(self.invalid, 0)
+
+    def up(self, y: torch.Tensor, h: torch.Tensor, B_rows: torch.Tensor) -> None:
+        """y[tok] += h @ B rows, h [n, r_b] already 0 past each token's rank."""
+        delta = torch.bmm(h.to(B_rows.dtype).unsqueeze(1), self.rows_of(B_rows)).squeeze(1)
+        y.index_add_(0, self.tok, delta.to(y.dtype))
+
+    def run(self, y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor) -> None:
+        self.up(y, self.down(x, A_rows), B_rows)
+
+    def shrink(self, v: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor) -> None:
+        v[self.tok, : self.invalid.shape[1]] = self.down(x, A_rows).to(v.dtype)
+
+    def expand(self, y: torch.Tensor, v: torch.Tensor, B_rows: torch.Tensor) -> None:
+        self.up(y, v[self.tok, : self.invalid.shape[1]].masked_fill(self.invalid, 0), B_rows)
+
+
+@dataclass(slots=True)
+class _Segments:
+    """Heavy segments, one GEMM each at its exact rank; each segment is a contiguous range of
+    `tok` (its tokens) and of the gathered rows (its rank rows)."""
+
+    name: ClassVar[str] = "segments"
+    tok: torch.Tensor  # [m] int64, tokens of the heavy segments, sorted by segment
+    flat_rows: torch.Tensor  # [sum r] int64, rows of the pool viewed as [P * E, H]
+    bounds: list[tuple[int, int, int, int]]  # per segment: token range, row range
+    direct: bool = False  # tok is 0..m-1 (a batch grouped by adapter): slice x and y, no gather
+
+    def rows_of(self, pool: torch.Tensor) -> torch.Tensor:
+        return pool.view(-1, pool.shape[-1]).index_select(0, self.flat_rows)  # [sum r, H]
+
+    def run(self, y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor) -> None:
+        A, B = self.rows_of(A_rows), self.rows_of(B_rows)
+        if self.direct and A.dtype == x.dtype and B.dtype == y.dtype:  # segments are row ranges
+            for t0, t1, r0, r1 in self.bounds:
+                y[t0:t1].addmm_(x[t0:t1] @ A[r0:r1].T, B[r0:r1])
+            return
+        xs = x[self.tok]
+        delta = torch.empty(self.tok.numel(), y.shape[1], dtype=B.dtype, device=y.device)
+        for t0, t1, r0, r1 in self.bounds:
+            torch.mm(xs[t0:t1] @ A[r0:r1].T.to(xs.dtype), B[r0:r1], out=delta[t0:t1])
+        y.index_add_(0, self.tok, delta.to(y.dtype))
+
+    def shrink(self, v: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor) -> None:
+        """v[tok, :r] = x[tok] @ A^T segment by segment; one gather of x and A for all of them."""
+        xs, A = x[self.tok], self.rows_of(A_rows)
+        hs = torch.zeros(self.tok.numel(), v.shape[1], dtype=x.dtype, device=x.device)
+        for t0, t1, r0, r1 in self.bounds:
+            torch.mm(xs[t0:t1], A[r0:r1].T, out=hs[t0:t1, : r1 - r0])
+        v[self.tok] = hs.to(v.dtype)
+
+    def expand(self, y: torch.Tensor, v: torch.Tensor, B_rows: torch.Tensor) -> None:
+        vs, B = v[self.tok].to(B_rows.dtype), self.rows_of(B_rows)  # [m, R_max], [sum r, H_out]
+        delta = torch.empty(self.tok.numel(), y.shape[1], dtype=B.dtype, device=y.device)
+        for t0, t1, r0, r1 in self.bounds:
+            torch.mm(vs[t0:t1, : r1 - r0], B[r0:r1], out=delta[t0:t1])
+        y.index_add_(0, self.tok, delta.to(y.dtype))
+
+
+@dataclass(slots=True)
+class _Parts:
+    """Several plans over disjoint tokens (light and heavy segments); none = no LoRA token."""
+
+    parts: tuple = ()
+
+    @property
+    def name(self) -> str:
+        return "+".join(p.name for p in self.parts) or "none"
+
+    def run(self, y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor) -> None:
+        for part in self.parts:
+            part.run(y, x, A_rows, B_rows)
+
+
+@dataclass(slots=True)
 class _Dense:
     """Few adapters in a small batch: every LoRA token against the rank rows of every live
     segment in two dense GEMMs, then a block mask keeps each token's own adapter. Reads each
     adapter's rows once (no per-token weight copies) at the price of S x the (tiny) MACs."""
 
+    name: ClassVar[str] = "dense"
     tok: torch.Tensor | None  # [n] int64 LoRA tokens in sorted order; None = they are rows [0, n)
     n: int  # LoRA tokens
     rows: torch.Tensor  # [sum r] int64 pool rows of the live segments, concatenated
@@ -93,6 +169,23 @@ class _Dense:
             return pool.index_select(0, self.rows)
         return _cached_view(self.views, pool, lambda: pool[self.row_range[0]:self.row_range[1]])
 
+    def run(self, y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor) -> None:
+        """y[tok] += ((x[tok] @ A_all^T) * own-block mask) @ B_all."""
+        xs = x[: self.n] if self.tok is None else x.index_select(0, self.tok)
+        A = self.pick(A_rows)
+        h = torch.mm(xs, A.T if A.dtype == xs.dtype else A.T.to(xs.dtype))
+        if self.other is not None:
+            h.masked_fill_(self.other, 0)
+        B = self.pick(B_rows)
+        if self.tok is None and B.dtype == y.dtype:
+            y[: self.n].addmm_(h if h.dtype == B.dtype else h.to(B.dtype), B)
+            return
+        delta = (h.to(B.dtype) @ B).to(y.dtype)
+        if self.tok is None:
+            y[: self.n].add_(delta)
+        else:
+            y.index_add_(0, self.tok, delta)
+
 
 @dataclass(slots=True)
 class _Padded:
@@ -105,6 +198,7 @@ class _Padded:
     live segments' rows are one run of the pool at one rank, the weights are viewed as [S, r, H].
     The decode step over S adapters is then exactly two bmm with no copy at all."""
 
+    name: ClassVar[str] = "padded"
     vtok: torch.Tensor | None  # [n] int64 token of each LoRA position (None: direct views)
     vpos: torch.Tensor | None  # [n] int64 its place in the flattened [S * L] padded block
     rows: torch.Tensor  # [S * r_b] int64 pool rows (row 0 past a segment's rank, masked)
@@ -121,47 +215,50 @@ class _Padded:
         return _cached_view(self.views, pool,
                             lambda: pool[self.row_range[0]:self.row_range[1]].view(s, r_b, -1))
 
+    def run(self, y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor) -> None:
+        """Per segment: y[its tokens] += (x[its tokens] @ A^T) @ B, all segments in one bmm pair."""
+        s, length, _ = self.shape
+        if self.vtok is None:
+            xs = x[: s * length].view(s, length, -1)
+        else:
+            xs = x.new_zeros(s * length, x.shape[1]).index_copy_(0, self.vpos, x.index_select(0, self.vtok))
+            xs = xs.view(s, length, -1)
+        h = torch.bmm(xs, self.pick(A_rows).transpose(1, 2).to(x.dtype))  # [S, L, r_b]
+        if self.invalid is not None:
+            h.masked_fill_(self.invalid, 0)
+        b = self.pick(B_rows)
+        if self.vtok is None and b.dtype == y.dtype:
+            y[: s * length].view(s, length, -1).baddbmm_(h.to(b.dtype), b)
+            return
+        delta = torch.bmm(h.to(b.dtype), b).view(s * length, -1)
+        if self.vtok is None:
+            y[: s * length].add_(delta.to(y.dtype))
+        else:
+            y.index_add_(0, self.vtok, delta.index_select(0, self.vpos).to(y.dtype))
+
 
 @dataclass(slots=True)
-class _Plan:
-    """How one call covers the step's LoRA tokens for one target."""
+class _Layout:
+    """The live segments of a small batch (dense pools, CPU metadata), as dense and padded
+    need them: S segments of `lengths` tokens at `seg_ranks`, r_b the largest rank."""
 
-    light: _Gathered | None = None
-    heavy: _Heavy | None = None
-    dense: _Dense | None = None
-    padded: _Padded | None = None
+    lengths: list[int]
+    seg_ranks: list[int]
+    tok: torch.Tensor  # [n] int64 LoRA tokens in segment order
+    prefix: bool  # tok is 0..n-1: the LoRA tokens are rows [0, n)
+    table: torch.Tensor  # [S, r_b] int64 each segment's pool rows
+    in_rank: torch.Tensor  # [S, r_b] bool: within the segment's rank
+    rows: torch.Tensor  # [sum r] int64 each segment's own rows, concatenated
+    run: tuple[int, int] | None  # rows are pool[start:stop]
 
-    def run(self, y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor) -> None:
-        """y += LoRA(x) over this plan's tokens, no checks (see `add_lora_torch`)."""
-        if self.padded is not None:
-            _add_padded(y, x, A_rows, B_rows, self.padded)
-            return
-        if self.dense is not None:
-            _add_dense(y, x, A_rows, B_rows, self.dense)
-            return
-        if self.light is not None:
-            _expand_gathered(y, _shrink_gathered(x, A_rows, self.light), B_rows, self.light)
-        if self.heavy is not None:
-            hv = self.heavy
-            A, B = hv.rows_of(A_rows), hv.rows_of(B_rows)
-            if hv.direct and A.dtype == x.dtype and B.dtype == y.dtype:  # segments are row ranges
-                for t0, t1, r0, r1 in hv.bounds:
-                    y[t0:t1].addmm_(x[t0:t1] @ A[r0:r1].T, B[r0:r1])
-                return
-            xs = x[hv.tok]
-            delta = torch.empty(hv.tok.numel(), y.shape[1], dtype=B.dtype, device=y.device)
-            for t0, t1, r0, r1 in hv.bounds:
-                torch.mm(xs[t0:t1] @ A[r0:r1].T.to(xs.dtype), B[r0:r1], out=delta[t0:t1])
-            y.index_add_(0, hv.tok, delta.to(y.dtype))
+    @property
+    def equal_ranks(self) -> bool:
+        return min(self.seg_ranks) == self.table.shape[1]
 
-
-DENSE_MAX_SEGMENTS = 64  # the small-batch strategies (dense, padded) cover at most this many adapters
-DENSE_MAX_MACS = 1 << 24  # n * sum(r) * (H_in + H_out): past it (prefill), use the other paths
-FORCE_SMALL: str | None = None  # tests: "dense" or "padded" overrides the cost model below
-
-# Cost model of one small-batch call on a CPU core, calibrated on the 2-core dev machine (in situ,
-# weights not in L1/L2): a torch op's fixed cost, a GEMM MAC, a gathered weight element.
-OP_NS, MAC_NS, COPY_NS = 5000.0, 0.05, 0.5
+    @property
+    def direct(self) -> bool:
+        """x and y can be viewed as [S, L, H]: prefix layout, every segment L tokens long."""
+        return self.prefix and min(self.lengths) == max(self.lengths)
 
 
 def _contiguous_run(rows: torch.Tensor) -> tuple[int, int] | None:
@@ -169,95 +266,113 @@ def _contiguous_run(rows: torch.Tensor) -> tuple[int, int] | None:
     return (first, first + total) if bool((rows == torch.arange(first, first + total)).all()) else None
 
 
-def _small_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, num_experts: int,
-                width: int) -> _Dense | _Padded | None:
-    """Dense or padded for a small batch over few adapters (dense pools, CPU metadata), whichever
-    the cost model prices lower; None when neither applies."""
+def _check_ranks(seg_ranks: list[int], row_table: torch.Tensor) -> None:
+    if seg_ranks and max(seg_ranks) > row_table.shape[1]:
+        raise ValueError(f"ranks holds {max(seg_ranks)} > R_max={row_table.shape[1]}")
+
+
+def _small_layout(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, num_experts: int,
+                  width: int) -> _Layout | None:
+    """The layout dense and padded run on; None when they do not apply (MoE pools, device
+    metadata, too many segments, no rank, or more MACs than a small batch)."""
     if num_experts > 1 or meta.device.type != "cpu":
         return None
     s = int(meta.num_segments)
-    if not 0 < s <= DENSE_MAX_SEGMENTS:
+    if not 0 < s <= SMALL_MAX_SEGMENTS:
         return None
     starts = meta.seg_start[: s + 1].tolist()
-    slots = meta.seg_slot[:s].long().tolist()
-    seg_ranks = ranks[slots].tolist()
-    r_b = max(seg_ranks)
-    if r_b > row_table.shape[1]:
-        raise ValueError(f"ranks holds {r_b} > R_max={row_table.shape[1]}")
-    n, total = starts[-1], sum(seg_ranks)
+    seg_ranks = ranks[meta.seg_slot[:s].long()].tolist()
+    _check_ranks(seg_ranks, row_table)
     lengths = [b - a for a, b in pairwise(starts)]
-    length = max(lengths)
-    if total == 0 or min(n * total, s * length * r_b) * width > DENSE_MAX_MACS:
+    n, total, r_b = starts[-1], sum(seg_ranks), max(seg_ranks)
+    if total == 0 or min(n * total, s * max(lengths) * r_b) * width > SMALL_MAX_MACS:
         return None
     tok = meta.token_ids[:n].long()
-    prefix = bool((tok == torch.arange(n)).all())  # LoRA tokens are rows [0, n), in segment order
-    equal_ranks = min(seg_ranks) == r_b
     table = row_table[meta.seg_slot[:s].long(), :r_b].long()  # [S, r_b]
     in_rank = torch.arange(r_b)[None, :] < torch.tensor(seg_ranks)[:, None]  # [S, r_b]
-    rows = table.flatten() if equal_ranks else table[in_rank]  # each segment's own ranks
-    run = _contiguous_run(rows)
-    direct = prefix and min(lengths) == length
-    dense_ns = (OP_NS * (2 + (s > 1) + 2 * (not prefix) + 2 * (run is None))
-                + MAC_NS * n * total * width + COPY_NS * (run is None) * total * width)
-    padded_views = run is not None and equal_ranks
-    padded_ns = (OP_NS * (2 + (not equal_ranks) + 4 * (not direct) + 2 * (not padded_views))
-                 + MAC_NS * s * length * r_b * width + COPY_NS * (not padded_views) * s * r_b * width)
-    gather_ns = OP_NS * 7 + (MAC_NS + COPY_NS) * n * r_b * width  # the light path (None here)
-    if FORCE_SMALL is None and gather_ns < min(dense_ns, padded_ns):
-        return None
-    use_padded = padded_ns < dense_ns if FORCE_SMALL is None else FORCE_SMALL == "padded"
-    if use_padded:
-        return _padded_plan(table, in_rank, lengths, tok, direct, run if padded_views else None)
+    rows = table.flatten() if min(seg_ranks) == r_b else table[in_rank]  # each segment's own ranks
+    return _Layout(lengths, seg_ranks, tok, bool((tok == torch.arange(n)).all()), table, in_rank,
+                   rows, _contiguous_run(rows))
+
+
+def _small_costs(lay: _Layout, width: int) -> dict[str, float]:
+    """Estimated ns of dense, padded and the gather for one call (ties go to the first)."""
+    s, n, total, r_b = len(lay.lengths), len(lay.tok), len(lay.rows), lay.table.shape[1]
+    copied = lay.run is None
+    padded_views = not copied and lay.equal_ranks
+    return {
+        "dense": (OP_NS * (2 + (s > 1) + 2 * (not lay.prefix) + 2 * copied)
+                  + MAC_NS * n * total * width + COPY_NS * copied * total * width),
+        "padded": (OP_NS * (2 + (not lay.equal_ranks) + 4 * (not lay.direct) + 2 * (not padded_views))
+                   + MAC_NS * s * max(lay.lengths) * r_b * width
+                   + COPY_NS * (not padded_views) * s * r_b * width),
+        "gather": OP_NS * 7 + (MAC_NS + COPY_NS) * n * r_b * width,
+    }
+
+
+def _dense_plan(lay: _Layout) -> _Dense:
+    s, n = len(lay.lengths), len(lay.tok)
     other = None
     if s > 1:
-        col_seg = torch.repeat_interleave(torch.arange(s), torch.tensor(seg_ranks))
-        tok_seg = torch.repeat_interleave(torch.arange(s), torch.tensor(lengths))
+        col_seg = torch.repeat_interleave(torch.arange(s), torch.tensor(lay.seg_ranks))
+        tok_seg = torch.repeat_interleave(torch.arange(s), torch.tensor(lay.lengths))
         other = tok_seg[:, None] != col_seg[None, :]
-    return _Dense(None if prefix else tok, n, rows, other, run)
+    return _Dense(None if lay.prefix else lay.tok, n, lay.rows, other, lay.run)
 
 
-def _padded_plan(table: torch.Tensor, in_rank: torch.Tensor, lengths: list[int], tok: torch.Tensor,
-                 direct: bool, row_range: tuple[int, int] | None) -> _Padded:
-    """table / in_rank [S, r_b]: each segment's pool rows and which of them are within its rank."""
-    (s, r_b), length = table.shape, max(lengths)
-    invalid = ~in_rank
+def _padded_plan(lay: _Layout) -> _Padded:
+    (s, r_b), lengths, length = lay.table.shape, lay.lengths, max(lay.lengths)
+    invalid = ~lay.in_rank
     vtok = vpos = None
-    if not direct:
+    if not lay.direct:
         tok_seg = torch.repeat_interleave(torch.arange(s), torch.tensor(lengths))
         seg_first = torch.tensor([0] + lengths[:-1]).cumsum(0)
-        vtok, vpos = tok, tok_seg * length + torch.arange(tok.numel()) - seg_first[tok_seg]
-    return _Padded(vtok, vpos, table.masked_fill(invalid, 0).flatten(), row_range,
+        vtok, vpos = lay.tok, tok_seg * length + torch.arange(len(lay.tok)) - seg_first[tok_seg]
+    return _Padded(vtok, vpos, lay.table.masked_fill(invalid, 0).flatten(),
+                   lay.run if lay.equal_ranks else None,
                    invalid[:, None, :] if bool(invalid.any()) else None, (s, length, r_b))
 
 
-def _plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, num_experts: int,
-          width: int, allow_segments: bool = False) -> _Plan:
-    """Split live segments into light (gathered) and heavy (own GEMM); `width` = H_in + H_out.
-    allow_segments (add_lora only): few segments in a small batch use the `dense` strategy."""
-    found = _as_plan(_small_plan(meta, row_table, ranks, num_experts, width)) if allow_segments else None
-    if found is not None:
-        return found
+def _small_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, num_experts: int,
+                width: int, strategy: str | None) -> _Dense | _Padded | None:
+    """Dense or padded, the forced one or whichever the cost model prices lowest; None when
+    the gather is priced lower or neither applies."""
+    lay = _small_layout(meta, row_table, ranks, num_experts, width)
+    if lay is None:
+        if strategy is not None:
+            raise ValueError(f"strategy {strategy!r} needs a dense pool, CPU metadata and a small "
+                             f"batch over at most {SMALL_MAX_SEGMENTS} adapters")
+        return None
+    if strategy is None:
+        costs = _small_costs(lay, width)
+        strategy = min(costs, key=costs.get)
+    if strategy == "gather":
+        return None
+    return _dense_plan(lay) if strategy == "dense" else _padded_plan(lay)
+
+
+def _split(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, num_experts: int,
+           width: int, strategy: str | None = None) -> tuple[_Gather | None, _Segments | None]:
+    """Live segments split into light (gathered) and heavy (own GEMM); `width` = H_in + H_out.
+    strategy "gather" / "segments" puts every segment on one side."""
     s = int(meta.num_segments)
     starts = meta.seg_start[: s + 1]
     lengths = starts[1:] - starts[:-1]
-    seg_ranks = ranks[meta.seg_slot[:s]]
-    len_list, r_list = lengths.tolist(), seg_ranks.tolist()
-    if r_list and max(r_list) > row_table.shape[1]:
-        raise ValueError(f"ranks holds {max(r_list)} > R_max={row_table.shape[1]}")
-    heavy = [r > 0 and (ln - 1) * r * width >= HEAVY_MIN_EXTRA_ELEMENTS
+    len_list, r_list = lengths.tolist(), ranks[meta.seg_slot[:s]].tolist()
+    _check_ranks(r_list, row_table)
+    heavy = [r > 0 and (strategy == "segments" or strategy is None
+                        and (ln - 1) * r * width >= HEAVY_MIN_EXTRA_ELEMENTS)
              for ln, r in zip(len_list, r_list)]
     n_light = sum(ln for ln, h, r in zip(len_list, heavy, r_list) if not h and r > 0)
-    if n_light * max(r_list, default=0) * width > GATHER_MAX_ELEMENTS:
+    if strategy is None and n_light * max(r_list, default=0) * width > GATHER_MAX_ELEMENTS:
         heavy, n_light = [r > 0 for r in r_list], 0
-    plan = _Plan()
-    n = int(starts[-1]) if s else 0
+    light = None
     if n_light:
         pos = None if not any(heavy) else _positions(lengths, [not h for h in heavy])
-        plan.light = _gather_plan(meta, row_table, ranks, n, pos, num_experts)
-    if any(heavy):
-        plan.heavy = _heavy_plan(meta, row_table, s, lengths, len_list, r_list, heavy,
-                                 num_experts)
-    return plan
+        light = _gather_plan(meta, row_table, ranks, int(starts[-1]), pos, num_experts)
+    if not any(heavy):
+        return light, None
+    return light, _segments_plan(meta, row_table, s, lengths, len_list, r_list, heavy, num_experts)
 
 
 def _positions(lengths: torch.Tensor, keep: list[bool]) -> torch.Tensor:
@@ -266,9 +381,9 @@ def _positions(lengths: torch.Tensor, keep: list[bool]) -> torch.Tensor:
     return torch.repeat_interleave(flags, lengths).nonzero().squeeze(1)
 
 
-def _heavy_plan(meta: LoRAMeta, row_table: torch.Tensor, s: int, lengths: torch.Tensor,
-                len_list: list[int], r_list: list[int], heavy: list[bool],
-                num_experts: int) -> _Heavy:
+def _segments_plan(meta: LoRAMeta, row_table: torch.Tensor, s: int, lengths: torch.Tensor,
+                   len_list: list[int], r_list: list[int], heavy: list[bool],
+                   num_experts: int) -> _Segments:
     idx = [i for i, h in enumerate(heavy) if h]
     slots = meta.seg_slot[:s][idx].long()
     r_heavy = torch.tensor([r_list[i] for i in idx], device=slots.device)
@@ -283,11 +398,11 @@ def _heavy_plan(meta: LoRAMeta, row_table: torch.Tensor, s: int, lengths: torch.
         bounds.append((t0, t0 + len_list[i], r0, r0 + r_list[i]))
         t0, r0 = t0 + len_list[i], r0 + r_list[i]
     direct = bool((tok == torch.arange(tok.numel(), device=tok.device)).all())
-    return _Heavy(tok, rows[in_rank], bounds, direct)
+    return _Segments(tok, rows[in_rank], bounds, direct)
 
 
 def _gather_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, n: int,
-                 pos: torch.Tensor | None, num_experts: int) -> _Gathered | None:
+                 pos: torch.Tensor | None, num_experts: int) -> _Gather | None:
     """Rows of the light tokens at sorted positions `pos` (None = all `n` LoRA tokens)."""
     def pick(t: torch.Tensor) -> torch.Tensor:
         return t[:n] if pos is None else t.index_select(0, pos)
@@ -301,8 +416,7 @@ def _gather_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, n
     rows = row_table[slots, :r_b].long()
     if num_experts > 1:
         rows = rows * num_experts + pick(meta.sorted_experts)[:, None]
-    return _Gathered(pick(meta.token_ids).long(), rows.masked_fill_(invalid, 0).flatten(),
-                     invalid)
+    return _Gather(pick(meta.token_ids).long(), rows.masked_fill_(invalid, 0).flatten(), invalid)
 
 
 def _num_experts(pool: torch.Tensor) -> int:
@@ -314,126 +428,113 @@ def shrink_torch(v: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, row_tab
     """v[t, :r(a)] = x[t] @ A[a]^T for LoRA tokens; every other entry of v is set to 0."""
     check_shrink(v, x, A_rows, row_table, ranks, meta)
     v.zero_()
-    plan = _plan(meta, row_table, ranks, _num_experts(A_rows), x.shape[1] * 2)
-    if plan.light is not None:
-        g = plan.light
-        v[g.tok, : g.invalid.shape[1]] = _shrink_gathered(x, A_rows, g).to(v.dtype)
-    if plan.heavy is not None:
-        _shrink_heavy(v, x, A_rows, plan.heavy)
+    for part in _split(meta, row_table, ranks, _num_experts(A_rows), x.shape[1] * 2):
+        if part is not None:
+            part.shrink(v, x, A_rows)
 
 
 def expand_torch(y: torch.Tensor, v: torch.Tensor, B_rows: torch.Tensor, row_table: torch.Tensor,
                  ranks: torch.Tensor, meta: LoRAMeta) -> None:
     """y[t] += v[t, :r(a)] @ B[a]^T for LoRA tokens, in place."""
     check_expand(y, v, B_rows, row_table, ranks, meta)
-    plan = _plan(meta, row_table, ranks, _num_experts(B_rows), y.shape[1] * 2)
-    if plan.light is not None:
-        g = plan.light
-        _expand_gathered(y, v[g.tok, : g.invalid.shape[1]].masked_fill(g.invalid, 0), B_rows, g)
-    if plan.heavy is not None:
-        hv = plan.heavy
-        vs = v[hv.tok].to(B_rows.dtype)  # [m, R_max]
-        B = hv.rows_of(B_rows)  # [sum r, H_out]
-        delta = torch.empty(hv.tok.numel(), y.shape[1], dtype=B.dtype, device=y.device)
-        for t0, t1, r0, r1 in hv.bounds:
-            torch.mm(vs[t0:t1, : r1 - r0], B[r0:r1], out=delta[t0:t1])
-        y.index_add_(0, hv.tok, delta.to(y.dtype))
+    for part in _split(meta, row_table, ranks, _num_experts(B_rows), y.shape[1] * 2):
+        if part is not None:
+            part.expand(y, v, B_rows)
 
 
 def plan_torch(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, A_rows: torch.Tensor,
-               B_rows: torch.Tensor) -> _Plan:
-    """The row gathers of one step for one target kind. Every layer of that kind shares it (same
-    metadata, same row table and ranks, same widths), so the engine builds it once per step and
-    passes it to `add_lora_torch(..., plan=)`, saving the host-side planning of every other call."""
-    return _plan(meta, row_table, ranks, _num_experts(A_rows), A_rows.shape[-1] + B_rows.shape[-1],
-                 allow_segments=True)
+               B_rows: torch.Tensor, *, strategy: str | None = None):
+    """How `add_lora_torch` covers one step's LoRA tokens for one target kind; `.run(y, x,
+    A_rows, B_rows)` applies it with no checks. Every layer of that kind shares it (same
+    metadata, row table, ranks and widths), saving the host-side planning of every other call.
+
+    strategy: None lets the cost model choose; one of STRATEGIES forces it (tests, benchmarks).
+    Forcing dense or padded where they do not apply (MoE pools, CUDA metadata, big batches)
+    raises ValueError; "gather" / "segments" apply everywhere."""
+    if strategy is not None and strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    num_experts, width = _num_experts(A_rows), A_rows.shape[-1] + B_rows.shape[-1]
+    if strategy in (None, "dense", "padded"):
+        small = _small_plan(meta, row_table, ranks, num_experts, width, strategy)
+        if small is not None:
+            return small
+    parts = tuple(p for p in _split(meta, row_table, ranks, num_experts, width, strategy) if p is not None)
+    return parts[0] if len(parts) == 1 else _Parts(parts)
 
 
-def _as_plan(found: _Dense | _Padded | None) -> _Plan | None:
-    if found is None:
-        return None
-    return _Plan(padded=found) if isinstance(found, _Padded) else _Plan(dense=found)
+def _check_add(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
+               row_table: torch.Tensor, ranks: torch.Tensor, meta: LoRAMeta) -> None:
+    """add_lora's shape / dtype / device / layout preconditions (shrink's and expand's, less
+    those of the rank-space buffer this backend does not use)."""
+    check_rows("x", x, meta)
+    check_pool("A_rows", A_rows, x.shape[1], meta, x.dtype)
+    check_tables(row_table, ranks, meta.device)
+    check_rows("y", y, meta)
+    check_pool("B_rows", B_rows, y.shape[1], meta, y.dtype)
 
 
 def add_lora_torch(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
-                   row_table: torch.Tensor, ranks: torch.Tensor, meta: LoRAMeta,
-                   buffer: torch.Tensor | None = None, plan: _Plan | None = None,
-                   check: bool = True) -> None:
-    """y[t] += B[a] @ (A[a] @ x[t]); the rank-space product stays compact (buffer unused).
-
-    plan: from `plan_torch` for this step and target kind (else planned here). check=False skips
-    the input checks: for the later layers of a step whose first call checked the same shapes."""
-    if check:
-        buffer = buffer if buffer is not None else torch.empty(x.shape[0], row_table.shape[1], device=x.device)
-        check_shrink(buffer, x, A_rows, row_table, ranks, meta)
-        check_expand(y, buffer, B_rows, row_table, ranks, meta)
+                   row_table: torch.Tensor, ranks: torch.Tensor, meta: LoRAMeta, plan=None) -> None:
+    """y[t] += B[a] @ (A[a] @ x[t]) after checking the inputs; the rank-space product stays
+    compact. plan: from `plan_torch` for this step and target kind (else planned here)."""
+    _check_add(y, x, A_rows, B_rows, row_table, ranks, meta)
     if plan is None:
-        plan = _plan(meta, row_table, ranks, _num_experts(A_rows), x.shape[1] + y.shape[1],
-                     allow_segments=True)
+        plan = plan_torch(meta, row_table, ranks, A_rows, B_rows)
     plan.run(y, x, A_rows, B_rows)
 
 
-def _add_dense(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
-               d: _Dense) -> None:
-    """y[tok] += ((x[tok] @ A_all^T) * own-block mask) @ B_all."""
-    xs = x[: d.n] if d.tok is None else x.index_select(0, d.tok)
-    A = d.pick(A_rows)
-    h = torch.mm(xs, A.T if A.dtype == xs.dtype else A.T.to(xs.dtype))
-    if d.other is not None:
-        h.masked_fill_(d.other, 0)
-    B = d.pick(B_rows)
-    if d.tok is None and B.dtype == y.dtype:
-        y[: d.n].addmm_(h if h.dtype == B.dtype else h.to(B.dtype), B)
-        return
-    delta = (h.to(B.dtype) @ B).to(y.dtype)
-    if d.tok is None:
-        y[: d.n].add_(delta)
-    else:
-        y.index_add_(0, d.tok, delta)
+@dataclass(slots=True)
+class _Scope:
+    """The plans built for one LoRAMeta, by caller key."""
+
+    meta: LoRAMeta | None = None  # held, so its id is never reused while the plans live
+    plans: dict = field(default_factory=dict)  # key -> plan
+    built: list = field(default_factory=list)  # (row_table, ranks, plan), to share between keys
+
+    def shared(self, row_table: torch.Tensor, ranks: torch.Tensor):
+        """A plan built for another key with the same rows: adapters that target every kind at
+        one rank get identical row tables in each kind's pool (the free lists hand rows out in
+        the same order), so q/k/v/o/gate/up/down share one plan."""
+        for table, rk, plan in self.built:
+            if torch.equal(rk, ranks) and torch.equal(table, row_table):
+                return plan
+        return None
 
 
-def _add_padded(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
-                p: _Padded) -> None:
-    """Per segment: y[its tokens] += (x[its tokens] @ A^T) @ B, all segments in one bmm pair."""
-    s, length, _ = p.shape
-    if p.vtok is None:
-        xs = x[: s * length].view(s, length, -1)
-    else:
-        xs = x.new_zeros(s * length, x.shape[1]).index_copy_(0, p.vpos, x.index_select(0, p.vtok))
-        xs = xs.view(s, length, -1)
-    h = torch.bmm(xs, p.pick(A_rows).transpose(1, 2).to(x.dtype))  # [S, L, r_b]
-    if p.invalid is not None:
-        h.masked_fill_(p.invalid, 0)
-    b = p.pick(B_rows)
-    if p.vtok is None and b.dtype == y.dtype:
-        y[: s * length].view(s, length, -1).baddbmm_(h.to(b.dtype), b)
-        return
-    delta = torch.bmm(h.to(b.dtype), b).view(s * length, -1)
-    if p.vtok is None:
-        y[: s * length].add_(delta.to(y.dtype))
-    else:
-        y.index_add_(0, p.vtok, delta.index_select(0, p.vpos).to(y.dtype))
+class PlanCache:
+    """The torch backend's plans of the current step, built by the first call of each key (the
+    caller's: target kind for dense targets, (kind, layer) for MoE) and run directly by the
+    others, which skip the input checks: they have the shapes of that checked first call.
 
+    Plans live as long as the caller passes the same `LoRAMeta` object: a new one (a new step
+    layout, a pool change, the next MoE layer's routing) drops them. So a steady-state decode
+    step that reuses the previous step's metadata reuses its plans too. A caller that rebuilds
+    metadata in place into the same object must call `reset()`. Dense and MoE targets keep
+    separate scopes, since a step's calls interleave them layer by layer."""
 
-def _shrink_heavy(v: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, hv: _Heavy) -> None:
-    """v[tok, :r] = x[tok] @ A^T segment by segment; one gather of x and A for all of them."""
-    xs, A = x[hv.tok], hv.rows_of(A_rows)
-    hs = torch.zeros(hv.tok.numel(), v.shape[1], dtype=x.dtype, device=x.device)
-    for t0, t1, r0, r1 in hv.bounds:
-        torch.mm(xs[t0:t1], A[r0:r1].T, out=hs[t0:t1, : r1 - r0])
-    v[hv.tok] = hs.to(v.dtype)
+    __slots__ = ("strategy", "_scopes")
 
+    def __init__(self, strategy: str | None = None):
+        self.strategy = strategy  # forwarded to plan_torch: None = the cost model
+        self._scopes = [_Scope(), _Scope()]  # dense targets, MoE targets (index: meta.moe)
 
-def _shrink_gathered(x: torch.Tensor, A_rows: torch.Tensor, g: _Gathered) -> torch.Tensor:
-    """[n, r_b] in x's dtype: each token's x against its gathered A rows (masked rows are 0)."""
-    # [n, 1, H] @ [n, H, r_b]: this orientation is ~10x faster on CPU than [n, r_b, H] @ [n, H, 1]
-    h = torch.bmm(x[g.tok].unsqueeze(1), g.rows_of(A_rows).transpose(1, 2)).squeeze(1)
-    return h.masked_fill_(g.invalid, 0)
+    def reset(self) -> None:
+        self._scopes = [_Scope(), _Scope()]
 
-
-def _expand_gathered(y: torch.Tensor, h: torch.Tensor, B_rows: torch.Tensor,
-                     g: _Gathered) -> None:
-    """y[tok] += h @ B rows, h [n, r_b] already 0 past each token's rank."""
-    h = h.to(B_rows.dtype)
-    delta = torch.bmm(h.unsqueeze(1), g.rows_of(B_rows)).squeeze(1)  # [n, H_out]
-    y.index_add_(0, g.tok, delta.to(y.dtype))
+    def add(self, key, y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
+            row_table: torch.Tensor, ranks: torch.Tensor, meta: LoRAMeta) -> None:
+        """y += LoRA(x) for one target module, as `add_lora_torch`, with the step's plan."""
+        scope = self._scopes[meta.moe]
+        if scope.meta is meta:
+            plan = scope.plans.get(key)
+            if plan is not None:
+                plan.run(y, x, A_rows, B_rows)
+                return
+        else:
+            scope = self._scopes[meta.moe] = _Scope(meta)
+        plan = scope.shared(row_table, ranks)
+        if plan is None:
+            plan = plan_torch(meta, row_table, ranks, A_rows, B_rows, strategy=self.strategy)
+            scope.built.append((row_table, ranks, plan))
+        scope.plans[key] = plan
+        add_lora_torch(y, x, A_rows, B_rows, row_table, ranks, meta, plan)

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 from loraserve.catalog.base import BaseInfo
+from loraserve.catalog.baseweights import load_module_weight
 from loraserve.catalog.errors import CatalogError
-from loraserve.catalog.format import EXPERT_KINDS, parse_module_path
+from loraserve.catalog.targets import EXPERT_KINDS, module_path, parse_module_path, parse_tensor_name, tensor_names
 from loraserve.catalog.layout import load_revision
 from loraserve.catalog.records import RevisionRecord
 from loraserve.catalog.store import Catalog
@@ -79,6 +80,11 @@ def _shard_ids_fn(rng: random.Random, k: int):
     return scan
 
 
+def adapter_modules(weights) -> list[tuple[str, int | None]]:
+    """(kind, layer) of every module an adapter's tensors cover, in module-path order."""
+    return sorted({parse_tensor_name(n)[:2] for n in weights.tensors}, key=lambda m: module_path(*m))
+
+
 class EnginePath:
     """The engine's own LoRA serving path for one adapter: `AdapterPool.load` (the engine's
     page-in: rank-row allocation, B transposed) and the `LoRALinear` / `LoRAExpertLinear` wrappers
@@ -87,12 +93,9 @@ class EnginePath:
     def __init__(self, base: BaseInfo, weights, backend: str = "torch"):
         layers: dict[str, list[int]] = {}
         infos = {}
-        for name in weights.tensors:
-            if name.endswith(".lora_A"):
-                path = name.removesuffix(".lora_A")
-                kind, layer = parse_module_path(path)
-                layers.setdefault(kind, []).append(layer or 0)
-                infos[kind] = base.modules[path]
+        for kind, layer in adapter_modules(weights):
+            layers.setdefault(kind, []).append(layer or 0)
+            infos[kind] = base.modules[module_path(kind, layer)]
         specs = [TargetSpec(k, sorted(ls), infos[k].in_features, infos[k].out_features, infos[k].experts)
                  for k, ls in layers.items()]
         self.pool = AdapterPool(specs, PoolConfig(max_slots=1, max_rank=weights.rank))
@@ -125,7 +128,7 @@ class Auditor:
 
     def weight(self, path: str) -> torch.Tensor:
         if path not in self._weights:
-            self._weights[path] = self.base.load_weight(path).double()
+            self._weights[path] = load_module_weight(self.base, path).double()
         return self._weights[path]
 
     def check_target(self, engine: EnginePath, path: str, a: torch.Tensor, b: torch.Tensor) -> float:
@@ -151,18 +154,15 @@ class Auditor:
             weights = load_revision(catalog.read_blob(record))
             _check_fingerprint(record, weights.base_fingerprint, self.base.fingerprint)
             err = 0.0
-            unknown = [n for n in weights.tensors if n.removesuffix(".lora_A").removesuffix(".lora_B")
-                       not in self.base.modules]
+            modules = adapter_modules(weights)
+            unknown = [module_path(*m) for m in modules if module_path(*m) not in self.base.modules]
             if unknown:
                 return err, f"{record.ref}: targets {unknown[0]}, which the base lacks"
             engine = EnginePath(self.base, weights)
-            for name in sorted(weights.tensors):
-                if name.endswith(".lora_A"):
-                    path = name.removesuffix(".lora_A")
-                    if path not in self.base.modules:
-                        return err, f"{record.ref}: targets {path}, which the base lacks"
-                    err = max(err, self.check_target(engine, path, weights.tensors[name],
-                                                     weights.tensors[f"{path}.lora_B"]))
+            for kind, layer in modules:
+                a_name, b_name = tensor_names(kind, layer)
+                err = max(err, self.check_target(engine, module_path(kind, layer), weights.tensors[a_name],
+                                                 weights.tensors[b_name]))
         except CatalogError as e:
             return 0.0, f"{adapter_id}: {e}"
         return err, (f"{record.ref}: error {err:.3e} > {tol:.1e}" if err > tol else None)

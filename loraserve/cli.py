@@ -2,10 +2,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
+from dataclasses import MISSING, Field
 from pathlib import Path
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from loraserve.catalog.dtypes import SERVING_DTYPES
+
+from .engine.config import EngineConfig
 
 DEFAULT_DEMO_DIR = ".loraserve/demo"
 
@@ -16,34 +24,77 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--catalog", help="adapter catalog directory; default: the demo catalog with the demo base")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-gpu-adapters", type=int, default=32)
-    p.add_argument("--gpu-adapter-mb", type=int, default=None, help="byte bound of the device adapter pool")
-    p.add_argument("--max-lora-rank", type=int, default=64)
-    p.add_argument("--cpu-cache-mb", type=int, default=512)
-    p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--kv-cache-mb", type=int, default=None)
-    p.add_argument("--max-batched-tokens", type=int, default=4096,
-                   help="tokens one prefill step computes; longer prompts are prefilled in chunks")
-    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                   help="recompute every prompt (default: reuse the K/V of cached prompt prefixes)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--lora-backend", default="auto", choices=["auto", "triton", "torch"])
-    p.add_argument("--pin", action="append", default=[], metavar="ID", help="keep this adapter resident")
-    p.add_argument("--adapter-root", default=None, help="root that /v1/load_lora_adapter may import from")
-    p.add_argument("--torch-threads", type=int, default=None,
-                   help="CPU intra-op threads (default: all cores but one)")
+    _add_engine_options(p)
     p.add_argument("--api-key", default=os.environ.get("LORASERVE_API_KEY"))
     p.add_argument("--demo-dir", default=DEFAULT_DEMO_DIR)
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_serve)
 
 
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The `serve` options that set an EngineConfig field; default, type and help come from it."""
+    def option(name: str, **kwargs: Any) -> None:
+        _add_config_option(p, name, **kwargs)
+
+    option("device", choices=["auto", "cpu", "cuda"])
+    option("dtype", choices=["auto", *SERVING_DTYPES])
+    option("max_gpu_adapters")
+    option("gpu_adapter_mb")
+    option("max_lora_rank")
+    option("cpu_cache_mb")
+    option("max_batch_size")
+    option("max_model_len")
+    option("kv_cache_mb")
+    option("max_batched_tokens")
+    option("prefix_caching", flag="--no-prefix-caching")
+    option("served_model_name")
+    option("lora_backend", choices=["auto", "triton", "torch"])
+    option("pinned_adapters", flag="--pin", metavar="ID", help="keep this adapter resident (repeatable)")
+    option("adapter_root")
+    option("torch_threads")
+
+
+def _add_config_option(p: argparse.ArgumentParser, name: str, *, flag: str | None = None,
+                       help: str | None = None, **kwargs: Any) -> None:
+    """An option setting EngineConfig field `name`, its dest the field's name.
+
+    The flag is `--field-name` unless given. Type and action follow the field's type (int, str;
+    bool: a switch away from the default; list: repeatable). The default is the field's; the help
+    is `help` or the field's `metadata["help"]`, then "(default: X)", X the field's
+    `metadata["default"]` (how an unset value reads) or else its default value. Other keywords
+    go to `add_argument` (e.g. `choices`).
+    """
+    f = next(f for f in dataclasses.fields(EngineConfig) if f.name == name)
+    default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+    hint = get_type_hints(EngineConfig)[name]
+    p.add_argument(flag or "--" + name.replace("_", "-"), dest=name, default=default,
+                   help=_help(f, default, help), **_action(hint, default), **kwargs)
+
+
+def _action(hint: Any, default: Any) -> dict[str, Any]:
+    """argparse `type`/`action` for a field typed `hint` (`X | None` reads as X)."""
+    args = [a for a in get_args(hint) if a is not type(None)]
+    if get_origin(hint) in (UnionType, Union) and len(args) == 1:
+        hint = args[0]
+    if hint is bool:
+        return {"action": "store_false" if default else "store_true"}
+    if get_origin(hint) is list:
+        return {"action": "append", "type": get_args(hint)[0]}
+    return {"type": hint}
+
+
+def _help(f: Field, default: Any, text: str | None) -> str:
+    """`text` (else the field's help) and the default; a switch says what it turns off/on."""
+    text = text or f.metadata.get("help", "")
+    if isinstance(default, bool):
+        text, shown = f"{'turn off' if default else 'turn on'}: {text}", "on" if default else "off"
+    else:
+        shown = f.metadata.get("default", default)
+    return f"{text} (default: {shown})".replace("%", "%%")
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .engine.async_engine import AsyncEngine
-    from .engine.config import EngineConfig
     from .server.app import run_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -52,13 +103,9 @@ def _serve(args: argparse.Namespace) -> int:
         from .demo import build_demo
         demo = build_demo(Path(args.demo_dir))
         model, catalog = str(demo.qwen3), catalog or str(demo.catalog)
-    cfg = EngineConfig(
-        model_dir=model, device=args.device, dtype=args.dtype, served_model_name=args.served_model_name,
-        max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, kv_cache_mb=args.kv_cache_mb,
-        catalog_dir=catalog, max_gpu_adapters=args.max_gpu_adapters, max_lora_rank=args.max_lora_rank,
-        gpu_adapter_mb=args.gpu_adapter_mb, cpu_cache_mb=args.cpu_cache_mb, lora_backend=args.lora_backend,
-        pinned_adapters=args.pin, adapter_root=args.adapter_root, torch_threads=args.torch_threads,
-        prefix_caching=args.prefix_caching, max_batched_tokens=args.max_batched_tokens)
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+               if hasattr(args, f.name)}  # the dests of _add_engine_options
+    cfg = EngineConfig(model_dir=model, catalog_dir=catalog, **options)
     engine = AsyncEngine.from_config(cfg)
     run_server(engine, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level.lower())
     return 0

@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from loraserve.catalog.dtypes import SERVING_DTYPES
+
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     """Register `export` and `catalog` (with its own subcommands) on `sub`."""
@@ -18,7 +20,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("peft_dir")
     p.add_argument("--model", required=True, help="base model directory the adapter was trained on")
     p.add_argument("--out", required=True, help="output FILE.safetensors")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: the base's")
+    p.add_argument("--dtype", default=None, choices=SERVING_DTYPES, help="default: the base's")
     p.set_defaults(func=cmd_export)
     cat = sub.add_parser("catalog", help="manage an adapter catalog (init, import, materialize, audit, ...)")
     csub = cat.add_subparsers(dest="catalog_command", required=True, metavar="SUBCOMMAND")
@@ -42,7 +44,7 @@ def _add_import(csub) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--revision", default=None)
     p.add_argument("--promote", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=SERVING_DTYPES)
     p.set_defaults(func=cmd_import)
 
 
@@ -56,7 +58,7 @@ def _add_materialize(csub) -> None:
     p.add_argument("--prefix", default="synth/a")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=SERVING_DTYPES)
     p.add_argument("--shards", type=int, default=100, help="shard count if DIR is not a catalog yet")
     p.add_argument("--batch", type=int, default=1000, help="adapters per LMDB transaction")
     p.add_argument("--no-progress", action="store_true")

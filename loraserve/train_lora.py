@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from loraserve.catalog.targets import DENSE_KINDS, parse_module_path
 from loraserve.model.qwen3 import Qwen3ForCausalLM
 
-DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DENSE_TARGETS = DENSE_KINDS  # the kinds this trainer wraps: every nn.Linear target of a decoder layer
 PEFT_PREFIX = "base_model.model."
 
 
@@ -62,13 +63,20 @@ class TrainableLoRALinear(nn.Module):
         return self.base(x) + self.lora_B(self.lora_A(x)) * self.scale
 
 
+def _kind_of(module_name: str) -> str | None:
+    """The target kind of a named module of the model (`model.layers.0.mlp.up_proj` -> `up_proj`), or None."""
+    try:
+        return parse_module_path(module_name.removeprefix("model."))[0]
+    except ValueError:
+        return None
+
+
 def attach_lora(model: Qwen3ForCausalLM, cfg: LoRATrainConfig) -> dict[str, TrainableLoRALinear]:
     """Replace every targeted nn.Linear of `model` in place; returns {module path: wrapper}."""
     gen = torch.Generator().manual_seed(cfg.seed)
     wrapped: dict[str, TrainableLoRALinear] = {}
     for name, module in list(model.named_modules()):
-        kind = name.rpartition(".")[2]
-        if kind in cfg.targets and isinstance(module, nn.Linear):
+        if _kind_of(name) in cfg.targets and isinstance(module, nn.Linear):
             lora = TrainableLoRALinear(module, cfg.r, cfg.alpha, gen)
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, lora)

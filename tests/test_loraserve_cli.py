@@ -49,3 +49,24 @@ def test_serve_prefix_caching_flag() -> None:
     from loraserve.cli import build_parser
     assert build_parser().parse_args(["serve"]).prefix_caching is True
     assert build_parser().parse_args(["serve", "--no-prefix-caching"]).prefix_caching is False
+
+
+def test_serve_defaults_are_the_engine_config_defaults() -> None:
+    import dataclasses
+
+    from loraserve.cli import build_parser
+    from loraserve.engine.config import EngineConfig
+    args = build_parser().parse_args(["serve"])
+    defaults = EngineConfig(model_dir="m")
+    options = [f.name for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)]
+    assert {"max_gpu_adapters", "cpu_cache_mb", "max_batched_tokens", "pinned_adapters", "prefix_caching",
+            "torch_threads"} <= set(options)
+    assert all(getattr(args, name) == getattr(defaults, name) for name in options)
+    args = build_parser().parse_args(["serve", "--pin", "t/a", "--pin", "t/b", "--kv-cache-mb", "8"])
+    assert args.pinned_adapters == ["t/a", "t/b"] and args.kv_cache_mb == 8
+
+
+def test_serve_help_shows_each_default() -> None:
+    out = " ".join(_run("serve", "--help").stdout.split())  # unwrapped
+    assert "--max-gpu-adapters MAX_GPU_ADAPTERS adapters resident in the device pool at once (default: 32)" in out
+    assert "(default: 512)" in out and "(default: all cores but one, left to the server)" in out

@@ -8,8 +8,8 @@ Plain state machines: no model, no engine. Keys are `(adapter_id, revision)`.
 from loraserve.adapters.cpu_cache import CpuCache
 from loraserve.adapters.pager import Pager, record_key
 from loraserve.adapters.pool import AdapterPool, PoolConfig, PoolFull
-from loraserve.adapters.stats import CacheStats, Histogram, PagerStats, PoolStats
+from loraserve.adapters.stats import CacheStats, PagerStats, PoolStats
 from loraserve.adapters.targets import TargetSpec, tensor_names
 
-__all__ = ["AdapterPool", "CacheStats", "CpuCache", "Histogram", "Pager", "PagerStats", "PoolConfig",
+__all__ = ["AdapterPool", "CacheStats", "CpuCache", "Pager", "PagerStats", "PoolConfig",
            "PoolFull", "PoolStats", "TargetSpec", "record_key", "tensor_names"]

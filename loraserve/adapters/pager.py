@@ -11,6 +11,7 @@ pool itself (`AdapterPool.load`), between steps.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +21,7 @@ from loraserve.catalog.ids import parse_model_ref
 from loraserve.catalog.layout import load_revision
 from loraserve.catalog.records import RevisionRecord
 from loraserve.adapters.cpu_cache import CpuCache
-from loraserve.adapters.stats import PagerStats
+from loraserve.adapters.stats import PagerStats, page_in_histogram
 from loraserve.adapters.weights import AdapterKey
 
 __all__ = ["Pager", "record_key"]
@@ -32,7 +33,11 @@ def record_key(record: RevisionRecord) -> AdapterKey:
 
 
 class Pager:
-    """Catalog -> CPU-cache loader with single-flight and prefetch (see module doc)."""
+    """Catalog -> CPU-cache loader with single-flight (see module doc).
+
+    `stats` snapshots the counters; `page_in_seconds` is the page-in latency histogram
+    (prometheus_client, registered nowhere; a collector yields its `collect()`).
+    """
 
     def __init__(self, catalog, cpu_cache: CpuCache, base_fingerprint: str, *, workers: int = 4):
         if workers < 1:
@@ -46,6 +51,7 @@ class Pager:
         self._lock = threading.Lock()
         self._inflight: dict[AdapterKey, Future] = {}
         self._stats = PagerStats()
+        self.page_in_seconds = page_in_histogram()
         self._closed = False
 
     def resolve(self, model_ref: str) -> RevisionRecord:
@@ -70,7 +76,7 @@ class Pager:
             self._stats.fetches += 1
             if weights is not None:
                 self._stats.cpu_hits += 1
-                self._stats.page_in_seconds["cpu"].observe(time.perf_counter() - start)
+                self.page_in_seconds.labels(source="cpu").observe(time.perf_counter() - start)
                 done: Future = Future()
                 done.set_result(weights)
                 return done
@@ -84,21 +90,11 @@ class Pager:
             self._inflight[key] = future
             return future
 
-    def prefetch(self, record: RevisionRecord) -> None:
-        """Start loading a revision a queued request will need; errors reach whoever fetches it."""
-        if record_key(record) not in self.cpu_cache:
-            self.fetch(record)
-
-    def in_flight(self) -> list[AdapterKey]:
-        """Keys being loaded right now."""
-        with self._lock:
-            return list(self._inflight)
-
     @property
     def stats(self) -> PagerStats:
-        """A snapshot of the counters and page-in histograms."""
+        """A snapshot of the counters, with the number of loads in flight right now."""
         with self._lock:
-            return self._stats.copy()
+            return dataclasses.replace(self._stats, in_flight=len(self._inflight))
 
     def close(self) -> None:
         """Stop the workers; loads not yet started are cancelled (their futures say so)."""
@@ -130,8 +126,7 @@ class Pager:
             # (success) or start a fresh load (error), never a stale failed future.
             with self._lock:
                 self._inflight.pop(key, None)
-        with self._lock:
-            self._stats.page_in_seconds["disk"].observe(time.perf_counter() - start)
+        self.page_in_seconds.labels(source="disk").observe(time.perf_counter() - start)
         return weights
 
     def _check_base(self, ref: str, fingerprint: str) -> None:

@@ -9,11 +9,13 @@ its rank in the kinds it targets.
 
 Residency: an adapter is pinned by refcount while sequences use it (`acquire`/`release`) and by
 `pin` while the operator wants it kept. `load` evicts least-recently-used adapters that are neither
-to make room; it never evicts an in-use or pinned adapter. All methods are thread-safe.
+to make room; it never evicts an in-use or pinned adapter.
+
+Ownership: the pool belongs to the engine thread (no locks). Other threads read the pool's
+residency and stats from the engine's published snapshot, never from the pool.
 """
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -57,6 +59,16 @@ class PoolConfig:
             raise ValueError(f"pool dtype must be a floating dtype, got {self.dtype}")
 
 
+@dataclass(slots=True, frozen=True)
+class ResidentView:
+    """A resident adapter as callers may see it (a copy: changing it changes nothing)."""
+
+    slot: int
+    rank: int
+    refcount: int  # running sequences using it
+    pinned: bool
+
+
 @dataclass(slots=True)
 class _Resident:
     slot: int
@@ -83,7 +95,6 @@ class AdapterPool:
         self.row_bytes: dict[str, int] = {t.kind: t.row_elems * len(t.layers) * itemsize for t in targets}
         self.rows_per_kind = self._rows_per_kind(sum(self.row_bytes.values()))
         self._allocate(config.device)
-        self._lock = threading.RLock()
         self._entries: OrderedDict[AdapterKey, _Resident] = OrderedDict()  # LRU first
         self._slot_keys: list[AdapterKey | None] = [None] * config.max_slots
         self._free_slots = list(range(config.max_slots - 1, -1, -1))  # pop() -> lowest
@@ -123,23 +134,17 @@ class AdapterPool:
 
     def slot_of(self, key: AdapterKey) -> int | None:
         """Slot of a resident adapter (and a hit), or None (and a miss)."""
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                self._stats.misses += 1
-                return None
-            self._stats.hits += 1
-            self._entries.move_to_end(key)
-            return entry.slot
+        entry = self._entries.get(key)
+        if entry is None:
+            self._stats.misses += 1
+            return None
+        self._stats.hits += 1
+        self._entries.move_to_end(key)
+        return entry.slot
 
     def __contains__(self, key: AdapterKey) -> bool:
-        with self._lock:
-            return key in self._entries
+        return key in self._entries
 
-    def key_of(self, slot: int) -> AdapterKey | None:
-        """The adapter in `slot`, or None when the slot is free."""
-        with self._lock:
-            return self._slot_keys[slot]
 
     def has_kind(self, slot: int, kind: str) -> bool:
         """Whether the adapter in `slot` has LoRA on target `kind` (host-side, no device read)."""
@@ -147,69 +152,62 @@ class AdapterPool:
         entry = self._entries.get(key) if key is not None else None
         return entry is not None and kind in entry.rows
 
+    def entry(self, key: AdapterKey) -> ResidentView | None:
+        """A copy of key's residency (slot, rank, refcount, pinned), or None when not resident."""
+        e = self._entries.get(key)
+        return ResidentView(e.slot, e.rank, e.refcount, e.pinned) if e is not None else None
+
     def resident(self) -> list[AdapterKey]:
         """Resident adapters, least recently used first."""
-        with self._lock:
-            return list(self._entries)
+        return list(self._entries)
 
-    def refcount(self, key: AdapterKey) -> int:
-        """Running sequences using `key` (0 when not resident)."""
-        with self._lock:
-            entry = self._entries.get(key)
-            return entry.refcount if entry else 0
 
     @property
     def stats(self) -> PoolStats:
         """A snapshot of the counters and gauges."""
-        with self._lock:
-            s = self._stats
-            s.resident_adapters = len(self._entries)
-            s.pinned_adapters = sum(e.pinned for e in self._entries.values())
-            s.in_use_adapters = sum(e.refcount > 0 for e in self._entries.values())
-            s.bytes_used = sum(e.nbytes for e in self._entries.values())
-            return s.copy()
+        s = self._stats
+        s.resident_adapters = len(self._entries)
+        s.pinned_adapters = sum(e.pinned for e in self._entries.values())
+        s.in_use_adapters = sum(e.refcount > 0 for e in self._entries.values())
+        s.bytes_used = sum(e.nbytes for e in self._entries.values())
+        return s.copy()
 
     # ---- refcount and pins ---------------------------------------------------------------------
 
     def acquire(self, key: AdapterKey) -> int:
         """Mark `key` in use by one more sequence (it cannot be evicted); returns its slot."""
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                raise KeyError(f"adapter {key} is not resident in the pool; load it first")
-            entry.refcount += 1
-            self._entries.move_to_end(key)
-            return entry.slot
+        entry = self._entries.get(key)
+        if entry is None:
+            raise KeyError(f"adapter {key} is not resident in the pool; load it first")
+        entry.refcount += 1
+        self._entries.move_to_end(key)
+        return entry.slot
 
     def release(self, slot: int) -> None:
         """One sequence stopped using the adapter in `slot`."""
-        with self._lock:
-            key = self._slot_keys[slot] if 0 <= slot < len(self._slot_keys) else None
-            entry = self._entries.get(key) if key is not None else None
-            if entry is None or entry.refcount == 0:
-                raise ValueError(f"release of slot {slot}, which holds no acquired adapter")
-            entry.refcount -= 1
-            self._entries.move_to_end(key)
+        key = self._slot_keys[slot] if 0 <= slot < len(self._slot_keys) else None
+        entry = self._entries.get(key) if key is not None else None
+        if entry is None or entry.refcount == 0:
+            raise ValueError(f"release of slot {slot}, which holds no acquired adapter")
+        entry.refcount -= 1
+        self._entries.move_to_end(key)
 
     def pin(self, key: AdapterKey) -> None:
         """Keep resident `key` until `unpin` (it must be resident)."""
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                raise KeyError(f"cannot pin adapter {key}: not resident in the pool; load it first")
-            entry.pinned = True
+        entry = self._entries.get(key)
+        if entry is None:
+            raise KeyError(f"cannot pin adapter {key}: not resident in the pool; load it first")
+        entry.pinned = True
 
     def unpin(self, key: AdapterKey) -> None:
         """Make `key` evictable again (no-op when not resident)."""
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                entry.pinned = False
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.pinned = False
 
     def is_pinned(self, key: AdapterKey) -> bool:
-        with self._lock:
-            entry = self._entries.get(key)
-            return bool(entry and entry.pinned)
+        entry = self._entries.get(key)
+        return bool(entry and entry.pinned)
 
     # ---- load / evict --------------------------------------------------------------------------
 
@@ -220,21 +218,20 @@ class AdapterPool:
         needed. Raises PoolFull when in-use/pinned adapters leave no room now, ValueError when it can
         never fit (rank > max_rank or > rows per kind, or a tensor the pool's base lacks).
         """
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                self._entries.move_to_end(key)
-                return entry.slot
-            plan = self._plan(weights)
-            self._make_room(key, plan)
-            slot = self._free_slots.pop()
-            rows = {k: [self._free_rows[k].pop() for _ in range(plan.rank)] for k in plan.kinds}
-            self._copy_in(slot, rows, plan)
-            nbytes = sum(plan.rank * self.row_bytes[k] for k in plan.kinds)
-            self._entries[key] = _Resident(slot, plan.rank, rows, nbytes)
-            self._slot_keys[slot] = key
-            self._stats.loads += 1
-            return slot
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            return entry.slot
+        plan = self._plan(weights)
+        self._make_room(key, plan)
+        slot = self._free_slots.pop()
+        rows = {k: [self._free_rows[k].pop() for _ in range(plan.rank)] for k in plan.kinds}
+        self._copy_in(slot, rows, plan)
+        nbytes = sum(plan.rank * self.row_bytes[k] for k in plan.kinds)
+        self._entries[key] = _Resident(slot, plan.rank, rows, nbytes)
+        self._slot_keys[slot] = key
+        self._stats.loads += 1
+        return slot
 
     def check_admissible(self, rank: int, targets: list[str]) -> None:
         """ValueError unless an adapter of `rank` on `targets` (e.g. a RevisionRecord's) can ever
@@ -247,20 +244,14 @@ class AdapterPool:
             raise ValueError(f"adapter targets {', '.join(missing)}, which this server's base/pool "
                              f"has no LoRA for (pool kinds: {', '.join(self.specs)})")
 
-    def can_fit(self, weights) -> bool:
-        """Whether `load(weights)` would succeed now (possibly by evicting). ValueError if never."""
-        with self._lock:
-            plan = self._plan(weights)
-            return self._shortfall(plan) is None
 
     def evict(self, key: AdapterKey) -> bool:
         """Drop `key` if resident, unused and unpinned; returns whether it was dropped."""
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None or entry.refcount > 0 or entry.pinned:
-                return False
-            self._drop(key, entry)
-            return True
+        entry = self._entries.get(key)
+        if entry is None or entry.refcount > 0 or entry.pinned:
+            return False
+        self._drop(key, entry)
+        return True
 
     def _plan(self, weights) -> LoadPlan:
         return plan_load(weights, self.specs, self._index, self.config.max_rank, self.rows_per_kind)
@@ -329,5 +320,4 @@ class AdapterPool:
 
     def check_invariants(self) -> None:
         """Assert the bookkeeping is consistent (for tests): bounds, free lists, row ownership."""
-        with self._lock:
-            check_pool(self, self._entries, self._slot_keys, self._free_slots, self._free_rows)
+        check_pool(self, self._entries, self._slot_keys, self._free_slots, self._free_rows)

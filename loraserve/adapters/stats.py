@@ -8,12 +8,29 @@ with tier in {"gpu", "cpu"} and source in {"disk", "cpu"}.
 """
 from __future__ import annotations
 
-import bisect
 import copy
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prometheus_client import Histogram
 
 # Page-in latencies range from microseconds (a CPU-cache hit) to seconds (a big blob off disk).
 PAGE_IN_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+PAGE_IN_SOURCES = ("cpu", "disk")
+
+
+def page_in_histogram(buckets: Sequence[float] = PAGE_IN_BUCKETS) -> Histogram:
+    """The pager's page-in latency histogram, labelled by `source` ("cpu" | "disk").
+
+    Registered nowhere (many pagers may live in one process); a collector exports it with
+    `yield from hist.collect()`. Both sources exist from the start, so both export zeros.
+    Raises ValueError for buckets out of order.
+    """
+    hist = Histogram("loraserve_adapter_page_in_seconds", "Time to page an adapter in, by source tier",
+                     ["source"], registry=None, buckets=buckets)
+    for source in PAGE_IN_SOURCES:
+        hist.labels(source=source)
+    return hist
 
 
 @dataclass(slots=True)
@@ -52,41 +69,9 @@ class CacheStats:
 
 
 @dataclass(slots=True)
-class Histogram:
-    """A Prometheus-style histogram: `counts[i]` observations <= `buckets[i]` (not cumulative),
-    the last count for +Inf; `sum` and `count` of all observations."""
-
-    buckets: tuple[float, ...] = PAGE_IN_BUCKETS
-    counts: list[int] = field(default_factory=list)
-    sum: float = 0.0
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        if list(self.buckets) != sorted(self.buckets):
-            raise ValueError("histogram buckets must be increasing")
-        if not self.counts:
-            self.counts = [0] * (len(self.buckets) + 1)
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def cumulative(self) -> list[tuple[str, int]]:
-        """`(upper bound, cumulative count)` pairs ending with "+Inf", as Prometheus exposes them."""
-        out, total = [], 0
-        for bound, n in zip([*map(str, self.buckets), "+Inf"], self.counts):
-            total += n
-            out.append((bound, total))
-        return out
-
-    def copy(self) -> "Histogram":
-        return Histogram(self.buckets, list(self.counts), self.sum, self.count)
-
-
-@dataclass(slots=True)
 class PagerStats:
-    """Pager: where fetched adapters came from and how long page-in took, by source tier."""
+    """Pager: where fetched adapters came from; `in_flight` is a gauge at snapshot time.
+    (Page-in latency is the pager's own `page_in_seconds` histogram.)"""
 
     fetches: int = 0
     cpu_hits: int = 0          # served from the CPU cache
@@ -94,10 +79,7 @@ class PagerStats:
     disk_reads: int = 0        # catalog blob reads started (singleflight: one per missing key)
     singleflight_joins: int = 0
     load_errors: int = 0       # disk loads that failed (corrupt, base mismatch, ...)
-    page_in_seconds: dict[str, Histogram] = field(
-        default_factory=lambda: {"disk": Histogram(), "cpu": Histogram()})
+    in_flight: int = 0         # disk loads running or queued right now
 
     def copy(self) -> "PagerStats":
-        hist = {k: h.copy() for k, h in self.page_in_seconds.items()}
-        return PagerStats(self.fetches, self.cpu_hits, self.cpu_misses, self.disk_reads,
-                          self.singleflight_joins, self.load_errors, hist)
+        return copy.copy(self)

@@ -1,33 +1,16 @@
-"""LoRA target kinds of the base model and their blob tensor names (docs/INTERNALS.md §1).
+"""The base model's LoRA targets as the adapter pool sees them (docs/INTERNALS.md §1).
 
-A *target kind* is a short module name (`q_proj`, `experts.gate_proj`, `lm_head`, ...). The pool
-keeps one row pool per kind and layer; `TargetSpec` says which layers have the kind and its sizes.
+Target kinds and blob tensor names are the catalog's one table (`loraserve.catalog.targets`,
+`tensor_names` re-exported here). The pool keeps one row pool per kind and layer; `TargetSpec`
+says which layers have the kind and its sizes. `lm_head` is filed under pseudo-layer 0.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ATTN_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_KINDS = ("gate_proj", "up_proj", "down_proj")
-EXPERT_KINDS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
-LM_HEAD = "lm_head"
-ALL_KINDS = ATTN_KINDS + MLP_KINDS + EXPERT_KINDS + (LM_HEAD,)
+from loraserve.catalog.targets import target_kind, tensor_names
 
-
-def tensor_names(kind: str, layer: int) -> tuple[str, str]:
-    """Blob tensor names `(lora_A name, lora_B name)` of target `kind` in `layer`.
-
-    `lm_head` has no layer: its names ignore `layer` (the pool files it under pseudo-layer 0).
-    """
-    if kind in ATTN_KINDS:
-        prefix = f"layers.{layer}.self_attn.{kind}"
-    elif kind in MLP_KINDS or kind in EXPERT_KINDS:
-        prefix = f"layers.{layer}.mlp.{kind}"
-    elif kind == LM_HEAD:
-        prefix = LM_HEAD
-    else:
-        raise ValueError(f"unknown LoRA target kind {kind!r}; expected one of {', '.join(ALL_KINDS)}")
-    return f"{prefix}.lora_A", f"{prefix}.lora_B"
+__all__ = ["TargetSpec", "TensorSlot", "tensor_index", "tensor_names"]
 
 
 @dataclass(slots=True)
@@ -46,9 +29,8 @@ class TargetSpec:
     row_elems: int = field(init=False, default=0)  # elements of one rank row, A + B, per layer
 
     def __post_init__(self) -> None:
-        if self.kind not in ALL_KINDS:
-            raise ValueError(f"unknown LoRA target kind {self.kind!r}; expected one of {', '.join(ALL_KINDS)}")
-        if self.kind == LM_HEAD:
+        kind = target_kind(self.kind)
+        if kind.is_lm_head:
             self.layers = list(self.layers) or [0]
             if self.layers != [0]:
                 raise ValueError("lm_head has no layers: use layers=[0] (or [])")
@@ -56,10 +38,9 @@ class TargetSpec:
             raise ValueError(f"{self.kind}: layers must be distinct non-negative ints, got {self.layers}")
         if self.h_in < 1 or self.h_out < 1:
             raise ValueError(f"{self.kind}: h_in and h_out must be >= 1, got {self.h_in}, {self.h_out}")
-        is_moe = self.kind in EXPERT_KINDS
-        if is_moe and self.experts < 1:
+        if kind.is_expert and self.experts < 1:
             raise ValueError(f"{self.kind}: MoE expert kinds need experts >= 1")
-        if not is_moe and self.experts != 0:
+        if not kind.is_expert and self.experts != 0:
             raise ValueError(f"{self.kind}: only experts.* kinds have experts (got {self.experts})")
         self.layers = sorted(self.layers)
         self.row_elems = (self.h_in + self.h_out) * max(self.experts, 1)

@@ -1,19 +1,28 @@
 """asyncio facade over LLMEngine: the engine steps on its own thread; each request gets an
-asyncio.Queue of output deltas. Closing a request's iterator early aborts it in the engine."""
+asyncio.Queue of output deltas. Closing a request's iterator early aborts it in the engine.
+
+Everything that changes engine state (a new request, an abort, an adapter unload) travels to
+the engine thread as a command on one queue; everything the HTTP side reads about the engine
+comes from the `EngineSnapshot` it publishes.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 
+from .build import build_engine
 from .config import EngineConfig
 from .llm_engine import LLMEngine
-from .types import GenerateRequest, RequestOutput
+from .snapshot import EngineSnapshot
+from .types import EngineError, GenerateRequest, RequestOutput
 
 log = logging.getLogger(__name__)
 _FIRST, _STREAMED = object(), object()  # markers in AsyncEngine._quiet
+_IDLE_WAIT_S = 0.05  # with queued work that cannot run yet, look again this often
 
 
 class AsyncEngine:
@@ -27,11 +36,10 @@ class AsyncEngine:
         # engine thread only: non-streamed requests -> _FIRST (first delta not out yet), None
         # (nothing held) or the merged deltas since the first, handed over when the request ends
         self._quiet: dict[str, object] = {}
-        engine.notify = lambda: self._cmds.put(("wake", None))
+        engine.set_notify(lambda: self._cmds.put(("wake", None)))
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> AsyncEngine:
-        from ..lora.setup import build_engine
         return cls(build_engine(cfg))
 
     @classmethod
@@ -61,15 +69,29 @@ class AsyncEngine:
 
     @property
     def adapter_manager(self):
-        """The AdapterManager (None without a catalog)."""
+        """The AdapterManager (None without a catalog): its catalog and catalog reads only."""
         return self.engine.adapters
 
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        return self.engine.snapshot
+
     def stats(self) -> dict:
-        return self.engine.stats()
+        return self.engine.snapshot.stats()
 
     def list_models(self) -> list[str]:
-        resident = self.engine.adapters.resident_ids() if self.engine.adapters else []
-        return [self.model_name, *resident]
+        return [self.model_name, *self.engine.snapshot.resident_ids()]
+
+    def residency(self, key: tuple[str, str]) -> str:
+        """Where a revision is: gpu (device pool), cpu (CPU cache) or disk."""
+        if key in self.engine.snapshot.resident:
+            return "gpu"
+        mgr = self.engine.adapters
+        return "cpu" if mgr is not None and key in mgr.cpu_cache else "disk"
+
+    def describe_adapter(self, adapter_id: str) -> dict:
+        """Policy record, revisions and residency of adapter_id (blocking catalog reads)."""
+        return self.engine.adapters.describe(adapter_id, self.residency)
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -90,14 +112,31 @@ class AsyncEngine:
         if self.engine.adapters is not None:
             self.engine.adapters.close()
 
+    # -- commands -------------------------------------------------------------------------------
+    async def call(self, fn: Callable[[LLMEngine], object]):
+        """Run fn(engine) on the engine thread between steps; its result or exception."""
+        if self._thread is None:
+            await self.start()
+        fut: Future = Future()
+        self._cmds.put(("call", (fn, fut)))
+        return await asyncio.wrap_future(fut)
+
+    async def unload_adapter(self, adapter_id: str) -> int:
+        """Evict adapter_id's idle revisions from the device pool and the CPU tier (catalog
+        errors, e.g. 404 for an unknown id, are raised before anything changes)."""
+        await asyncio.to_thread(self.engine.adapters.catalog.policy, adapter_id)
+        return await self.call(lambda eng: eng.unload_adapter(adapter_id))
+
     # -- requests -------------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self._thread is None:
             await self.start()
         eng = self.engine
         eng.validate(req)
-        key = await asyncio.to_thread(eng.resolve_adapter, req.adapter) if req.adapter else None
-        seq = eng.make_sequence(req, key)
+        if req.request_id in self._queues:  # the event loop owns _queues
+            raise EngineError(f"duplicate request id {req.request_id!r}")
+        record = await asyncio.to_thread(eng.resolve_adapter, req.adapter) if req.adapter else None
+        seq = eng.make_sequence(req, record)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[req.request_id] = q
         self._cmds.put(("add", (seq, req.stream)))
@@ -121,7 +160,7 @@ class AsyncEngine:
     def _run(self) -> None:
         eng = self.engine
         while not self._stop.is_set():
-            cmd = self._next_cmd(block=not eng.scheduler.has_work, parked=bool(eng.seqs))
+            cmd = self._next_cmd(eng)
             outs: list[RequestOutput] = []
             while cmd is not None:
                 outs.extend(self._apply(cmd))
@@ -138,12 +177,13 @@ class AsyncEngine:
             if outs:
                 self._loop.call_soon_threadsafe(self._dispatch, outs)
 
-    def _next_cmd(self, *, block: bool, parked: bool):
-        """Idle: sleep until a command (or, with parked requests, a page-in) wakes us."""
+    def _next_cmd(self, eng: LLMEngine):
+        """Busy: take a command if one is there. Idle: sleep until one arrives (a page-in wakes
+        us too); with queued work the last step could not run, look again after a moment."""
         try:
-            if not block:
+            if eng.last_batch_size:
                 return self._cmds.get_nowait()
-            return self._cmds.get(timeout=0.05 if parked else None)
+            return self._cmds.get(timeout=_IDLE_WAIT_S if eng.scheduler.has_work else None)
         except queue.Empty:
             return None
 
@@ -151,12 +191,21 @@ class AsyncEngine:
         kind, arg = cmd
         if kind == "add":
             seq, stream = arg
+            try:
+                self.engine.add_sequence(seq)
+            except Exception as exc:  # e.g. a duplicate request id: that request alone fails
+                return [self.engine.output.error(seq, exc)]
             if not stream:
                 self._quiet[seq.request_id] = _FIRST
-            self.engine.add_sequence(seq)
         elif kind == "abort":
             self._quiet.pop(arg, None)
             self.engine.abort(arg)  # nobody listens any more: its final delta is dropped
+        elif kind == "call":
+            fn, fut = arg
+            try:
+                fut.set_result(fn(self.engine))
+            except Exception as exc:
+                fut.set_exception(exc)
         return []
 
     def _coalesce(self, outs: list[RequestOutput]) -> list[RequestOutput]:

@@ -3,39 +3,63 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loraserve.catalog.dtypes import SERVING_DTYPES
+
 
 @dataclass(slots=True)
 class EngineConfig:
-    model_dir: str
-    device: str = "auto"             # auto | cpu | cuda
-    dtype: str = "auto"              # auto | float32 | bfloat16 | float16
-    served_model_name: str | None = None
-    max_batch_size: int = 64         # sequences in one step
-    max_model_len: int = 2048        # prompt + output tokens per sequence
-    max_batched_tokens: int = 4096   # tokens in one prefill step; longer prompts run in chunks
-    block_size: int = 16             # KV cache tokens per block
-    kv_cache_mb: int | None = None   # None: sized from max_batch_size * max_model_len (capped)
-    num_kv_blocks: int | None = None  # explicit block count (overrides kv_cache_mb; tests, tuning)
-    prefix_caching: bool = True      # reuse the K/V of cached prompt prefixes (per adapter revision)
+    model_dir: str = field(metadata={"help": "base model directory (HF layout)"})
+    device: str = field(default="auto", metadata={
+        "help": "where the model runs: auto (cuda if torch sees one, else cpu) | cpu | cuda"})
+    dtype: str = field(default="auto", metadata={
+        "help": "weights and activations: auto (float32 on CPU, the checkpoint's on CUDA) "
+                "| float32 | bfloat16 | float16"})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "the base model's name in the API", "default": "the model directory's name"})
+    max_batch_size: int = field(default=64, metadata={"help": "sequences in one step"})
+    max_model_len: int = field(default=2048, metadata={
+        "help": "prompt + output tokens per sequence"})
+    max_batched_tokens: int = field(default=4096, metadata={
+        "help": "tokens one prefill step computes; longer prompts are prefilled in chunks"})
+    block_size: int = field(default=16, metadata={"help": "KV cache tokens per block"})
+    kv_cache_mb: int | None = field(default=None, metadata={
+        "help": "KV cache size in MiB",
+        "default": "a full batch of max-model-len sequences, capped at 1 GiB"})
+    num_kv_blocks: int | None = field(default=None, metadata={
+        "help": "explicit KV block count (overrides kv_cache_mb; tests, tuning)",
+        "default": "from kv_cache_mb"})
+    prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the K/V of cached prompt prefixes, per adapter revision"})
     # multi-LoRA
-    catalog_dir: str | None = None
-    max_gpu_adapters: int = 32
-    max_lora_rank: int = 64
-    gpu_adapter_mb: int | None = None
-    cpu_cache_mb: int = 512
-    lora_backend: str = "auto"       # auto | triton | torch
-    lora_targets: list[str] | None = None  # None: every kind the base has
-    pinned_adapters: list[str] = field(default_factory=list)
-    adapter_root: str | None = None  # /v1/load_lora_adapter only imports PEFT dirs under this root
-    pager_workers: int = 4
-    seed: int = 0
-    torch_threads: int | None = None  # CPU intra-op threads; None: all cores but one (the server's)
+    catalog_dir: str | None = field(default=None, metadata={
+        "help": "adapter catalog directory", "default": "no adapters"})
+    max_gpu_adapters: int = field(default=32, metadata={
+        "help": "adapters resident in the device pool at once"})
+    max_lora_rank: int = field(default=64, metadata={"help": "largest adapter rank served"})
+    gpu_adapter_mb: int | None = field(default=None, metadata={
+        "help": "byte bound of the device adapter pool, in MiB",
+        "default": "max-gpu-adapters slots of max-lora-rank, capped at 2048 MiB"})
+    cpu_cache_mb: int = field(default=512, metadata={
+        "help": "byte bound of the CPU adapter cache, in MiB"})
+    lora_backend: str = field(default="auto", metadata={
+        "help": "LoRA kernels: auto (triton on CUDA, else torch) | triton | torch"})
+    lora_targets: list[str] | None = field(default=None, metadata={
+        "help": "module kinds adapters may target", "default": "every kind the base has"})
+    pinned_adapters: list[str] = field(default_factory=list, metadata={
+        "help": "adapters kept resident in the device pool", "default": "none"})
+    adapter_root: str | None = field(default=None, metadata={
+        "help": "root that /v1/load_lora_adapter may import PEFT directories from",
+        "default": "runtime adapter loading disabled"})
+    pager_workers: int = field(default=4, metadata={"help": "threads paging adapters in"})
+    seed: int = field(default=0, metadata={"help": "seed of the sampler for unseeded requests"})
+    torch_threads: int | None = field(default=None, metadata={
+        "help": "CPU intra-op threads", "default": "all cores but one, left to the server"})
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto|cpu|cuda, got {self.device!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", *SERVING_DTYPES):
+            raise ValueError(f"dtype must be auto|{'|'.join(SERVING_DTYPES)}, got {self.dtype!r}")
         if self.lora_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"lora_backend must be auto|triton|torch, got {self.lora_backend!r}")
         for name in ("max_batch_size", "max_model_len", "max_batched_tokens", "block_size",

@@ -1,7 +1,9 @@
 """The synchronous engine core: add requests, step, collect output deltas.
 
-`step()` is: schedule -> run the model -> sample -> post-process (stop checks, detokenize).
-One thread owns an LLMEngine; `AsyncEngine` puts it behind asyncio.
+`step()` is the pipeline: drain page-ins -> schedule -> run the model -> sample -> post-process,
+each a named stage below. One thread owns an LLMEngine (`AsyncEngine` puts it behind asyncio):
+it is the only writer of the scheduler, the KV block books and the adapter pool, and it
+publishes an immutable `EngineSnapshot` for every other thread to read.
 """
 from __future__ import annotations
 
@@ -12,20 +14,23 @@ import time
 
 import torch
 
+from ..adapters.manager import AdapterNotServable
 from ..model.config import ModelConfig
 from ..model.loader import load_model, resolve_dtype
 from ..tokenizer import Tokenizer
 from .attention import KVCache
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, StepResult
 from .output import OutputProcessor
 from .sampler import sample, token_logprobs
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .snapshot import PUBLISH_EVERY_S, EngineSnapshot
 from .types import EngineError, GenerateRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
+AdapterKey = tuple[str, str]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -78,19 +83,22 @@ class LLMEngine:
                                       self.max_model_len)
         self.default_gen = torch.Generator().manual_seed(cfg.seed)
         self.seqs: dict[str, Sequence] = {}
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # callbacks from other threads
+        self._waiting_for: dict[AdapterKey, list[Sequence]] = {}  # parked sequences by adapter
         self.last_batch_size = 0
-        self.notify = lambda: None  # wakes the owner thread when a page-in completes
+        self._notify = lambda: None  # wakes the owner thread when a page-in completes
+        self.snapshot = EngineSnapshot(max_lora=0)
 
     def enable_lora(self, manager, state) -> None:
         """Serve adapters: admission goes through the manager, the runner feeds the wrappers."""
         self.adapters = manager
+        manager.notify = self._notify
         self.scheduler.gate = manager
         self.runner.lora = state
+        self.publish()
 
-    # -- requests -----------------------------------------------------------------------------
+    # -- requests: any thread -------------------------------------------------------------------
     def validate(self, req: GenerateRequest) -> None:
-        """Stateless checks, safe to call from any thread. Raises EngineError (400)."""
+        """Stateless checks. Raises EngineError (400)."""
         ids, p = req.prompt_token_ids, req.params
         if not ids:
             raise EngineError("prompt must not be empty", param="prompt")
@@ -103,108 +111,142 @@ class LLMEngine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                 f"requested {len(ids) + p.max_tokens} tokens ({len(ids)} in the prompt, "
                 f"{p.max_tokens} for the completion).", param="max_tokens")
-        if req.request_id in self.seqs:
-            raise EngineError(f"duplicate request id {req.request_id!r}")
 
-    def resolve_adapter(self, ref: str | None) -> tuple[str, str] | None:
-        """'tenant/name[@rev]' -> the (adapter_id, revision) a request runs on; None = base only.
-        Any thread (a catalog read). Raises catalog errors, or 404 without a catalog."""
+    def resolve_adapter(self, ref: str | None):
+        """'tenant/name[@rev]' -> the RevisionRecord a request runs on; None = base only.
+        A catalog read. Raises catalog errors, or EngineError 400/404."""
         if ref is None:
             return None
         if self.adapters is None:
             raise EngineError(f"adapter {ref!r} asked for, but this server has no adapter catalog "
                               "(start it with --catalog)", status=404, code="model_not_found", param="model")
-        return self.adapters.resolve(ref)
+        try:
+            return self.adapters.resolve(ref)
+        except AdapterNotServable as exc:
+            raise EngineError(str(exc), status=400, param="model") from exc
 
-    def make_sequence(self, req: GenerateRequest, adapter_key=None) -> Sequence:
+    def make_sequence(self, req: GenerateRequest, record=None) -> Sequence:
         gen = torch.Generator().manual_seed(req.params.seed) if req.params.seed is not None else None
-        return Sequence(req.request_id, list(req.prompt_token_ids), req.params, req.adapter,
-                        adapter_key, generator=gen, detok=self.tokenizer.detokenizer())
+        key = (record.adapter_id, record.revision) if record is not None else None
+        return Sequence(req.request_id, list(req.prompt_token_ids), req.params, key,
+                        generator=gen, detok=self.tokenizer.detokenizer(), adapter_record=record)
 
+    # -- requests and commands: engine thread ---------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:
-        """Engine thread only."""
+        if seq.request_id in self.seqs:
+            raise EngineError(f"duplicate request id {seq.request_id!r}")
         self.seqs[seq.request_id] = seq
-        if seq.adapter_key is not None and not self.adapters.is_ready(seq.adapter_key):
-            self.scheduler.park(seq)
-            self.adapters.fetch(seq.adapter_key, lambda err, s=seq: self._paged_in(s, err))
-        else:
+        key = seq.adapter_key
+        if key is None or self.adapters.is_ready(key):
             self.scheduler.add(seq)
+            return
+        self.scheduler.park(seq)
+        self._waiting_for.setdefault(key, []).append(seq)
+        self.adapters.fetch(seq.adapter_record)  # once per key until it settles
 
-    def _paged_in(self, seq: Sequence, err: Exception | None) -> None:
-        """Pager thread: seq's adapter is in the CPU cache (err None) or failed to load."""
-        self.inbox.put((seq, err))
-        self.notify()
+    def set_notify(self, wake) -> None:
+        """wake() is called from other threads when the engine has new work (a page-in landed)."""
+        self._notify = wake
+        if self.adapters is not None:
+            self.adapters.notify = wake
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self._forget(seq)
+        seq.finish_reason = "abort"
+        return self.output.delta(seq)
+
+    def unload_adapter(self, adapter_id: str) -> int:
+        """Drop adapter_id's revisions from the device pool (unless in use) and the CPU tier."""
+        evicted = self.adapters.unload(adapter_id)
+        self.publish()
+        return evicted
 
     def fail_all(self, exc: Exception) -> list[RequestOutput]:
         """After an internal error: end every request with a 500 so no client hangs."""
         err = EngineError(f"internal error: {exc}", status=500, code="internal_error")
         outs = []
         for seq in list(self.seqs.values()):
-            self.scheduler.remove(seq)
+            self._forget(seq)
             outs.append(self.output.error(seq, err))
         self.seqs.clear()
         return outs
 
-    def add_request(self, req: GenerateRequest) -> Sequence:
-        """Validate, resolve the adapter and queue. Synchronous convenience (tests, bench)."""
-        self.validate(req)
-        seq = self.make_sequence(req, self.resolve_adapter(req.adapter))
-        self.add_sequence(seq)
-        return seq
-
-    def abort(self, request_id: str) -> RequestOutput | None:
-        seq = self.seqs.pop(request_id, None)
-        if seq is None:
-            return None
+    def _forget(self, seq: Sequence) -> None:
+        """Take seq out of the scheduler and the page-in waiters, freeing what it holds."""
         self.scheduler.remove(seq)
-        seq.finish_reason = "abort"
-        return self.output.delta(seq)
+        parked = self._waiting_for.get(seq.adapter_key) if seq.adapter_key else None
+        if parked and seq in parked:
+            parked.remove(seq)
 
-    # -- stepping -----------------------------------------------------------------------------
+    # -- the step pipeline ----------------------------------------------------------------------
     def has_work(self) -> bool:
         return self.scheduler.has_work or bool(self.scheduler.parked)
 
-    def _drain_inbox(self) -> list[RequestOutput]:
-        """Adapters that finished paging in: unpark their sequences, or fail them."""
-        outs = []
-        while True:
-            try:
-                seq, err = self.inbox.get_nowait()
-            except queue.Empty:
-                return outs
-            if seq.request_id not in self.seqs:
-                continue
-            if err is None:
-                self.scheduler.unpark(seq)
-            else:
-                self.seqs.pop(seq.request_id)
-                self.scheduler.remove(seq)
-                seq.finish_reason = "error"
-                outs.append(self.output.error(seq, err))
-
     def step(self) -> list[RequestOutput]:
-        outs = self._drain_inbox()
+        outs = self._drain_page_ins()
         seqs, is_prefill = self.scheduler.schedule()
         self.last_batch_size = len(seqs)
-        if not seqs:
-            return outs
-        result = self.runner.run(seqs, is_prefill)
+        if seqs:
+            result = self.runner.run(seqs, is_prefill)
+            self._advance(seqs, result)
+            self._sample(seqs, result)
+            outs.extend(self._postprocess(seqs))
+        self.publish(force=not self.scheduler.has_work)
+        return outs
+
+    def _drain_page_ins(self) -> list[RequestOutput]:
+        """Adapters that finished paging in: stage them and unpark their sequences, or fail them."""
+        outs = []
+        while self.adapters is not None:
+            try:
+                key, weights, err = self.adapters.page_ins.get_nowait()
+            except queue.Empty:
+                return outs
+            waiters = self._waiting_for.pop(key, [])
+            self.adapters.settle(key, weights if err is None else None)
+            if err is None:
+                for seq in waiters:
+                    self.scheduler.unpark(seq)
+                continue
+            # the revision cannot be read: fail every request that waits for it (parked, or
+            # queued after its weights left every tier), and no other
+            for seq in [s for s in self.seqs.values() if s.adapter_key == key and s.slot < 0]:
+                self.seqs.pop(seq.request_id)
+                self._forget(seq)
+                seq.finish_reason = "error"
+                outs.append(self.output.error(seq, err))
+        return outs
+
+    def _advance(self, seqs: list[Sequence], result: StepResult) -> None:
+        """The step's tokens are in the KV cache: move each sequence on and record its blocks."""
+        for seq in seqs:
+            seq.num_cached = seq.num_cached + seq.num_scheduled if result.is_prefill else len(seq)
         self.blocks.commit(seqs)
         for b, logits in result.prompt_logits.items():
             self.output.set_prompt_logprobs(seqs[b], logits)
-        # sample for sequences whose tokens are all computed (not those mid-way through a chunked prefill)
-        active = [i for i, s in enumerate(seqs)
-                  if s.num_pending == 0 and s.params.max_tokens > len(s.output_ids)]
-        if active:
-            rows = result.last_logits[active]
-            picked = [seqs[i] for i in active]
-            tokens = sample(rows, picked, self.default_gen)
-            ks = [s.params.logprobs for s in picked]
-            lps = token_logprobs(rows, tokens, [k or 0 for k in ks]) if any(k is not None for k in ks) else None
-            now = time.monotonic()
-            for j, seq in enumerate(picked):
-                seq.first_token_time = seq.first_token_time or now
-                self.output.append(seq, int(tokens[j]), lps[j] if lps and ks[j] is not None else None)
+
+    def _sample(self, seqs: list[Sequence], result: StepResult) -> None:
+        """One token for each sequence whose tokens are all computed (not one mid-way through a
+        chunked prefill) and that still wants one."""
+        active = [i for i, s in enumerate(seqs) if s.num_pending == 0 and s.params.max_tokens > len(s.output_ids)]
+        if not active:
+            return
+        rows = result.last_logits[active]
+        picked = [seqs[i] for i in active]
+        tokens = sample(rows, picked, self.default_gen)
+        ks = [s.params.logprobs for s in picked]
+        lps = token_logprobs(rows, tokens, [k or 0 for k in ks]) if any(k is not None for k in ks) else None
+        now = time.monotonic()
+        for j, seq in enumerate(picked):
+            seq.first_token_time = seq.first_token_time or now
+            self.output.append(seq, int(tokens[j]), lps[j] if lps and ks[j] is not None else None)
+
+    def _postprocess(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Finish what is done, free it, and collect every sequence's new output."""
+        outs = []
         for seq in seqs:
             if seq.params.max_tokens == 0 and seq.num_pending == 0:
                 seq.finish_reason = "length"
@@ -216,7 +258,36 @@ class LLMEngine:
                 outs.append(delta)
         return outs
 
+    # -- what other threads read ----------------------------------------------------------------
+    def publish(self, force: bool = True) -> None:
+        """Replace the snapshot (at most every PUBLISH_EVERY_S unless forced)."""
+        now = time.monotonic()
+        if not force and now - self.snapshot.published < PUBLISH_EVERY_S:
+            return
+        sch, pool = self.scheduler, self.adapters.pool if self.adapters is not None else None
+        b = self.blocks
+        waiting = [*sch.waiting, *sch.parked.values()]
+        self.snapshot = EngineSnapshot(
+            running=len(sch.running), waiting=len(sch.waiting), parked=len(sch.parked),
+            batch_size=self.last_batch_size, kv_usage=b.usage, preemptions=sch.num_preemptions,
+            prefix_cache_hit_rate=b.prefix_hit_tokens / b.prefix_query_tokens if b.prefix_query_tokens else 0.0,
+            running_adapters=tuple(sorted({s.adapter_key[0] for s in sch.running if s.adapter_key})),
+            waiting_adapters=tuple(sorted({s.adapter_key[0] for s in waiting if s.adapter_key})),
+            resident=frozenset(pool.resident()) if pool is not None else frozenset(),
+            pool=pool.stats if pool is not None else None,
+            max_lora=pool.config.max_slots if pool is not None else 0, published=now)
+
+    def stats(self) -> dict:
+        return self.snapshot.stats()
+
     # -- convenience ----------------------------------------------------------------------------
+    def add_request(self, req: GenerateRequest) -> Sequence:
+        """Validate, resolve the adapter and queue, on the calling thread (tests, bench)."""
+        self.validate(req)
+        seq = self.make_sequence(req, self.resolve_adapter(req.adapter))
+        self.add_sequence(seq)
+        return seq
+
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  adapters: list[str | None] | None = None) -> list[list[int]]:
         """Run prompts to completion; returns each one's output token ids (tests, bench)."""
@@ -229,14 +300,3 @@ class LLMEngine:
             if not self.scheduler.has_work and self.scheduler.parked:
                 time.sleep(0.001)
         return [s.output_ids for s in seqs]
-
-    def stats(self) -> dict:
-        sch = self.scheduler
-        return {"running": len(sch.running), "waiting": len(sch.waiting), "parked": len(sch.parked),
-                "batch_size": self.last_batch_size, "kv_usage": self.blocks.usage,
-                "preemptions": sch.num_preemptions, "prefix_cache_hit_rate": self._prefix_hit_rate()}
-
-    def _prefix_hit_rate(self) -> float:
-        """Prompt tokens found in the prefix cache / prompt tokens looked up, since start."""
-        b = self.blocks
-        return b.prefix_hit_tokens / b.prefix_query_tokens if b.prefix_query_tokens else 0.0

@@ -17,15 +17,22 @@ from .block_manager import BlockManager
 from .sequence import SeqStatus, Sequence
 
 
+AdapterKey = tuple[str, str]
+
+
 class AdapterGate(Protocol):
-    """The adapter pool as the scheduler sees it."""
+    """The device adapter pool as the scheduler sees it (`AdapterManager` in production)."""
 
-    def try_acquire(self, seq: Sequence) -> bool:
-        """Give seq a device slot for its adapter (loading it if there is room); False = pool full."""
+    def try_acquire(self, key: AdapterKey, record: object = None) -> int | None:
+        """A device slot holding key's adapter, with one more reference on it (loading it if
+        there is room); None = not now. `record` says where to page the adapter in from again
+        should its weights have left every tier since it was paged in."""
 
-    def is_resident(self, seq: Sequence) -> bool: ...
+    def is_resident(self, key: AdapterKey) -> bool:
+        """Whether key's adapter is in the pool (admitting it would load nothing)."""
 
-    def release(self, seq: Sequence) -> None: ...
+    def release(self, slot: int) -> None:
+        """Drop one reference on the adapter in slot."""
 
 
 class Scheduler:
@@ -114,12 +121,14 @@ class Scheduler:
             if not self.blocks.can_allocate(seq):
                 break  # keep arrival order for memory: later, smaller requests do not jump ahead
             if seq.adapter_key is not None:
-                if starving is not None and not self.gate.is_resident(seq):
-                    continue
-                if not self.gate.try_acquire(seq):
+                if starving is not None and not self.gate.is_resident(seq.adapter_key):
+                    continue  # an older request starves for room: admit only resident adapters
+                slot = self.gate.try_acquire(seq.adapter_key, seq.adapter_record)
+                if slot is None:
                     if time.monotonic() - seq.arrival > self.starve_s:
                         starving = starving or seq
                     continue
+                seq.slot = slot
             self.blocks.allocate(seq)  # may find a cached prefix and advance num_cached
             self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
@@ -157,5 +166,5 @@ class Scheduler:
 
     def _release_adapter(self, seq: Sequence) -> None:
         if seq.slot >= 0 and self.gate is not None:
-            self.gate.release(seq)
+            self.gate.release(seq.slot)
         seq.slot = -1

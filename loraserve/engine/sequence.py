@@ -22,8 +22,7 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    adapter_ref: str | None = None         # "tenant/name[@rev]" as asked
-    adapter_key: tuple[str, str] | None = None  # (adapter_id, revision) it runs on, fixed at admission
+    adapter_key: tuple[str, str] | None = None  # (adapter_id, revision) it runs on, fixed at arrival
     slot: int = -1                         # adapter pool slot while running; -1 = base only
     output_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
@@ -42,6 +41,7 @@ class Sequence:
     text: str = ""                         # detokenized output so far (stop strings cut)
     num_text_emitted: int = 0
     detok: object | None = None            # the tokenizer's incremental detokenizer
+    adapter_record: object | None = None   # catalog RevisionRecord of adapter_key (to page it in)
 
     @property
     def all_ids(self) -> list[int]:

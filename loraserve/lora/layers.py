@@ -11,15 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraserve import kernels
+from loraserve.catalog.targets import EXPERT_KINDS, LAYER_KINDS, LM_HEAD
 from loraserve.kernels import LoRAMeta
-
-DENSE_KINDS = {  # kind -> attribute path under model.layers[l]
-    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
-    "down_proj": "mlp.down_proj",
-}
-EXPERT_KINDS = {"experts.gate_proj": "mlp.experts.gate_proj", "experts.up_proj": "mlp.experts.up_proj",
-                "experts.down_proj": "mlp.experts.down_proj"}
+from loraserve.kernels.torch_backend import PlanCache
 
 HOST_META_MAX_TOKENS = 512  # CPU steps up to this many tokens group them in Python (LoRAMeta.from_host)
 
@@ -39,19 +33,15 @@ class LoRAState:
         self.meta: LoRAMeta | None = None      # None = no LoRA token in this step
         self._pair_key: int | None = None
         self._pair_meta: LoRAMeta | None = None
-        self._plans: dict = {}  # torch backend: kind -> row-gather plan (dense targets)
-        self._plan_rows: list = []  # (meta, row table, ranks, plan) of the dense plans
-        self._moe_plans: dict = {}  # (kind, layer) -> plan for this step's routing (MoE targets)
-        self._moe_plan_rows: list = []
-        self._step_key: tuple | None = None  # (slots, pool version) the dense meta and plans are for
+        # torch backend: the step's plans, kept while the wrappers pass the same meta object
+        self.plans = PlanCache()
+        self._step_key: tuple | None = None  # (slots, pool version) the dense meta is for
 
     def set_slots(self, slots: list[int]) -> None:
         """Each token's adapter slot for the next forward. A decode step whose batch layout and
-        pool are those of the step before (the steady state) keeps that step's metadata and
-        plans: the pool's version changes with every adapter load and eviction."""
+        pool are those of the step before (the steady state) keeps that step's metadata, and so
+        its plans: the pool's version changes with every adapter load and eviction."""
         self._pair_key = None
-        self._moe_plans.clear()
-        self._moe_plan_rows.clear()
         if max(slots, default=-1) < 0:  # no LoRA token: the wrappers skip; the cache stays
             self.meta = None
             return
@@ -60,8 +50,6 @@ class LoRAState:
             self.meta = self._step_meta
             return
         self.token_slots = torch.tensor(slots, dtype=torch.int32, device=self.device)
-        self._plans.clear()
-        self._plan_rows.clear()
         s_max = min(len(slots), self.max_slots)
         if self.device.type == "cpu" and len(slots) <= HOST_META_MAX_TOKENS:
             self.meta = LoRAMeta.from_host(slots, max_segments=s_max)
@@ -92,33 +80,13 @@ class LoRAState:
 
     def add(self, y: torch.Tensor, x: torch.Tensor, weights: tuple[torch.Tensor, ...], meta: LoRAMeta,
             plan_key) -> None:
-        """y += LoRA(x) for one target module. On the torch backend the row-gather plan is built
-        by the first layer of each kind in a step and reused by the others."""
+        """y += LoRA(x) for one target module. On the torch backend the plan is built by the
+        first layer of each kind (`plan_key`: kind, or (kind, layer) for MoE) and reused."""
         A, B, table, ranks = weights
         if self.backend != "torch":
             kernels.add_lora(y, x, A, B, table, ranks, meta, backend=self.backend)
             return
-        dense = isinstance(plan_key, str)
-        plans = self._plans if dense else self._moe_plans
-        plan = plans.get(plan_key)
-        if plan is not None:  # later layers: same shapes as the checked first call
-            plan.run(y, x, A, B)
-            return
-        rows = self._plan_rows if dense else self._moe_plan_rows
-        plan = self._shared_plan(rows, meta, table, ranks) or kernels.plan_torch(meta, table, ranks, A, B)
-        plans[plan_key] = plan
-        rows.append((meta, table, ranks, plan))
-        kernels.add_lora_torch(y, x, A, B, table, ranks, meta, plan=plan)
-
-    @staticmethod
-    def _shared_plan(plan_rows: list, meta: LoRAMeta, table: torch.Tensor, ranks: torch.Tensor):
-        """A plan this step already built for another kind with the same rows: adapters that
-        target every kind at one rank get identical row tables in each kind's pool (the free
-        lists hand rows out in the same order), so q/k/v/o/gate/up/down share one plan."""
-        for plan_meta, plan_table, plan_ranks, plan in plan_rows:
-            if plan_meta is meta and torch.equal(plan_ranks, ranks) and torch.equal(plan_table, table):
-                return plan
-        return None
+        self.plans.add(plan_key, y, x, A, B, table, ranks, meta)
 
 
 class LoRALinear(nn.Module):
@@ -174,13 +142,13 @@ def target_modules(model: nn.Module) -> list[tuple[str, int, str, nn.Module]]:
     """Every LoRA target the base has: (kind, layer, module path, module). lm_head has layer 0."""
     out = []
     for l, layer in enumerate(model.model.layers):
-        for kind, path in {**DENSE_KINDS, **EXPERT_KINDS}.items():
+        for kind in LAYER_KINDS:
             try:
-                mod = _get(layer, path)
+                mod = _get(layer, kind.attr)
             except AttributeError:
                 continue
-            out.append((kind, l, f"model.layers.{l}.{path}", mod))
-    out.append(("lm_head", 0, "lm_head", model.lm_head))
+            out.append((kind.name, l, f"model.{kind.module_path(l)}", mod))
+    out.append((LM_HEAD, 0, LM_HEAD, model.lm_head))
     return out
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 
@@ -41,11 +41,7 @@ class AdapterCollector(Collector):
         reads = CounterMetricFamily("loraserve_adapter_disk_reads", "Catalog blob reads (singleflight)")
         reads.add_metric([], pager.disk_reads)
         yield reads
-        hist = HistogramMetricFamily("loraserve_adapter_page_in_seconds",
-                                     "Time to page an adapter in, by source tier", labels=["source"])
-        for source, h in pager.page_in_seconds.items():
-            hist.add_metric([source], h.cumulative(), sum_value=h.sum)
-        yield hist
+        yield from mgr.pager.page_in_seconds.collect()
         parked = GaugeMetricFamily("loraserve_parked_requests", "Requests waiting for their adapter to page in")
         parked.add_metric([], len(self.engine.scheduler.parked))
         yield parked

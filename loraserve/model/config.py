@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loraserve.catalog.dtypes import SERVING_DTYPES
+
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 class ModelConfigError(ValueError):
@@ -60,8 +61,8 @@ class ModelConfig:
             raise ModelConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ModelConfigError("rms_norm_eps and rope_theta must be > 0")
-        if self.torch_dtype is not None and self.torch_dtype not in DTYPE_NAMES:
-            raise ModelConfigError(f"unsupported dtype {self.torch_dtype!r}; expected {DTYPE_NAMES}")
+        if self.torch_dtype is not None and self.torch_dtype not in SERVING_DTYPES:
+            raise ModelConfigError(f"unsupported dtype {self.torch_dtype!r}; expected {SERVING_DTYPES}")
         if any(not 0 <= l < self.num_layers for l in self.mlp_only_layers):
             raise ModelConfigError(f"mlp_only_layers {self.mlp_only_layers} out of range")
         if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):

@@ -12,11 +12,11 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from loraserve.model.checkpoint import CheckpointError, expert_tensor_name, tensor_files
+from loraserve.catalog.checkpoint import read_tensor_index
+from loraserve.catalog.dtypes import SERVING_DTYPES, dtype_name, torch_dtype
+from loraserve.model.checkpoint import CheckpointError, expert_tensor_name
 from loraserve.model.config import ModelConfig
 from loraserve.model.qwen3 import Qwen3ForCausalLM
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_dtype(name: str, config: ModelConfig, device: str | torch.device) -> torch.dtype:
@@ -24,17 +24,17 @@ def resolve_dtype(name: str, config: ModelConfig, device: str | torch.device) ->
     if name == "auto":
         if torch.device(device).type == "cpu":
             return torch.float32
-        return DTYPES.get(config.torch_dtype or "bfloat16", torch.bfloat16)
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; expected auto or one of {sorted(DTYPES)}")
-    return DTYPES[name]
+        return torch_dtype(config.torch_dtype or "bfloat16")  # ModelConfig admits serving dtypes only
+    if name not in SERVING_DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected auto or one of {sorted(SERVING_DTYPES)}")
+    return torch_dtype(name)
 
 
 class _TensorSource:
     """Reads checkpoint tensors by name across shard files, opening each file once."""
 
     def __init__(self, model_dir: Path, stack: ExitStack):
-        self._files = tensor_files(model_dir)
+        self._files = {name: entry.file for name, entry in read_tensor_index(model_dir).items()}
         self._stack = stack
         self._open: dict[Path, object] = {}
 
@@ -64,8 +64,7 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
     Returns the model in eval mode with requires_grad off.
     """
     model_dir, device = Path(model_dir), torch.device(device)
-    if dtype not in DTYPES.values():
-        raise ValueError(f"unsupported dtype {dtype}; expected one of {sorted(DTYPES)}")
+    dtype_name(dtype)  # ValueError unless a serving dtype
     config = ModelConfig.from_dir(model_dir)
     with ExitStack() as stack:
         source = _TensorSource(model_dir, stack)

@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from loraserve.model.checkpoint import INDEX_FILE, SINGLE_FILE, expert_tensor_name, shard_file_name
+from loraserve.catalog.checkpoint import INDEX_FILE, SINGLE_FILE, shard_file_name
+from loraserve.catalog.dtypes import dtype_name
+from loraserve.model.checkpoint import expert_tensor_name
 from loraserve.model.qwen3 import Qwen3ForCausalLM
-
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def checkpoint_tensors(model: Qwen3ForCausalLM) -> Iterator[tuple[str, Tensor]]:
@@ -52,9 +52,7 @@ def save_checkpoint(model: Qwen3ForCausalLM, out_dir: str | Path, *,
         raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    dtype = next(model.parameters()).dtype
-    if dtype not in DTYPE_NAMES:
-        raise ValueError(f"cannot write dtype {dtype}; expected one of {list(DTYPE_NAMES.values())}")
+    dtype = dtype_name(next(model.parameters()).dtype)  # ValueError unless a serving dtype
     tensors = list(checkpoint_tensors(model))
     shards = _shards(tensors, max_shard_bytes)
     meta = {"format": "pt"}
@@ -70,7 +68,7 @@ def save_checkpoint(model: Qwen3ForCausalLM, out_dir: str | Path, *,
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         _write_json(out_dir / INDEX_FILE, index)
     config = model.config.to_hf_dict()
-    config["torch_dtype"] = config["dtype"] = DTYPE_NAMES[dtype]
+    config["torch_dtype"] = config["dtype"] = dtype
     _write_json(out_dir / "config.json", config)
 
 

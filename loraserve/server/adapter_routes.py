@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from loraserve.catalog.errors import CatalogError
+from loraserve.catalog.importer import import_peft
 from loraserve.engine.types import EngineError
 from loraserve.server.errors import APIError, as_api_error
 
@@ -34,11 +35,12 @@ class UnloadLoRARequest(BaseModel):
     lora_name: str
 
 
-def _manager(request: Request):
-    mgr = request.app.state.ctx.engine.adapter_manager
-    if mgr is None:
+def _engine(request: Request):
+    """The engine, when it serves a catalog."""
+    engine = request.app.state.ctx.engine
+    if engine.adapter_manager is None:
         raise APIError(404, "this server has no adapter catalog (start it with --catalog)", code="not_found")
-    return mgr
+    return engine
 
 
 def check_under_root(path: str, root: str | None) -> Path:
@@ -67,14 +69,12 @@ def adapter_router() -> APIRouter:
 
     @router.get("/adapters/{adapter_id:path}")
     async def adapter(adapter_id: str, request: Request) -> dict:
-        return await _off_loop(_manager(request).describe, adapter_id)
+        return await _off_loop(_engine(request).describe_adapter, adapter_id)
 
     @router.post("/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> dict:
-        from loraserve.catalog.importer import import_peft
-
-        mgr = _manager(request)
-        cfg = request.app.state.ctx.engine.config
+        engine = _engine(request)
+        mgr, cfg = engine.adapter_manager, engine.config
         peft_dir = check_under_root(body.lora_path, cfg.adapter_root)
         rec = await _off_loop(import_peft, mgr.catalog, body.lora_name, peft_dir, cfg.model_dir, promote=True)
         await _off_loop(mgr.warm, f"{rec.adapter_id}@{rec.revision}")
@@ -83,7 +83,10 @@ def adapter_router() -> APIRouter:
 
     @router.post("/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRARequest, request: Request) -> dict:
-        evicted = await _off_loop(_manager(request).unload, body.lora_name)
+        try:
+            evicted = await _engine(request).unload_adapter(body.lora_name)
+        except (CatalogError, EngineError) as exc:
+            raise as_api_error(exc) from exc
         return {"status": "ok", "message": f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
                 "evicted": evicted}
 

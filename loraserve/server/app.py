@@ -11,6 +11,9 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import Response
 
+from loraserve.catalog.errors import CatalogError
+from loraserve.catalog.ids import parse_model_ref
+from loraserve.server.adapter_metrics import AdapterCollector
 from loraserve.server.adapter_routes import adapter_router, catalog_cards
 from loraserve.server.chat import create_chat_completion
 from loraserve.server.completions import create_completion
@@ -99,8 +102,6 @@ def _api_router() -> APIRouter:
             return _model_card(model_id, engine)
         mgr = getattr(engine, "adapter_manager", None)
         if mgr is not None and "/" in model_id:
-            from loraserve.catalog.errors import CatalogError
-            from loraserve.catalog.ids import parse_model_ref
             try:
                 adapter_id, _ = parse_model_ref(model_id)  # 400 for an invalid id
                 await asyncio.to_thread(mgr.catalog.policy, adapter_id)  # 404 when unknown
@@ -156,9 +157,8 @@ def build_app(engine: Engine, *, api_key: str | None = None, max_n: int = 16) ->
     app.include_router(_api_router())
     app.include_router(_ops_router())
     if getattr(engine, "adapter_manager", None) is not None:
-        from loraserve.lora.metrics import AdapterCollector
         app.include_router(adapter_router())
-        ctx.metrics.register(AdapterCollector(engine.engine))
+        ctx.metrics.register(AdapterCollector(engine))
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(RequestCountMiddleware, metrics=ctx.metrics)  # outermost: counts 401s

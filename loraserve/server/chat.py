@@ -1,19 +1,18 @@
 """POST /v1/chat/completions: the tokenizer's chat template, chat logprobs, SSE chunks."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from jinja2.exceptions import TemplateError
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 
 from loraserve.engine.types import RequestOutput
 from loraserve.server import serving as sv
-from loraserve.server.errors import APIError, sse_error
+from loraserve.server.endpoint import Endpoint, Plan, serve
+from loraserve.server.errors import APIError
 from loraserve.server.logprobs import TokenRenderer, chat_content
 from loraserve.server.protocol import ChatCompletionRequest, ChatMessage
-from loraserve.server.streaming import DONE, PrimedStream, collect, merge, sse, start_all
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -70,6 +69,18 @@ class ChatChoice:
         self.content += piece
         return piece
 
+    def delta(self, out: RequestOutput) -> dict[str, Any]:
+        """Account `out`; returns its streamed choice entry (a content delta)."""
+        piece = self.apply(out)
+        return {"index": self.index, "delta": {"content": out.text} if out.text else {},
+                "logprobs": {"content": piece} if piece is not None else None,
+                "finish_reason": out.finish_reason}
+
+    def opening(self) -> dict[str, Any]:
+        """The role entry each choice's stream starts with."""
+        return {"index": self.index, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}
+
     def to_json(self) -> dict[str, Any]:
         return {"index": self.index,
                 "message": {"role": "assistant", "content": "".join(self.text)},
@@ -83,14 +94,8 @@ def _logprobs_k(req: ChatCompletionRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
-async def create_chat_completion(req: ChatCompletionRequest, ctx: sv.ServerContext) -> Response:
-    """Validate, template, fan out to the engine, answer as JSON or as an SSE stream."""
-    clock = sv.RequestClock(ctx.metrics)
-    engine = ctx.engine
-    sv.reject_unsupported(req.unsupported())
-    adapter = sv.resolve_adapter(req.model, engine)
-    sv.check_n(req.n, ctx.max_n)
-    sv.check_stop_token_ids(req.stop_token_ids, engine.vocab_size)
+def _plan(req: ChatCompletionRequest, engine: sv.Engine) -> Plan:
+    """The templated prompt (checked) and sampling; max_tokens defaults to the room left."""
     top_k = _logprobs_k(req)
     prompt = chat_prompt(req, engine.tokenizer)
     max_tokens = req.requested_max_tokens()
@@ -98,48 +103,22 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: sv.ServerConte
         max_tokens = max(engine.max_model_len - len(prompt.token_ids), 1)
     sv.check_max_tokens(max_tokens, minimum=1)
     sv.check_prompt(prompt, max_tokens, engine, "messages")
-    params = sv.sampling_params(req, max_tokens, top_k)
-    request_id = sv.new_id("chatcmpl")
-    streams = await start_all(engine, sv.fan_out(request_id, [prompt], req.n, params, adapter,
-                                                 bool(req.stream)))
-    clock.first_output()
-    ctx.metrics.prompt_tokens.inc(len(prompt.token_ids))
-    render = TokenRenderer(engine.tokenizer, req.return_tokens_as_token_ids)
-    choices = [ChatChoice(i, render, top_k) for i in range(len(streams))]
-    head = {"id": request_id, "created": sv.now(), "model": req.model}
-    n_prompt = len(prompt.token_ids)
-    if req.stream:
-        body = _stream(head, streams, choices, n_prompt, req.include_usage(), ctx, clock)
-        return StreamingResponse(body, media_type="text/event-stream")
-    await collect(streams, choices, ctx.metrics, clock)
-    return JSONResponse({**head, "object": "chat.completion",
-                         "choices": [c.to_json() for c in choices],
-                         "usage": sv.usage(n_prompt, sum(c.num_tokens for c in choices))})
+
+    def new_choice(index: int, prompt: sv.Prompt, render: TokenRenderer) -> ChatChoice:
+        return ChatChoice(index, render, top_k)
+
+    return Plan([prompt], sv.sampling_params(req, max_tokens, top_k), new_choice)
 
 
-async def _stream(head: dict[str, Any], streams: list[PrimedStream], choices: list[ChatChoice],
-                  prompt_tokens: int, include_usage: bool, ctx: sv.ServerContext,
-                  clock: sv.RequestClock) -> AsyncIterator[str]:
-    """A role chunk per choice, one chunk per engine delta, usage (if asked), [DONE]."""
-    head = {**head, "object": "chat.completion.chunk"}
-    extra = {"usage": None} if include_usage else {}
-    try:
-        for c in choices:
-            role = {"index": c.index, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}
-            yield sse({**head, "choices": [role], **extra})
-        async for index, out in merge(streams):
-            piece = choices[index].apply(out)
-            ctx.metrics.generation_tokens.inc(len(out.token_ids))
-            choice = {"index": index, "delta": {"content": out.text} if out.text else {},
-                      "logprobs": {"content": piece} if piece is not None else None,
-                      "finish_reason": out.finish_reason}
-            yield sse({**head, "choices": [choice], **extra})
-        if include_usage:
-            total = sum(c.num_tokens for c in choices)
-            yield sse({**head, "choices": [], "usage": sv.usage(prompt_tokens, total)})
-    except Exception as exc:  # headers are sent: report in-band, as OpenAI does
-        yield sse_error(exc)
-    finally:
-        clock.finished()
-    yield DONE
+def _head(request_id: str, created: int, model: str, chunk: bool) -> dict[str, Any]:
+    """The fields a chat body (`chat.completion`) or chunk (`chat.completion.chunk`) starts with."""
+    return {"id": request_id, "created": created, "model": model,
+            "object": "chat.completion.chunk" if chunk else "chat.completion"}
+
+
+CHAT_COMPLETIONS = Endpoint("chatcmpl", _plan, _head)
+
+
+async def create_chat_completion(req: ChatCompletionRequest, ctx: sv.ServerContext) -> Response:
+    """Validate, template, fan out to the engine, answer as JSON or as an SSE stream."""
+    return await serve(req, ctx, CHAT_COMPLETIONS)

@@ -1,18 +1,17 @@
 """POST /v1/completions: prompts as str | [str] | [int] | [[int]], echo, legacy logprobs, SSE."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 
 from loraserve.engine.types import RequestOutput
-from loraserve.server.errors import APIError, sse_error
+from loraserve.server import serving as sv
+from loraserve.server.endpoint import Endpoint, Plan, serve
+from loraserve.server.errors import APIError
 from loraserve.server.logprobs import LegacyLogprobs, TokenRenderer
 from loraserve.server.protocol import CompletionRequest
-from loraserve.server import serving as sv
-from loraserve.server.streaming import DONE, PrimedStream, collect, merge, sse, start_all
 
 
 def normalize_prompts(prompt: Any, tokenizer: Any, vocab_size: int,
@@ -72,6 +71,16 @@ class CompletionChoice:
             self.logprobs = _concat(self.logprobs, piece)
         return text, piece
 
+    def delta(self, out: RequestOutput) -> dict[str, Any]:
+        """Account `out`; returns its streamed choice entry."""
+        text, piece = self.apply(out)
+        return {"index": self.index, "text": text, "logprobs": piece.to_json() if piece else None,
+                "finish_reason": out.finish_reason}
+
+    def opening(self) -> None:
+        """Completions stream no entry before the first delta."""
+        return None
+
     def to_json(self) -> dict[str, Any]:
         return {"index": self.index, "text": "".join(self.text),
                 "logprobs": self.logprobs.to_json() if self.logprobs else None,
@@ -88,57 +97,30 @@ def _concat(acc: LegacyLogprobs | None, piece: LegacyLogprobs) -> LegacyLogprobs
     return acc
 
 
-async def create_completion(req: CompletionRequest, ctx: sv.ServerContext) -> Response:
-    """Validate, fan out to the engine, answer as JSON or as an SSE stream."""
-    clock = sv.RequestClock(ctx.metrics)
-    engine = ctx.engine
-    sv.reject_unsupported(req.unsupported())
-    adapter = sv.resolve_adapter(req.model, engine)
-    sv.check_n(req.n, ctx.max_n)
+def _plan(req: CompletionRequest, engine: sv.Engine) -> Plan:
+    """The prompts (each checked) and sampling; logprobs of the echoed prompt when asked."""
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     sv.check_max_tokens(max_tokens)
-    sv.check_stop_token_ids(req.stop_token_ids, engine.vocab_size)
     prompts = normalize_prompts(req.prompt, engine.tokenizer, engine.vocab_size, req.echo)
     for prompt in prompts:
         sv.check_prompt(prompt, max_tokens, engine, "prompt")
     params = sv.sampling_params(req, max_tokens, req.logprobs,
                                 req.logprobs if req.echo and req.logprobs is not None else None)
-    request_id = sv.new_id("cmpl")
-    streams = await start_all(engine, sv.fan_out(request_id, prompts, req.n, params, adapter,
-                                                 bool(req.stream)))
-    clock.first_output()
-    prompt_tokens = sum(len(p.token_ids) for p in prompts)
-    ctx.metrics.prompt_tokens.inc(prompt_tokens)
-    render = TokenRenderer(engine.tokenizer, req.return_tokens_as_token_ids)
-    choices = [CompletionChoice(i, prompts[i // req.n], req.echo, req.logprobs, render)
-               for i in range(len(streams))]
-    head = {"id": request_id, "object": "text_completion", "created": sv.now(), "model": req.model}
-    if req.stream:
-        body = _stream(head, streams, choices, prompt_tokens, req.include_usage(), ctx, clock)
-        return StreamingResponse(body, media_type="text/event-stream")
-    await collect(streams, choices, ctx.metrics, clock)
-    completion_tokens = sum(c.num_tokens for c in choices)
-    return JSONResponse({**head, "choices": [c.to_json() for c in choices],
-                         "usage": sv.usage(prompt_tokens, completion_tokens)})
+
+    def new_choice(index: int, prompt: sv.Prompt, render: TokenRenderer) -> CompletionChoice:
+        return CompletionChoice(index, prompt, req.echo, req.logprobs, render)
+
+    return Plan(prompts, params, new_choice)
 
 
-async def _stream(head: dict[str, Any], streams: list[PrimedStream],
-                  choices: list[CompletionChoice], prompt_tokens: int, include_usage: bool,
-                  ctx: sv.ServerContext, clock: sv.RequestClock) -> AsyncIterator[str]:
-    """SSE chunks, one per engine delta; then usage (if asked) and [DONE]."""
-    try:
-        async for index, out in merge(streams):
-            text, piece = choices[index].apply(out)
-            ctx.metrics.generation_tokens.inc(len(out.token_ids))
-            choice = {"index": index, "text": text,
-                      "logprobs": piece.to_json() if piece else None,
-                      "finish_reason": out.finish_reason}
-            yield sse({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
-        if include_usage:
-            total = sum(c.num_tokens for c in choices)
-            yield sse({**head, "choices": [], "usage": sv.usage(prompt_tokens, total)})
-    except Exception as exc:  # headers are sent: report in-band, as OpenAI does
-        yield sse_error(exc)
-    finally:
-        clock.finished()
-    yield DONE
+def _head(request_id: str, created: int, model: str, chunk: bool) -> dict[str, Any]:
+    """The fields a completions body and each of its chunks start with (the same)."""
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model}
+
+
+COMPLETIONS = Endpoint("cmpl", _plan, _head)
+
+
+async def create_completion(req: CompletionRequest, ctx: sv.ServerContext) -> Response:
+    """Validate, fan out to the engine, answer as JSON or as an SSE stream."""
+    return await serve(req, ctx, COMPLETIONS)

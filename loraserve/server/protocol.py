@@ -18,7 +18,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class SamplingFields(BaseModel):
     """Sampling fields both endpoints share. Range checks are SamplingParams' (engine types)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -59,7 +59,7 @@ class _SamplingFields(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
     prompt: PromptInput
@@ -95,7 +95,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage]

@@ -1,5 +1,5 @@
-"""What both generation endpoints share: the engine facade, model resolution, prompt checks,
-sampling parameters, fan-out into engine requests, and per-request timing."""
+"""What both generation endpoints share: the engine facade, model resolution, request and prompt
+checks, sampling parameters, fan-out into engine requests, and per-request timing."""
 from __future__ import annotations
 
 import time
@@ -14,6 +14,7 @@ from loraserve.catalog.ids import parse_model_ref
 from loraserve.engine.types import GenerateRequest, RequestOutput, SamplingParams
 from loraserve.server.errors import APIError
 from loraserve.server.metrics import ServerMetrics
+from loraserve.server.protocol import SamplingFields
 
 
 class Engine(Protocol):
@@ -90,6 +91,15 @@ def resolve_adapter(model: str, engine: Engine) -> str | None:
                    param="model")
 
 
+def check_request(req: SamplingFields, ctx: ServerContext) -> str | None:
+    """Check the fields every generation request has; returns the adapter ref (None: base)."""
+    reject_unsupported(req.unsupported())
+    adapter = resolve_adapter(req.model, ctx.engine)
+    check_n(req.n, ctx.max_n)
+    check_stop_token_ids(req.stop_token_ids, ctx.engine.vocab_size)
+    return adapter
+
+
 def reject_unsupported(name: str | None) -> None:
     if name is not None:
         raise APIError(400, f"`{name}` is not supported by this server", param=name,
@@ -159,7 +169,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def sampling_params(req: Any, max_tokens: int, logprobs: int | None,
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from a request's shared fields; OpenAI defaults where the client sent none.
 

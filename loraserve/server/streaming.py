@@ -111,14 +111,3 @@ async def merge(streams: Sequence[PrimedStream]) -> AsyncIterator[tuple[int, Req
         with anyio.CancelScope(shield=True):
             await asyncio.gather(*tasks, return_exceptions=True)
         await close_all([s.iterator for s in streams])
-
-
-async def collect(streams: list[PrimedStream], choices: list, metrics, clock) -> None:
-    """Non-streamed answer: feed every output to its choice (`choices[i].apply`), counting
-    generated tokens; the clock records the end even if the client leaves."""
-    try:
-        async for index, out in merge(streams):
-            choices[index].apply(out)
-            metrics.generation_tokens.inc(len(out.token_ids))
-    finally:
-        clock.finished()

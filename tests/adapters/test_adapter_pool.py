@@ -100,9 +100,7 @@ def test_in_use_adapters_are_never_evicted_and_pool_full_is_clear():
     assert pool.acquire(("t/b", "r")) != a
     with pytest.raises(PoolFull, match="in-use or pinned"):
         pool.load(("t/c", "r"), make_weights(specs, 2))
-    assert not pool.can_fit(make_weights(specs, 2))
     pool.release(a)
-    assert pool.can_fit(make_weights(specs, 2))
     pool.load(("t/c", "r"), make_weights(specs, 2))
     assert ("t/a", "r") not in pool and ("t/b", "r") in pool
     pool.check_invariants()
@@ -144,7 +142,7 @@ def test_evict_refuses_in_use_and_counts_evictions():
     pool.release(slot)
     assert pool.evict(("t/a", "r"))
     assert not pool.evict(("t/a", "r"))
-    assert pool.stats.evictions == 1 and pool.key_of(slot) is None
+    assert pool.stats.evictions == 1 and pool.entry(("t/a", "r")) is None
     assert all(int(pool.ranks[k][slot]) == 0 for k in pool.specs)
     pool.check_invariants()
 
@@ -188,7 +186,7 @@ def test_adapters_that_can_never_fit_name_the_problem():
         pool.load(("t/a", "r"), make_weights(specs, 5))
     other_base = [TargetSpec("k_proj", [0], 8, 4)]
     with pytest.raises(ValueError, match="layers.0.self_attn.k_proj.lora_A"):
-        pool.can_fit(make_weights(other_base, 2))
+        pool.load(("t/x", "r"), make_weights(other_base, 2))
     wide = [TargetSpec("q_proj", [0], 10, 8)]
     with pytest.raises(ValueError, match=r"q_proj.lora_A' has shape \(2, 10\)"):
         pool.load(("t/a", "r"), make_weights(wide, 2))

@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-ACTIVATION_PTRS = {"x_ptr", "a0_ptr", "a1_ptr", "a2_ptr", "y0_ptr", "y1_ptr", "y2_ptr",
-                   "b0_ptr", "b1_ptr", "b2_ptr"}
+ACTIVATION_PTRS = {"x_ptr", "a_ptr", "y_ptr", "b_ptr"}
 
 
 def _arg_type(name: str, dtype: str) -> str:
@@ -27,7 +26,7 @@ def _arg_type(name: str, dtype: str) -> str:
     return "*i32" if name.endswith("_ptr") else "i32"
 
 
-def _compile(kernel, dtype: str, constexprs: dict[str, object]) -> bytes:
+def _compile(kernel, dtype: str, constexprs: dict[str, object], num_warps: int) -> bytes:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -35,25 +34,33 @@ def _compile(kernel, dtype: str, constexprs: dict[str, object]) -> bytes:
     signature = {n: "constexpr" if n in constexprs else _arg_type(n, dtype)
                  for n in kernel.arg_names}
     src = ASTSource(kernel, signature, constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps}).asm["cubin"]
+
+
+# (op, T, H, S_max) whose picked launches cover both shrink modes (decode: BLOCK_K 128 with 16
+# K splits; prefill: BLOCK_K 64, no split) and both expand tiles (16 x 128 and 64 x 64).
+SHAPES = (("shrink", 2000, 1000, 200), ("shrink", 8, 4096, 8),
+          ("expand", 8, 1024, 8), ("expand", 2000, 512, 1))
 
 
 def compile_all() -> int:
-    """Compile shrink (split-K off/on) and expand for bf16, fp16 and fp32; return the count."""
+    """Compile shrink (split-K off/on) and expand for bf16, fp16 and fp32, each with the
+    constexprs `LaunchConfig.pick` chooses on CUDA; return the count."""
+    import torch
+
     from loraserve.kernels.expand import _expand_kernel
+    from loraserve.kernels.launch import LaunchConfig
     from loraserve.kernels.shrink import _shrink_kernel
 
+    kernels = {"shrink": _shrink_kernel, "expand": _expand_kernel}
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     count = 0
-    for dtype in ("bf16", "fp16", "fp32"):
-        precision = "ieee" if dtype == "fp32" else "tf32"
-        for split, bk in ((1, 64), (16, 128)):
-            assert _compile(_shrink_kernel, dtype, dict(BLOCK_T=16, BLOCK_R=16, BLOCK_K=bk,
-                                                        SPLIT_K=split, UPCAST=False,
-                                                        PRECISION=precision))
-            count += 1
-        for bt, bn in ((16, 128), (64, 64)):
-            assert _compile(_expand_kernel, dtype, dict(BLOCK_T=bt, BLOCK_R=16, BLOCK_N=bn,
-                                                        UPCAST=False, PRECISION=precision))
+    for dtype, torch_dtype in dtypes.items():
+        for op, t, h, s_max in SHAPES:
+            cfg = LaunchConfig.pick(op, num_tokens=t, hidden=h, r_max=64, max_segments=s_max,
+                                    dtype=torch_dtype, device="cuda")
+            assert _compile(kernels[op], dtype, cfg.constexprs(), cfg.num_warps)
             count += 1
     return count
 

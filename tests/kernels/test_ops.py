@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import loraserve.kernels.torch_backend as torch_backend
-from loraserve.kernels import add_lora, add_lora_stacked, expand, shrink
+from loraserve.kernels import add_lora, expand, shrink
 from loraserve.kernels.reference import add_lora_ref, expand_ref, moe_lora_ref, shrink_ref
 
 PATTERNS = ["distinct", "uniform", "zipf", "identical", "skewed"]
@@ -72,6 +72,48 @@ def test_model_sized_tiles(device, backend, make_case, assert_rel):
     assert_rel(_run_add_lora(case, backend), _expected(case), torch.float32)
 
 
+def _check_shrink_expand(case, backend: str, assert_rel, dtype=torch.float32) -> None:
+    """shrink into a NaN-filled v and expand from it, each against its reference."""
+    v = torch.full((case.x.shape[0], case.row_table.shape[1]), float("nan"), device=case.x.device)
+    shrink(v, case.x, case.A_rows, case.row_table, case.ranks, case.meta, backend=backend)
+    want_v = torch.zeros(v.shape)
+    shrink_ref(want_v, case.x.cpu(), case.A_rows.cpu(), case.row_table.cpu(), case.ranks.cpu(),
+               case.slots.cpu(), None if case.experts is None else case.experts.cpu())
+    assert_rel(v, want_v, dtype)
+    y, want_y = case.y.clone(), case.y.clone()
+    expand(y, v, case.B_rows, case.row_table, case.ranks, case.meta, backend=backend)
+    expand_ref(want_y, v, case.B_rows, case.row_table, case.ranks, case.slots, case.experts)
+    assert_rel(y, want_y, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rank", [128, 256])
+def test_large_ranks(rank, dtype, device, backend, make_case, assert_rel):
+    # R_max 128 / 256: 8 / 16 rank blocks in the shrink grid and as many BLOCK_R steps in the
+    # expand loop; a rank-5 slot and one just under R_max ride along in the same table.
+    slots = torch.tensor([0, 2, -1, 0, 1], dtype=torch.int32)
+    case = make_case(device=device, dtype=dtype, ranks=[rank, 5, rank - 9], slots=slots,
+                     h_in=40, h_out=24, seed=rank + 1)
+    assert_rel(_run_add_lora(case, backend), _expected(case), dtype)
+    if dtype == torch.float32:
+        _check_shrink_expand(case, backend, assert_rel)
+
+
+@pytest.mark.parametrize(("dtype", "rank"),
+                         [(torch.float32, 16), (torch.bfloat16, 16), (torch.float32, 128),
+                          (torch.float32, 256)], ids=["fp32-r16", "bf16-r16", "fp32-r128",
+                                                      "fp32-r256"])
+def test_hidden_4097(dtype, rank, device, backend, make_case, assert_rel):
+    # H 4097 = 32 * 128 + 1: the shrink reduction (BLOCK_K 128, 16 K splits) and the expand
+    # output tiles (BLOCK_N 128) each end in a one-element masked block.
+    slots = torch.tensor([1, -1, 0, 1], dtype=torch.int32)
+    case = make_case(device=device, dtype=dtype, ranks=[rank, 3], slots=slots, h_in=4097,
+                     h_out=4097, seed=4097 + rank)
+    assert_rel(_run_add_lora(case, backend), _expected(case), dtype)
+    if dtype == torch.float32 and rank == 16:  # the large ranks alone: test_large_ranks
+        _check_shrink_expand(case, backend, assert_rel)
+
+
 def test_shrink_writes_every_entry(device, backend, make_case, assert_rel):
     slots = torch.tensor([3, -1, 0, 3, 1, 2, 2, -1, 0], dtype=torch.int32)
     case = make_case(device=device, ranks=[5, 0, 17, 2], slots=slots, h_in=50, h_out=8, r_max=20)
@@ -124,29 +166,6 @@ def test_empty_segments_and_spare_capacity(device, backend, make_case, assert_re
     case = make_case(device=device, ranks=[6, 0, 2, 9], slots=slots, h_in=24, h_out=16,
                      max_segments=6)
     assert_rel(_run_add_lora(case, backend), _expected(case), torch.float32)
-
-
-@pytest.mark.parametrize(("widths", "num_experts"),
-                         [((32, 16, 16), None), ((8, 24, 16, 12), None), ((16, 24), 3)])
-def test_stacked_targets_share_x(widths, num_experts, device, backend, make_case, assert_rel):
-    # q/k/v with GQA widths; four targets (two launch groups); MoE gate/up pairs.
-    slots = torch.tensor([0, 2, -1, 1, 2, 2, 0], dtype=torch.int32)
-    experts = torch.tensor([0, 1, 2, 2, 1, 0, 0], dtype=torch.int32) if num_experts else None
-    rank_sets = [[4, 8, 2], [4, 0, 2], [4, 8, 2], [1, 17, 3]]
-    cases = [make_case(device=device, ranks=rank_sets[i], slots=slots, h_in=32, h_out=w,
-                       seed=i, num_experts=num_experts, experts=experts)
-             for i, w in enumerate(widths)]
-    x, bounds = cases[0].x, [0, *torch.tensor(widths).cumsum(0).tolist()]
-    fused = torch.randn(7, bounds[-1], device=device)
-    ys = [fused[:, lo:hi] for lo, hi in zip(bounds, bounds[1:])]
-    want = fused.clone()
-    for c, lo, hi in zip(cases, bounds, bounds[1:]):
-        add_lora_ref(want[:, lo:hi], x, c.A_rows, c.B_rows, c.row_table, c.ranks, c.slots,
-                     c.experts)
-    add_lora_stacked(ys, x, [c.A_rows for c in cases], [c.B_rows for c in cases],
-                     [c.row_table for c in cases], [c.ranks for c in cases], cases[0].meta,
-                     backend=backend)
-    assert_rel(fused, want, torch.float32)
 
 
 @pytest.mark.parametrize(("heavy_min", "gather_max"),

@@ -1,5 +1,5 @@
 """Each CPU strategy of the torch backend (gather, per-segment GEMM, dense, padded) against the
-reference, forced one at a time through the planner's thresholds, on random row tables and on
+reference, forced one at a time through `plan_torch(strategy=)`, on random row tables and on
 the layout the engine produces (batch grouped by adapter, one run of pool rows at one rank),
 where dense and padded work on views."""
 from __future__ import annotations
@@ -10,23 +10,14 @@ import pytest
 import torch
 
 from loraserve import kernels
-import loraserve.kernels.torch_backend as tb
 from loraserve.kernels import LoRAMeta
 from loraserve.kernels.reference import add_lora_ref
-
-STRATEGIES = {  # attribute overrides that force one strategy
-    "dense": dict(FORCE_SMALL="dense"),
-    "padded": dict(FORCE_SMALL="padded"),
-    "gather": dict(DENSE_MAX_SEGMENTS=0, HEAVY_MIN_EXTRA_ELEMENTS=1 << 62),
-    "segment-gemm": dict(DENSE_MAX_SEGMENTS=0, HEAVY_MIN_EXTRA_ELEMENTS=0),
-}
+from loraserve.kernels.torch_backend import STRATEGIES
 
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 @pytest.mark.parametrize("pattern", ["one", "few", "skewed", "with-base-tokens", "grouped", "grouped-uneven"])
-def test_strategy_matches_reference(strategy, pattern, monkeypatch):
-    for name, value in STRATEGIES[strategy].items():
-        monkeypatch.setattr(tb, name, value)
+def test_strategy_matches_reference(strategy, pattern):
     gen = torch.Generator().manual_seed(zlib.crc32(f"{strategy}-{pattern}".encode()))
     T, H, O, P, A, R = 29, 48, 40, 256, 8, 16
     A_rows, B_rows = torch.randn(P, H, generator=gen), torch.randn(P, O, generator=gen)
@@ -47,14 +38,12 @@ def test_strategy_matches_reference(strategy, pattern, monkeypatch):
     want = y.clone()
     add_lora_ref(want, x, A_rows, B_rows, table, ranks, slots)
     meta = LoRAMeta.build(slots, max_segments=A)
-    plan = kernels.plan_torch(meta, table, ranks, A_rows, B_rows)
-    picked = {"dense": plan.dense, "padded": plan.padded, "gather": plan.light,
-              "segment-gemm": plan.heavy}[strategy]
-    assert picked is not None, f"{strategy} was not chosen"
-    if pattern.startswith("grouped") and strategy == "segment-gemm":  # row ranges, no gather
+    picked = kernels.plan_torch(meta, table, ranks, A_rows, B_rows, strategy=strategy)
+    assert picked.name == strategy, f"{strategy} was not chosen"
+    if pattern.startswith("grouped") and strategy == "segments":  # row ranges, no gather
         assert picked.direct
     if pattern == "grouped" and strategy in ("dense", "padded"):  # the copy-free fast paths
         assert picked.row_range is not None
         assert (picked.tok is None) if strategy == "dense" else (picked.vtok is None and picked.invalid is None)
-    kernels.add_lora_torch(y, x, A_rows, B_rows, table, ranks, meta, plan=plan)
+    kernels.add_lora_torch(y, x, A_rows, B_rows, table, ranks, meta, plan=picked)
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)

@@ -8,7 +8,7 @@ import torch
 
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.types import GenerateRequest, SamplingParams
-from loraserve.lora.setup import build_engine
+from loraserve.engine.build import build_engine
 
 TOKENS = 6
 

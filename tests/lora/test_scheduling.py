@@ -10,7 +10,7 @@ from loraserve.catalog.importer import import_peft
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.sequence import SeqStatus
 from loraserve.engine.types import GenerateRequest, SamplingParams
-from loraserve.lora.setup import build_engine
+from loraserve.engine.build import build_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -96,13 +96,13 @@ def test_random_workload_never_exceeds_bounds_or_evicts_in_use(dense_set, tmp_pa
         in_use: dict = {}
         for seq in eng.scheduler.running:
             if seq.adapter_key is not None:
-                assert pool.key_of(seq.slot) == seq.adapter_key  # its adapter was never evicted
+                assert pool.entry(seq.adapter_key).slot == seq.slot  # its adapter was never evicted
                 in_use[seq.adapter_key] = in_use.get(seq.adapter_key, 0) + 1
         for key, n in in_use.items():
-            assert pool.refcount(key) == n
+            assert pool.entry(key).refcount == n
     while eng.has_work():
         eng.step()
-    assert all(pool.refcount(k) == 0 for k in pool.resident())
+    assert all(pool.entry(k).refcount == 0 for k in pool.resident())
     assert eng.blocks.num_free == eng.blocks.num_blocks
     assert eng.blocks.prefix_hit_tokens > 0
 

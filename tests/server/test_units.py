@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+from dataclasses import dataclass
 
 import openai
 import pytest
@@ -13,6 +15,8 @@ from loraserve.catalog.errors import (AdapterNotFound, BaseMismatch, CatalogErro
 from loraserve.engine.types import EngineError, SamplingParams, TokenLogprob
 from loraserve.server.errors import APIError, as_api_error, validation_error
 from loraserve.server.logprobs import LOGPROB_FLOOR, LegacyLogprobs, TokenRenderer, chat_content
+from loraserve.server.endpoint import Endpoint, Plan, serve
+from loraserve.server.protocol import CompletionRequest
 from loraserve.server.serving import Prompt, ServerContext, fan_out, resolve_adapter
 from loraserve.server.metrics import ServerMetrics
 from loraserve.server.streaming import merge, start_all
@@ -123,3 +127,57 @@ def test_error_mid_stream(client: openai.OpenAI, engine: FakeEngine) -> None:
         client.chat.completions.create(model="fake-base", max_tokens=5,
                                        messages=[{"role": "user", "content": "x"}])
     assert client.completions.create(model="fake-base", prompt="ab", max_tokens=2).choices
+
+
+@dataclass(slots=True)
+class CountingChoice:
+    """A toy endpoint's choice: counts deltas, opens its stream with a marker entry."""
+
+    index: int
+    num_tokens: int = 0
+
+    def apply(self, out) -> None:
+        self.num_tokens += len(out.token_ids)
+
+    def delta(self, out) -> dict:
+        self.apply(out)
+        return {"index": self.index, "n": len(out.token_ids)}
+
+    def opening(self) -> dict:
+        return {"index": self.index, "open": True}
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "tokens": self.num_tokens}
+
+
+TOY = Endpoint("toy",
+               lambda req, engine: Plan([Prompt("ab", [1, 2])], SamplingParams(max_tokens=req.max_tokens),
+                                        lambda i, prompt, render: CountingChoice(i)),
+               lambda request_id, created, model, chunk: {"id": request_id, "chunk": chunk})
+
+
+def test_the_skeleton_serves_any_endpoint() -> None:
+    """An endpoint supplies its plan, head and choices; the skeleton does the rest."""
+    ctx = ServerContext(engine=FakeEngine(), metrics=ServerMetrics(), max_n=4)
+
+    async def answer(**fields) -> tuple[int, bytes | list[str]]:
+        req = CompletionRequest(model="fake-base", prompt="unused", max_tokens=3, n=2, **fields)
+        response = await serve(req, ctx, TOY)
+        if not fields.get("stream"):
+            return response.status_code, response.body
+        return response.status_code, [chunk async for chunk in response.body_iterator]
+
+    status, body = asyncio.run(answer())
+    data = json.loads(body)
+    assert status == 200 and data["id"].startswith("toy-") and data["chunk"] is False
+    assert data["choices"] == [{"index": 0, "tokens": 3}, {"index": 1, "tokens": 3}]
+    assert data["usage"] == {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8}
+    status, events = asyncio.run(answer(stream=True, stream_options={"include_usage": True}))
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert events[-1] == "data: [DONE]\n\n" and all(c["chunk"] is True for c in chunks)
+    assert [c["choices"] for c in chunks[:2]] == [[{"index": 0, "open": True}], [{"index": 1, "open": True}]]
+    assert sum(len(c["choices"]) for c in chunks[2:-1]) == 6
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+    with pytest.raises(APIError) as err:
+        asyncio.run(answer(presence_penalty=1.0))  # the shared checks run first
+    assert err.value.param == "presence_penalty"

@@ -1,4 +1,5 @@
-"""Builds an engine with multi-LoRA wired in: catalog, pager, CPU cache, device pool, wrappers."""
+"""Engine construction, in one place: the base, and with a catalog the adapter tiers (catalog,
+pager, CPU cache, device pool), the manager that drives them and the LoRA wrappers."""
 from __future__ import annotations
 
 import torch
@@ -8,12 +9,12 @@ from loraserve.catalog.base import base_fingerprint
 from loraserve.catalog.store import Catalog
 
 from ..adapters.cpu_cache import CpuCache
+from ..adapters.manager import AdapterManager
 from ..adapters.pager import Pager
 from ..adapters.pool import AdapterPool, PoolConfig, TargetSpec
-from ..engine.config import EngineConfig
-from ..engine.llm_engine import LLMEngine
-from .layers import EXPERT_KINDS, LoRAState, attach_lora, target_modules
-from .manager import AdapterManager
+from ..lora.layers import EXPERT_KINDS, LoRAState, attach_lora, target_modules
+from .config import EngineConfig
+from .llm_engine import LLMEngine
 
 
 DEFAULT_POOL_MB = 2048  # without --gpu-adapter-mb: max_slots x max_rank rows, capped at this

@@ -1,0 +1,166 @@
+"""AdapterManager: the engine's view of adapter residency across the three tiers.
+
+    disk (catalog) --Pager threads--> CpuCache --engine thread, at admission--> AdapterPool
+
+Ownership (one writer per piece of state):
+- `resolve` and `describe` are catalog reads with no state of ours: any thread.
+- Everything else (`is_ready`, `fetch`, `accept`, the `AdapterGate` methods, `pin`, `unload`)
+  runs on the engine thread only. It is the only writer of the device pool and of the staged
+  weights below. The pager's threads touch none of it: a finished page-in is put on `page_ins`
+  (and `notify` wakes the engine thread), and the engine thread drains it and calls `settle`.
+- `CpuCache` and `Pager` are self-locking monitors shared with the pager's threads.
+
+It is the scheduler's `AdapterGate`: a sequence is admitted only once its adapter has a pool
+slot, and holds a reference on that slot until it finishes or is preempted.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+from concurrent.futures import Future
+from typing import Callable
+
+from loraserve.catalog.records import RevisionRecord
+
+from .pool import AdapterPool, PoolFull
+from .weights import AdapterKey
+
+log = logging.getLogger(__name__)
+
+
+class AdapterNotServable(ValueError):
+    """A revision this server can never load (rank or targets beyond its pool): a 400."""
+
+    status = 400
+    code = "invalid_request"
+    param = "model"
+
+
+class AdapterManager:
+    def __init__(self, catalog, pool: AdapterPool, cpu_cache, pager, base_fingerprint: str):
+        self.catalog = catalog
+        self.pool = pool
+        self.cpu_cache = cpu_cache
+        self.pager = pager
+        self.base_fingerprint = base_fingerprint
+        # engine thread only: paged in for a parked request, not yet copied into the pool
+        self._staged: dict[AdapterKey, object] = {}
+        self.max_staged = 2 * pool.config.max_slots
+        self._fetching: dict[AdapterKey, RevisionRecord] = {}  # engine thread only: page-ins asked
+        self.page_ins: queue.SimpleQueue = queue.SimpleQueue()  # (key, weights, error), done loads
+        self.notify: Callable[[], None] = lambda: None  # wakes the engine thread (set by its owner)
+
+    # -- any thread: catalog reads ---------------------------------------------------------------
+    def resolve(self, ref: str) -> RevisionRecord:
+        """'tenant/name[@rev]' -> the revision a request runs on. Raises catalog errors
+        (400/404/409) or AdapterNotServable (400) when this server could never load it."""
+        rec = self.pager.resolve(ref)  # checks the base fingerprint too (409)
+        try:
+            self.pool.check_admissible(rec.rank, rec.targets)
+        except ValueError as exc:  # rank above --max-lora-rank, a target this server does not serve
+            raise AdapterNotServable(
+                f"adapter {rec.adapter_id}@{rec.revision} cannot be served here: {exc}") from exc
+        return rec
+
+    def describe(self, adapter_id: str, residency: Callable[[AdapterKey], str]) -> dict:
+        """Policy record and revisions of adapter_id, each with `residency(key)` (gpu|cpu|disk)."""
+        pol = self.catalog.policy(adapter_id)
+        revisions = []
+        for rev in pol.revisions:
+            rec = self.catalog.resolve(adapter_id, rev)
+            revisions.append({"revision": rev, "size": rec.size, "checksum": rec.checksum,
+                              "created": rec.created, "rank": rec.rank, "targets": rec.targets,
+                              "residency": residency((adapter_id, rev))})
+        promoted = next((r["residency"] for r in revisions if r["revision"] == pol.promoted), "disk")
+        return {"id": adapter_id, "base_fingerprint": pol.base_fingerprint, "rank": pol.rank,
+                "targets": pol.targets, "promoted": pol.promoted, "previous": pol.previous,
+                "tags": pol.tags, "created": pol.created, "updated": pol.updated,
+                "residency": promoted, "revisions": revisions}
+
+    def warm(self, ref: str) -> AdapterKey:
+        """Resolve ref and page it into the CPU tier now (blocking; pager and cache only)."""
+        rec = self.resolve(ref)
+        self.pager.fetch(rec).result()
+        return rec.adapter_id, rec.revision
+
+    # -- engine thread ---------------------------------------------------------------------------
+    def is_ready(self, key: AdapterKey) -> bool:
+        """Whether key can be admitted without a page-in."""
+        return key in self.pool or key in self._staged or key in self.cpu_cache
+
+    def fetch(self, record: RevisionRecord) -> None:
+        """Page record in to the CPU tier (once per key until `settle`); `(key, weights, err)`
+        arrives on `page_ins` when it is there (at once on a CPU hit)."""
+        key = (record.adapter_id, record.revision)
+        if key in self._fetching:
+            return
+        self._fetching[key] = record
+        fut: Future = self.pager.fetch(record)
+        fut.add_done_callback(lambda f: self._done(key, f))
+
+    def _done(self, key: AdapterKey, fut: Future) -> None:
+        """Pager thread: hand the result over to the engine thread, nothing else."""
+        err = fut.exception()
+        self.page_ins.put((key, None if err else fut.result(), err))
+        self.notify()
+
+    def settle(self, key: AdapterKey, weights) -> None:
+        """A page-in finished (weights None: it failed). Successful weights are held for the
+        waiting requests until admission copies them to the pool, so a small CPU cache cannot
+        drop them in between. Bounded: oldest first (they are normally still in the CPU cache)."""
+        self._fetching.pop(key, None)
+        if weights is None:
+            return
+        self._staged[key] = weights
+        while len(self._staged) > self.max_staged:
+            self._staged.pop(next(iter(self._staged)))
+
+    def try_acquire(self, key: AdapterKey, record: RevisionRecord | None = None) -> int | None:
+        """A slot for key's adapter, loading it from the CPU tier if there is room (the slot now
+        holds one more reference); None = not now: the pool is full of in-use adapters, or the
+        weights left every tier since they were fetched (then `record` is paged in again)."""
+        slot = self.pool.slot_of(key)
+        if slot is None:
+            weights = self._staged.get(key)
+            weights = weights if weights is not None else self.cpu_cache.get(key)
+            if weights is None:
+                if record is not None:
+                    self.fetch(record)
+                return None
+            try:
+                self.pool.load(key, weights)
+            except PoolFull:
+                return None
+            self._staged.pop(key, None)
+        return self.pool.acquire(key)
+
+    def is_resident(self, key: AdapterKey) -> bool:
+        return key in self.pool
+
+    def release(self, slot: int) -> None:
+        self.pool.release(slot)
+
+    def pin(self, ref: str) -> AdapterKey:
+        """Load ref now and keep it resident (--pin)."""
+        rec = self.resolve(ref)
+        key = (rec.adapter_id, rec.revision)
+        self.pool.load(key, self.pager.fetch(rec).result())
+        self.pool.pin(key)
+        return key
+
+    def unload(self, adapter_id: str) -> int:
+        """Drop every revision of adapter_id from the CPU tier and, when unused, the device pool.
+        Returns how many device-resident revisions were evicted. An in-use revision stays until
+        its sequences finish (then it is an ordinary idle entry, evicted under pressure)."""
+        evicted = 0
+        for key in [k for k in self.pool.resident() if k[0] == adapter_id]:
+            self.pool.unpin(key)
+            evicted += bool(self.pool.evict(key))
+        for key in [k for k in self.cpu_cache.keys() if k[0] == adapter_id]:
+            self.cpu_cache.discard(key)
+        for key in [k for k in self._staged if k[0] == adapter_id]:
+            del self._staged[key]
+        return evicted
+
+    def close(self) -> None:
+        self.pager.close()

@@ -1,0 +1,41 @@
+"""What other threads may know about the engine: an immutable snapshot the engine thread publishes.
+
+The engine thread is the only writer of the scheduler, the block manager and the device adapter
+pool. The HTTP loop (`/metrics`, `/v1/models`, `/v1/adapters/{id}`) never reads those containers;
+it reads the latest `EngineSnapshot`, which the engine replaces (one reference assignment, atomic
+in Python) after applying commands, when it goes idle, and at most every `PUBLISH_EVERY_S` while
+it steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PUBLISH_EVERY_S = 0.01
+
+AdapterKey = tuple[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    running: int = 0
+    waiting: int = 0
+    parked: int = 0                       # waiting for their adapter to page in
+    batch_size: int = 0                   # sequences in the last step
+    kv_usage: float = 0.0                 # fraction of KV blocks in use
+    preemptions: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    running_adapters: tuple[str, ...] = ()  # adapter ids with a running sequence, sorted
+    waiting_adapters: tuple[str, ...] = ()  # adapter ids with a waiting or parked sequence, sorted
+    resident: frozenset[AdapterKey] = frozenset()  # (adapter_id, revision) in the device pool
+    pool: object | None = None            # adapters.stats.PoolStats copy; None without a catalog
+    max_lora: int = 0                     # device pool slots
+    published: float = 0.0                # time.monotonic() of publication
+
+    def stats(self) -> dict:
+        """The gauges the server exports (`engine.stats()`)."""
+        return {"running": self.running, "waiting": self.waiting, "parked": self.parked,
+                "batch_size": self.batch_size, "kv_usage": self.kv_usage,
+                "preemptions": self.preemptions, "prefix_cache_hit_rate": self.prefix_cache_hit_rate}
+
+    def resident_ids(self) -> list[str]:
+        return sorted({aid for aid, _ in self.resident})

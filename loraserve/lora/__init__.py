@@ -1,0 +1,1 @@
+"""LoRA wrappers for the base model's target modules, fed by one per-step `LoRAState`."""

@@ -1,0 +1,135 @@
+"""The request skeleton both generation endpoints run; each endpoint supplies only what differs.
+
+One request: check the fields both endpoints share (serving.check_request) -> the endpoint's
+`plan` (its prompts and sampling, checked) -> fan out to the engine, every stream primed, so a
+bad request is still a proper 4xx -> the answer, either one JSON body (the endpoint's `head`, every
+choice's `to_json`, usage) or an SSE stream (each choice's `opening` entry if it has one, one
+chunk per engine delta from the choice's `delta`, usage if asked, `[DONE]`; a failure after the
+headers is sent in-band). TTFT, end-to-end latency and token counts are recorded on the way.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from loraserve.engine.types import RequestOutput, SamplingParams
+from loraserve.server.errors import sse_error
+from loraserve.server.logprobs import TokenRenderer
+from loraserve.server.protocol import SamplingFields
+from loraserve.server.serving import (Engine, Prompt, RequestClock, ServerContext, check_request,
+                                      fan_out, new_id, now, usage)
+from loraserve.server.streaming import DONE, PrimedStream, merge, sse, start_all
+
+
+class Choice(Protocol):
+    """One choice's state, in its endpoint's shape; engine deltas arrive in order."""
+
+    num_tokens: int
+
+    def apply(self, out: RequestOutput) -> object:
+        """Account one delta (a non-streamed answer)."""
+        ...
+
+    def delta(self, out: RequestOutput) -> dict[str, Any]:
+        """Account one delta; returns its entry of a streamed chunk's `choices`."""
+        ...
+
+    def opening(self) -> dict[str, Any] | None:
+        """The entry streamed for this choice before any delta, if any."""
+        ...
+
+    def to_json(self) -> dict[str, Any]:
+        """The choice in a non-streamed answer."""
+        ...
+
+
+@dataclass(slots=True)
+class Plan:
+    """What an endpoint asks of the engine for one checked request.
+
+    `new_choice(index, prompt, render)` makes the state of choice `index` (prompt-major:
+    choice i answers prompt i // n).
+    """
+
+    prompts: list[Prompt]
+    params: SamplingParams
+    new_choice: Callable[[int, Prompt, TokenRenderer], Choice]
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """What differs between the generation endpoints.
+
+    `plan(req, engine)` checks the endpoint's own fields and builds its Plan (raising APIError or
+    EngineError for a bad request); `head(request_id, created, model, chunk)` gives the fields
+    every body (`chunk=False`) or SSE chunk (`chunk=True`) starts with.
+    """
+
+    id_prefix: str
+    plan: Callable[[Any, Engine], Plan]
+    head: Callable[[str, int, str, bool], dict[str, Any]]
+
+
+async def serve(req: SamplingFields, ctx: ServerContext, endpoint: Endpoint) -> Response:
+    """Answer one generation request as JSON or as an SSE stream (see module doc)."""
+    clock = RequestClock(ctx.metrics)
+    engine = ctx.engine
+    adapter = check_request(req, ctx)
+    plan = endpoint.plan(req, engine)
+    request_id = new_id(endpoint.id_prefix)
+    streams = await start_all(engine, fan_out(request_id, plan.prompts, req.n, plan.params,
+                                              adapter, bool(req.stream)))
+    clock.first_output()
+    prompt_tokens = sum(len(p.token_ids) for p in plan.prompts)
+    ctx.metrics.prompt_tokens.inc(prompt_tokens)
+    render = TokenRenderer(engine.tokenizer, req.return_tokens_as_token_ids)
+    choices = [plan.new_choice(i, plan.prompts[i // req.n], render) for i in range(len(streams))]
+    created = now()
+    if req.stream:
+        head = endpoint.head(request_id, created, req.model, True)
+        body = _stream(head, streams, choices, prompt_tokens, req.include_usage(), ctx, clock)
+        return StreamingResponse(body, media_type="text/event-stream")
+    await _collect(streams, choices, ctx, clock)
+    completion_tokens = sum(c.num_tokens for c in choices)
+    return JSONResponse({**endpoint.head(request_id, created, req.model, False),
+                         "choices": [c.to_json() for c in choices],
+                         "usage": usage(prompt_tokens, completion_tokens)})
+
+
+async def _collect(streams: Sequence[PrimedStream], choices: Sequence[Choice], ctx: ServerContext,
+                   clock: RequestClock) -> None:
+    """Non-streamed answer: feed every delta to its choice, counting generated tokens; the clock
+    records the end even if the client leaves."""
+    try:
+        async for index, out in merge(streams):
+            choices[index].apply(out)
+            ctx.metrics.generation_tokens.inc(len(out.token_ids))
+    finally:
+        clock.finished()
+
+
+async def _stream(head: dict[str, Any], streams: Sequence[PrimedStream],
+                  choices: Sequence[Choice], prompt_tokens: int, include_usage: bool,
+                  ctx: ServerContext, clock: RequestClock) -> AsyncIterator[str]:
+    """Opening chunks, one chunk per engine delta, usage (if asked), then [DONE]."""
+    extra = {"usage": None} if include_usage else {}
+    try:
+        for choice in choices:
+            opening = choice.opening()
+            if opening is not None:
+                yield sse({**head, "choices": [opening], **extra})
+        async for index, out in merge(streams):
+            entry = choices[index].delta(out)
+            ctx.metrics.generation_tokens.inc(len(out.token_ids))
+            yield sse({**head, "choices": [entry], **extra})
+        if include_usage:
+            total = sum(c.num_tokens for c in choices)
+            yield sse({**head, "choices": [], "usage": usage(prompt_tokens, total)})
+    except Exception as exc:  # headers are sent: report in-band, as OpenAI does
+        yield sse_error(exc)
+    finally:
+        clock.finished()
+    yield DONE

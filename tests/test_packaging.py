@@ -1,0 +1,115 @@
+"""Packaging: loraserve owns one top-level import name, and its layering is a checked contract.
+
+The folders kernels/ and catalog/ sit at the top of the repository but install as
+`loraserve.kernels` and `loraserve.catalog`. A package named `kernels` exists on PyPI (compute
+kernels from the Hugging Face hub; transformers imports it when installed), so a top-level
+`kernels` of ours would overwrite it or be overwritten. These tests build the real wheel, check
+its file names, import it beside a stand-in `kernels` package (in the wheel and in this editable
+install alike), and run import-linter's contracts from pyproject.toml over the built package.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+LINT = Path(PY).with_name("lint-imports")
+
+# A stand-in for the PyPI package `kernels`: importable, and loud if loraserve ever uses it.
+STAND_IN = '''
+"""Stand-in for the Hugging Face hub's `kernels` package."""
+IS_STAND_IN = True
+def __getattr__(name):
+    raise AttributeError(f"stand-in kernels package has no {name!r}: loraserve imported the wrong package")
+'''
+
+# Uses loraserve's kernels and catalog through every layer that imports them, then checks that
+# the top-level name `kernels` is still the stand-in.
+PROBE = textwrap.dedent('''
+    import sys, torch
+    import kernels
+    assert kernels.IS_STAND_IN
+    import loraserve.kernels as lk, loraserve.catalog.store, loraserve.catalog.format
+    from loraserve.engine.build import build_engine
+    from loraserve.lora.layers import LoRAState
+    from loraserve.server.app import build_app
+    assert lk is not kernels and not hasattr(lk, "IS_STAND_IN"), lk.__file__
+    assert sys.modules["kernels"] is kernels, "loraserve replaced the top-level kernels module"
+    assert "catalog" not in sys.modules, "loraserve imported a top-level catalog module"
+    meta = lk.LoRAMeta.build(torch.tensor([0, 0, -1], dtype=torch.int32), max_segments=1)
+    x, y = torch.randn(3, 8), torch.zeros(3, 4)
+    A, B = torch.randn(2, 8), torch.randn(2, 4)
+    table, ranks = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    lk.add_lora(y, x, A, B, table, ranks, meta, backend="torch")
+    assert torch.allclose(y[:2], x[:2] @ A.T @ B, atol=1e-5) and not y[2].any()
+    print("ok", lk.__file__)
+''')
+
+
+def _run(args: list[str], *, cwd: Path, path: list[Path]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, path))}
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    proc = subprocess.run([PY, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                           "-w", str(out), str(REPO)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (whl,) = out.glob("loraserve-*.whl")
+    return whl
+
+
+@pytest.fixture(scope="module")
+def site(wheel, tmp_path_factory) -> Path:
+    """The wheel unpacked, as pip would install it, plus a stand-in `kernels` in another dir."""
+    root = tmp_path_factory.mktemp("site")
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(root / "site")
+    (root / "other" / "kernels").mkdir(parents=True)
+    (root / "other" / "kernels" / "__init__.py").write_text(STAND_IN)
+    return root
+
+
+def test_wheel_installs_one_top_level_name(wheel) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"loraserve"}
+    for folder in ("kernels", "catalog"):
+        ours = {p.name for p in (REPO / folder).glob("*.py")}
+        shipped = {n.rsplit("/", 1)[1] for n in names if n.startswith(f"loraserve/{folder}/")}
+        assert ours <= shipped, f"missing from loraserve/{folder}: {sorted(ours - shipped)}"
+    packages = {p.parent.relative_to(REPO).as_posix() for p in (REPO / "loraserve").rglob("__init__.py")}
+    shipped_pkgs = {n.rsplit("/", 1)[0] for n in names if n.endswith("/__init__.py")}
+    assert packages <= shipped_pkgs, f"packages not in the wheel (pyproject's list): {packages - shipped_pkgs}"
+
+
+def test_wheel_ignores_a_foreign_kernels_package(site, tmp_path) -> None:
+    proc = _run([PY, "-c", PROBE], cwd=tmp_path, path=[site / "other", site / "site"])
+    assert proc.returncode == 0, proc.stderr
+    assert str(site / "site") in proc.stdout
+
+
+def test_editable_install_ignores_a_foreign_kernels_package(site, tmp_path) -> None:
+    """The development install (setuptools' editable finder maps loraserve.kernels to kernels/)."""
+    proc = _run([PY, "-c", PROBE], cwd=tmp_path, path=[site / "other"])
+    assert proc.returncode == 0, proc.stderr
+    assert str(REPO / "kernels") in proc.stdout
+
+
+def test_import_contracts_hold(site) -> None:
+    """import-linter over the installed layout: grimp walks loraserve/ on disk, where the mapped
+    folders only appear once installed (and lint-imports puts its working directory first on
+    the path, so it runs in the unpacked wheel, not in the repository)."""
+    proc = _run([str(LINT), "--config", str(REPO / "pyproject.toml")], cwd=site / "site",
+                path=[site / "site"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "broken" not in proc.stdout.lower().replace("0 broken", "")
