@@ -158,10 +158,16 @@ def bench_row(cfg: BenchConfig, t: int, n: int, copy_gbs: float) -> list[str]:
             f"{loop * 1e3:.3f}", f"{loop / ours:.2f}x"]
 
 
-def call_overhead(cfg: BenchConfig) -> float:
-    """Seconds per add_lora call at a tiny decode shape (8 tokens, 8 adapters, H 64): overhead."""
+def call_overhead(cfg: BenchConfig, *, through_op: bool = False) -> float:
+    """Seconds per add_lora call at a tiny decode shape (8 tokens, 8 adapters, H 64): overhead.
+    through_op: call the registered custom op (what a torch.compile graph runs) instead."""
     small = BenchConfig(64, 8, (8,), (8,), cfg.device, cfg.dtype, cfg.backend, max(cfg.reps, 50))
     b = make_batch(small, 8, 8)
+    if through_op:
+        m = b.meta
+        return timed(lambda: torch.ops.loraserve.add_lora(
+            b.y, b.x, b.A_rows, b.B_rows, b.row_table, b.ranks, None, m.tensors(), m.num_tokens,
+            m.moe, cfg.backend), small)
     return timed(lambda: add_lora(b.y, b.x, b.A_rows, b.B_rows, b.row_table, b.ranks, b.meta,
                                   backend=cfg.backend), small)
 
@@ -231,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = [bench_row(cfg, t, n, copy_gbs) for t in cfg.tokens for n in cfg.adapters]
     print_table(header, rows)
     print(f"# per-call overhead (T=8, 8 adapters, H=64): {call_overhead(cfg) * 1e6:.0f} us")
+    print(f"# the same through torch.ops.loraserve.add_lora (custom-op dispatch, as compiled "
+          f"graphs call it): {call_overhead(cfg, through_op=True) * 1e6:.0f} us")
     print(f"# CUDA graph replay after a meta rebuild: {graph_replay_check(cfg)}")
 
 

@@ -1,12 +1,17 @@
 """loraserve's adapter catalog: sharded LMDB store, blob format, PEFT exporter, bulk materializer.
 
-Modules (none imports `loraserve`):
+Modules (none imports `loraserve` outside this package):
+    targets     the one table of LoRA target kinds, module paths and blob tensor names (torch-free)
+    dtypes      the one table of dtype names and safetensors codes (torch-free)
+    safetensors_header  the one safetensors header reader, blobs and files (torch-free)
+    checkpoint  the one index of a Hugging Face checkpoint directory (torch-free)
     errors      CatalogError and its subclasses, each with an HTTP `.status`
     ids         adapter id / model reference validation
     records     PolicyRecord, RevisionRecord (JSON in LMDB)
-    format      blob format constants, header parsing, checksum (torch-free)
+    format      blob format constants, metadata, checksum (torch-free)
     layout      AdapterWeights, save_revision, load_revision
-    base        BaseInfo.from_dir, base_fingerprint (basefp re-exports it)
+    base        BaseInfo.from_dir, base_fingerprint (torch-free)
+    baseweights one base weight as a torch tensor (the audit's reference)
     shards      one LMDB env per shard, map growth
     store       Catalog
     export      PEFT dir -> AdapterWeights; importer puts it into a Catalog

@@ -26,7 +26,7 @@ class BlobTemplate:
 
     header: bytes  # the blob's first bytes: length prefix + JSON header
     scale: np.ndarray  # [N] float32, std of each data element (A: 1/sqrt(in), B: B_STD)
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # a serving dtype name (catalog.dtypes)
 
     def blobs(self, adapter_ids: list[str], seed: int) -> list[bytes]:
         """Blobs of a batch of synthetic adapters, built together (each still a function of its id and seed)."""

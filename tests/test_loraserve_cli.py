@@ -68,5 +68,6 @@ def test_serve_defaults_are_the_engine_config_defaults() -> None:
 
 def test_serve_help_shows_each_default() -> None:
     out = " ".join(_run("serve", "--help").stdout.split())  # unwrapped
-    assert "--max-gpu-adapters MAX_GPU_ADAPTERS adapters resident in the device pool at once (default: 32)" in out
+    assert ("--max-gpu-adapters MAX_GPU_ADAPTERS adapters resident in the device pool at once "
+            "(default: 32)") in out
     assert "(default: 512)" in out and "(default: all cores but one, left to the server)" in out

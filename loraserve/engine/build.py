@@ -7,12 +7,13 @@ import torch
 from loraserve import kernels
 from loraserve.catalog.base import base_fingerprint
 from loraserve.catalog.store import Catalog
+from loraserve.catalog.targets import EXPERT_KINDS
 
 from ..adapters.cpu_cache import CpuCache
 from ..adapters.manager import AdapterManager
 from ..adapters.pager import Pager
 from ..adapters.pool import AdapterPool, PoolConfig, TargetSpec
-from ..lora.layers import EXPERT_KINDS, LoRAState, attach_lora, target_modules
+from ..lora.layers import LoRAState, attach_lora, target_modules
 from .config import EngineConfig
 from .llm_engine import LLMEngine
 

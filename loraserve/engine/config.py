@@ -12,8 +12,7 @@ class EngineConfig:
     device: str = field(default="auto", metadata={
         "help": "where the model runs: auto (cuda if torch sees one, else cpu) | cpu | cuda"})
     dtype: str = field(default="auto", metadata={
-        "help": "weights and activations: auto (float32 on CPU, the checkpoint's on CUDA) "
-                "| float32 | bfloat16 | float16"})
+        "help": "dtype of weights and activations; auto: float32 on CPU, the checkpoint's on CUDA"})
     served_model_name: str | None = field(default=None, metadata={
         "help": "the base model's name in the API", "default": "the model directory's name"})
     max_batch_size: int = field(default=64, metadata={"help": "sequences in one step"})
