@@ -1,9 +1,12 @@
 """Multi-LoRA decode: loraserve vs its own base-only batch and vs Hugging Face PEFT, one run.
 
-    python bench/lora_decode.py [--model DIR] [--batch 32] [--tokens 32] [--distinct 1,8,32] [--no-peft]
+    python bench/lora_decode.py [--model DIR] [--batch 32] [--tokens 32] [--distinct 1,8,32]
+                                [--rank 16 | --rank 4,16,64] [--strategy NAME] [--no-peft]
 
 1. Engine (in process): decode tokens/s for `--batch` requests spread over 1, 8, 32 distinct
-   rank-16 adapters on every target, against the same batch on the base alone.
+   rank-16 adapters on every target, against the same batch on the base alone. A rank list gives
+   adapter i the rank `ranks[i % len]` (mixed ranks); `--strategy` forces one plan of the torch
+   LoRA backend (dense, padded, gather, segments) instead of its cost model.
 2. End to end: the same mixed batch sent over HTTP to a live loraserve server (uvicorn, streaming
    off, concurrent requests), against PEFT's mixed-adapter `generate(..., adapter_names=...)`
    on the same base, adapters and batch.
@@ -32,7 +35,7 @@ CPU_THREADS = torch.get_num_threads()  # before any engine sets its own count
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapters(base: Path, root: Path, n: int, rank: int) -> tuple[Path, list[str], dict[str, Path]]:
+def make_adapters(base: Path, root: Path, n: int, ranks: list[int]) -> tuple[Path, list[str], dict[str, Path]]:
     from loraserve.catalog.base import BaseInfo
     from loraserve.catalog.importer import import_peft
     from loraserve.catalog.store import Catalog
@@ -44,6 +47,7 @@ def make_adapters(base: Path, root: Path, n: int, rank: int) -> tuple[Path, list
     with Catalog.create(root / "catalog", shards=8) as cat:
         for i, aid in enumerate(ids):
             torch.manual_seed(i)
+            rank = ranks[i % len(ranks)]
             model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
             peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ALL_TARGETS,
                                                     init_lora_weights=False))
@@ -54,7 +58,8 @@ def make_adapters(base: Path, root: Path, n: int, rank: int) -> tuple[Path, list
 
 
 def engine_decode(base: Path, catalog: Path, ids: list[str], batch: int, tokens: int,
-                  distinct: list[int], device: str = "auto", repeats: int = 3) -> list[tuple[str, float, float]]:
+                  distinct: list[int], device: str = "auto", repeats: int = 3, max_rank: int = 16,
+                  strategy: str | None = None) -> list[tuple[str, float, float]]:
     import sys
     sys.path.insert(0, str(Path(__file__).parent))
     from decode import measure
@@ -62,7 +67,9 @@ def engine_decode(base: Path, catalog: Path, ids: list[str], batch: int, tokens:
     from loraserve.engine.build import build_engine
 
     eng = build_engine(EngineConfig(model_dir=str(base), catalog_dir=str(catalog), max_batch_size=batch, device=device,
-                                    max_model_len=64 + tokens, max_gpu_adapters=max(distinct), max_lora_rank=16))
+                                    max_model_len=64 + tokens, max_gpu_adapters=max(distinct), max_lora_rank=max_rank))
+    if strategy is not None:  # the torch backend's per-step plans (loraserve.kernels.torch_backend)
+        eng.runner.lora.plans.strategy = strategy
     measure(eng, 2, 16, 4, [ids[0], None])  # warm-up
     cases = [("base only", None)] + [(f"{d} adapters", [ids[i % d] for i in range(batch)]) for d in distinct]
     best: dict[str, tuple[float, float]] = {}
@@ -101,12 +108,12 @@ async def _http_timed(url: str, prompts: list[str], models: list[str], tokens: i
 
 
 def http_tokens_per_s(base: Path, catalog: Path, prompts: list[str], models: list[str], tokens: int,
-                      port: int = 8766) -> float:
+                      max_rank: int, port: int = 8766) -> float:
     """Output tokens/s of the mixed batch through a `loraserve serve` subprocess (HTTP included)."""
     from lora_residency import start_server
 
     proc = start_server(str(base), str(catalog), port, "--max-batch-size", str(len(prompts)),
-                        "--max-gpu-adapters", str(len(set(models))), "--max-lora-rank", "16")
+                        "--max-gpu-adapters", str(len(set(models))), "--max-lora-rank", str(max_rank))
     url = f"http://127.0.0.1:{port}"
     try:
         n, dt = asyncio.run(_http_timed(url, prompts, models, tokens))
@@ -147,17 +154,20 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--distinct", default="1,8,32")
-    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--rank", default="16", help="one rank, or a list cycled over the adapters")
+    ap.add_argument("--strategy", default=None, help="force one torch-backend plan (engine cases)")
     ap.add_argument("--no-peft", action="store_true")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
     base = Path(base_or_demo(args.model))
     distinct = [int(d) for d in args.distinct.split(",")]
+    ranks = [int(r) for r in args.rank.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        catalog, ids, dirs = make_adapters(base, Path(tmp), max(distinct), args.rank)
-        rows = engine_decode(base, catalog, ids, args.batch, args.tokens, distinct, args.device)
+        catalog, ids, dirs = make_adapters(base, Path(tmp), max(distinct), ranks)
+        rows = engine_decode(base, catalog, ids, args.batch, args.tokens, distinct, args.device,
+                             max_rank=max(ranks), strategy=args.strategy)
         print(f"engine decode, batch {args.batch}, rank {args.rank}, all 7 targets, {args.tokens} tokens, "
-              "best of 3 interleaved runs")
+              f"best of 3 interleaved runs, plans: {args.strategy or 'cost model'}")
         print(f"{'batch':>12} {'tok/s':>9} {'ms/step':>8} {'vs base':>8}")
         for name, tps, ms in rows:
             print(f"{name:>12} {tps:>9.1f} {ms:>8.2f} {tps / rows[0][1]:>8.2f}")
@@ -166,7 +176,7 @@ def main() -> None:
         d = max(distinct)
         prompts = [f"Request {i}: tell me something." for i in range(args.batch)]
         models = [ids[i % d] for i in range(args.batch)]
-        ours = http_tokens_per_s(base, catalog, prompts, models, args.tokens)
+        ours = http_tokens_per_s(base, catalog, prompts, models, args.tokens, max(ranks))
         theirs = peft_tokens_per_s(base, dirs, prompts, models, args.tokens)
         print(f"\nmixed batch of {args.batch} over {d} adapters, {args.tokens} tokens each")
         print(f"{'system':>28} {'tok/s':>9}")

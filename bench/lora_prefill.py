@@ -2,10 +2,12 @@
 against the same step on the base alone.
 
     python bench/lora_prefill.py [--model DIR] [--batch 32] [--prompt 128] [--distinct 1,8,32]
+                                 [--strategy NAME]
 
 The adapters are rank 16 on all seven targets, synthesized into a temporary catalog by
 `loraserve catalog materialize`. Prefix caching is off, so
-every step computes every prompt token. Cases run interleaved, best of 3.
+every step computes every prompt token. Cases run interleaved, best of 3. `--strategy` forces one
+plan of the torch LoRA backend (dense, padded, gather, segments) instead of its cost model.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--distinct", default="1,8,32")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--strategy", default=None, help="force one torch-backend plan")
     args = ap.parse_args()
     model = base_or_demo(args.model)
     distinct = [int(d) for d in args.distinct.split(",")]
@@ -64,6 +67,8 @@ def main() -> None:
                                         max_batch_size=args.batch, max_model_len=args.prompt + 8,
                                         max_batched_tokens=args.batch * args.prompt, prefix_caching=False,
                                         max_gpu_adapters=max(distinct), max_lora_rank=16))
+        if args.strategy is not None:  # the torch backend's per-step plans
+            eng.runner.lora.plans.strategy = args.strategy
         prompt = [(7 * i) % (eng.vocab_size - 6) + 3 for i in range(args.prompt)]
         cases = [("base only", [None] * args.batch)] + [
             (f"{d} adapters", [ids[i % d] for i in range(args.batch)]) for d in distinct]
@@ -74,7 +79,8 @@ def main() -> None:
             for name, adapters in cases:
                 best[name] = min(best[name], prefill_ms(eng, prompt, adapters))
     tokens = args.batch * args.prompt
-    print(f"prefill step: {args.batch} prompts x {args.prompt} tokens, rank 16, all 7 targets, device {eng.device}")
+    print(f"prefill step: {args.batch} prompts x {args.prompt} tokens, rank 16, all 7 targets, device {eng.device}, "
+          f"plans: {args.strategy or 'cost model'}")
     print(f"{'batch':>12} {'ms':>8} {'tok/s':>9} {'vs base':>8}")
     for name, _ in cases:
         print(f"{name:>12} {best[name]:>8.1f} {tokens / best[name] * 1e3:>9.0f} {best['base only'] / best[name]:>8.2f}")

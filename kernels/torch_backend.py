@@ -339,9 +339,6 @@ def _small_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, nu
     the gather is priced lower or neither applies."""
     lay = _small_layout(meta, row_table, ranks, num_experts, width)
     if lay is None:
-        if strategy is not None:
-            raise ValueError(f"strategy {strategy!r} needs a dense pool, CPU metadata and a small "
-                             f"batch over at most {SMALL_MAX_SEGMENTS} adapters")
         return None
     if strategy is None:
         costs = _small_costs(lay, width)
@@ -448,9 +445,10 @@ def plan_torch(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, A_r
     A_rows, B_rows)` applies it with no checks. Every layer of that kind shares it (same
     metadata, row table, ranks and widths), saving the host-side planning of every other call.
 
-    strategy: None lets the cost model choose; one of STRATEGIES forces it (tests, benchmarks).
-    Forcing dense or padded where they do not apply (MoE pools, CUDA metadata, big batches)
-    raises ValueError; "gather" / "segments" apply everywhere."""
+    strategy: None lets the cost model choose; one of STRATEGIES forces it (tests, benchmarks)
+    where it applies. "gather" and "segments" apply everywhere; where dense or padded do not (MoE
+    pools, CUDA metadata, batches past SMALL_MAX_SEGMENTS or SMALL_MAX_MACS), the light / heavy
+    split covers the call. The plan's `name` says what runs."""
     if strategy is not None and strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     num_experts, width = _num_experts(A_rows), A_rows.shape[-1] + B_rows.shape[-1]
@@ -458,6 +456,7 @@ def plan_torch(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, A_r
         small = _small_plan(meta, row_table, ranks, num_experts, width, strategy)
         if small is not None:
             return small
+        strategy = None  # no small plan (or the gather is priced lower): the split's own rule
     parts = tuple(p for p in _split(meta, row_table, ranks, num_experts, width, strategy) if p is not None)
     return parts[0] if len(parts) == 1 else _Parts(parts)
 

@@ -106,6 +106,9 @@ class LLMEngine:
         if bad is not None:
             raise EngineError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
                               param="prompt")
+        if p.top_k > self.vocab_size:
+            raise EngineError(f"top_k must be at most the vocabulary size {self.vocab_size}",
+                              param="top_k")
         if len(ids) + p.max_tokens > self.max_model_len:
             raise EngineError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "

@@ -1,7 +1,12 @@
 """The engine's request/response contract, shared by the engine and the HTTP server."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# torch.Generator.manual_seed takes any integer in [-2**63, 2**64)
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+MAX_TOKENS_LIMIT = 2**31 - 1
 
 
 class EngineError(Exception):
@@ -22,7 +27,11 @@ class EngineError(Exception):
 
 @dataclass(slots=True)
 class SamplingParams:
-    """Per-request sampling. temperature 0 = greedy; top_k 0/-1 = off; top_p 1 = off."""
+    """Per-request sampling. temperature 0 = greedy; top_k 0/-1 = off; top_p 1 = off.
+
+    Every field has an explicit range, checked here (the API's 400s) so that nothing out of range
+    reaches a batch: seed in [-2**63, 2**64), finite temperature and top_p, non-empty stop
+    strings. top_k's upper bound (the vocabulary) is the engine's check."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -36,14 +45,20 @@ class SamplingParams:
     prompt_logprobs: int | None = None   # same, for prompt tokens (echo)
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 0:
-            raise EngineError("max_tokens must be >= 0", param="max_tokens")
-        if self.temperature < 0:
-            raise EngineError("temperature must be >= 0", param="temperature")
-        if not 0 < self.top_p <= 1:
+        if not 0 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise EngineError(f"max_tokens must be in [0, {MAX_TOKENS_LIMIT}]", param="max_tokens")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise EngineError("temperature must be a finite number >= 0", param="temperature")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise EngineError("top_p must be in (0, 1]", param="top_p")
         if self.top_k < -1:
-            raise EngineError("top_k must be -1 (off) or >= 0", param="top_k")
+            raise EngineError("top_k must be -1 or 0 (off) or >= 1", param="top_k")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise EngineError("seed must be an integer in [-2**63, 2**64)", param="seed")
+        if any(not s for s in self.stop):
+            raise EngineError("stop strings must not be empty", param="stop")
+        if any(not 0 <= t < 2**31 for t in self.stop_token_ids):
+            raise EngineError("stop_token_ids must be token ids >= 0", param="stop_token_ids")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and not 0 <= v <= 20:
