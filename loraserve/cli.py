@@ -43,6 +43,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     option("max_lora_rank")
     option("cpu_cache_mb")
     option("max_batch_size")
+    option("max_waiting")
     option("max_model_len")
     option("kv_cache_mb")
     option("max_batched_tokens")

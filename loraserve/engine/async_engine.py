@@ -36,6 +36,9 @@ class AsyncEngine:
         # engine thread only: non-streamed requests -> _FIRST (first delta not out yet), None
         # (nothing held) or the merged deltas since the first, handed over when the request ends
         self._quiet: dict[str, object] = {}
+        # event loop only: sequences between generate() and their last delta. Bounded by a full
+        # batch plus max_waiting; past it a request is refused (429) instead of queued forever.
+        self._in_flight = 0
         engine.set_notify(lambda: self._cmds.put(("wake", None)))
 
     @classmethod
@@ -135,13 +138,14 @@ class AsyncEngine:
         eng.validate(req)
         if req.request_id in self._queues:  # the event loop owns _queues
             raise EngineError(f"duplicate request id {req.request_id!r}")
-        record = await asyncio.to_thread(eng.resolve_adapter, req.adapter) if req.adapter else None
-        seq = eng.make_sequence(req, record)
-        q: asyncio.Queue = asyncio.Queue()
-        self._queues[req.request_id] = q
-        self._cmds.put(("add", (seq, req.stream)))
+        self._admit()
         done = False
         try:
+            record = await asyncio.to_thread(eng.resolve_adapter, req.adapter) if req.adapter else None
+            seq = eng.make_sequence(req, record)
+            q: asyncio.Queue = asyncio.Queue()
+            self._queues[req.request_id] = q
+            self._cmds.put(("add", (seq, req.stream)))
             while True:
                 out = await q.get()
                 if out.error is not None:
@@ -152,9 +156,17 @@ class AsyncEngine:
                 if done:
                     return
         finally:
-            self._queues.pop(req.request_id, None)
-            if not done:
+            self._in_flight -= 1
+            if self._queues.pop(req.request_id, None) is not None and not done:
                 self._cmds.put(("abort", req.request_id))
+
+    def _admit(self) -> None:
+        """Count one more sequence in flight, or refuse it (429) when the queue is full."""
+        cfg = self.engine.cfg
+        if self._in_flight >= cfg.max_batch_size + cfg.max_waiting:
+            raise EngineError(f"the server is at capacity ({self._in_flight} sequences running or "
+                              "queued); retry later", status=429, code="rate_limit_exceeded")
+        self._in_flight += 1
 
     # -- engine thread --------------------------------------------------------------------------
     def _run(self) -> None:

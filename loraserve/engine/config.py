@@ -16,6 +16,9 @@ class EngineConfig:
     served_model_name: str | None = field(default=None, metadata={
         "help": "the base model's name in the API", "default": "the model directory's name"})
     max_batch_size: int = field(default=64, metadata={"help": "sequences in one step"})
+    max_waiting: int = field(default=1024, metadata={
+        "help": "sequences that may wait beyond a full batch; past it a request gets 429 "
+                "with Retry-After"})
     max_model_len: int = field(default=2048, metadata={
         "help": "prompt + output tokens per sequence"})
     max_batched_tokens: int = field(default=4096, metadata={
@@ -61,6 +64,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto|{'|'.join(SERVING_DTYPES)}, got {self.dtype!r}")
         if self.lora_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"lora_backend must be auto|triton|torch, got {self.lora_backend!r}")
+        if self.max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
         for name in ("max_batch_size", "max_model_len", "max_batched_tokens", "block_size",
                      "max_gpu_adapters", "max_lora_rank", "cpu_cache_mb", "pager_workers"):
             if getattr(self, name) < 1:

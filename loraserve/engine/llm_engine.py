@@ -189,14 +189,17 @@ class LLMEngine:
         return self.scheduler.has_work or bool(self.scheduler.parked)
 
     def step(self) -> list[RequestOutput]:
+        """One engine step. A fault while handling one sequence fails that sequence (a 500 for
+        its request alone, logged with its request id); the rest of the batch goes on."""
         outs = self._drain_page_ins()
         seqs, is_prefill = self.scheduler.schedule()
         self.last_batch_size = len(seqs)
         if seqs:
-            result = self.runner.run(seqs, is_prefill)
-            self._advance(seqs, result)
-            self._sample(seqs, result)
-            outs.extend(self._postprocess(seqs))
+            seqs, result = self._run(seqs, is_prefill, outs)
+            if seqs:
+                self._advance(seqs, result, outs)
+                self._sample(seqs, result, outs)
+                outs.extend(self._postprocess(seqs))
         self.publish(force=not self.scheduler.has_work)
         return outs
 
@@ -217,49 +220,102 @@ class LLMEngine:
             # the revision cannot be read: fail every request that waits for it (parked, or
             # queued after its weights left every tier), and no other
             for seq in [s for s in self.seqs.values() if s.adapter_key == key and s.slot < 0]:
-                self.seqs.pop(seq.request_id)
-                self._forget(seq)
-                seq.finish_reason = "error"
-                outs.append(self.output.error(seq, err))
+                outs.append(self._fail(seq, err))
         return outs
 
-    def _advance(self, seqs: list[Sequence], result: StepResult) -> None:
+    def _run(self, seqs: list[Sequence], is_prefill: bool,
+             outs: list[RequestOutput]) -> tuple[list[Sequence], StepResult]:
+        """The model over seqs. If it raises, the step is narrowed down: its sequences run again
+        in halves (a step writes only their own KV slots and changes no sequence state, so a
+        re-run is safe) until the ones that fail alone are found; only those fail."""
+        try:
+            return seqs, self.runner.run(seqs, is_prefill)
+        except Exception as exc:
+            if len(seqs) == 1:
+                outs.append(self._fail(seqs[0], exc, stage="model step"))
+                return [], StepResult(is_prefill, torch.empty(0), {})
+        mid = len(seqs) // 2
+        left, lres = self._run(seqs[:mid], is_prefill, outs)
+        right, rres = self._run(seqs[mid:], is_prefill, outs)
+        if not left or not right:
+            return (left, lres) if left else (right, rres)
+        prompt = {**lres.prompt_logits, **{len(left) + b: v for b, v in rres.prompt_logits.items()}}
+        return left + right, StepResult(is_prefill, torch.cat([lres.last_logits, rres.last_logits]),
+                                        prompt)
+
+    def _advance(self, seqs: list[Sequence], result: StepResult, outs: list[RequestOutput]) -> None:
         """The step's tokens are in the KV cache: move each sequence on and record its blocks."""
         for seq in seqs:
             seq.num_cached = seq.num_cached + seq.num_scheduled if result.is_prefill else len(seq)
         self.blocks.commit(seqs)
         for b, logits in result.prompt_logits.items():
-            self.output.set_prompt_logprobs(seqs[b], logits)
+            self._contained(seqs[b], outs, "prompt logprobs", self.output.set_prompt_logprobs,
+                            seqs[b], logits)
 
-    def _sample(self, seqs: list[Sequence], result: StepResult) -> None:
+    def _sample(self, seqs: list[Sequence], result: StepResult, outs: list[RequestOutput]) -> None:
         """One token for each sequence whose tokens are all computed (not one mid-way through a
-        chunked prefill) and that still wants one."""
+        chunked prefill) and that still wants one. Sampled as a batch; if that raises, each
+        sequence alone, so that only the faulty ones fail."""
         active = [i for i, s in enumerate(seqs) if s.num_pending == 0 and s.params.max_tokens > len(s.output_ids)]
         if not active:
             return
-        rows = result.last_logits[active]
-        picked = [seqs[i] for i in active]
-        tokens = sample(rows, picked, self.default_gen)
-        ks = [s.params.logprobs for s in picked]
-        lps = token_logprobs(rows, tokens, [k or 0 for k in ks]) if any(k is not None for k in ks) else None
+        try:
+            picked = self._pick(result.last_logits[active], [seqs[i] for i in active])
+        except Exception:
+            picked = [p for i in active
+                      for p in self._contained(seqs[i], outs, "sampling", self._pick,
+                                               result.last_logits[i:i + 1], [seqs[i]]) or []]
         now = time.monotonic()
-        for j, seq in enumerate(picked):
+        for seq, token, lp in picked:
             seq.first_token_time = seq.first_token_time or now
-            self.output.append(seq, int(tokens[j]), lps[j] if lps and ks[j] is not None else None)
+            self._contained(seq, outs, "post-processing", self.output.append, seq, token, lp)
+
+    def _pick(self, rows: torch.Tensor, seqs: list[Sequence]) -> list[tuple]:
+        """(seq, token, logprob or None) for each row of logits [B, V]."""
+        tokens = sample(rows, seqs, self.default_gen)
+        ks = [s.params.logprobs for s in seqs]
+        lps = token_logprobs(rows, tokens, [k or 0 for k in ks]) if any(k is not None for k in ks) else None
+        return [(seq, int(tokens[j]), lps[j] if lps and ks[j] is not None else None)
+                for j, seq in enumerate(seqs)]
 
     def _postprocess(self, seqs: list[Sequence]) -> list[RequestOutput]:
         """Finish what is done, free it, and collect every sequence's new output."""
         outs = []
         for seq in seqs:
+            if seq.request_id not in self.seqs:
+                continue  # failed earlier in this step
             if seq.params.max_tokens == 0 and seq.num_pending == 0:
                 seq.finish_reason = "length"
+            delta = self._contained(seq, outs, "post-processing", self.output.delta, seq)
+            if seq.request_id not in self.seqs:
+                continue
             if seq.finish_reason is not None:
                 self.scheduler.remove(seq)
                 self.seqs.pop(seq.request_id, None)
-            delta = self.output.delta(seq)
             if delta is not None:
                 outs.append(delta)
         return outs
+
+    def _contained(self, seq: Sequence, outs: list[RequestOutput], stage: str, fn, *args):
+        """fn(*args) for seq's sake; if it raises, seq alone fails (its error goes to outs)."""
+        if seq.request_id not in self.seqs:
+            return None
+        try:
+            return fn(*args)
+        except Exception as exc:
+            outs.append(self._fail(seq, exc, stage=stage))
+            return None
+
+    def _fail(self, seq: Sequence, exc: BaseException, stage: str | None = None) -> RequestOutput:
+        """End seq with an error. `stage` set: a bug in handling it, logged and answered 500."""
+        if stage is not None:
+            log.error("request %s failed in %s", seq.request_id, stage, exc_info=exc)
+            exc = EngineError(f"internal error in {stage} (request {seq.request_id})",
+                              status=500, code="internal_error")
+        self.seqs.pop(seq.request_id, None)
+        self._forget(seq)
+        seq.finish_reason = "error"
+        return self.output.error(seq, exc)
 
     # -- what other threads read ----------------------------------------------------------------
     def publish(self, force: bool = True) -> None:
