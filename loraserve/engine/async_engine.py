@@ -39,6 +39,7 @@ class AsyncEngine:
         # event loop only: sequences between generate() and their last delta. Bounded by a full
         # batch plus max_waiting; past it a request is refused (429) instead of queued forever.
         self._in_flight = 0
+        self._tenant_in_flight: dict[str, int] = {}
         engine.set_notify(lambda: self._cmds.put(("wake", None)))
 
     @classmethod
@@ -138,7 +139,7 @@ class AsyncEngine:
         eng.validate(req)
         if req.request_id in self._queues:  # the event loop owns _queues
             raise EngineError(f"duplicate request id {req.request_id!r}")
-        self._admit()
+        self._admit(req.tenant)
         done = False
         try:
             record = await asyncio.to_thread(eng.resolve_adapter, req.adapter) if req.adapter else None
@@ -156,17 +157,33 @@ class AsyncEngine:
                 if done:
                     return
         finally:
-            self._in_flight -= 1
+            self._release(req.tenant)
             if self._queues.pop(req.request_id, None) is not None and not done:
                 self._cmds.put(("abort", req.request_id))
 
-    def _admit(self) -> None:
-        """Count one more sequence in flight, or refuse it (429) when the queue is full."""
+    def _admit(self, tenant: str) -> None:
+        """Count one more sequence in flight, or refuse it (429) when the queue is full.
+
+        At capacity, only tenants holding at least their share of it (capacity / tenants in
+        flight) are refused: one tenant's flood fills the queue with 429s for itself, not for
+        the others (whose sequences may then exceed the bound by at most one share)."""
         cfg = self.engine.cfg
-        if self._in_flight >= cfg.max_batch_size + cfg.max_waiting:
+        cap = cfg.max_batch_size + cfg.max_waiting
+        mine = self._tenant_in_flight.get(tenant, 0)
+        share = cap / max(1, len(self._tenant_in_flight))
+        if self._in_flight >= cap and mine >= share:
             raise EngineError(f"the server is at capacity ({self._in_flight} sequences running or "
                               "queued); retry later", status=429, code="rate_limit_exceeded")
         self._in_flight += 1
+        self._tenant_in_flight[tenant] = mine + 1
+
+    def _release(self, tenant: str) -> None:
+        self._in_flight -= 1
+        left = self._tenant_in_flight[tenant] - 1
+        if left:
+            self._tenant_in_flight[tenant] = left
+        else:
+            del self._tenant_in_flight[tenant]
 
     # -- engine thread --------------------------------------------------------------------------
     def _run(self) -> None:

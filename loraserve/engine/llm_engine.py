@@ -132,7 +132,8 @@ class LLMEngine:
         gen = torch.Generator().manual_seed(req.params.seed) if req.params.seed is not None else None
         key = (record.adapter_id, record.revision) if record is not None else None
         return Sequence(req.request_id, list(req.prompt_token_ids), req.params, key,
-                        generator=gen, detok=self.tokenizer.detokenizer(), adapter_record=record)
+                        generator=gen, detok=self.tokenizer.detokenizer(), adapter_record=record,
+                        tenant=req.tenant, tenant_weight=req.tenant_weight)
 
     # -- requests and commands: engine thread ---------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:

@@ -9,8 +9,10 @@ adapter arrives they rejoin it in arrival order.
 from __future__ import annotations
 
 import bisect
+import heapq
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Protocol
 
 from .block_manager import BlockManager
@@ -48,6 +50,7 @@ class Scheduler:
         self.parked: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self._chunking = False  # the last prefill step left a prompt half done
+        self._vtime: dict[str, float] = {}  # tenant -> admissions / weight (fair share)
 
     # -- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -112,7 +115,7 @@ class Scheduler:
                 batch.append(seq)
         starving: Sequence | None = None
         admitted: list[Sequence] = []
-        for seq in list(self.waiting):
+        for seq in self._admission_order():
             if len(self.running) + len(admitted) >= self.max_batch_size or budget <= 0:
                 break
             whole = seq.wants_prompt_logprobs
@@ -131,6 +134,7 @@ class Scheduler:
                 seq.slot = slot
             self.blocks.allocate(seq)  # may find a cached prefix and advance num_cached
             self.waiting.remove(seq)
+            self._charge(seq)
             seq.status = SeqStatus.RUNNING
             seq.num_scheduled = seq.num_pending if whole else min(seq.num_pending, budget)
             budget -= seq.num_scheduled
@@ -139,6 +143,40 @@ class Scheduler:
         self.running.extend(admitted)
         self._chunking = any(q.num_scheduled < q.num_pending for q in batch)
         return batch
+
+    def _admission_order(self) -> Iterator[Sequence]:
+        """Waiting sequences in the order admission considers them.
+
+        One tenant: arrival order (preempted sequences first). Several: fair share by stride
+        scheduling. Each tenant's own queue keeps its order; the next candidate comes from the
+        tenant with the least service so far (admissions / weight, its virtual time), so a tenant
+        with thousands queued delays another's request by at most one round. A tenant that was
+        idle starts at the least virtual time of those waiting: idling earns no credit.
+        """
+        queues: dict[str, deque[Sequence]] = {}
+        for seq in self.waiting:
+            queues.setdefault(seq.tenant, deque()).append(seq)
+        if len(queues) <= 1:
+            self._vtime = {t: v for t, v in self._vtime.items() if t in queues}
+            yield from list(self.waiting)
+            return
+        known = [self._vtime[t] for t in queues if t in self._vtime]
+        floor = min(known, default=0.0)
+        self._vtime = {t: max(self._vtime.get(t, floor), floor) for t in queues}
+        heap = [(self._vtime[t], q[0].arrival, t) for t, q in queues.items()]
+        heapq.heapify(heap)
+        while heap:
+            vt, _, tenant = heapq.heappop(heap)
+            q = queues[tenant]
+            seq = q.popleft()
+            yield seq
+            if q:
+                heapq.heappush(heap, (vt + 1.0 / seq.tenant_weight, q[0].arrival, tenant))
+
+    def _charge(self, seq: Sequence) -> None:
+        """seq was admitted: its tenant has had one more turn."""
+        if seq.tenant in self._vtime:
+            self._vtime[seq.tenant] += 1.0 / seq.tenant_weight
 
     def _schedule_decode(self) -> list[Sequence]:
         batch: list[Sequence] = []

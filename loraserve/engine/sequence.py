@@ -42,6 +42,8 @@ class Sequence:
     num_text_emitted: int = 0
     detok: object | None = None            # the tokenizer's incremental detokenizer
     adapter_record: object | None = None   # catalog RevisionRecord of adapter_key (to page it in)
+    tenant: str = ""                       # whose request: the unit of fair share
+    tenant_weight: float = 1.0             # the tenant's share relative to others (> 0)
 
     @property
     def all_ids(self) -> list[int]:

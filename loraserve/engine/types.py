@@ -75,6 +75,16 @@ class GenerateRequest:
     # over the first delta (errors and TTFT surface as early as ever) and then one merged delta at
     # the end, not one per step: the event loop is not woken per token per request.
     stream: bool = True
+    # Fair share: the scheduler admits waiting sequences round-robin across tenants, `weight`
+    # turns per round. Empty tenant: the adapter's tenant, or "" for the base model.
+    tenant: str = ""
+    tenant_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.tenant_weight) and self.tenant_weight > 0):
+            raise EngineError("tenant weight must be a finite number > 0")
+        if not self.tenant and self.adapter:
+            self.tenant = self.adapter.split("/", 1)[0]
 
 
 @dataclass(slots=True)

@@ -2,13 +2,18 @@
 
 Every error the server answers with has the body
 `{"error": {"message", "type", "param", "code"}}` and a status from DESIGN.md: 400 bad request,
-401 missing/bad key, 404 unknown model/adapter, 409 base mismatch, 413 too large, 429/503 overload,
-500 only for a bug.
+401 missing/bad key, 404 unknown model/adapter/route, 405 wrong method (with `Allow`), 409 base
+mismatch, 413 too large, 429/503 overload (429 with `Retry-After`), 500 only for a bug.
+
+Values a client sent are echoed at most `ECHO_MAX` characters long (`clip`), and every message and
+param is made encodable (a lone surrogate becomes U+FFFD), so rendering an error never fails.
+The app's OpenAPI document lists these error responses, not FastAPI's 422 (`install_openapi`).
 """
 from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,9 +27,36 @@ from loraserve.engine.types import EngineError
 logger = logging.getLogger("loraserve.server")
 
 # Default `code` per status when the raiser gives none.
-_STATUS_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "model_not_found",
+_STATUS_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found",
                  405: "method_not_allowed", 409: "base_mismatch", 413: "request_too_large",
-                 429: "overloaded", 500: "internal_error", 503: "overloaded"}
+                 429: "rate_limit_exceeded", 500: "internal_error", 503: "overloaded"}
+
+ECHO_MAX = 256        # characters of a client's value echoed in a message
+MESSAGE_MAX = 1024    # characters of a message (a catalog/engine message may quote a long id)
+RETRY_AFTER_S = 1     # what a 429 tells the client to wait, in seconds
+
+
+def clip(value: object, limit: int = ECHO_MAX) -> str:
+    """`value` as text cut to `limit` characters (an ellipsis marks the cut)."""
+    text = value if isinstance(value, str) else str(value)
+    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
+
+
+def _encodable(text: str) -> str:
+    """`text` with lone surrogates replaced, so that it always encodes as UTF-8."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _clip_middle(text: str, limit: int) -> str:
+    """Keep the head and the tail (a reason usually ends a message) of an over-long text."""
+    if len(text) <= limit:
+        return text
+    head = limit * 2 // 3
+    return text[:head] + "\u2026" + text[len(text) - (limit - head - 1):]
 
 
 def error_type(status: int) -> str:
@@ -40,19 +72,35 @@ class APIError(Exception):
     """An error answered as an OpenAI error body with HTTP `status`."""
 
     def __init__(self, status: int, message: str, *, code: str | None = None,
-                 param: str | None = None):
+                 param: str | None = None, headers: dict[str, str] | None = None):
+        message = _clip_middle(_encodable(message), MESSAGE_MAX)
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code or _STATUS_CODES.get(status, "error")
-        self.param = param
+        self.param = None if param is None else clip(_encodable(param))
+        self.headers = dict(headers or {})
+        if status == 429:
+            self.headers.setdefault("Retry-After", str(RETRY_AFTER_S))
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": error_type(self.status),
                           "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
+
+
+class BodyError(StarletteHTTPException):
+    """An APIError raised while FastAPI reads or parses a request body.
+
+    FastAPI turns any other exception raised there into a bare 400; an HTTPException it re-raises,
+    so this one reaches the handlers with its own status, code and param.
+    """
+
+    def __init__(self, error: APIError):
+        super().__init__(error.status, error.message)
+        self.error = error
 
 
 def as_api_error(exc: BaseException) -> APIError:
@@ -113,16 +161,95 @@ async def _handle_validation(request: Request, exc: Exception) -> JSONResponse:
 
 async def _handle_http(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return APIError(exc.status_code, str(exc.detail)).response()
+    if isinstance(exc, BodyError):
+        return exc.error.response()
+    headers = dict(exc.headers or {})  # 405 carries `Allow`
+    if exc.status_code == 404:
+        message = f"No route {clip(request.method, 16)} {clip(request.url.path)}"
+    elif exc.status_code == 405:
+        message = (f"Method {clip(request.method, 16)} is not allowed on {clip(request.url.path)}"
+                   + (f"; allowed: {headers['Allow']}" if "Allow" in headers else ""))
+    else:
+        message = str(exc.detail)
+    return APIError(exc.status_code, message, headers=headers).response()
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer every failure on `app` with an OpenAI error body."""
+    """Answer every failure on `app` with an OpenAI error body; document them (install_openapi)."""
     app.add_exception_handler(APIError, _handle_api_error)
     app.add_exception_handler(EngineError, _handle_api_error)
     app.add_exception_handler(RequestValidationError, _handle_validation)
     app.add_exception_handler(StarletteHTTPException, _handle_http)
     app.add_exception_handler(Exception, _handle_api_error)
+    install_openapi(app)
+
+
+# -- the OpenAPI document: the error responses the server really sends ---------------------------
+
+_ERROR_SCHEMA = {
+    "title": "ErrorResponse", "type": "object", "required": ["error"],
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                       "code": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}},
+}
+_ERROR_DESCRIPTIONS = {
+    400: "Bad request: malformed JSON or an invalid field (`param` names it)",
+    401: "Missing or wrong API key (when the server has one)",
+    404: "Unknown model, adapter, revision or route",
+    409: "The adapter was exported against another base",
+    413: "Request body over --max-request-bytes",
+    429: "Too many requests queued; retry after `Retry-After` seconds",
+    500: "A server bug (details are logged, not sent)",
+    503: "Overloaded or shutting down",
+}
+
+
+def _error_responses(path: str, method: str) -> dict[int, dict[str, Any]]:
+    """The error statuses an operation can answer with (see the module doc)."""
+    if not path.startswith("/v1"):
+        statuses = [500]
+    elif method == "get":
+        statuses = [400, 401, 404, 500, 503]
+    else:
+        statuses = [400, 401, 404, 409, 413, 429, 500, 503]
+    ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    response = {}
+    for status in statuses:
+        headers = ({"Retry-After": {"description": "seconds to wait before retrying",
+                                    "schema": {"type": "integer"}}} if status == 429 else {})
+        response[status] = {"description": _ERROR_DESCRIPTIONS[status],
+                            "content": {"application/json": {"schema": ref}},
+                            **({"headers": headers} if headers else {})}
+    return response
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Make `app.openapi()` describe the errors the server sends: the OpenAI error body with
+    400/401/404/409/413/429/500/503 as each operation can answer, and no 422 (every validation
+    failure is a 400)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        for path, item in schema.get("paths", {}).items():
+            for method, op in item.items():
+                if not isinstance(op, dict) or "responses" not in op:
+                    continue
+                op["responses"].pop("422", None)
+                for status, response in _error_responses(path, method).items():
+                    op["responses"].setdefault(str(status), response)
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(unused, None)
+        schemas["ErrorResponse"] = _ERROR_SCHEMA
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def sse_error(exc: BaseException) -> str:

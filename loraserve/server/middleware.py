@@ -1,4 +1,4 @@
-"""Pure ASGI middleware (streaming-safe): API-key check and per-status request counting."""
+"""Pure ASGI middleware (streaming-safe): body size limit, API-key check, per-status counting."""
 from __future__ import annotations
 
 import hmac
@@ -6,7 +6,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loraserve.server.errors import APIError
+from loraserve.server.errors import APIError, BodyError
 from loraserve.server.metrics import ServerMetrics
 
 API_PREFIX = "/v1"
@@ -41,6 +41,72 @@ class ApiKeyMiddleware:
         await _send_json(send, 401, error.body())
 
 
+def too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"The request body is larger than this server accepts "
+                    f"({max_bytes} bytes; see --max-request-bytes)", code="request_too_large")
+
+
+class BodyTooLarge(BodyError):
+    """Raised by the wrapped `receive` once a body has streamed past the limit."""
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies over `max_bytes` with 413, before anything parses them.
+
+    A declared Content-Length over the limit is answered at once, unread; otherwise the streamed
+    body is counted as the app reads it, and the read that crosses the limit raises BodyTooLarge
+    (FastAPI passes it to the error handlers: a 413; an app that lets it escape gets the 413 from
+    here). Nothing over the limit is ever buffered whole.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            try:
+                length = int(declared)
+            except ValueError:
+                length = -1
+            if length < 0:  # uvicorn refuses these itself; be safe behind another server
+                error = APIError(400, "invalid Content-Length header")
+                await _send_json(send, 400, error.body(), close=True)
+                return
+            if length > self.max_bytes:
+                await _send_json(send, 413, too_large(self.max_bytes).body(), close=True)
+                return
+        seen = 0
+        started = False
+
+        async def counted_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge(too_large(self.max_bytes))
+            return message
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, watched_send)
+        except BodyTooLarge as exc:
+            if started:
+                raise
+            await _send_json(send, 413, exc.error.body(), close=True)
+
+
 class RequestCountMiddleware:
     """Count /v1 responses by status in `loraserve_requests_total{status}`."""
 
@@ -69,9 +135,12 @@ class RequestCountMiddleware:
             raise
 
 
-async def _send_json(send: Send, status: int, body: dict) -> None:
+async def _send_json(send: Send, status: int, body: dict, close: bool = False) -> None:
+    """Answer `body` as JSON; `close` ends the connection after it (a body left unread)."""
     payload = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(payload)).encode())]})
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(payload)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
