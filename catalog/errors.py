@@ -1,7 +1,8 @@
 """Catalog errors. Each class carries `.status`, the HTTP status the server maps it to.
 
-The server turns any `CatalogError` into an OpenAI-style error body with this status;
-500 is reserved for corruption and bugs, never for bad user input.
+The server turns any `CatalogError` into an OpenAI-style error body with this status and
+`.code` (None: the snake_case of the class name); 500 is reserved for corruption and bugs,
+never for bad user input, and 503 for a shard whose files are damaged or gone.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ class CatalogError(Exception):
     """Base of every catalog error; a bare one is an internal or storage failure."""
 
     status = 500
+    code: str | None = None
 
 
 class AdapterNotFound(CatalogError):
@@ -52,3 +54,40 @@ class ExportError(CatalogError):
     """A PEFT adapter cannot be turned into the serving layout; the message names the tensor/target."""
 
     status = 400
+
+
+class NonFiniteWeights(ExportError):
+    """An adapter tensor holds NaN or Inf (as given, or after scaling); the message names the tensor."""
+
+
+class SourceForbidden(CatalogError):
+    """An adapter file resolves outside the allowed root (the message never says whether it exists)."""
+
+    status = 403
+
+
+class SourceNotFound(CatalogError):
+    """The adapter directory to import does not exist (inside the allowed root)."""
+
+    status = 404
+
+
+class SourceTooLarge(CatalogError):
+    """The adapter files to import exceed the size cap."""
+
+    status = 413
+
+
+class ShardUnavailable(CatalogError):
+    """A shard's files are missing or damaged (truncated, replaced, removed); other shards keep serving.
+
+    `shards` lists the unavailable shard indices. Not sticky: the shard is checked again on
+    every use, so it serves again once its files are restored.
+    """
+
+    status = 503
+    code = "catalog_unavailable"
+
+    def __init__(self, message: str, shards: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.shards = list(shards or [])

@@ -14,7 +14,7 @@ import xxhash
 
 from .format import blob_checksum
 from .records import PolicyRecord, RevisionRecord
-from .shards import Shard, ShardOptions, add_blob_bytes, shard_dirname
+from .shards import Shard, ShardOptions, add_blob_bytes
 from .synth import BlobTemplate
 
 REVISION = "r1"
@@ -143,7 +143,7 @@ def run_worker(job: WorkerJob, progress, results) -> None:
     written, skipped, errors, opened = 0, 0, [], []
     try:
         for s, ids in ids_by_shard(job).items():
-            opened.append(Shard(job.catalog_dir / shard_dirname(s), opts))
+            opened.append(Shard(job.catalog_dir, s, opts))
             w, sk, err = _build_shard(job, opened[-1], ids, progress)
             written, skipped, errors = written + w, skipped + sk, errors + err
         for shard in opened:

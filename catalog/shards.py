@@ -5,9 +5,12 @@ A shard env (`shard-NNN/`) holds four named dbs: `policy` (adapter_id -> PolicyR
 (`blob_bytes` -> decimal counter). Envs open on first use with a modest map; a write that
 fills the map is aborted by LMDB (nothing half-written), the map doubles and the same
 transaction function runs again, so write functions must compute everything inside the txn.
+A shard with damaged or missing files raises ShardUnavailable; the other shards are unaffected.
 """
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +19,14 @@ from typing import Callable, NamedTuple, TypeVar
 import lmdb
 import xxhash
 
-from .errors import CatalogError
+from .errors import CatalogError, ShardUnavailable
+from .shardfile import DATA_FILE, size_fault, unopened_fault
 
 T = TypeVar("T")
 MiB = 1 << 20
+CATALOG_META = "catalog.json"
 DB_NAMES = (b"policy", b"revision", b"blob", b"meta")
+log = logging.getLogger("loraserve.catalog")
 
 
 def shard_of(adapter_id: str, shards: int) -> int:
@@ -55,35 +61,116 @@ class Dbs(NamedTuple):
 
 
 class Shard:
-    """One shard's LMDB env; opened lazily, reopened after another process grows the map."""
+    """One shard's LMDB env; opened lazily, reopened after another process grows the map.
 
-    def __init__(self, path: Path, options: ShardOptions) -> None:
-        self.path = path
+    Before the env is opened and before every txn the shard's files are checked (module
+    `shardfile`): a shard whose data file is truncated, removed or replaced, or whose catalog
+    directory is gone, raises ShardUnavailable (503) instead of letting LMDB fault on a missing
+    page. `fault` is the latest check's verdict (None: healthy); it is not sticky.
+    """
+
+    def __init__(self, catalog_dir: Path, index: int, options: ShardOptions) -> None:
+        self.index = index
+        self.path = Path(catalog_dir) / shard_dirname(index)
         self.options = options
+        self.fault: str | None = None
         self._env: lmdb.Environment | None = None
         self._dbs: Dbs | None = None
+        self._psize = 0
+        self._ident: tuple[int, int] | None = None  # (st_dev, st_ino) of the data file the env maps
         self._lock = threading.Lock()
 
-    def exists(self) -> bool:
-        return (self.path / "data.mdb").exists()
+    @property
+    def data_file(self) -> Path:
+        return self.path / DATA_FILE
 
+    @property
+    def anchor(self) -> Path:
+        """The catalog's `catalog.json`: without it the catalog directory is gone."""
+        return self.path.parent / CATALOG_META
+
+    def exists(self) -> bool:
+        return self.data_file.exists()
+
+    # -- health ----------------------------------------------------------------------------
+    def diagnose(self) -> str | None:
+        """Why this shard cannot be used now (None: it can); kept in `fault`, changes logged.
+
+        Never reads a data page: stats of the files, and of an open env only its meta page,
+        once the file is known to hold it.
+        """
+        env = self._env
+        if not self.anchor.exists():
+            fault = f"{CATALOG_META} is missing (catalog directory removed?)"
+        elif env is None:
+            fault = unopened_fault(self.data_file)
+        else:
+            fault = self._mapped_fault(env)
+        if fault != self.fault:
+            if fault:
+                log.warning("catalog shard %d (%s) unavailable: %s", self.index, self.path, fault)
+            else:
+                log.info("catalog shard %d (%s) serves again", self.index, self.path)
+        self.fault = fault
+        return fault
+
+    def _mapped_fault(self, env: lmdb.Environment) -> str | None:
+        try:
+            st = os.stat(self.data_file)
+        except FileNotFoundError:
+            return f"{DATA_FILE} was removed while in use"
+        except OSError as e:
+            return f"{DATA_FILE} cannot be checked: {e.strerror}"
+        if (st.st_dev, st.st_ino) != self._ident:
+            return f"{DATA_FILE} was replaced while in use (restart to serve the new file)"
+        if st.st_size < 2 * self._psize:  # the meta pages themselves are gone: do not read them
+            return size_fault(st.st_size, self._psize, 1)
+        return size_fault(st.st_size, self._psize, env.info()["last_pgno"])
+
+    def _check(self) -> None:
+        if (fault := self.diagnose()) is not None:
+            raise self.unavailable(fault)
+
+    def unavailable(self, reason: str) -> ShardUnavailable:
+        return ShardUnavailable(f"catalog shard {self.index} ({self.path.name}) is unavailable: {reason}",
+                                [self.index])
+
+    # -- env -------------------------------------------------------------------------------
     def _open(self, create: bool) -> bool:
+        """Open the env if needed; False when there is none and `create` is False (an empty shard)."""
         with self._lock:
             if self._env is not None:
                 return True
+            self._check()
             if not create and not self.exists():
                 return False
-            o = self.options
+            self._open_env()
+            return True
+
+    def _open_env(self) -> None:
+        o = self.options
+        try:
             env = lmdb.open(
                 str(self.path), map_size=o.initial_map_size, max_dbs=len(DB_NAMES), readonly=o.readonly,
                 sync=o.sync, metasync=o.sync, readahead=False, meminit=False, max_readers=o.max_readers,
             )
+        except lmdb.Error as e:
+            raise self.unavailable(f"cannot open: {e}") from None
+        try:
+            st = os.stat(self.data_file)
+            psize = env.stat()["psize"]
+            # checked before open_db, the first read of a data page
+            if (fault := size_fault(st.st_size, psize, env.info()["last_pgno"])) is not None:
+                self.fault = fault
+                raise self.unavailable(fault)
             if not o.readonly:
                 env.reader_check()  # drop reader slots of killed processes
             # no explicit txn: a handle opened inside a read txn dies with that txn
             self._dbs = Dbs(*(env.open_db(n, create=not o.readonly) for n in DB_NAMES))
-            self._env = env
-            return True
+        except BaseException:
+            env.close()
+            raise
+        self._env, self._psize, self._ident = env, psize, (st.st_dev, st.st_ino)
 
     def _begin(self, write: bool) -> lmdb.Transaction:
         try:
@@ -93,9 +180,11 @@ class Shard:
             return self._env.begin(write=write, buffers=not write)
 
     def read(self, fn: Callable[[lmdb.Transaction, Dbs], T], default: T = None) -> T:
-        """Run `fn(txn, dbs)` in a read txn (buffers are zero-copy views valid inside `fn`)."""
+        """Run `fn(txn, dbs)` in a read txn (buffers are zero-copy views valid inside `fn`);
+        `default` when the shard was never written. ShardUnavailable when its files are damaged."""
         if not self._open(create=False):
             return default
+        self._check()  # a truncation after this point (a narrow race) still faults
         with self._begin(write=False) as txn:
             return fn(txn, self._dbs)
 
@@ -108,6 +197,7 @@ class Shard:
         if self.options.readonly:
             raise CatalogError(f"{self.path}: catalog is open read-only")
         self._open(create=True)
+        self._check()
         if reserve:
             self._ensure_room(reserve)
         while True:
@@ -166,7 +256,7 @@ class Shard:
         with self._lock:
             if self._env is not None:
                 self._env.close()
-                self._env, self._dbs = None, None
+                self._env, self._dbs, self._ident = None, None, None
 
 
 def add_blob_bytes(txn: lmdb.Transaction, dbs: Dbs, delta: int) -> None:

@@ -6,6 +6,10 @@
 A policy record and all its revisions live in one shard, so every operation on one adapter
 is a single LMDB transaction: a crash leaves each shard consistent. Readers (other threads or
 processes) see committed state only and never block writers.
+
+A shard whose files are damaged or gone raises ShardUnavailable (503) for its own adapters only;
+a listing, which needs every shard, fails with it rather than answer partially.
+`degraded_shards()` says which shards are unavailable without touching any LMDB page.
 """
 from __future__ import annotations
 
@@ -14,11 +18,11 @@ import os
 import time
 from pathlib import Path
 
-from .errors import AdapterNotFound, CatalogError, CorruptBlob, RevisionNotFound
+from .errors import AdapterNotFound, CatalogError, CorruptBlob, RevisionNotFound, ShardUnavailable
 from .format import blob_checksum
 from .ids import validate_adapter_id, validate_revision
 from .records import PolicyRecord, RevisionRecord
-from .shards import Shard, ShardOptions, shard_dirname, shard_of
+from .shards import CATALOG_META, Shard, ShardOptions, shard_of
 from .writes import promote_in_txn, put_revision_in_txn, read_policy, read_revision, rollback_in_txn, tag_in_txn
 
 CATALOG_FORMAT = "loraserve.catalog.v1"
@@ -30,9 +34,15 @@ def _write_json_atomic(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def _numbers(indices: list[int], shown: int = 16) -> str:
+    """`3, 7, 12` (and how many more beyond `shown`)."""
+    more = len(indices) - shown
+    return ", ".join(map(str, indices[:shown])) + (f" and {more} more" if more > 0 else "")
+
+
 def read_catalog_meta(path: str | Path) -> dict:
     """`catalog.json` of a catalog dir; CatalogError if missing or not ours."""
-    meta_path = Path(path) / "catalog.json"
+    meta_path = Path(path) / CATALOG_META
     if not meta_path.exists():
         raise CatalogError(f"{path}: not a catalog (no catalog.json); create one with `loraserve catalog init`")
     meta = json.loads(meta_path.read_text())
@@ -49,7 +59,8 @@ class Catalog:
         self.shards = int(read_catalog_meta(self.path)["shards"])
         self.readonly = readonly
         opts = options or ShardOptions(readonly=readonly)
-        self._shards = [Shard(self.path / shard_dirname(i), opts) for i in range(self.shards)]
+        self._shards = [Shard(self.path, i, opts) for i in range(self.shards)]
+        self._checked_at = float("-inf")  # monotonic time of the last full health check
 
     @classmethod
     def create(cls, path: str | Path, shards: int = 100, options: ShardOptions | None = None) -> Catalog:
@@ -57,13 +68,13 @@ class Catalog:
         if not 1 <= shards <= 4096:
             raise CatalogError(f"shard count must be in 1..4096, got {shards}")
         path = Path(path)
-        if (path / "catalog.json").exists():
+        if (path / CATALOG_META).exists():
             existing = int(read_catalog_meta(path)["shards"])
             if existing != shards:
                 raise CatalogError(f"{path}: already a catalog with {existing} shards, not {shards}")
             return cls(path, options=options)
         path.mkdir(parents=True, exist_ok=True)
-        _write_json_atomic(path / "catalog.json", {"format": CATALOG_FORMAT, "shards": shards})
+        _write_json_atomic(path / CATALOG_META, {"format": CATALOG_FORMAT, "shards": shards})
         return cls(path, options=options)
 
     @classmethod
@@ -144,14 +155,42 @@ class Catalog:
                     out.append(PolicyRecord.from_json(v))
             return out
 
-        merged = [r for s in self._shards for r in s.read(scan, default=[])]
-        return sorted(merged, key=lambda r: r.adapter_id)[:limit]
+        return sorted(self._every_shard(lambda s: s.read(scan, default=[]), "listing"),
+                      key=lambda r: r.adapter_id)[:limit]
 
     def stats(self) -> dict:
         """Totals `{"adapters", "revisions", "shards", "bytes", "disk_bytes"}` plus `per_shard` rows."""
-        per = [dict(shard=i, **s.stats()) for i, s in enumerate(self._shards)]
+        per = self._every_shard(lambda s: [dict(shard=s.index, **s.stats())], "stats")
         total = {k: sum(p[k] for p in per) for k in ("adapters", "revisions", "bytes", "disk_bytes")}
         return {**total, "shards": self.shards, "per_shard": per}
+
+    def _every_shard(self, fn, what: str) -> list:
+        """Concatenated `fn(shard)` over all shards; one ShardUnavailable naming every unavailable shard."""
+        out, down = [], []
+        for s in self._shards:
+            try:
+                out.extend(fn(s))
+            except ShardUnavailable:
+                down.append(s.index)
+        if down:
+            reason = self._shards[down[0]].fault or "damaged"
+            raise ShardUnavailable(f"catalog {what} needs every shard; unavailable: {_numbers(down)} "
+                                   f"(shard {down[0]}: {reason})", down)
+        return out
+
+    def degraded(self, max_age: float = 1.0) -> dict[int, str]:
+        """Unavailable shards and why: the verdicts of the latest checks, all rechecked first
+        when the last full check is older than `max_age` seconds. Reads no LMDB page."""
+        now = time.monotonic()
+        if now - self._checked_at >= max_age:
+            self._checked_at = now
+            for s in self._shards:
+                s.diagnose()
+        return {s.index: s.fault for s in self._shards if s.fault}
+
+    def degraded_shards(self, max_age: float = 1.0) -> list[int]:
+        """Indices of the unavailable shards, ascending (see `degraded`)."""
+        return sorted(self.degraded(max_age))
 
     # -- writes --------------------------------------------------------------------------
     def put_revision(

@@ -53,6 +53,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     option("pinned_adapters", flag="--pin", metavar="ID", help="keep this adapter resident (repeatable)")
     option("adapter_root")
     option("torch_threads")
+    option("max_request_bytes")
+    option("max_seqs_per_request")
+    option("shutdown_timeout")
 
 
 def _add_config_option(p: argparse.ArgumentParser, name: str, *, flag: str | None = None,

@@ -54,6 +54,14 @@ class EngineConfig:
         "default": "runtime adapter loading disabled"})
     pager_workers: int = field(default=4, metadata={"help": "threads paging adapters in"})
     seed: int = field(default=0, metadata={"help": "seed of the sampler for unseeded requests"})
+    # HTTP server bounds (read by loraserve.server from engine.config)
+    max_request_bytes: int = field(default=16 * 2**20, metadata={
+        "help": "largest request body in bytes; a larger one gets 413 before it is parsed"})
+    max_seqs_per_request: int = field(default=256, metadata={
+        "help": "sequences (prompts x n) one request may start; more is a 400"})
+    shutdown_timeout: float = field(default=30.0, metadata={
+        "help": "seconds in-flight requests may run on after SIGTERM; then they end with a "
+                "clean error (503, or an error event in a stream)"})
     torch_threads: int | None = field(default=None, metadata={
         "help": "CPU intra-op threads", "default": "all cores but one, left to the server"})
 
@@ -67,8 +75,11 @@ class EngineConfig:
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
         for name in ("max_batch_size", "max_model_len", "max_batched_tokens", "block_size",
-                     "max_gpu_adapters", "max_lora_rank", "cpu_cache_mb", "pager_workers"):
+                     "max_gpu_adapters", "max_lora_rank", "cpu_cache_mb", "pager_workers",
+                     "max_request_bytes", "max_seqs_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.shutdown_timeout < 0:
+            raise ValueError("shutdown_timeout must be >= 0")
         if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
             raise ValueError("kv_cache_mb must be >= 1")

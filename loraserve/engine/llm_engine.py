@@ -99,21 +99,7 @@ class LLMEngine:
     # -- requests: any thread -------------------------------------------------------------------
     def validate(self, req: GenerateRequest) -> None:
         """Stateless checks. Raises EngineError (400)."""
-        ids, p = req.prompt_token_ids, req.params
-        if not ids:
-            raise EngineError("prompt must not be empty", param="prompt")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise EngineError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                              param="prompt")
-        if p.top_k > self.vocab_size:
-            raise EngineError(f"top_k must be at most the vocabulary size {self.vocab_size}",
-                              param="top_k")
-        if len(ids) + p.max_tokens > self.max_model_len:
-            raise EngineError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {len(ids) + p.max_tokens} tokens ({len(ids)} in the prompt, "
-                f"{p.max_tokens} for the completion).", param="max_tokens")
+        req.check(self.vocab_size, self.max_model_len)
 
     def resolve_adapter(self, ref: str | None):
         """'tenant/name[@rev]' -> the RevisionRecord a request runs on; None = base only.
@@ -324,7 +310,8 @@ class LLMEngine:
         now = time.monotonic()
         if not force and now - self.snapshot.published < PUBLISH_EVERY_S:
             return
-        sch, pool = self.scheduler, self.adapters.pool if self.adapters is not None else None
+        sch, mgr = self.scheduler, self.adapters
+        pool = mgr.pool if mgr is not None else None
         b = self.blocks
         waiting = [*sch.waiting, *sch.parked.values()]
         self.snapshot = EngineSnapshot(
@@ -335,6 +322,10 @@ class LLMEngine:
             waiting_adapters=tuple(sorted({s.adapter_key[0] for s in waiting if s.adapter_key})),
             resident=frozenset(pool.resident()) if pool is not None else frozenset(),
             pool=pool.stats if pool is not None else None,
+            cpu_cache=mgr.cpu_cache.stats if mgr is not None else None,
+            pager=mgr.pager.stats if mgr is not None else None,
+            page_in_samples=tuple((x.name, x.labels, x.value) for m in mgr.pager.page_in_seconds.collect()
+                                  for x in m.samples) if mgr is not None else (),
             max_lora=pool.config.max_slots if pool is not None else 0, published=now)
 
     def stats(self) -> dict:

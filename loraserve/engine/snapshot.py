@@ -28,6 +28,9 @@ class EngineSnapshot:
     waiting_adapters: tuple[str, ...] = ()  # adapter ids with a waiting or parked sequence, sorted
     resident: frozenset[AdapterKey] = frozenset()  # (adapter_id, revision) in the device pool
     pool: object | None = None            # adapters.stats.PoolStats copy; None without a catalog
+    cpu_cache: object | None = None       # adapters.stats.CacheStats copy
+    pager: object | None = None           # adapters.stats.PagerStats copy
+    page_in_samples: tuple = ()           # (name, labels, value) of the page-in histogram
     max_lora: int = 0                     # device pool slots
     published: float = 0.0                # time.monotonic() of publication
 

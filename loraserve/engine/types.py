@@ -86,6 +86,23 @@ class GenerateRequest:
         if not self.tenant and self.adapter:
             self.tenant = self.adapter.split("/", 1)[0]
 
+    def check(self, vocab_size: int, max_model_len: int) -> None:
+        """The checks that need the model's sizes. Raises EngineError (400)."""
+        ids, p = self.prompt_token_ids, self.params
+        if not ids:
+            raise EngineError("prompt must not be empty", param="prompt")
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise EngineError(f"token id {bad} is outside the vocabulary [0, {vocab_size})",
+                              param="prompt")
+        if p.top_k > vocab_size:
+            raise EngineError(f"top_k must be at most the vocabulary size {vocab_size}", param="top_k")
+        if len(ids) + p.max_tokens > max_model_len:
+            raise EngineError(
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
+                f"requested {len(ids) + p.max_tokens} tokens ({len(ids)} in the prompt, "
+                f"{p.max_tokens} for the completion).", param="max_tokens")
+
 
 @dataclass(slots=True)
 class TokenLogprob:

@@ -1,7 +1,8 @@
 """Prometheus view of adapter residency, collected at scrape time.
 
-It reads only what other threads may read: the engine's published `EngineSnapshot` (device pool
-stats, adapters running and waiting) and the CPU cache's and pager's own locked stats.
+It reads only the engine's published `EngineSnapshot` (tier stats, the page-in histogram,
+adapters running and waiting), which is all an API server has when the engine core runs in
+another process.
 
 Names (stable; `loraserve loadtest` scrapes the hit counters):
   loraserve_adapter_hits_total{tier}, loraserve_adapter_misses_total{tier},
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 _FAMILIES = [("hits", CounterMetricFamily, "Adapter lookups served by this tier"),
@@ -32,8 +33,8 @@ class AdapterCollector(Collector):
         self.engine = engine  # AsyncEngine serving a catalog
 
     def collect(self):
-        snap, mgr = self.engine.snapshot, self.engine.adapter_manager
-        pool, cache, pager = snap.pool, mgr.cpu_cache.stats, mgr.pager.stats
+        snap = self.engine.snapshot
+        pool, cache, pager = snap.pool, snap.cpu_cache, snap.pager
         tiers = {"gpu": (pool.hits, pool.misses, pool.evictions, pool.resident_adapters,
                          pool.bytes_used, pool.bytes_capacity),
                  "cpu": (pager.cpu_hits, pager.cpu_misses, cache.evictions, cache.entries,
@@ -46,7 +47,7 @@ class AdapterCollector(Collector):
         reads = CounterMetricFamily("loraserve_adapter_disk_reads", "Catalog blob reads (singleflight)")
         reads.add_metric([], pager.disk_reads)
         yield reads
-        yield from mgr.pager.page_in_seconds.collect()
+        yield _page_in_histogram(snap.page_in_samples)
         parked = GaugeMetricFamily("loraserve_parked_requests", "Requests waiting for their adapter to page in")
         parked.add_metric([], snap.parked)
         yield parked
@@ -55,3 +56,12 @@ class AdapterCollector(Collector):
         info.add_metric([",".join(snap.running_adapters), ",".join(snap.waiting_adapters),
                          str(snap.max_lora)], time.time())
         yield info
+
+
+def _page_in_histogram(samples) -> Metric:
+    """The pager's page-in histogram, rebuilt from the snapshot's (name, labels, value) samples."""
+    m = Metric("loraserve_adapter_page_in_seconds", "Time to page an adapter in, by source tier",
+               "histogram")
+    for name, labels, value in samples:
+        m.add_sample(name, dict(labels), value)
+    return m

@@ -17,10 +17,11 @@ from loraserve.server.adapter_metrics import AdapterCollector
 from loraserve.server.adapter_routes import adapter_router, catalog_cards
 from loraserve.server.chat import create_chat_completion
 from loraserve.server.completions import create_completion
-from loraserve.server.errors import APIError, as_api_error, install_error_handlers
+from loraserve.server.errors import APIError, as_api_error, clip, install_error_handlers
 from loraserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from loraserve.server.middleware import ApiKeyMiddleware, RequestCountMiddleware
-from loraserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from loraserve.server.middleware import (ApiKeyMiddleware, BodyLimitMiddleware,
+                                         RequestCountMiddleware)
+from loraserve.server.protocol import ChatCompletionRequest, CompletionRequest, JSONBodyRoute
 from loraserve.server.serving import Engine, ServerContext
 
 API_KEY_ENV = "LORASERVE_API_KEY"
@@ -68,7 +69,7 @@ def _model_card(model_id: str, engine: Engine) -> dict:
 
 
 def _api_router() -> APIRouter:
-    router = APIRouter(prefix="/v1")
+    router = APIRouter(prefix="/v1", route_class=JSONBodyRoute)
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -103,12 +104,15 @@ def _api_router() -> APIRouter:
         mgr = getattr(engine, "adapter_manager", None)
         if mgr is not None and "/" in model_id:
             try:
-                adapter_id, _ = parse_model_ref(model_id)  # 400 for an invalid id
-                await asyncio.to_thread(mgr.catalog.policy, adapter_id)  # 404 when unknown
+                adapter_id, rev = parse_model_ref(model_id)  # 400 for an invalid id
+                if rev is None:
+                    await asyncio.to_thread(mgr.catalog.policy, adapter_id)  # 404 when unknown
+                else:  # 404 for an unknown adapter, revision or tag
+                    await asyncio.to_thread(mgr.catalog.resolve, adapter_id, rev)
             except CatalogError as exc:
                 raise as_api_error(exc) from exc
             return _model_card(model_id, engine)
-        raise APIError(404, f"The model `{model_id}` does not exist.", param="model",
+        raise APIError(404, f"The model `{clip(model_id)}` does not exist.", param="model",
                        code="model_not_found")
 
     return router
@@ -141,7 +145,7 @@ def build_app(engine: Engine, *, api_key: str | None = None, max_n: int = 16) ->
     `app.state.ctx.metrics` is the app's ServerMetrics (`register` adds collectors).
     The engine is started and shut down by the app's lifespan.
     """
-    ctx = ServerContext(engine=engine, metrics=ServerMetrics(), max_n=max_n)
+    ctx = ServerContext.for_engine(engine, ServerMetrics(), max_n=max_n)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -159,6 +163,7 @@ def build_app(engine: Engine, *, api_key: str | None = None, max_n: int = 16) ->
     if getattr(engine, "adapter_manager", None) is not None:
         app.include_router(adapter_router())
         ctx.metrics.register(AdapterCollector(engine))
+    app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.max_request_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(RequestCountMiddleware, metrics=ctx.metrics)  # outermost: counts 401s

@@ -10,7 +10,7 @@ from starlette.responses import Response
 from loraserve.engine.types import RequestOutput
 from loraserve.server import serving as sv
 from loraserve.server.endpoint import Endpoint, Plan, serve
-from loraserve.server.errors import APIError
+from loraserve.server.errors import APIError, clip
 from loraserve.server.logprobs import TokenRenderer, chat_content
 from loraserve.server.protocol import ChatCompletionRequest, ChatMessage
 
@@ -34,15 +34,19 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> sv.Prompt:
-    """The templated prompt; a template that rejects the conversation is the client's 400."""
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Any,
+                max_model_len: int | None = None) -> sv.Prompt:
+    """The templated prompt; a template that rejects the conversation is the client's 400.
+    With `max_model_len`, a text too long for the context is refused before it is tokenized."""
     messages = message_dicts(req.messages)
     try:
         text = tokenizer.apply_chat_template(messages,
                                              add_generation_prompt=req.add_generation_prompt)
     except (TemplateError, ValueError, TypeError, KeyError) as exc:
-        raise APIError(400, f"messages do not fit the chat template: {exc}",
+        raise APIError(400, f"messages do not fit the chat template: {clip(exc)}",
                        param="messages") from exc
+    if max_model_len is not None:
+        sv.check_text_length(text, max_model_len, "messages")
     return sv.Prompt(text, tokenizer.encode(text))
 
 
@@ -97,7 +101,7 @@ def _logprobs_k(req: ChatCompletionRequest) -> int | None:
 def _plan(req: ChatCompletionRequest, engine: sv.Engine) -> Plan:
     """The templated prompt (checked) and sampling; max_tokens defaults to the room left."""
     top_k = _logprobs_k(req)
-    prompt = chat_prompt(req, engine.tokenizer)
+    prompt = chat_prompt(req, engine.tokenizer, engine.max_model_len)
     max_tokens = req.requested_max_tokens()
     if max_tokens is None:  # vLLM: whatever room the context leaves
         max_tokens = max(engine.max_model_len - len(prompt.token_ids), 1)

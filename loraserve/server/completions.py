@@ -14,21 +14,26 @@ from loraserve.server.logprobs import LegacyLogprobs, TokenRenderer
 from loraserve.server.protocol import CompletionRequest
 
 
-def normalize_prompts(prompt: Any, tokenizer: Any, vocab_size: int,
-                      echo: bool) -> list[sv.Prompt]:
+def normalize_prompts(prompt: Any, tokenizer: Any, vocab_size: int, echo: bool,
+                      max_model_len: int | None = None) -> list[sv.Prompt]:
     """The four prompt forms as a list of Prompt (a [int] is one prompt, a [str] many).
 
-    Token-id prompts are range-checked before anything decodes them; their text (only the echo
-    needs it) is decoded only when echoing.
+    With `max_model_len`, a text or id list that cannot fit the context is refused on its length, before
+    it is tokenized or its ids checked. Token-id prompts are range-checked before anything decodes
+    them; their text (only the echo needs it) is decoded only when echoing.
     """
     if isinstance(prompt, str):
-        return [sv.Prompt(prompt, tokenizer.encode(prompt))]
-    if not prompt:
+        prompt = [prompt]
+    elif not prompt:
         raise APIError(400, "prompt must not be empty", param="prompt")
     if isinstance(prompt[0], str):
+        for text in prompt if max_model_len is not None else ():
+            sv.check_text_length(text, max_model_len, "prompt")
         return [sv.Prompt(p, tokenizer.encode(p)) for p in prompt]
     id_lists = [prompt] if isinstance(prompt[0], int) else prompt
     for ids in id_lists:
+        if max_model_len is not None:
+            sv.check_ids_length(ids, max_model_len, "prompt")
         sv.check_token_ids(ids, vocab_size, "prompt")
     return [sv.Prompt(tokenizer.decode(ids) if echo else "", list(ids)) for ids in id_lists]
 
@@ -101,7 +106,8 @@ def _plan(req: CompletionRequest, engine: sv.Engine) -> Plan:
     """The prompts (each checked) and sampling; logprobs of the echoed prompt when asked."""
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     sv.check_max_tokens(max_tokens)
-    prompts = normalize_prompts(req.prompt, engine.tokenizer, engine.vocab_size, req.echo)
+    prompts = normalize_prompts(req.prompt, engine.tokenizer, engine.vocab_size, req.echo,
+                                engine.max_model_len)
     for prompt in prompts:
         sv.check_prompt(prompt, max_tokens, engine, "prompt")
     params = sv.sampling_params(req, max_tokens, req.logprobs,

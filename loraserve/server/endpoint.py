@@ -6,9 +6,14 @@ bad request is still a proper 4xx -> the answer, either one JSON body (the endpo
 choice's `to_json`, usage) or an SSE stream (each choice's `opening` entry if it has one, one
 chunk per engine delta from the choice's `delta`, usage if asked, `[DONE]`; a failure after the
 headers is sent in-band). TTFT, end-to-end latency and token counts are recorded on the way.
+
+A large request is planned (tokenized, echo detokenized) on a worker thread, so the event loop
+keeps serving others; when the server's shutdown deadline passes, a request still waiting on the
+engine ends with a 503, a stream with an error event and `[DONE]`.
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -22,6 +27,9 @@ from loraserve.server.protocol import SamplingFields
 from loraserve.server.serving import (Engine, Prompt, RequestClock, ServerContext, check_request,
                                       fan_out, new_id, now, usage)
 from loraserve.server.streaming import DONE, PrimedStream, merge, sse, start_all
+
+# Requests with more input than this (characters, token ids) are planned off the event loop.
+OFF_LOOP_INPUT = 16 * 1024
 
 
 class Choice(Protocol):
@@ -78,10 +86,13 @@ async def serve(req: SamplingFields, ctx: ServerContext, endpoint: Endpoint) -> 
     clock = RequestClock(ctx.metrics)
     engine = ctx.engine
     adapter = check_request(req, ctx)
-    plan = endpoint.plan(req, engine)
+    if req.input_size() > OFF_LOOP_INPUT:
+        plan = await asyncio.to_thread(endpoint.plan, req, engine)
+    else:
+        plan = endpoint.plan(req, engine)
     request_id = new_id(endpoint.id_prefix)
-    streams = await start_all(engine, fan_out(request_id, plan.prompts, req.n, plan.params,
-                                              adapter, bool(req.stream)))
+    streams = await ctx.deadline.run(start_all(engine, fan_out(
+        request_id, plan.prompts, req.n, plan.params, adapter, bool(req.stream))))
     clock.first_output()
     prompt_tokens = sum(len(p.token_ids) for p in plan.prompts)
     ctx.metrics.prompt_tokens.inc(prompt_tokens)
@@ -104,7 +115,7 @@ async def _collect(streams: Sequence[PrimedStream], choices: Sequence[Choice], c
     """Non-streamed answer: feed every delta to its choice, counting generated tokens; the clock
     records the end even if the client leaves."""
     try:
-        async for index, out in merge(streams):
+        async for index, out in merge(streams, ctx.deadline):
             choices[index].apply(out)
             ctx.metrics.generation_tokens.inc(len(out.token_ids))
     finally:
@@ -121,7 +132,7 @@ async def _stream(head: dict[str, Any], streams: Sequence[PrimedStream],
             opening = choice.opening()
             if opening is not None:
                 yield sse({**head, "choices": [opening], **extra})
-        async for index, out in merge(streams):
+        async for index, out in merge(streams, ctx.deadline):
             entry = choices[index].delta(out)
             ctx.metrics.generation_tokens.inc(len(out.token_ids))
             yield sse({**head, "choices": [entry], **extra})

@@ -128,6 +128,10 @@ def _catalog_code(exc: BaseException, status: int) -> str:
     return snake if snake and snake != "catalog_error" else _STATUS_CODES.get(status, "error")
 
 
+# validation error types (protocol.py's size checks) that are the error's `code`
+_VALIDATION_CODES = ("context_length_exceeded", "too_many_sequences")
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """FastAPI's 422 as a 400 naming the offending field in `param`."""
     errors = exc.errors()
@@ -147,7 +151,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
         msg = "the request body must be a JSON object"
     elif first.get("type") == "missing":
         msg = "field required"
-    return APIError(400, f"{param}: {msg}" if param else msg, param=param)
+    code = first.get("type") if first.get("type") in _VALIDATION_CODES else None
+    return APIError(400, f"{param}: {msg}" if param else msg, param=param, code=code)
 
 
 async def _handle_api_error(request: Request, exc: Exception) -> JSONResponse:

@@ -43,7 +43,8 @@ class ApiKeyMiddleware:
 
 def too_large(max_bytes: int) -> APIError:
     return APIError(413, f"The request body is larger than this server accepts "
-                    f"({max_bytes} bytes; see --max-request-bytes)", code="request_too_large")
+                    f"({max_bytes} bytes; see --max-request-bytes)", code="request_too_large",
+                    headers={"Connection": "close"})  # the rest of the body is left unread
 
 
 class BodyTooLarge(BodyError):

@@ -3,15 +3,67 @@
 Fields OpenAI defines but loraserve does not implement are declared so that a non-default value
 is a clear 400 rather than silently ignored; unknown extra fields are ignored, as OpenAI does.
 vLLM extensions kept: `top_k`, `stop_token_ids`, `ignore_eos`, `return_tokens_as_token_ids`.
+
+Bodies are read by `JSONBodyRoute`: strict JSON (no NaN/Infinity, no lone surrogates: a 400
+naming the field), parsed and validated on a worker thread when large, and checked against the
+server's InputLimits (the validation context) before any per-item work: a prompt or message list
+that cannot fit is refused on its length alone.
 """
 from __future__ import annotations
 
+import asyncio
+import json
+import math
+import re
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, ValidationError, ValidatorFunctionWrapHandler,
-                      field_validator)
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from pydantic import (BaseModel, ConfigDict, ValidationError, ValidationInfo,
+                      ValidatorFunctionWrapHandler, field_validator)
+from pydantic_core import PydanticCustomError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from loraserve.server.errors import APIError, BodyError, validation_error
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
+
+# A token is at most this many characters on average: a longer text cannot fit the context and is
+# refused on its length, before tokenizing.
+CHARS_PER_TOKEN_MAX = 16
+
+
+def too_long_message(max_model_len: int, size: int, unit: str) -> str:
+    """Why an input of `size` tokens or characters (`unit`) cannot fit the context."""
+    text = "" if unit == "tokens" else \
+        f", at most {max_model_len * CHARS_PER_TOKEN_MAX} characters of text"
+    return (f"This model's maximum context length is {max_model_len} tokens{text}; "
+            f"the input has {size} {unit}.")
+
+
+@dataclass(frozen=True, slots=True)
+class InputLimits:
+    """Bounds a request's input is checked against before it is tokenized or even validated."""
+
+    max_model_len: int
+    max_seqs: int
+
+    @property
+    def max_chars(self) -> int:
+        return self.max_model_len * CHARS_PER_TOKEN_MAX
+
+
+def _limits(info: ValidationInfo) -> InputLimits | None:
+    return (info.context or {}).get("limits")
+
+
+def _too_long(limits: InputLimits, size: int, unit: str) -> PydanticCustomError:
+    return PydanticCustomError("context_length_exceeded",
+                               too_long_message(limits.max_model_len, size, unit))
 
 
 class StreamOptions(BaseModel):
@@ -21,7 +73,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Sampling fields both endpoints share. Range checks are SamplingParams' (engine types)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
     temperature: float | None = None
@@ -58,6 +110,14 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def num_prompts(self) -> int:
+        """Prompts the request holds (each starts `n` sequences)."""
+        return 1
+
+    def input_size(self) -> int:
+        """Characters and token ids of the input: what tokenizing it costs, roughly."""
+        return 0
+
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
@@ -71,13 +131,27 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt", mode="wrap")
     @classmethod
-    def _prompt_form(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> PromptInput:
-        """One clear message instead of one per union member."""
+    def _prompt_form(cls, value: Any, handler: ValidatorFunctionWrapHandler,
+                     info: ValidationInfo) -> PromptInput:
+        """Sizes first (the server's limits, from the context), then one clear message instead
+        of one per union member."""
+        limits = _limits(info)
+        if limits is not None:
+            _check_prompt_sizes(value, limits)
         try:
             return handler(value)
         except ValidationError:
             raise ValueError("must be a string, a list of strings, a list of token ids "
                              "or a list of lists of token ids") from None
+
+    def num_prompts(self) -> int:
+        p = self.prompt
+        return len(p) if isinstance(p, list) and p and not isinstance(p[0], int) else 1
+
+    def input_size(self) -> int:
+        p = self.prompt
+        return len(p) if isinstance(p, str) else sum(len(x) if isinstance(x, (str, list)) else 1
+                                                     for x in p)
 
     def unsupported(self) -> str | None:
         if self.suffix:
@@ -87,8 +161,33 @@ class CompletionRequest(SamplingFields):
         return super().unsupported()
 
 
+def _check_prompt_sizes(value: Any, limits: InputLimits) -> None:
+    """Lengths only, no per-item work: a list of more prompts than a request may start, a token
+    id list longer than the context, a text longer than the context can hold in characters."""
+    if isinstance(value, str):
+        if len(value) > limits.max_chars:
+            raise _too_long(limits, len(value), "characters")
+        return
+    if not isinstance(value, list) or not value:
+        return
+    if isinstance(value[0], int):
+        if len(value) > limits.max_model_len:
+            raise _too_long(limits, len(value), "tokens")
+        return
+    if len(value) > limits.max_seqs:
+        raise PydanticCustomError("too_many_sequences",
+                                  "{count} prompts; the server accepts at most {max_seqs} "
+                                  "sequences (prompts x n) per request",
+                                  {"count": len(value), "max_seqs": limits.max_seqs})
+    for item in value:
+        if isinstance(item, str) and len(item) > limits.max_chars:
+            raise _too_long(limits, len(item), "characters")
+        if isinstance(item, list) and len(item) > limits.max_model_len:
+            raise _too_long(limits, len(item), "tokens")
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -106,13 +205,166 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
 
+    @field_validator("messages", mode="wrap")
+    @classmethod
+    def _messages_size(cls, value: Any, handler: ValidatorFunctionWrapHandler,
+                       info: ValidationInfo) -> list[ChatMessage]:
+        """More messages than context tokens, or more text than the context can hold in
+        characters, is refused before the messages are validated one by one."""
+        limits = _limits(info)
+        if limits is not None and isinstance(value, list):
+            if len(value) > limits.max_model_len:
+                raise PydanticCustomError(
+                    "context_length_exceeded", "{count} messages cannot fit a context of "
+                    "{max_model_len} tokens", {"count": len(value),
+                                               "max_model_len": limits.max_model_len})
+            chars = sum(_content_chars(m) for m in value)
+            if chars > limits.max_chars:
+                raise _too_long(limits, chars, "characters")
+        return handler(value)
+
     def unsupported(self) -> str | None:
         if self.tools:
             return "tools"
         return super().unsupported()
+
+    def input_size(self) -> int:
+        return sum(_content_chars(m) for m in self.messages)
 
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens` (new name) wins over `max_tokens` (deprecated name)."""
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+
+def _content_chars(message: Any) -> int:
+    """Characters of a message's content (a raw dict or a ChatMessage; text parts summed)."""
+    content = message.get("content") if isinstance(message, dict) else \
+        getattr(message, "content", None)
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(part.get("text", "")) for part in content
+                   if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return 0
+
+
+# -- reading a body -------------------------------------------------------------------------------
+
+OFF_LOOP_BYTES = 64 * 1024  # bodies larger than this are parsed and validated on a worker thread
+# a lone surrogate can only come from a \ud800-\udfff escape or raw surrogate bytes (json
+# decodes UTF-8 with surrogatepass); other encodings (UTF-16/32) are always searched
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def parse_body(body: bytes, model: type[BaseModel], limits: InputLimits | None) -> BaseModel:
+    """`body` as a validated `model`; BodyError (a 400 naming the field where it can) for
+    malformed JSON, NaN/Infinity, lone surrogates, sizes over `limits`, invalid fields."""
+    non_finite = False
+
+    def parse_float(text: str) -> float:
+        nonlocal non_finite
+        value = float(text)
+        non_finite = non_finite or not math.isfinite(value)  # 1e999 is inf
+        return value
+
+    def parse_constant(text: str) -> float:
+        nonlocal non_finite
+        non_finite = True
+        return float(text)
+
+    try:
+        raw = json.loads(body, parse_float=parse_float, parse_constant=parse_constant)
+    except json.JSONDecodeError as exc:
+        raise BodyError(APIError(400, f"Malformed JSON body: {exc.msg}", code="invalid_json"))
+    except (ValueError, RecursionError) as exc:  # bad encoding, huge int literal, deep nesting
+        raise BodyError(APIError(400, f"Malformed JSON body: {type(exc).__name__}: {exc}",
+                                 code="invalid_json")) from None
+    surrogates = (_MAYBE_SURROGATE.search(body) is not None or not body[:4].isascii()
+                  or b"\x00" in body[:4])
+    if non_finite or surrogates:
+        found = _find_bad_value(raw, non_finite, surrogates)
+        if found is not None:
+            param, what = found
+            raise BodyError(APIError(400, f"{param or 'body'}: {what}", param=param or None))
+    try:
+        return model.model_validate(raw, context={"limits": limits})
+    except ValidationError as exc:
+        raise BodyError(validation_error(RequestValidationError(
+            exc.errors(include_url=False, include_input=False)))) from None
+
+
+def _find_bad_value(raw: Any, non_finite: bool, surrogates: bool) -> tuple[str, str] | None:
+    """(dotted path, what is wrong) of the first NaN/Infinity or lone-surrogate string."""
+    stack: list[tuple[str, Any]] = [("", raw)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if surrogates and _has_surrogate(value):
+                return path, "contains a lone UTF-16 surrogate, which is not valid Unicode text"
+        elif isinstance(value, float):
+            if non_finite and not math.isfinite(value):
+                return path, "must be a finite number (NaN and Infinity are not valid JSON)"
+        elif isinstance(value, dict):
+            for key, item in reversed(list(value.items())):
+                sub = f"{path}.{key}" if path else str(key)
+                if surrogates and _has_surrogate(key):
+                    return sub, "a key contains a lone UTF-16 surrogate"
+                stack.append((sub, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}" if path else str(i), item)
+                         for i, item in reversed(list(enumerate(value))))
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
+
+
+class _JSONBodyRequest(Request):
+    """A Request whose `json()` is `parse_body` against the route's body model: what FastAPI
+    then validates is already a model instance (kept as is)."""
+
+    body_model: type[BaseModel]
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            ctx = getattr(self.app.state, "ctx", None)
+            parse = partial(parse_body, body, self.body_model,
+                            ctx.limits if ctx is not None else None)
+            self._json = await asyncio.to_thread(parse) if len(body) > OFF_LOOP_BYTES else parse()
+        return self._json
+
+
+class JSONBodyRoute(APIRoute):
+    """An APIRoute whose JSON body is read by `parse_body` (see the module doc)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        model = self._body_model()
+        if model is None:
+            return handler
+
+        async def route(request: Request) -> Response:
+            wrapped = _JSONBodyRequest(request.scope, request.receive)
+            wrapped.body_model = model
+            return await handler(wrapped)
+
+        return route
+
+    def _body_model(self) -> type[BaseModel] | None:
+        """The pydantic model of the route's one body parameter, if it has one."""
+        params = self.dependant.body_params
+        if len(params) != 1:
+            return None
+        annotation = getattr(params[0].field_info, "annotation", None)
+        return annotation if isinstance(annotation, type) and \
+            issubclass(annotation, BaseModel) else None

@@ -1,5 +1,6 @@
-"""What both generation endpoints share: the engine facade, model resolution, request and prompt
-checks, sampling parameters, fan-out into engine requests, and per-request timing."""
+"""What both generation endpoints share: the engine facade, the server's limits, model
+resolution, request and prompt checks, sampling parameters, fan-out into engine requests, and
+per-request timing."""
 from __future__ import annotations
 
 import time
@@ -11,10 +12,13 @@ from typing import Any, Protocol
 from loraserve.catalog.errors import InvalidAdapterId
 from loraserve.catalog.ids import parse_model_ref
 
-from loraserve.engine.types import GenerateRequest, RequestOutput, SamplingParams
-from loraserve.server.errors import APIError
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.types import SEED_MAX, GenerateRequest, RequestOutput, SamplingParams
+from loraserve.server.errors import APIError, clip
 from loraserve.server.metrics import ServerMetrics
-from loraserve.server.protocol import SamplingFields
+from loraserve.server.protocol import (CHARS_PER_TOKEN_MAX, InputLimits, SamplingFields,
+                                       too_long_message)
+from loraserve.server.streaming import ShutdownDeadline
 
 
 class Engine(Protocol):
@@ -32,17 +36,49 @@ class Engine(Protocol):
     async def shutdown(self) -> None: ...
 
 
+def _config_default(name: str) -> Any:
+    return EngineConfig.__dataclass_fields__[name].default
+
+
 @dataclass(slots=True)
 class ServerContext:
-    """What a route handler needs: the engine, the app's metrics and request limits."""
+    """What a route handler needs: the engine, the app's metrics and request limits.
+
+    `max_request_bytes` bounds a request body (413), `max_seqs_per_request` the sequences
+    (prompts x n) one request may start (400); `shutdown_timeout` is how long in-flight requests
+    may run on once shutdown begins before `deadline` ends them (503 / an error event).
+    """
 
     engine: Engine
     metrics: ServerMetrics
     max_n: int = 16
+    max_request_bytes: int = _config_default("max_request_bytes")
+    max_seqs_per_request: int = _config_default("max_seqs_per_request")
+    shutdown_timeout: float = _config_default("shutdown_timeout")
+    deadline: ShutdownDeadline = field(default_factory=ShutdownDeadline)
 
     def __post_init__(self) -> None:
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        for name in ("max_request_bytes", "max_seqs_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+
+    @classmethod
+    def for_engine(cls, engine: Engine, metrics: ServerMetrics, max_n: int = 16) -> ServerContext:
+        """The context of `engine`, its limits read from `engine.config` (an EngineConfig) where
+        it has one; EngineConfig's defaults otherwise (a test double)."""
+        config = getattr(engine, "config", None)
+        limits = {name: getattr(config, name, _config_default(name))
+                  for name in ("max_request_bytes", "max_seqs_per_request", "shutdown_timeout")}
+        return cls(engine=engine, metrics=metrics, max_n=max_n, **limits)
+
+    @property
+    def limits(self) -> InputLimits:
+        """The input bounds request bodies are checked against before anything else."""
+        return InputLimits(self.engine.max_model_len, self.max_seqs_per_request)
 
 
 @dataclass(slots=True)
@@ -87,7 +123,7 @@ def resolve_adapter(model: str, engine: Engine) -> str | None:
         return model
     except InvalidAdapterId:
         pass
-    raise APIError(404, f"The model `{model}` does not exist.", code="model_not_found",
+    raise APIError(404, f"The model `{clip(model)}` does not exist.", code="model_not_found",
                    param="model")
 
 
@@ -96,8 +132,32 @@ def check_request(req: SamplingFields, ctx: ServerContext) -> str | None:
     reject_unsupported(req.unsupported())
     adapter = resolve_adapter(req.model, ctx.engine)
     check_n(req.n, ctx.max_n)
+    check_seqs(req.num_prompts() * req.n, ctx.max_seqs_per_request,
+               "prompt" if req.n == 1 else "n")
     check_stop_token_ids(req.stop_token_ids, ctx.engine.vocab_size)
     return adapter
+
+
+def check_seqs(seqs: int, max_seqs: int, param: str = "n") -> None:
+    """One request starts prompts x n sequences; more than `max_seqs` is a 400."""
+    if seqs > max_seqs:
+        raise APIError(400, f"this request asks for {seqs} sequences (prompts x n); the server "
+                       f"accepts at most {max_seqs} per request (--max-seqs-per-request)",
+                       param=param, code="too_many_sequences")
+
+
+def check_text_length(text: str, max_model_len: int, param: str) -> None:
+    """A text that cannot fit the context whatever it tokenizes to: 400 before tokenizing."""
+    if len(text) > max_model_len * CHARS_PER_TOKEN_MAX:
+        raise APIError(400, too_long_message(max_model_len, len(text), "characters"),
+                       param=param, code="context_length_exceeded")
+
+
+def check_ids_length(ids: Sequence[int], max_model_len: int, param: str) -> None:
+    """A token-id list longer than the context: 400 before any per-id work."""
+    if len(ids) > max_model_len:
+        raise APIError(400, too_long_message(max_model_len, len(ids), "tokens"), param=param,
+                       code="context_length_exceeded")
 
 
 def reject_unsupported(name: str | None) -> None:
@@ -149,11 +209,16 @@ def fan_out(request_id: str, prompts: Sequence[Prompt], n: int, params: Sampling
     for p, prompt in enumerate(prompts):
         for i in range(n):
             seeded = params if params.seed is None or i == 0 else _with_seed(params,
-                                                                             params.seed + i)
+                                                                             _nth_seed(params.seed, i))
             requests.append(GenerateRequest(request_id=f"{request_id}-{p * n + i}",
                                             prompt_token_ids=list(prompt.token_ids),
                                             params=seeded, adapter=adapter, stream=stream))
     return requests
+
+
+def _nth_seed(seed: int, i: int) -> int:
+    """seed + i, wrapped into the engine's seed range [-2**63, 2**64) (modulo 2**64)."""
+    return seed + i if seed + i <= SEED_MAX else seed + i - 2**64
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

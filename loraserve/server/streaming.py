@@ -5,19 +5,24 @@ An HTTP request with `n` choices over `P` prompts becomes `P * n` engine request
 awaited) before any HTTP status is sent: the engine raises bad-request errors before its first
 yield, so a streamed request still gets a proper 4xx instead of a 200 with an error inside.
 Closing a stream closes every engine iterator, which aborts those requests in the engine.
+A ShutdownDeadline ends whatever is still running when the server's shutdown deadline passes.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
 from loraserve.engine.types import GenerateRequest, RequestOutput
+from loraserve.server.errors import APIError
+
+T = TypeVar("T")
 
 DONE = "data: [DONE]\n\n"
 
@@ -25,6 +30,62 @@ DONE = "data: [DONE]\n\n"
 def sse(payload: dict[str, Any]) -> str:
     """One SSE event carrying `payload` as JSON."""
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "The server is shutting down and ended this request at its shutdown "
+                    "deadline; retry it", code="server_shutting_down")
+
+
+class ShutdownDeadline:
+    """The server's shutdown deadline, as the requests in flight see it.
+
+    Work registers an `end` callback while it waits on the engine (`watch`); `expire()` (the
+    deadline passed) calls every one, and each ends its request with `shutting_down()` (a 503, or
+    an error event in a stream already answering). Work that starts after it fails at once.
+    """
+
+    def __init__(self) -> None:
+        self.passed = False
+        self._ends: set[Callable[[], None]] = set()
+
+    def expire(self) -> None:
+        self.passed = True
+        for end in list(self._ends):
+            end()
+
+    @contextlib.contextmanager
+    def watch(self, end: Callable[[], None]) -> Iterator[None]:
+        """Call `end` if the deadline passes while the block runs (at once if it has)."""
+        self._ends.add(end)
+        try:
+            if self.passed:
+                end()
+            yield
+        finally:
+            self._ends.discard(end)
+
+    async def run(self, work: Awaitable[T]) -> T:
+        """Await `work`; shutting_down() if the deadline passes first (`work` is cancelled)."""
+        if self.passed:
+            if inspect.iscoroutine(work):
+                work.close()
+            raise shutting_down()
+        task = asyncio.ensure_future(work)
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            ended = True
+            task.cancel()
+
+        with self.watch(end):
+            try:
+                return await task
+            except asyncio.CancelledError:
+                if ended and task.cancelled():
+                    raise shutting_down() from None
+                raise
 
 
 @dataclass(slots=True)
@@ -77,12 +138,16 @@ async def start_all(engine: Any, requests: Sequence[GenerateRequest]) -> list[Pr
             for it, first in zip(iterators, firsts)]
 
 
-async def merge(streams: Sequence[PrimedStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(stream index, delta) pairs from all streams as they arrive; a stream's error re-raises.
+async def merge(streams: Sequence[PrimedStream], deadline: ShutdownDeadline | None = None,
+                ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, delta) pairs from all streams as they arrive; a stream's error re-raises,
+    and so does shutting_down() when `deadline` passes.
 
     Closing this generator (client gone) cancels the pumps and closes every engine iterator.
     """
     queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+    watch = contextlib.nullcontext() if deadline is None else \
+        deadline.watch(lambda: queue.put_nowait((-1, None, shutting_down())))
 
     async def pump(index: int, stream: PrimedStream) -> None:
         try:
@@ -96,15 +161,16 @@ async def merge(streams: Sequence[PrimedStream]) -> AsyncIterator[tuple[int, Req
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        remaining = len(tasks)
-        while remaining:
-            index, out, error = await queue.get()
-            if error is not None:
-                raise error
-            if out is None:
-                remaining -= 1
-                continue
-            yield index, out
+        with watch:
+            remaining = len(tasks)
+            while remaining:
+                index, out, error = await queue.get()
+                if error is not None:
+                    raise error
+                if out is None:
+                    remaining -= 1
+                    continue
+                yield index, out
     finally:
         for task in tasks:
             task.cancel()

@@ -1,0 +1,133 @@
+"""The request side of an engine, shared by the in-process and the out-of-process hosting.
+
+`EngineFrontend` lives on the API server's event loop. It validates a request, admits it against
+the queue bound (per-tenant share), resolves its adapter, submits it to wherever the engine runs
+and hands each output delta to the request's asyncio.Queue. Subclasses say how a request
+reaches the engine (`_submit`, `_abort`): `AsyncEngine` over a thread, `CoreClient` over ZeroMQ
+to an engine-core process.
+"""
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+
+from .config import EngineConfig
+from .snapshot import EngineSnapshot
+from .types import EngineError, GenerateRequest, RequestOutput
+
+
+class EngineFrontend(ABC):
+    cfg: EngineConfig
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: object
+
+    def __init__(self) -> None:
+        # event loop only
+        self._queues: dict[str, asyncio.Queue] = {}
+        # sequences between generate() and their last delta. Bounded by a full batch plus
+        # max_waiting; past it a request is refused (429) instead of queued forever.
+        self._in_flight = 0
+        self._tenant_in_flight: dict[str, int] = {}
+
+    # -- hosting (subclasses) --------------------------------------------------------------------
+    @abstractmethod
+    async def start(self) -> None:
+        """See the class docstring."""
+
+    @abstractmethod
+    async def shutdown(self) -> None:
+        """See the class docstring."""
+
+    @abstractmethod
+    def _resolve(self, ref: str):
+        """Blocking: the RevisionRecord `ref` names (catalog read), or raise."""
+        """See the class docstring."""
+
+    @abstractmethod
+    def _submit(self, req: GenerateRequest, record) -> None:
+        """See the class docstring."""
+
+    @abstractmethod
+    def _abort(self, request_id: str) -> None:
+        """See the class docstring."""
+
+    @property
+    @abstractmethod
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's latest published snapshot."""
+
+    # -- what the server reads -------------------------------------------------------------------
+    @property
+    def config(self) -> EngineConfig:
+        return self.cfg
+
+    def stats(self) -> dict:
+        return self.snapshot.stats()
+
+    def list_models(self) -> list[str]:
+        return [self.model_name, *self.snapshot.resident_ids()]
+
+    # -- requests -------------------------------------------------------------------------------
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        await self.start()
+        req.check(self.vocab_size, self.max_model_len)
+        if req.request_id in self._queues:
+            raise EngineError(f"duplicate request id {req.request_id!r}")
+        self._admit(req.tenant)
+        done = False
+        try:
+            record = await asyncio.to_thread(self._resolve, req.adapter) if req.adapter else None
+            q: asyncio.Queue = asyncio.Queue()
+            self._queues[req.request_id] = q
+            self._submit(req, record)
+            while True:
+                out = await q.get()
+                if out.error is not None:
+                    done = True
+                    raise out.error
+                done = out.finish_reason is not None
+                yield out
+                if done:
+                    return
+        finally:
+            self._release(req.tenant)
+            if self._queues.pop(req.request_id, None) is not None and not done:
+                self._abort(req.request_id)
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        """Event loop: hand each delta to its request's queue (gone requests are skipped)."""
+        for out in outs:
+            q = self._queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    def _fail_in_flight(self, err: EngineError) -> None:
+        """Event loop: end every request in flight with err (one clean error each)."""
+        for rid in list(self._queues):
+            self._queues[rid].put_nowait(RequestOutput(rid, [], "", finish_reason="error", error=err))
+
+    def _admit(self, tenant: str) -> None:
+        """Count one more sequence in flight, or refuse it (429) when the queue is full.
+
+        At capacity, only tenants holding at least their share of it (capacity / tenants in
+        flight) are refused: one tenant's flood fills the queue with 429s for itself, not for
+        the others (whose sequences may then exceed the bound by at most one share)."""
+        cap = self.cfg.max_batch_size + self.cfg.max_waiting
+        mine = self._tenant_in_flight.get(tenant, 0)
+        share = cap / max(1, len(self._tenant_in_flight))
+        if self._in_flight >= cap and mine >= share:
+            raise EngineError(f"the server is at capacity ({self._in_flight} sequences running or "
+                              "queued); retry later", status=429, code="rate_limit_exceeded")
+        self._in_flight += 1
+        self._tenant_in_flight[tenant] = mine + 1
+
+    def _release(self, tenant: str) -> None:
+        self._in_flight -= 1
+        left = self._tenant_in_flight[tenant] - 1
+        if left:
+            self._tenant_in_flight[tenant] = left
+        else:
+            del self._tenant_in_flight[tenant]

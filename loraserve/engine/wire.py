@@ -1,0 +1,106 @@
+"""The engine core's wire format: msgpack messages between API servers and the core process.
+
+Requests and per-step output deltas travel as plain msgpack values (lists, dicts, ints,
+strings, bytes), never pickled Python objects. Every message is a list whose first item is its
+kind:
+
+    API server -> core                       core -> API server
+    ["hello"]                                ["ready", info]               (reply to hello)
+    ["add", request, record_json | None]     ["out", [delta, ...]]         (one per step)
+    ["abort", request_id]                    ["snap", snapshot]            (when published)
+    ["call", call_id, name, args]            ["ret", call_id, value, error | None]
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+
+from .snapshot import EngineSnapshot
+from .types import EngineError, GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
+
+_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def pack(message: list) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes) -> list:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def request_to_wire(req: GenerateRequest) -> dict:
+    p = req.params
+    return {"id": req.request_id, "prompt": req.prompt_token_ids,
+            "params": {name: getattr(p, name) for name in _PARAM_FIELDS},
+            "adapter": req.adapter, "stream": req.stream, "tenant": req.tenant,
+            "weight": req.tenant_weight}
+
+
+def request_from_wire(d: dict) -> GenerateRequest:
+    return GenerateRequest(d["id"], d["prompt"], SamplingParams(**d["params"]), d["adapter"],
+                           d["stream"], d["tenant"], d["weight"])
+
+
+def _logprobs_to_wire(lps: list[TokenLogprob | None] | None) -> list | None:
+    if lps is None:
+        return None
+    return [None if lp is None else [lp.token_id, lp.logprob, lp.top] for lp in lps]
+
+
+def _logprobs_from_wire(lps: list | None) -> list[TokenLogprob | None] | None:
+    if lps is None:
+        return None
+    return [None if lp is None else TokenLogprob(lp[0], lp[1], lp[2]) for lp in lps]
+
+
+def error_to_wire(err: BaseException) -> dict:
+    """An error a client may see: EngineError and catalog errors keep their HTTP status."""
+    return {"message": str(err), "status": getattr(err, "status", 500),
+            "code": getattr(err, "code", None) if isinstance(err, EngineError) else None,
+            "param": getattr(err, "param", None), "type": type(err).__name__}
+
+
+def error_from_wire(d: dict) -> EngineError:
+    code = d["code"] or _snake(d["type"]) if d["status"] < 500 else d["code"] or "internal_error"
+    return EngineError(d["message"], status=d["status"], code=code, param=d["param"])
+
+
+def _snake(name: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
+
+
+def output_to_wire(out: RequestOutput) -> list:
+    return [out.request_id, out.token_ids, out.text, _logprobs_to_wire(out.logprobs),
+            _logprobs_to_wire(out.prompt_logprobs), out.finish_reason, out.num_prompt_tokens,
+            out.num_output_tokens, out.adapter_revision,
+            None if out.error is None else error_to_wire(out.error)]
+
+
+def output_from_wire(o: list) -> RequestOutput:
+    return RequestOutput(o[0], o[1], o[2], _logprobs_from_wire(o[3]), _logprobs_from_wire(o[4]),
+                         o[5], o[6], o[7], o[8], None if o[9] is None else error_from_wire(o[9]))
+
+
+def snapshot_to_wire(s: EngineSnapshot) -> dict:
+    d = {f.name: getattr(s, f.name) for f in dataclasses.fields(EngineSnapshot)}
+    d["resident"] = [list(k) for k in s.resident]
+    d["pool"] = None if s.pool is None else dataclasses.asdict(s.pool)
+    d["cpu_cache"] = None if s.cpu_cache is None else dataclasses.asdict(s.cpu_cache)
+    d["pager"] = None if s.pager is None else dataclasses.asdict(s.pager)
+    d["page_in_samples"] = [list(x) for x in s.page_in_samples]
+    return d
+
+
+def snapshot_from_wire(d: dict, pool_stats, cache_stats, pager_stats) -> EngineSnapshot:
+    """`*_stats`: the dataclasses to rebuild the tier stats with (adapters.stats)."""
+    d = dict(d)
+    d["resident"] = frozenset(tuple(k) for k in d["resident"])
+    d["running_adapters"] = tuple(d["running_adapters"])
+    d["waiting_adapters"] = tuple(d["waiting_adapters"])
+    d["pool"] = None if d["pool"] is None else pool_stats(**d["pool"])
+    d["cpu_cache"] = None if d["cpu_cache"] is None else cache_stats(**d["cpu_cache"])
+    d["pager"] = None if d["pager"] is None else pager_stats(**d["pager"])
+    d["page_in_samples"] = tuple(tuple(x) for x in d["page_in_samples"])
+    return EngineSnapshot(**d)
