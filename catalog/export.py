@@ -8,6 +8,8 @@ Accepted PEFT module forms (after dropping `base_model.model.` and `model.`):
         down_proj    [E, H, I]:  A [E*R, I], B [H, E*R]
 Every module's scale (alpha/r or alpha/sqrt(r)) is folded into B (float32 math, one rounding), ranks are
 zero-padded to the adapter's max rank, experts are packed to A [E, R, in], B [E, out, R].
+NaN or Inf never enters: a non-finite PEFT factor, or one that scaling or the cast to the serving
+dtype overflows, is a NonFiniteWeights (400) naming the tensor.
 """
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ import torch.nn.functional as F
 
 from .base import BaseInfo, ModuleInfo
 from .dtypes import torch_dtype
-from .errors import ExportError
+from .errors import ExportError, NonFiniteWeights
 from .layout import AdapterWeights
 from .targets import ALL_KINDS, KINDS_BY_NAME, parse_expert_plane_path, parse_module_path, tensor_names
-from .peft_reader import PeftLoraConfig, group_factors, read_peft_tensors, split_base_copies
+from .peft_reader import PeftLoraConfig, as_source, group_factors, read_peft_tensors, split_base_copies
+from .source import AdapterSource
 
 _FUSED = re.compile(r"^(layers\.\d+\.mlp\.experts)((?:\.base_layer)*)$")
 
@@ -137,21 +140,34 @@ def _check_base_copies(copies: dict[str, torch.Tensor], base: BaseInfo) -> None:
         _check_shape(name, t, (m.out_features, m.in_features), base)
 
 
+def check_finite(tensors: dict[str, torch.Tensor], what: str = "") -> None:
+    """NonFiniteWeights naming the first floating-point tensor holding NaN or Inf."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"
+            raise NonFiniteWeights(f"{name}: contains {bad} values{what}; non-finite weights are never imported")
+
+
 def _pad_rank(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero-pad A [.., r, in] rows and B [.., out, r] columns to `rank` (the delta is unchanged)."""
     extra = rank - a.shape[-2]
     return (F.pad(a, (0, 0, 0, extra)), F.pad(b, (0, extra))) if extra else (a, b)
 
 
-def export_peft(peft_dir: str | Path, base: BaseInfo, dtype: str | None = None, source: str = "") -> AdapterWeights:
-    """Turn a PEFT LoRA directory into serving-layout weights for `base`; ExportError names the bad tensor."""
-    peft_dir = Path(peft_dir)
-    cfg = PeftLoraConfig.from_dir(peft_dir)
-    lora, copies = split_base_copies(read_peft_tensors(peft_dir))
+def export_peft(peft_dir: str | Path | AdapterSource, base: BaseInfo, dtype: str | None = None,
+                source: str = "") -> AdapterWeights:
+    """Turn a PEFT LoRA directory into serving-layout weights for `base`; ExportError names the bad tensor.
+
+    `peft_dir` may be an AdapterSource (confined, bounded reads: the server's imports).
+    """
+    src = as_source(peft_dir)
+    cfg = PeftLoraConfig.from_dir(src)
+    lora, copies = split_base_copies(read_peft_tensors(src))
     _check_base_copies(copies, base)
+    check_finite(lora)
     groups = group_factors(lora)
     if not groups:
-        raise ExportError(f"{peft_dir}: adapter has no LoRA tensors")
+        raise ExportError(f"{src.shown}: adapter has no LoRA tensors")
     serving = torch_dtype(dtype or base.dtype)
     modules = convert_modules(groups, cfg, base, serving)
     rank = max(a.shape[-2] for a, _ in modules.values())
@@ -160,5 +176,6 @@ def export_peft(peft_dir: str | Path, base: BaseInfo, dtype: str | None = None, 
         a, b = _pad_rank(a, b, rank)
         a_name, b_name = tensor_names(*parse_module_path(path))
         tensors[a_name], tensors[b_name] = a.contiguous(), b.contiguous()
+    check_finite(tensors, f" after scaling by alpha/r and casting to {serving}")
     kinds = sorted({parse_module_path(p)[0] for p in modules}, key=ALL_KINDS.index)
-    return AdapterWeights(base.fingerprint, rank, kinds, serving, tensors, source or f"peft:{peft_dir.name}")
+    return AdapterWeights(base.fingerprint, rank, kinds, serving, tensors, source or f"peft:{src.name}")

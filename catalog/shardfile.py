@@ -48,7 +48,9 @@ def unopened_fault(path: Path) -> str | None:
     """Why the data file at `path` cannot be opened safely (None: it can, or it does not exist).
 
     Reads the two meta pages with `pread` and takes the larger last page of the two (both were
-    committed, so the file must cover both).
+    committed, so the file must cover both). A file still being created by another process
+    (shorter than its meta pages for a moment) reads as truncated: a transient fault of a shard
+    that had nothing in it.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -57,19 +59,19 @@ def unopened_fault(path: Path) -> str | None:
     except OSError as e:
         return f"{DATA_FILE} cannot be opened: {e.strerror}"
     try:
-        size = os.fstat(fd).st_size
         if not _SUPPORTED:
             return None  # the layout below is the 64-bit one; LMDB's own checks remain
         first = _meta(fd, 0)
         if first is None:
-            return f"{DATA_FILE} is truncated or not an LMDB file ({size} bytes)"
+            return f"{DATA_FILE} is truncated or not an LMDB file ({os.fstat(fd).st_size} bytes)"
         psize = first[0]
         if psize < 512 or psize & (psize - 1):
             return f"{DATA_FILE} has a damaged meta page (page size {psize})"
         second = _meta(fd, psize)
         if second is None:
-            return f"{DATA_FILE} is truncated: {size} bytes, the second meta page is missing"
-        return size_fault(size, psize, max(first[1], second[1]))
+            return f"{DATA_FILE} is truncated: {os.fstat(fd).st_size} bytes, the second meta page is missing"
+        # the size after the metas: a commit in between only grows the file
+        return size_fault(os.fstat(fd).st_size, psize, max(first[1], second[1]))
     except OSError as e:
         return f"{DATA_FILE} cannot be read: {e.strerror}"
     finally:

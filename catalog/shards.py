@@ -125,7 +125,15 @@ class Shard:
             return f"{DATA_FILE} was replaced while in use (restart to serve the new file)"
         if st.st_size < 2 * self._psize:  # the meta pages themselves are gone: do not read them
             return size_fault(st.st_size, self._psize, 1)
-        return size_fault(st.st_size, self._psize, env.info()["last_pgno"])
+        last = env.info()["last_pgno"]
+        if size_fault(st.st_size, self._psize, last) is None:
+            return None
+        # another process may have committed (grown the file) between the stat and the meta
+        # read: only a size taken after the meta read can prove truncation
+        try:
+            return size_fault(os.stat(self.data_file).st_size, self._psize, last)
+        except OSError:
+            return f"{DATA_FILE} was removed while in use"
 
     def _check(self) -> None:
         if (fault := self.diagnose()) is not None:
@@ -157,10 +165,10 @@ class Shard:
         except lmdb.Error as e:
             raise self.unavailable(f"cannot open: {e}") from None
         try:
-            st = os.stat(self.data_file)
-            psize = env.stat()["psize"]
+            psize, last = env.stat()["psize"], env.info()["last_pgno"]
+            st = os.stat(self.data_file)  # after the meta read: a concurrent commit only grows it
             # checked before open_db, the first read of a data page
-            if (fault := size_fault(st.st_size, psize, env.info()["last_pgno"])) is not None:
+            if (fault := size_fault(st.st_size, psize, last)) is not None:
                 self.fault = fault
                 raise self.unavailable(fault)
             if not o.readonly:

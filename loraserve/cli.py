@@ -27,6 +27,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     _add_engine_options(p)
     p.add_argument("--api-key", default=os.environ.get("LORASERVE_API_KEY"))
     p.add_argument("--demo-dir", default=DEFAULT_DEMO_DIR)
+    p.add_argument("--single-process", action="store_true",
+                   help="run the engine on a thread of the API server's process (debugging) instead "
+                        "of in its own engine-core process")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_serve)
 
@@ -99,6 +102,7 @@ def _help(f: Field, default: Any, text: str | None) -> str:
 
 def _serve(args: argparse.Namespace) -> int:
     from .engine.async_engine import AsyncEngine
+    from .engine.core_client import CoreClient
     from .server.app import run_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -110,7 +114,7 @@ def _serve(args: argparse.Namespace) -> int:
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
                if hasattr(args, f.name)}  # the dests of _add_engine_options
     cfg = EngineConfig(model_dir=model, catalog_dir=catalog, **options)
-    engine = AsyncEngine.from_config(cfg)
+    engine = AsyncEngine.from_config(cfg) if args.single_process else CoreClient(cfg)
     run_server(engine, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level.lower())
     return 0
 

@@ -22,7 +22,8 @@ from typing import Callable
 
 from loraserve.catalog.records import RevisionRecord
 
-from .pool import AdapterPool, PoolFull
+from .pager import resolve_record
+from .pool import AdapterPool, PoolFull, PoolLimits
 from .weights import AdapterKey
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,34 @@ class AdapterNotServable(ValueError):
     status = 400
     code = "invalid_request"
     param = "model"
+
+
+def resolve_servable(catalog, base_fingerprint: str, limits: PoolLimits, ref: str) -> RevisionRecord:
+    """The revision `ref` names, if this server can serve it: catalog errors (400/404/409) or
+    AdapterNotServable (400) for a rank or target beyond `limits`."""
+    rec = resolve_record(catalog, base_fingerprint, ref)
+    try:
+        limits.check_admissible(rec.rank, rec.targets)
+    except ValueError as exc:  # rank above --max-lora-rank, a target this server does not serve
+        raise AdapterNotServable(
+            f"adapter {rec.adapter_id}@{rec.revision} cannot be served here: {exc}") from exc
+    return rec
+
+
+def describe_adapter(catalog, adapter_id: str, residency: Callable[[AdapterKey], str]) -> dict:
+    """Policy record and revisions of adapter_id, each with `residency(key)` (gpu|cpu|disk)."""
+    pol = catalog.policy(adapter_id)
+    revisions = []
+    for rev in pol.revisions:
+        rec = catalog.resolve(adapter_id, rev)
+        revisions.append({"revision": rev, "size": rec.size, "checksum": rec.checksum,
+                          "created": rec.created, "rank": rec.rank, "targets": rec.targets,
+                          "residency": residency((adapter_id, rev))})
+    promoted = next((r["residency"] for r in revisions if r["revision"] == pol.promoted), "disk")
+    return {"id": adapter_id, "base_fingerprint": pol.base_fingerprint, "rank": pol.rank,
+            "targets": pol.targets, "promoted": pol.promoted, "previous": pol.previous,
+            "tags": pol.tags, "created": pol.created, "updated": pol.updated,
+            "residency": promoted, "revisions": revisions}
 
 
 class AdapterManager:
@@ -54,28 +83,11 @@ class AdapterManager:
     def resolve(self, ref: str) -> RevisionRecord:
         """'tenant/name[@rev]' -> the revision a request runs on. Raises catalog errors
         (400/404/409) or AdapterNotServable (400) when this server could never load it."""
-        rec = self.pager.resolve(ref)  # checks the base fingerprint too (409)
-        try:
-            self.pool.check_admissible(rec.rank, rec.targets)
-        except ValueError as exc:  # rank above --max-lora-rank, a target this server does not serve
-            raise AdapterNotServable(
-                f"adapter {rec.adapter_id}@{rec.revision} cannot be served here: {exc}") from exc
-        return rec
+        return resolve_servable(self.catalog, self.base_fingerprint, self.pool.limits, ref)
 
     def describe(self, adapter_id: str, residency: Callable[[AdapterKey], str]) -> dict:
         """Policy record and revisions of adapter_id, each with `residency(key)` (gpu|cpu|disk)."""
-        pol = self.catalog.policy(adapter_id)
-        revisions = []
-        for rev in pol.revisions:
-            rec = self.catalog.resolve(adapter_id, rev)
-            revisions.append({"revision": rev, "size": rec.size, "checksum": rec.checksum,
-                              "created": rec.created, "rank": rec.rank, "targets": rec.targets,
-                              "residency": residency((adapter_id, rev))})
-        promoted = next((r["residency"] for r in revisions if r["revision"] == pol.promoted), "disk")
-        return {"id": adapter_id, "base_fingerprint": pol.base_fingerprint, "rank": pol.rank,
-                "targets": pol.targets, "promoted": pol.promoted, "previous": pol.previous,
-                "tags": pol.tags, "created": pol.created, "updated": pol.updated,
-                "residency": promoted, "revisions": revisions}
+        return describe_adapter(self.catalog, adapter_id, residency)
 
     def warm(self, ref: str) -> AdapterKey:
         """Resolve ref and page it into the CPU tier now (blocking; pager and cache only)."""
@@ -163,4 +175,6 @@ class AdapterManager:
         return evicted
 
     def close(self) -> None:
+        """Stop the pager, then close the catalog (the manager owns both)."""
         self.pager.close()
+        self.catalog.close()

@@ -24,7 +24,7 @@ from loraserve.adapters.cpu_cache import CpuCache
 from loraserve.adapters.stats import PagerStats, page_in_histogram
 from loraserve.adapters.weights import AdapterKey
 
-__all__ = ["Pager", "record_key"]
+__all__ = ["Pager", "check_base", "record_key", "resolve_record"]
 
 
 def record_key(record: RevisionRecord) -> AdapterKey:
@@ -60,10 +60,7 @@ class Pager:
         Raises InvalidAdapterId (400), AdapterNotFound / RevisionNotFound (404) and
         BaseMismatch (409) when the revision was exported for another base.
         """
-        adapter_id, revision = parse_model_ref(model_ref)
-        record = self.catalog.resolve(adapter_id, revision)
-        self._check_base(record.ref, record.base_fingerprint)
-        return record
+        return resolve_record(self.catalog, self.base_fingerprint, model_ref)
 
     def fetch(self, record: RevisionRecord) -> Future:
         """A future of the revision's weights; done at once on a CPU-cache hit (see module doc)."""
@@ -130,6 +127,19 @@ class Pager:
         return weights
 
     def _check_base(self, ref: str, fingerprint: str) -> None:
-        if fingerprint != self.base_fingerprint:
-            raise BaseMismatch(f"adapter {ref} was exported for base {fingerprint}, "
-                               f"but the served base is {self.base_fingerprint}")
+        check_base(ref, fingerprint, self.base_fingerprint)
+
+
+def check_base(ref: str, fingerprint: str, served: str) -> None:
+    """BaseMismatch (409) unless revision `ref`, exported for `fingerprint`, fits the served base."""
+    if fingerprint != served:
+        raise BaseMismatch(f"adapter {ref} was exported for base {fingerprint}, "
+                           f"but the served base is {served}")
+
+
+def resolve_record(catalog, base_fingerprint: str, model_ref: str) -> RevisionRecord:
+    """The revision a model reference names, exported for the served base (see Pager.resolve)."""
+    adapter_id, revision = parse_model_ref(model_ref)
+    record = catalog.resolve(adapter_id, revision)
+    check_base(record.ref, record.base_fingerprint, base_fingerprint)
+    return record

@@ -60,6 +60,25 @@ class PoolConfig:
 
 
 @dataclass(slots=True, frozen=True)
+class PoolLimits:
+    """What a pool can ever hold: ranks 1..max_rank on these target kinds. Plain data, so a
+    process without the pool (an API server fronting an engine core) can check requests too."""
+
+    max_rank: int
+    kinds: tuple[str, ...]
+
+    def check_admissible(self, rank: int, targets: list[str]) -> None:
+        """ValueError unless an adapter of `rank` on `targets` (e.g. a RevisionRecord's) can ever
+        be loaded: the quick check at request time, before any bytes are read."""
+        if not 1 <= rank <= self.max_rank:
+            raise ValueError(f"adapter rank {rank} is outside this server's LoRA ranks 1..{self.max_rank}")
+        missing = [k for k in targets if k not in self.kinds]
+        if missing:
+            raise ValueError(f"adapter targets {', '.join(missing)}, which this server's base/pool "
+                             f"has no LoRA for (pool kinds: {', '.join(self.kinds)})")
+
+
+@dataclass(slots=True, frozen=True)
 class ResidentView:
     """A resident adapter as callers may see it (a copy: changing it changes nothing)."""
 
@@ -233,17 +252,13 @@ class AdapterPool:
         self._stats.loads += 1
         return slot
 
-    def check_admissible(self, rank: int, targets: list[str]) -> None:
-        """ValueError unless an adapter of `rank` on `targets` (e.g. a RevisionRecord's) can ever
-        be loaded: the quick check at request time, before any bytes are read."""
-        limit = min(self.config.max_rank, self.rows_per_kind)
-        if not 1 <= rank <= limit:
-            raise ValueError(f"adapter rank {rank} is outside this server's LoRA ranks 1..{limit}")
-        missing = [k for k in targets if k not in self.specs]
-        if missing:
-            raise ValueError(f"adapter targets {', '.join(missing)}, which this server's base/pool "
-                             f"has no LoRA for (pool kinds: {', '.join(self.specs)})")
+    @property
+    def limits(self) -> PoolLimits:
+        return PoolLimits(min(self.config.max_rank, self.rows_per_kind), tuple(self.specs))
 
+    def check_admissible(self, rank: int, targets: list[str]) -> None:
+        """See `PoolLimits.check_admissible`."""
+        self.limits.check_admissible(rank, targets)
 
     def evict(self, key: AdapterKey) -> bool:
         """Drop `key` if resident, unused and unpinned; returns whether it was dropped."""

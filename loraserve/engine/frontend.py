@@ -35,24 +35,23 @@ class EngineFrontend(ABC):
     # -- hosting (subclasses) --------------------------------------------------------------------
     @abstractmethod
     async def start(self) -> None:
-        """See the class docstring."""
+        """Start hosting the engine (idempotent)."""
 
     @abstractmethod
     async def shutdown(self) -> None:
-        """See the class docstring."""
+        """Stop hosting the engine."""
 
     @abstractmethod
     def _resolve(self, ref: str):
         """Blocking: the RevisionRecord `ref` names (catalog read), or raise."""
-        """See the class docstring."""
 
     @abstractmethod
     def _submit(self, req: GenerateRequest, record) -> None:
-        """See the class docstring."""
+        """Hand req (on revision `record`, None = base) to the engine; deltas come to _deliver."""
 
     @abstractmethod
     def _abort(self, request_id: str) -> None:
-        """See the class docstring."""
+        """Tell the engine nobody waits for request_id any more."""
 
     @property
     @abstractmethod

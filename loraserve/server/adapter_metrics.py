@@ -35,6 +35,8 @@ class AdapterCollector(Collector):
     def collect(self):
         snap = self.engine.snapshot
         pool, cache, pager = snap.pool, snap.cpu_cache, snap.pager
+        if pool is None:  # an engine core that has not published its first snapshot yet
+            return
         tiers = {"gpu": (pool.hits, pool.misses, pool.evictions, pool.resident_adapters,
                          pool.bytes_used, pool.bytes_capacity),
                  "cpu": (pager.cpu_hits, pager.cpu_misses, cache.evictions, cache.entries,

@@ -13,7 +13,9 @@ from pydantic import BaseModel, ConfigDict
 from loraserve.catalog.errors import CatalogError
 from loraserve.catalog.importer import import_peft
 from loraserve.engine.types import EngineError
+from loraserve.server.admin_routes import control_action
 from loraserve.server.errors import APIError, as_api_error
+from loraserve.server.tenancy import check_visible, principal_of
 
 
 async def _off_loop(fn, *args, **kw):
@@ -69,9 +71,11 @@ def adapter_router() -> APIRouter:
 
     @router.get("/adapters/{adapter_id:path}")
     async def adapter(adapter_id: str, request: Request) -> dict:
+        check_visible(principal_of(request), adapter_id)  # another tenant's: as if absent
         return await _off_loop(_engine(request).describe_adapter, adapter_id)
 
     @router.post("/load_lora_adapter")
+    @control_action("load", adapter=lambda kw: kw["body"].lora_name)  # keys, tenants, audit
     async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> dict:
         engine = _engine(request)
         mgr, cfg = engine.adapter_manager, engine.config
@@ -82,6 +86,7 @@ def adapter_router() -> APIRouter:
                 "id": rec.adapter_id, "revision": rec.revision}
 
     @router.post("/unload_lora_adapter")
+    @control_action("unload", adapter=lambda kw: kw["body"].lora_name)
     async def unload_lora_adapter(body: UnloadLoRARequest, request: Request) -> dict:
         try:
             evicted = await _engine(request).unload_adapter(body.lora_name)

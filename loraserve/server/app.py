@@ -15,14 +15,16 @@ from loraserve.catalog.errors import CatalogError
 from loraserve.catalog.ids import parse_model_ref
 from loraserve.server.adapter_metrics import AdapterCollector
 from loraserve.server.adapter_routes import adapter_router, catalog_cards
+from loraserve.server.admin_routes import install_tenancy
 from loraserve.server.chat import create_chat_completion
 from loraserve.server.completions import create_completion
 from loraserve.server.errors import APIError, as_api_error, clip, install_error_handlers
 from loraserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from loraserve.server.middleware import (ApiKeyMiddleware, BodyLimitMiddleware,
-                                         RequestCountMiddleware)
+from loraserve.server.middleware import BodyLimitMiddleware, RequestCountMiddleware
 from loraserve.server.protocol import ChatCompletionRequest, CompletionRequest, JSONBodyRoute
 from loraserve.server.serving import Engine, ServerContext
+from loraserve.server.tenancy import (TenancyConfig, check_visible, principal_of, scoped_listing,
+                                      visible_ids)
 
 API_KEY_ENV = "LORASERVE_API_KEY"
 CLIENT_CLOSED = 499  # nginx's "client closed request"; nobody reads it
@@ -89,16 +91,18 @@ def _api_router() -> APIRouter:
             if limit is not None and not 1 <= limit <= 10_000:
                 raise APIError(400, "limit must be in [1, 10000]", param="limit")
             try:
-                cards = await asyncio.to_thread(catalog_cards, mgr, prefix or "", limit or 100, after,
-                                                engine.model_name)
+                cards = await asyncio.to_thread(scoped_listing(request, catalog_cards), mgr,
+                                                prefix or "", limit or 100, after, engine.model_name)
             except Exception as exc:  # catalog errors keep their status; anything else is a 500
                 raise as_api_error(exc) from exc
             return {"object": "list", "data": cards}
-        return {"object": "list", "data": [_model_card(m, engine) for m in engine.list_models()]}
+        ids = visible_ids(principal_of(request), engine.list_models(), engine.model_name)
+        return {"object": "list", "data": [_model_card(m, engine) for m in ids]}
 
     @router.get("/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> dict:
         engine = _ctx(request).engine
+        check_visible(principal_of(request), model_id, engine.model_name)  # another tenant's: 404
         if model_id in engine.list_models():
             return _model_card(model_id, engine)
         mgr = getattr(engine, "adapter_manager", None)
@@ -139,8 +143,12 @@ def resolve_api_key(api_key: str | None) -> str | None:
     return key or None
 
 
-def build_app(engine: Engine, *, api_key: str | None = None, max_n: int = 16) -> FastAPI:
-    """The OpenAI-compatible app serving `engine`; `api_key` guards /v1/* (Bearer).
+def build_app(engine: Engine, *, api_key: str | None = None, max_n: int = 16,
+              keys: str | os.PathLike | None = None, metrics_key: str | None = None,
+              audit_log: str | os.PathLike | None = None) -> FastAPI:
+    """The OpenAI-compatible app serving `engine`; `api_key` (one admin key) and the keys file
+    `keys` guard it, `metrics_key` may read /metrics, `audit_log` gets control-plane actions
+    (server/tenancy.py; KeyFileError for a bad keys file).
 
     `app.state.ctx.metrics` is the app's ServerMetrics (`register` adds collectors).
     The engine is started and shut down by the app's lifespan.
@@ -164,16 +172,56 @@ def build_app(engine: Engine, *, api_key: str | None = None, max_n: int = 16) ->
         app.include_router(adapter_router())
         ctx.metrics.register(AdapterCollector(engine))
     app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.max_request_bytes)
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    install_tenancy(app, TenancyConfig(api_key=api_key, keys_file=keys, metrics_key=metrics_key,
+                                       audit_log=audit_log))
     app.add_middleware(RequestCountMiddleware, metrics=ctx.metrics)  # outermost: counts 401s
     return app
 
 
-def run_server(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
-               api_key: str | None = None, *, max_n: int = 16, log_level: str = "info") -> None:
-    """Serve `engine` with uvicorn until interrupted. `api_key` defaults to $LORASERVE_API_KEY."""
-    app = build_app(engine, api_key=resolve_api_key(api_key), max_n=max_n)
+# after the drain deadline, how long the requests it ended get to send their error before uvicorn
+# cancels whatever still runs
+DRAIN_FLUSH_S = 5.0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's Server with a drain on shutdown (SIGTERM/SIGINT).
+
+    uvicorn stops accepting, closes idle connections and waits for the requests in flight; at
+    `ctx.shutdown_timeout` the app's ShutdownDeadline ends those still running with a clean error
+    (a 503 body, or an error event and [DONE] in a stream), so uvicorn's own graceful timeout
+    (DRAIN_FLUSH_S later), which would tear connections, is only a backstop.
+    """
+
+    def __init__(self, config: uvicorn.Config, ctx: ServerContext):
+        super().__init__(config)
+        self.ctx = ctx
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.ctx.shutdown_timeout,
+                                                      self.ctx.deadline.expire)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
+def draining_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000,
+                    **config: Any) -> DrainingServer:
+    """A DrainingServer for an app from build_app; `config` goes to uvicorn.Config."""
+    ctx: ServerContext = app.state.ctx
     # keep-alive well above clients' idle expiry (httpx: 5 s), so a reused connection is not
     # closed under a request in flight (a ReadError on the client)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
+    config.setdefault("timeout_keep_alive", 30)
+    return DrainingServer(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=
+                                         ctx.shutdown_timeout + DRAIN_FLUSH_S, **config), ctx)
+
+
+def run_server(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
+               api_key: str | None = None, *, max_n: int = 16, log_level: str = "info",
+               keys: str | os.PathLike | None = None, metrics_key: str | None = None,
+               audit_log: str | os.PathLike | None = None) -> None:
+    """Serve `engine` with uvicorn until interrupted (draining on SIGTERM, see DrainingServer).
+    `api_key` defaults to $LORASERVE_API_KEY."""
+    app = build_app(engine, api_key=resolve_api_key(api_key), max_n=max_n, keys=keys,
+                    metrics_key=metrics_key, audit_log=audit_log)
+    draining_server(app, host=host, port=port, log_level=log_level).run()

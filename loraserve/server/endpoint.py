@@ -27,6 +27,7 @@ from loraserve.server.protocol import SamplingFields
 from loraserve.server.serving import (Engine, Prompt, RequestClock, ServerContext, check_request,
                                       fan_out, new_id, now, usage)
 from loraserve.server.streaming import DONE, PrimedStream, merge, sse, start_all
+from loraserve.server.tenancy import admit
 
 # Requests with more input than this (characters, token ids) are planned off the event loop.
 OFF_LOOP_INPUT = 16 * 1024
@@ -91,7 +92,8 @@ async def serve(req: SamplingFields, ctx: ServerContext, endpoint: Endpoint) -> 
     else:
         plan = endpoint.plan(req, engine)
     request_id = new_id(endpoint.id_prefix)
-    streams = await ctx.deadline.run(start_all(engine, fan_out(
+    admitted = admit(adapter, plan.prompts, req.n, plan.params.max_tokens)  # tenant: 404, 429
+    streams = await ctx.deadline.run(start_all(admitted.engine(engine), fan_out(
         request_id, plan.prompts, req.n, plan.params, adapter, bool(req.stream))))
     clock.first_output()
     prompt_tokens = sum(len(p.token_ids) for p in plan.prompts)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -42,13 +43,16 @@ def clip(value: object, limit: int = ECHO_MAX) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "\u2026"
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _encodable(text: str) -> str:
-    """`text` with lone surrogates replaced, so that it always encodes as UTF-8."""
+    """`text` with lone surrogates replaced by U+FFFD, so that it always encodes as UTF-8."""
     try:
         text.encode("utf-8")
         return text
     except UnicodeEncodeError:
-        return text.encode("utf-8", "replace").decode("utf-8")
+        return _SURROGATE.sub("\ufffd", text)
 
 
 def _clip_middle(text: str, limit: int) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from loraserve.catalog.errors import CatalogError
 
@@ -67,6 +68,7 @@ class FakeEngine:
     running: int = 0
     started: bool = False
     shut_down: bool = False
+    config: Any = None  # server limits as EngineConfig names them (max_request_bytes, ...)
 
     async def start(self) -> None:
         self.started = True

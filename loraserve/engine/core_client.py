@@ -1,0 +1,266 @@
+"""The API server's side of an engine-core process (`loraserve.engine.core`).
+
+`CoreClient` is an `EngineFrontend`: the server uses it exactly as it uses `AsyncEngine`. It
+starts the core process, speaks to it over a ZeroMQ DEALER socket (msgpack, see `wire`), and
+keeps what the server reads locally: the tokenizer, the model's sizes, the catalog (listings,
+imports, resolving a request's adapter) and the latest snapshot the core published.
+
+If the core dies, every request in flight ends with one clean 503 error (a streamed response
+gets its error event; nothing is torn), `ready` turns false, a new core is started, and
+requests wait for it (up to `start_timeout_s`) instead of failing.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from loraserve.catalog.store import Catalog
+
+from ..adapters.manager import AdapterNotServable, describe_adapter, resolve_servable
+from ..adapters.pool import PoolLimits
+from ..adapters.stats import CacheStats, PagerStats, PoolStats
+from ..model.config import ModelConfig
+from ..tokenizer import Tokenizer
+from .config import EngineConfig
+from .core import run_core
+from .frontend import EngineFrontend
+from .snapshot import EngineSnapshot
+from .types import EngineError, GenerateRequest
+from .wire import (error_from_wire, output_from_wire, pack, request_to_wire, snapshot_from_wire,
+                   unpack)
+
+log = logging.getLogger(__name__)
+
+
+class RemoteAdapters:
+    """What the server may use of the adapter tiers when they live in the core process: the
+    catalog (opened here too: LMDB serves several processes), resolving and warming."""
+
+    def __init__(self, client: CoreClient, catalog_dir: str):
+        self.client = client
+        self.catalog = Catalog.open(catalog_dir, readonly=False)
+        self.base_fingerprint = ""
+        self.pool = PoolLimits(0, ())  # from the core's handshake
+
+    def resolve(self, ref: str):
+        return resolve_servable(self.catalog, self.base_fingerprint, self.pool, ref)
+
+    def warm(self, ref: str) -> tuple[str, str]:
+        """Blocking (a worker thread): resolve ref and have the core page it into its CPU tier."""
+        rec = self.resolve(ref)
+        self.client.call_from_thread("warm", [rec.to_json()])
+        return rec.adapter_id, rec.revision
+
+    def describe(self, adapter_id: str, residency) -> dict:
+        return describe_adapter(self.catalog, adapter_id, residency)
+
+    def close(self) -> None:
+        self.catalog.close()
+
+
+class CoreClient(EngineFrontend):
+    def __init__(self, cfg: EngineConfig, *, start_timeout_s: float = 300.0):
+        super().__init__()
+        self.cfg = cfg
+        mc = ModelConfig.from_dir(cfg.model_dir)
+        self.model_name = cfg.served_model_name or cfg.model_dir.rstrip("/").split("/")[-1]
+        self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings)
+        self.vocab_size = mc.vocab_size
+        self.tokenizer = Tokenizer.from_dir(cfg.model_dir)
+        self.adapter_manager = RemoteAdapters(self, cfg.catalog_dir) if cfg.catalog_dir else None
+        self.start_timeout_s = start_timeout_s
+        self.restarts = 0
+        self._snapshot = EngineSnapshot()
+        self._dir = tempfile.mkdtemp(prefix="loraserve-core-")
+        self._incarnation = itertools.count()
+        self._call_ids = itertools.count()
+        self._calls: dict[int, asyncio.Future] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock = None
+        self._proc: multiprocessing.Process | None = None
+        self._reader: asyncio.Task | None = None
+        self._starting: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+
+    # -- what the server reads -------------------------------------------------------------------
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot
+
+    @property
+    def ready(self) -> bool:
+        """A core is up and has answered its handshake."""
+        return self._starting is not None and self._starting.done() and self._reader is not None
+
+    @property
+    def core_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def residency(self, key: tuple[str, str]) -> str:
+        return self.call_from_thread("residency", [[list(key)]])[0]
+
+    def describe_adapter(self, adapter_id: str) -> dict:
+        """Blocking (a worker thread): catalog reads here, residency from the core."""
+        return self.adapter_manager.describe(adapter_id, self.residency)
+
+    async def unload_adapter(self, adapter_id: str) -> int:
+        await asyncio.to_thread(self.adapter_manager.catalog.policy, adapter_id)  # 404 first
+        return await self.call("unload_adapter", [adapter_id])
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the core (once) and wait until one is ready."""
+        if self._closing:
+            raise EngineError("the server is shutting down", status=503, code="engine_unavailable")
+        if self._starting is None:
+            self._loop = asyncio.get_running_loop()
+            self._ctx = self._ctx or zmq.asyncio.Context()
+            self._starting = asyncio.ensure_future(self._launch())
+        try:
+            await asyncio.wait_for(asyncio.shield(self._starting), self.start_timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineError("the engine core is not ready yet; retry later", status=503,
+                              code="engine_unavailable") from None
+        except asyncio.CancelledError:
+            if self._starting is not None and not self._starting.cancelled():
+                raise  # the caller was cancelled, not the start
+            self._starting = None  # the core died while starting: the next call tries again
+            raise EngineError("the engine core failed to start (see the server log); retry",
+                              status=503, code="engine_unavailable") from None
+
+    async def shutdown(self) -> None:
+        self._closing = True
+        if self._starting is not None and not self._starting.done():
+            self._starting.cancel()
+        await self._stop_core()
+        if self._ctx is not None:
+            self._ctx.term()
+        if self.adapter_manager is not None:
+            self.adapter_manager.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    async def _launch(self) -> None:
+        """Start a core process, connect, handshake; then read its messages."""
+        address = f"ipc://{Path(self._dir) / f'core-{next(self._incarnation)}.sock'}"
+        proc = multiprocessing.get_context("spawn").Process(
+            target=run_core, args=(self.cfg, address, os.getpid()), name="loraserve-core", daemon=True)
+        proc.start()
+        self._proc = proc
+        self._loop.add_reader(proc.sentinel, self._core_died, proc)
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        self._sock = sock
+        await sock.send(pack(["hello"]))
+        msg = unpack(await sock.recv())
+        assert msg[0] == "ready", msg
+        self._handshake(msg[1])
+        self._reader = asyncio.ensure_future(self._read(sock))
+        log.info("engine core %d ready at %s", proc.pid, address)
+
+    def _handshake(self, info: dict) -> None:
+        mgr = self.adapter_manager
+        if mgr is not None:
+            mgr.base_fingerprint = info["base_fingerprint"]
+            mgr.pool = PoolLimits(info["max_rank"], tuple(info["kinds"]))
+
+    async def _stop_core(self) -> None:
+        proc, sock = self._proc, self._sock
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        if proc is not None:
+            self._loop.remove_reader(proc.sentinel)
+            if sock is not None and proc.is_alive():
+                await sock.send(pack(["stop"]))
+            await asyncio.to_thread(proc.join, 10)
+            if proc.is_alive():
+                proc.kill()
+                await asyncio.to_thread(proc.join, 5)
+        if sock is not None:
+            sock.close(0)
+        self._proc = self._sock = None
+
+    def _core_died(self, proc) -> None:
+        """Event loop: the core process ended unasked. Fail what was in flight, start another."""
+        self._loop.remove_reader(proc.sentinel)
+        if self._closing or proc is not self._proc:
+            return
+        log.error("engine core %d died (exit code %s); restarting it", proc.pid, proc.exitcode)
+        self.restarts += 1
+        err = EngineError("the engine core stopped while serving this request; retry it",
+                          status=503, code="engine_unavailable")
+        self._fail_in_flight(err)
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._calls.clear()
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        if self._sock is not None:
+            self._sock.close(0)
+        self._proc = self._sock = None
+        if self._starting is not None and not self._starting.done():
+            self._starting.cancel()  # it died before its handshake: let start() report that
+            return
+        self._starting = asyncio.ensure_future(self._launch())
+
+    # -- messages -------------------------------------------------------------------------------
+    async def _read(self, sock) -> None:
+        while True:
+            msg = unpack(await sock.recv())
+            kind = msg[0]
+            if kind == "out":
+                self._deliver([output_from_wire(o) for o in msg[1]])
+            elif kind == "snap":
+                self._snapshot = snapshot_from_wire(msg[1], PoolStats, CacheStats, PagerStats)
+            elif kind == "ret":
+                fut = self._calls.pop(msg[1], None)
+                if fut is not None and not fut.done():
+                    if msg[3] is None:
+                        fut.set_result(msg[2])
+                    else:
+                        fut.set_exception(error_from_wire(msg[3]))
+
+    async def call(self, name: str, args: list):
+        """Run a named engine call in the core between steps; its result or error."""
+        await self.start()
+        call_id = next(self._call_ids)
+        fut = self._loop.create_future()
+        self._calls[call_id] = fut
+        await self._sock.send(pack(["call", call_id, name, args]))
+        return await fut
+
+    def call_from_thread(self, name: str, args: list, timeout: float = 120.0):
+        """`call` from a worker thread (blocking)."""
+        return asyncio.run_coroutine_threadsafe(self.call(name, args), self._loop).result(timeout)
+
+    # -- EngineFrontend -------------------------------------------------------------------------
+    def _resolve(self, ref: str):
+        if self.adapter_manager is None:
+            raise EngineError(f"adapter {ref!r} asked for, but this server has no adapter catalog "
+                              "(start it with --catalog)", status=404, code="model_not_found", param="model")
+        try:
+            return self.adapter_manager.resolve(ref)
+        except AdapterNotServable as exc:
+            raise EngineError(str(exc), status=400, param="model") from exc
+
+    def _submit(self, req: GenerateRequest, record) -> None:
+        if self._sock is None:
+            raise EngineError("the engine core is restarting; retry", status=503, code="engine_unavailable")
+        self._sock.send(pack(["add", request_to_wire(req), None if record is None else record.to_json()]))
+
+    def _abort(self, request_id: str) -> None:
+        if self._sock is not None:
+            self._sock.send(pack(["abort", request_id]))

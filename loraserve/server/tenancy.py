@@ -1,0 +1,340 @@
+"""Tenants on the HTTP side: who a request acts for, what it may see and use, what it is charged.
+
+- `Tenancy` owns the app's keys (an immutable KeyStore, swapped whole on reload), the limiter,
+  the per-tenant counters and the audit log. Event loop only.
+- `AuthMiddleware` turns the key a request presents (`Authorization: Bearer` or `X-API-Key`)
+  into its Principal before anything else runs: 401 without a valid key, 403 for a user key on
+  /admin/* or /metrics. /health, /ready and /openapi.json stay open; so does everything when
+  the server has no keys at all. The principal is `request.state.principal`, and for the
+  generation path (which has no request object) the request's `RequestTenancy` is a ContextVar.
+- Another tenant's adapter is answered exactly as an id that does not exist (`hidden`), by
+  generation, listing, /v1/models/{id}, /v1/adapters/{id} and the control routes alike.
+- `admit` is a generation request's admission: its tenant (the adapter's, else the key's first),
+  the 404 above, the key's limits (429), and an engine view that tags each GenerateRequest with
+  the tenant and weight and counts its tokens for the tenant.
+"""
+from __future__ import annotations
+
+import hmac
+import inspect
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from loraserve.catalog.errors import AdapterNotFound, InvalidAdapterId
+from loraserve.catalog.ids import parse_model_ref
+from loraserve.engine.types import GenerateRequest, RequestOutput
+from loraserve.server.audit_log import FAILED, AuditLog
+from loraserve.server.errors import APIError, as_api_error
+from loraserve.server.keys import (ALL_TENANTS, OPEN, KeyEntry, KeyFileError, KeyStore,
+                                   Principal, digest, load_keys)
+from loraserve.server.limits import Lease, LimitExceeded, Limiter, TenantCounters
+from loraserve.server.metrics import ServerMetrics
+
+OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json"})
+API_KEY_ID = "api-key"  # the key id of --api-key in audit lines
+NOBODY = Principal(key_id=None, admin=False, tenants=())  # an unauthenticated caller
+
+
+@dataclass(slots=True)
+class TenancyConfig:
+    """Keys and logs of one server. No api_key and no keys_file: every route is open."""
+
+    api_key: str | None = None              # one admin key (--api-key, $LORASERVE_API_KEY)
+    keys_file: Path | None = None           # --keys: the TOML keys file (keys.py)
+    metrics_key: str | None = None          # --metrics-key: may read /metrics, nothing else
+    audit_log: Path | None = None           # --audit-log: control-plane actions, JSON lines
+
+    def __post_init__(self) -> None:
+        self.api_key = self.api_key or None
+        self.metrics_key = self.metrics_key or None
+        self.keys_file = None if self.keys_file is None else Path(self.keys_file)
+        self.audit_log = None if self.audit_log is None else Path(self.audit_log)
+
+    @property
+    def guarded(self) -> bool:
+        """Whether requests need a key."""
+        return self.api_key is not None or self.keys_file is not None
+
+    @property
+    def metrics_guarded(self) -> bool:
+        """Whether /metrics needs an admin or the metrics key (with a keys file, or a metrics
+        key; a server with only --api-key keeps /metrics open, as before tenants)."""
+        return self.keys_file is not None or self.metrics_key is not None
+
+
+class Tenancy:
+    """The app's keys, limits, per-tenant counters and audit log (see module doc)."""
+
+    def __init__(self, config: TenancyConfig, metrics: ServerMetrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.keys = self._read_keys()  # KeyFileError: the server does not start
+        self._metrics_digest = None if config.metrics_key is None else digest(config.metrics_key)
+        self.limiter = Limiter(clock)
+        self.counters = TenantCounters(metrics)
+        self.audit = AuditLog(config.audit_log)
+
+    def _read_keys(self) -> KeyStore:
+        cfg = self.config
+        store = KeyStore() if cfg.keys_file is None else load_keys(cfg.keys_file)
+        if cfg.api_key is None:
+            return store
+        try:
+            api_key = KeyEntry(Principal(API_KEY_ID, admin=True), digest(cfg.api_key))
+            return store.with_entry(api_key)
+        except ValueError:
+            raise KeyFileError(f"keys file {cfg.keys_file}: holds the --api-key") from None
+
+    def reload_keys(self, key_id: str | None) -> KeyStore:
+        """Re-read the keys file and swap the new store in (requests in flight keep the
+        principal they have). On any error the old store stays and KeyFileError says why."""
+        try:
+            if self.config.keys_file is None:
+                raise KeyFileError("this server has no keys file (start it with --keys FILE)")
+            store = self._read_keys()
+        except KeyFileError as exc:
+            self.audit.record(key=key_id, action="reload-keys", outcome=FAILED, status=400,
+                              error=str(exc))
+            raise
+        self.keys = store
+        self.audit.record(key=key_id, action="reload-keys")
+        return store
+
+    def caller(self, path: str, method: str, key: str | None) -> Principal:
+        """The principal a request to `path` acts for, or the APIError (401/403) refusing it."""
+        cfg = self.config
+        if not (cfg.guarded or cfg.metrics_guarded):
+            return OPEN
+        principal = None if key is None else self.keys.find(key)
+        if path == "/metrics" and cfg.metrics_guarded:
+            if (principal is not None and principal.admin) or self._is_metrics_key(key):
+                return principal or NOBODY
+            raise forbidden("/metrics needs an admin key or the metrics key") \
+                if principal is not None else unauthorized()
+        if method == "OPTIONS" or path in OPEN_PATHS or path == "/metrics":
+            return principal or NOBODY
+        if not cfg.guarded:
+            return OPEN
+        if principal is None:
+            raise unauthorized()
+        if _under(path, "/admin") and not principal.admin:
+            raise forbidden("this route needs an admin key")
+        return principal
+
+    def _is_metrics_key(self, key: str | None) -> bool:
+        return (key is not None and self._metrics_digest is not None
+                and hmac.compare_digest(digest(key), self._metrics_digest))
+
+
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + "/")
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>' or "
+                    "'X-API-Key: <key>'", code="invalid_api_key")
+
+
+def forbidden(message: str) -> APIError:
+    return APIError(403, f"Forbidden: {message}", code="forbidden")
+
+
+def presented_key(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
+    """The key of `Authorization: Bearer <key>`, else of `X-API-Key: <key>`; None if neither."""
+    found = dict(headers)
+    scheme, _, value = found.get(b"authorization", b"").decode("latin-1").partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    key = found.get(b"x-api-key", b"").decode("latin-1").strip()
+    return key or None
+
+
+# -- one request -------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class RequestTenancy:
+    """One HTTP request's principal and the leases it holds until it ends."""
+
+    tenancy: Tenancy
+    principal: Principal
+    leases: list[Lease] = field(default_factory=list)
+
+    def release(self) -> None:
+        for lease in self.leases:
+            lease.release()
+
+
+_CURRENT: ContextVar[RequestTenancy | None] = ContextVar("loraserve_request_tenancy",
+                                                         default=None)
+
+
+class AuthMiddleware:
+    """Resolve each HTTP request's principal (`Tenancy.caller`) before the app sees it; release
+    what the request held (sequences in flight) when its response has ended, streamed or not."""
+
+    def __init__(self, app: ASGIApp, tenancy: Tenancy):
+        self.app = app
+        self.tenancy = tenancy
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            principal = self.tenancy.caller(scope["path"], scope["method"],
+                                            presented_key(scope["headers"]))
+        except APIError as error:  # before the body is read: nothing else is learnt
+            await error.response()(scope, receive, send)
+            return
+        scope.setdefault("state", {})["principal"] = principal
+        current = RequestTenancy(self.tenancy, principal)
+        token = _CURRENT.set(current)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _CURRENT.reset(token)
+            current.release()
+
+
+def principal_of(request: Request) -> Principal:
+    """The principal of a request (OPEN on an app without AuthMiddleware)."""
+    return getattr(request.state, "principal", OPEN)
+
+
+# -- visibility ----------------------------------------------------------------------------------
+
+def hidden(adapter_id: str) -> APIError:
+    """The 404 for another tenant's adapter: the very error an id that does not exist gets."""
+    return as_api_error(AdapterNotFound(f"adapter {adapter_id!r} not found"))
+
+
+def split_ref(model: str) -> tuple[str, str] | None:
+    """(adapter id, tenant) of a model reference; None when it is not a valid one."""
+    try:
+        adapter_id, _ = parse_model_ref(model)
+    except InvalidAdapterId:
+        return None
+    return adapter_id, adapter_id.split("/", 1)[0]
+
+
+def check_visible(principal: Principal, model: str, base: str | None = None) -> None:
+    """Raise `hidden` when `model` (not the base) names an adapter of a tenant the key may
+    not see; anything else (the base, an invalid id) is left to the caller to answer."""
+    ref = None if model == base else split_ref(model)
+    if ref is not None and not principal.sees(ref[1]):
+        raise hidden(ref[0])
+
+
+def visible_ids(principal: Principal, ids: Sequence[str], base: str) -> list[str]:
+    """The base and the ids in `ids` of tenants the key may see."""
+    return [m for m in ids if m == base or (r := split_ref(m)) is None or principal.sees(r[1])]
+
+
+def scoped_prefixes(principal: Principal, prefix: str) -> list[str]:
+    """Catalog prefixes that cover exactly the ids under `prefix` in the key's tenants."""
+    if principal.admin or ALL_TENANTS in principal.tenants:
+        return [prefix]
+    out = []
+    for tenant in sorted(set(principal.tenants)):
+        own = tenant + "/"
+        if own.startswith(prefix):
+            out.append(own)
+        elif prefix.startswith(own):
+            out.append(prefix)
+    return out
+
+
+def scoped_listing(request: Request,
+                   lister: Callable[..., list[dict]]) -> Callable[..., list[dict]]:
+    """`lister(mgr, prefix, limit, after, root)` (a catalog page of model cards) restricted to
+    the caller's tenants: one page per tenant prefix, merged in id order."""
+    principal = principal_of(request)
+
+    def listing(mgr: Any, prefix: str, limit: int, after: str | None, root: str) -> list[dict]:
+        pages = [lister(mgr, p, limit, after, root) for p in scoped_prefixes(principal, prefix)]
+        return sorted((c for page in pages for c in page), key=lambda c: c["id"])[:limit]
+
+    return listing
+
+
+# -- generation admission ------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Admission:
+    """An admitted generation request: its tenant, weight, and the counters it feeds."""
+
+    tenant: str
+    weight: float = 1.0
+    counters: TenantCounters | None = None
+    prompt_tokens: int = 0
+    started: bool = False
+
+    def engine(self, engine: Any) -> Any:
+        """`engine` as this request's fan-out sees it (`TenantEngine`)."""
+        return engine if self.counters is None else TenantEngine(engine, self)
+
+    def count(self, out: RequestOutput) -> None:
+        assert self.counters is not None
+        if not self.started:  # the first delta: the request is running, not refused
+            self.started = True
+            self.counters.started(self.tenant, self.prompt_tokens)
+        self.counters.generated(self.tenant, len(out.token_ids))
+
+
+class TenantEngine:
+    """An engine whose requests carry one admission's tenant and weight (the scheduler's fair
+    share) and whose output tokens are counted for that tenant."""
+
+    def __init__(self, engine: Any, admission: Admission):
+        self.engine = engine
+        self.admission = admission
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        request.tenant = self.admission.tenant
+        request.tenant_weight = self.admission.weight
+        return self._counted(request)
+
+    async def _counted(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        it = self.engine.generate(request)
+        if inspect.isawaitable(it):
+            it = await it
+        try:
+            async for out in it:
+                self.admission.count(out)
+                yield out
+        finally:  # closing this closes the engine's iterator (an abort when unfinished)
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+def admit(adapter: str | None, prompts: Sequence[Any], n: int, max_tokens: int) -> Admission:
+    """Admit one generation request of the current HTTP request (`prompts` have `token_ids`).
+
+    404 (`hidden`) for another tenant's adapter; 429 over the key's limits, charging one
+    request, n x (prompt + max_tokens) tokens per prompt and P x n sequences in flight.
+    """
+    ref = None if adapter is None else split_ref(adapter)
+    current = _CURRENT.get()
+    if current is None:
+        return Admission("" if ref is None else ref[1])
+    principal = current.principal
+    if ref is not None and not principal.sees(ref[1]):
+        raise hidden(ref[0])
+    tenant = principal.home_tenant if ref is None else ref[1]
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    charge = n * (prompt_tokens + len(prompts) * max_tokens)
+    try:
+        lease = current.tenancy.limiter.admit(principal, tenant, len(prompts) * n, charge)
+    except LimitExceeded as exc:
+        current.tenancy.counters.rejected(tenant, exc.limit)
+        raise
+    current.leases.append(lease)
+    return Admission(tenant, principal.weight, current.tenancy.counters, prompt_tokens)
