@@ -1,15 +1,25 @@
-"""Put trained adapters into a catalog: a PEFT directory, or a blob made by `loraserve export`."""
+"""Put trained adapters into a catalog: a PEFT directory, or a blob made by `loraserve export`.
+
+Everything is checked before anything is written: the export (shapes against the base, finite
+values), then the caller's `admit(rank, targets)` (e.g. the serving pool's limits), and only
+then one catalog transaction. A refused import leaves the catalog as it was.
+"""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from .base import BaseInfo
 from .errors import BaseMismatch, ExportError
-from .export import export_peft
+from .export import check_finite, export_peft
+from .format import read_adapter_meta
 from .ids import validate_adapter_id
 from .layout import load_revision, save_revision
 from .records import RevisionRecord
+from .source import AdapterSource
 from .store import Catalog
+
+Admit = Callable[[int, list[str]], None]  # (rank, targets); raises to refuse
 
 
 def check_base(blob_fingerprint: str, base: BaseInfo, what: str) -> None:
@@ -20,8 +30,11 @@ def check_base(blob_fingerprint: str, base: BaseInfo, what: str) -> None:
         )
 
 
-def adapter_blob(source: str | Path, base: BaseInfo, dtype: str | None = None) -> bytes:
-    """Serving blob for `source`: a PEFT dir is exported; an exported `.safetensors` file is checked as is."""
+def adapter_blob(source: str | Path | AdapterSource, base: BaseInfo, dtype: str | None = None) -> bytes:
+    """Serving blob for `source`: a PEFT dir (or AdapterSource) is exported; an exported
+    `.safetensors` file is checked as is (base, targets, finite values)."""
+    if isinstance(source, AdapterSource):
+        return save_revision(export_peft(source, base, dtype=dtype))
     source = Path(source)
     if source.is_dir():
         return save_revision(export_peft(source, base, dtype=dtype))
@@ -33,16 +46,25 @@ def adapter_blob(source: str | Path, base: BaseInfo, dtype: str | None = None) -
             path = name.rpartition(".")[0]
             if path not in base.modules:
                 raise ExportError(f"{source}: {name} targets {path!r}, which the base does not have")
+        check_finite(weights.tensors, f" in {source}")
         return blob
     raise ExportError(f"{source}: no such PEFT directory or adapter file")
 
 
 def import_peft(
-    catalog: Catalog, adapter_id: str, peft_dir: str | Path, model_dir: str | Path,
+    catalog: Catalog, adapter_id: str, peft_dir: str | Path | AdapterSource, model_dir: str | Path,
     revision: str | None = None, promote: bool = True, *, base: BaseInfo | None = None, dtype: str | None = None,
+    admit: Admit | None = None,
 ) -> RevisionRecord:
-    """Export `peft_dir` against the base in `model_dir` and store it as a new revision of `adapter_id`."""
+    """Export `peft_dir` against the base in `model_dir` and store it as a new revision of `adapter_id`.
+
+    `admit(rank, targets)` runs after the export and before the write; if it raises, nothing is written.
+    """
     validate_adapter_id(adapter_id)
     base = base or BaseInfo.from_dir(model_dir)
     blob = adapter_blob(peft_dir, base, dtype)
-    return catalog.put_revision(adapter_id, blob, revision=revision, promote=promote, source=f"peft:{Path(peft_dir).name}")
+    if admit is not None:
+        meta = read_adapter_meta(blob)
+        admit(meta["rank"], meta["targets"])
+    name = peft_dir.name if isinstance(peft_dir, AdapterSource) else Path(peft_dir).name
+    return catalog.put_revision(adapter_id, blob, revision=revision, promote=promote, source=f"peft:{name}")

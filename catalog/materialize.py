@@ -8,6 +8,7 @@ exists, finishing with exactly N adapters under the prefix and no duplicates.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,7 +97,9 @@ def materialize(cfg: MaterializeConfig, base: BaseInfo | None = None) -> Materia
     # the parent holds no LMDB env or lock at this point (the catalog above is closed)
     ctx = mp.get_context("fork")
     progress, results = ctx.Value("q", 0), ctx.Queue()
-    procs = [ctx.Process(target=run_worker, args=(job, progress, results), daemon=True) for job in jobs]
+    # workers die with this process (even under kill -9), so none writes on as an orphan
+    procs = [ctx.Process(target=run_worker, args=(job, progress, results, os.getpid()), daemon=True)
+             for job in jobs]
     for p in procs:
         p.start()
     summaries = _watch(procs, progress, results, cfg)

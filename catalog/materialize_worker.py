@@ -3,9 +3,17 @@
 Runs in its own process (torch-free). Per shard it reads which ids already exist, then writes
 the missing ones in batches, one LMDB txn per batch; each adapter's policy record, revision
 record and blob go in the same txn, so a kill leaves only whole adapters and a rerun skips them.
+A worker dies with its parent (`exit_with_parent`): a killed `materialize` leaves no orphan
+writing on.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import os
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +26,8 @@ from .shards import Shard, ShardOptions, add_blob_bytes
 from .synth import BlobTemplate
 
 REVISION = "r1"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+WATCHDOG_PERIOD_S = 0.5
 
 
 @dataclass(slots=True)
@@ -133,12 +143,45 @@ def _build_shard(job: WorkerJob, shard: Shard, ids: list[str], progress) -> tupl
     return written, skipped, errors
 
 
-def run_worker(job: WorkerJob, progress, results) -> None:
+def _set_parent_death_signal(sig: int) -> bool:
+    """Ask Linux to send `sig` to this process when its parent dies; False where it cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(WATCHDOG_PERIOD_S)
+    os._exit(1)
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """End this process when `parent_pid` (the process that started it) dies.
+
+    Linux: PR_SET_PDEATHSIG with SIGKILL, safe here because a worker's every write is one LMDB
+    txn (a kill loses the batch in flight, never half of one). Elsewhere: a daemon thread polls
+    os.getppid(). A parent already gone before either was armed is caught by the check after.
+    """
+    if not _set_parent_death_signal(signal.SIGKILL):
+        threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def run_worker(job: WorkerJob, progress, results, parent_pid: int | None = None) -> None:
     """Build this worker's shards; add finished counts to `progress` (a shared int), put a summary on `results`.
 
+    With `parent_pid` the worker exits as soon as that process dies (see `exit_with_parent`).
     Commits are not fsynced one by one (a killed process loses nothing: committed pages are in
     the page cache); every shard is fsynced once at the end, so the OS writes back meanwhile.
     """
+    if parent_pid is not None:
+        exit_with_parent(parent_pid)
     opts = ShardOptions(initial_map_size=job.initial_map_size, sync=False)
     written, skipped, errors, opened = 0, 0, [], []
     try:

@@ -55,6 +55,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     option("lora_backend", choices=["auto", "triton", "torch"])
     option("pinned_adapters", flag="--pin", metavar="ID", help="keep this adapter resident (repeatable)")
     option("adapter_root")
+    option("max_adapter_mb")
     option("torch_threads")
     option("max_request_bytes")
     option("max_seqs_per_request")

@@ -52,6 +52,8 @@ class EngineConfig:
     adapter_root: str | None = field(default=None, metadata={
         "help": "root that /v1/load_lora_adapter may import PEFT directories from",
         "default": "runtime adapter loading disabled"})
+    max_adapter_mb: int = field(default=1024, metadata={
+        "help": "largest adapter /v1/load_lora_adapter reads, in MiB (all its files); larger is a 413"})
     pager_workers: int = field(default=4, metadata={"help": "threads paging adapters in"})
     seed: int = field(default=0, metadata={"help": "seed of the sampler for unseeded requests"})
     # HTTP server bounds (read by loraserve.server from engine.config)
@@ -75,7 +77,7 @@ class EngineConfig:
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
         for name in ("max_batch_size", "max_model_len", "max_batched_tokens", "block_size",
-                     "max_gpu_adapters", "max_lora_rank", "cpu_cache_mb", "pager_workers",
+                     "max_gpu_adapters", "max_lora_rank", "cpu_cache_mb", "max_adapter_mb", "pager_workers",
                      "max_request_bytes", "max_seqs_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -9,7 +9,7 @@ Names (stable; `loraserve loadtest` scrapes the hit counters):
   loraserve_adapter_evictions_total{tier}, loraserve_adapter_resident{tier},
   loraserve_adapter_resident_bytes{tier}, loraserve_adapter_capacity_bytes{tier},
   loraserve_adapter_disk_reads_total, loraserve_adapter_page_in_seconds{source} (histogram),
-  loraserve_parked_requests,
+  loraserve_parked_requests, loraserve_catalog_shards_degraded,
   vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}
   (vLLM's gauge, so gateways that route by adapter affinity work unchanged).
 """
@@ -33,6 +33,10 @@ class AdapterCollector(Collector):
         self.engine = engine  # AsyncEngine serving a catalog
 
     def collect(self):
+        degraded = GaugeMetricFamily("loraserve_catalog_shards_degraded",
+                                     "Catalog shards unavailable (data files damaged or missing)")
+        degraded.add_metric([], len(self.engine.adapter_manager.catalog.degraded()))
+        yield degraded
         snap = self.engine.snapshot
         pool, cache, pager = snap.pool, snap.cpu_cache, snap.pager
         if pool is None:  # an engine core that has not published its first snapshot yet

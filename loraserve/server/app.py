@@ -14,7 +14,7 @@ from starlette.responses import Response
 from loraserve.catalog.errors import CatalogError
 from loraserve.catalog.ids import parse_model_ref
 from loraserve.server.adapter_metrics import AdapterCollector
-from loraserve.server.adapter_routes import adapter_router, catalog_cards
+from loraserve.server.adapter_routes import adapter_router, catalog_cards, readiness
 from loraserve.server.admin_routes import install_tenancy
 from loraserve.server.chat import create_chat_completion
 from loraserve.server.completions import create_completion
@@ -128,6 +128,13 @@ def _ops_router() -> APIRouter:
     @router.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @router.get("/ready")
+    async def ready(request: Request) -> dict:
+        """Readiness (/health is liveness): 503 naming the catalog shards that are unavailable."""
+        if (err := await asyncio.to_thread(readiness, _ctx(request).engine)) is not None:
+            raise err
+        return {"status": "ready"}
 
     @router.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -204,40 +204,33 @@ _ERROR_SCHEMA = {
                        "code": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}},
 }
 _ERROR_DESCRIPTIONS = {
-    400: "Bad request: malformed JSON or an invalid field (`param` names it)",
-    401: "Missing or wrong API key (when the server has one)",
+    400: "Bad request: malformed JSON or an invalid field or parameter (`param` names it)",
+    401: "Missing or unknown API key (when the server has keys)",
+    403: "The key may not do this",
     404: "Unknown model, adapter, revision or route",
-    409: "The adapter was exported against another base",
+    409: "Conflict, e.g. an adapter exported against another base",
     413: "Request body over --max-request-bytes",
     429: "Too many requests queued; retry after `Retry-After` seconds",
     500: "A server bug (details are logged, not sent)",
-    503: "Overloaded or shutting down",
+    503: "Overloaded, not ready, or shutting down",
 }
 
 
-def _error_responses(path: str, method: str) -> dict[int, dict[str, Any]]:
-    """The error statuses an operation can answer with (see the module doc)."""
-    if not path.startswith("/v1"):
-        statuses = [500]
-    elif method == "get":
-        statuses = [400, 401, 404, 500, 503]
-    else:
-        statuses = [400, 401, 404, 409, 413, 429, 500, 503]
+def _error_responses() -> dict[int, dict[str, Any]]:
+    """The error responses any operation may answer with (a route declaring more keeps them)."""
     ref = {"$ref": "#/components/schemas/ErrorResponse"}
-    response = {}
-    for status in statuses:
-        headers = ({"Retry-After": {"description": "seconds to wait before retrying",
-                                    "schema": {"type": "integer"}}} if status == 429 else {})
-        response[status] = {"description": _ERROR_DESCRIPTIONS[status],
-                            "content": {"application/json": {"schema": ref}},
-                            **({"headers": headers} if headers else {})}
-    return response
+    responses = {}
+    for status, description in _ERROR_DESCRIPTIONS.items():
+        responses[status] = {"description": description,
+                             "content": {"application/json": {"schema": ref}}}
+    responses[429]["headers"] = {"Retry-After": {"description": "seconds to wait before retrying",
+                                                 "schema": {"type": "integer"}}}
+    return responses
 
 
 def install_openapi(app: FastAPI) -> None:
-    """Make `app.openapi()` describe the errors the server sends: the OpenAI error body with
-    400/401/404/409/413/429/500/503 as each operation can answer, and no 422 (every validation
-    failure is a 400)."""
+    """Make `app.openapi()` describe the errors the server sends: the OpenAI error body under
+    every status in _ERROR_DESCRIPTIONS, and no 422 (every validation failure is a 400)."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -249,7 +242,7 @@ def install_openapi(app: FastAPI) -> None:
                 if not isinstance(op, dict) or "responses" not in op:
                     continue
                 op["responses"].pop("422", None)
-                for status, response in _error_responses(path, method).items():
+                for status, response in _error_responses().items():
                     op["responses"].setdefault(str(status), response)
         schemas = schema.setdefault("components", {}).setdefault("schemas", {})
         for unused in ("HTTPValidationError", "ValidationError"):

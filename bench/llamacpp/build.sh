@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Build llama.cpp's `llama-server` (CPU only, Release) from the llama.cpp sources bundled in
+# llama-cpp-python's source package on PyPI, and a separate venv for its converters
+# (convert_hf_to_gguf.py, convert_lora_to_gguf.py). Idempotent: every step is skipped when its
+# output exists. Nothing is written inside the repository except under the cache dir
+# (default .loraserve/llamacpp, git-ignored).
+#
+#   bash bench/llamacpp/build.sh            # or LLAMACPP_CACHE=/tmp/llamacpp bash ...
+#
+# Env: LLAMACPP_CACHE (cache dir), LLAMA_CPP_PYTHON_VERSION (default 0.3.36),
+#      JOBS (default 2), TORCH_SPEC (default torch==2.13.0, the local CPU build).
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+CACHE="${LLAMACPP_CACHE:-$ROOT/.loraserve/llamacpp}"
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+JOBS="${JOBS:-2}"
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null || PY=python3
+mkdir -p "$CACHE"
+SRC="$CACHE/llama_cpp_python-$VERSION/vendor/llama.cpp"
+
+# 1. sources
+if [ ! -f "$SRC/CMakeLists.txt" ]; then
+    "$ROOT/.venv/bin/pip" download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$CACHE"
+    tar -xzf "$CACHE/llama_cpp_python-$VERSION.tar.gz" -C "$CACHE"
+fi
+# the llama.cpp commit this release vendors (from its CHANGELOG)
+grep -m1 -o 'ggml-org/llama.cpp@[0-9a-f]*' "$CACHE/llama_cpp_python-$VERSION/CHANGELOG.md" \
+    > "$CACHE/LLAMACPP_COMMIT" || echo unknown > "$CACHE/LLAMACPP_COMMIT"
+
+# 2. llama-server (CPU only, no network features: no OpenSSL, no prebuilt web UI download)
+BUILD="$CACHE/build"
+if [ ! -x "$BUILD/bin/llama-server" ]; then
+    cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_NATIVE=ON \
+        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+        -DLLAMA_BUILD_TOOLS=ON -DBUILD_SHARED_LIBS=OFF
+    cmake --build "$BUILD" --target llama-server -j "$JOBS"
+fi
+"$BUILD/bin/llama-server" --version 2>&1 | tail -n 2 > "$CACHE/LLAMACPP_VERSION" || true
+
+# 3. converter venv (separate from the project's .venv)
+VENV="$CACHE/venv"
+if [ ! -f "$VENV/.ready" ]; then
+    "$PY" -m venv "$VENV"
+    "$VENV/bin/pip" install -q "$TORCH_SPEC"
+    # the converters' requirements, plus what writes the tiny model and its adapters
+    "$VENV/bin/pip" install -q "$SRC/gguf-py" numpy sentencepiece safetensors \
+        "transformers==5.24.0" "peft==0.21.2" protobuf
+    touch "$VENV/.ready"
+fi
+echo "llama.cpp: $(cat "$CACHE/LLAMACPP_COMMIT")  ($(cat "$CACHE/LLAMACPP_VERSION" | tr '\n' ' '))"
+echo "llama-server: $BUILD/bin/llama-server"
+echo "converter venv: $VENV"
