@@ -24,13 +24,13 @@ from .checkpoint import TensorEntry, parse_weight_name, read_tensor_index, weigh
 from .dtypes import name_of_code
 from .targets import DENSE_KINDS, LM_HEAD, module_path, parse_expert_plane_path, parse_module_path
 
-ARCHES = ("qwen3", "qwen3_moe", "qwen2", "qwen2_moe", "llama")
+ARCHES = ("qwen3", "qwen3_moe", "qwen2", "qwen2_moe", "llama", "mistral")
 ARCH_KEYS = (
     "model_type", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "num_experts",
     "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
     "rms_norm_eps", "rope_theta", "rope_scaling", "hidden_act", "tie_word_embeddings",
-    "attention_bias", "shared_expert_intermediate_size",
+    "attention_bias", "shared_expert_intermediate_size", "sliding_window", "max_window_layers",
 )
 # transformers' fused expert tensors: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]
 _FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
@@ -55,6 +55,10 @@ def normalize_config(config: dict) -> dict:
     cfg["rope_theta"] = cfg.get("rope_theta", rope.pop("rope_theta", None))
     if rope and rope.get("rope_type", "default") != "default":
         cfg["rope_scaling"] = rope
+    if cfg.get("model_type") == "mistral":  # Mistral masks by sliding_window whenever it is set
+        cfg["max_window_layers"] = None
+    elif not cfg.get("use_sliding_window"):  # a window the model does not apply is no architecture
+        cfg["sliding_window"] = cfg["max_window_layers"] = None
     return {k: cfg[k] for k in ARCH_KEYS if cfg.get(k) is not None}
 
 

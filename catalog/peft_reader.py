@@ -85,7 +85,7 @@ def _compiles(pattern: str) -> bool:
 
 def _parse_json(raw: bytes, where: str) -> dict:
     try:
-        cfg = json.loads(raw)
+        cfg = json.loads(raw.decode("utf-8-sig"))
     except UnicodeDecodeError:
         raise ExportError(f"{where}: not UTF-8 text") from None
     except json.JSONDecodeError as e:

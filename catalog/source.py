@@ -22,7 +22,8 @@ from pathlib import Path
 
 from .errors import CatalogError, ExportError, SourceForbidden, SourceNotFound, SourceTooLarge
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_PATH (Linux): walking a directory needs search permission only, as a path lookup does
+_DIR_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
@@ -52,7 +53,8 @@ class AdapterSource:
             raise CatalogError(f"adapter root {self.root} is not a directory")
         self.max_bytes = max_bytes
         self.used = 0
-        joined = os.path.join(self.root, self.shown)  # an absolute `path` replaces the root here
+        # relative to the root; unconfined, relative to the working directory as usual
+        joined = os.path.join(self.root, self.shown) if root is not None else os.path.abspath(self.shown)
         self.dir = self._confined(joined, self.shown)
         fd = self._open(self.dir, _DIR_FLAGS, self.shown, is_dir=True)
         os.close(fd)

@@ -83,12 +83,15 @@ class _Gather:
         y.index_add_(0, self.tok, delta.to(y.dtype))
 
     def run(self, y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor) -> None:
+        """y[tok] += (x[tok] @ A^T) @ B, each token against its own rows."""
         self.up(y, self.down(x, A_rows), B_rows)
 
     def shrink(self, v: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor) -> None:
+        """v[tok, :r_b] = x[tok] @ A^T (0 past each token's rank); v [T, R_max]."""
         v[self.tok, : self.invalid.shape[1]] = self.down(x, A_rows).to(v.dtype)
 
     def expand(self, y: torch.Tensor, v: torch.Tensor, B_rows: torch.Tensor) -> None:
+        """y[tok] += v[tok, :r] @ B; v [T, R_max] (entries past a token's rank ignored)."""
         self.up(y, v[self.tok, : self.invalid.shape[1]].masked_fill(self.invalid, 0), B_rows)
 
 
@@ -104,9 +107,11 @@ class _Segments:
     direct: bool = False  # tok is 0..m-1 (a batch grouped by adapter): slice x and y, no gather
 
     def rows_of(self, pool: torch.Tensor) -> torch.Tensor:
-        return pool.view(-1, pool.shape[-1]).index_select(0, self.flat_rows)  # [sum r, H]
+        """[sum r, H]: every heavy segment's rank rows of `pool`, concatenated."""
+        return pool.view(-1, pool.shape[-1]).index_select(0, self.flat_rows)
 
     def run(self, y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor) -> None:
+        """Per segment: y[its tokens] += (x[its tokens] @ A^T) @ B at the segment's rank."""
         A, B = self.rows_of(A_rows), self.rows_of(B_rows)
         if self.direct and A.dtype == x.dtype and B.dtype == y.dtype:  # segments are row ranges
             for t0, t1, r0, r1 in self.bounds:
@@ -127,6 +132,7 @@ class _Segments:
         v[self.tok] = hs.to(v.dtype)
 
     def expand(self, y: torch.Tensor, v: torch.Tensor, B_rows: torch.Tensor) -> None:
+        """y[tok] += v[tok, :r] @ B segment by segment, one index_add_ for all of them."""
         vs, B = v[self.tok].to(B_rows.dtype), self.rows_of(B_rows)  # [m, R_max], [sum r, H_out]
         delta = torch.empty(self.tok.numel(), y.shape[1], dtype=B.dtype, device=y.device)
         for t0, t1, r0, r1 in self.bounds:
@@ -138,7 +144,7 @@ class _Segments:
 class _Parts:
     """Several plans over disjoint tokens (light and heavy segments); none = no LoRA token."""
 
-    parts: tuple = ()
+    parts: tuple[_Gather | _Segments, ...] = ()
 
     @property
     def name(self) -> str:
@@ -261,12 +267,17 @@ class _Layout:
         return self.prefix and min(self.lengths) == max(self.lengths)
 
 
+Plan = _Gather | _Segments | _Parts | _Dense | _Padded  # what plan_torch returns
+
+
 def _contiguous_run(rows: torch.Tensor) -> tuple[int, int] | None:
+    """(start, stop) when `rows` is exactly start, start + 1, ..., stop - 1; else None."""
     first, total = int(rows[0]), rows.numel()
     return (first, first + total) if bool((rows == torch.arange(first, first + total)).all()) else None
 
 
 def _check_ranks(seg_ranks: list[int], row_table: torch.Tensor) -> None:
+    """Ranks past the row table's width would read other slots' rows: refuse them."""
     if seg_ranks and max(seg_ranks) > row_table.shape[1]:
         raise ValueError(f"ranks holds {max(seg_ranks)} > R_max={row_table.shape[1]}")
 
@@ -311,6 +322,7 @@ def _small_costs(lay: _Layout, width: int) -> dict[str, float]:
 
 
 def _dense_plan(lay: _Layout) -> _Dense:
+    """The dense plan of `lay`: its rows, and the mask of other segments' columns when S > 1."""
     s, n = len(lay.lengths), len(lay.tok)
     other = None
     if s > 1:
@@ -321,6 +333,8 @@ def _dense_plan(lay: _Layout) -> _Dense:
 
 
 def _padded_plan(lay: _Layout) -> _Padded:
+    """The padded plan of `lay`: where each LoRA token sits in the [S * L] block (none when x and
+    y are viewed in place), each segment's rows, and the rank mask when ranks differ."""
     (s, r_b), lengths, length = lay.table.shape, lay.lengths, max(lay.lengths)
     invalid = ~lay.in_rank
     vtok = vpos = None
@@ -381,6 +395,7 @@ def _positions(lengths: torch.Tensor, keep: list[bool]) -> torch.Tensor:
 def _segments_plan(meta: LoRAMeta, row_table: torch.Tensor, s: int, lengths: torch.Tensor,
                    len_list: list[int], r_list: list[int], heavy: list[bool],
                    num_experts: int) -> _Segments:
+    """The heavy segments' tokens, rows (their expert plane for MoE pools) and ranges."""
     idx = [i for i, h in enumerate(heavy) if h]
     slots = meta.seg_slot[:s][idx].long()
     r_heavy = torch.tensor([r_list[i] for i in idx], device=slots.device)
@@ -417,6 +432,7 @@ def _gather_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, n
 
 
 def _num_experts(pool: torch.Tensor) -> int:
+    """E of an MoE pool [P, E, H]; 1 for a dense pool [P, H]."""
     return pool.shape[1] if pool.dim() == 3 else 1
 
 
@@ -440,7 +456,7 @@ def expand_torch(y: torch.Tensor, v: torch.Tensor, B_rows: torch.Tensor, row_tab
 
 
 def plan_torch(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, A_rows: torch.Tensor,
-               B_rows: torch.Tensor, *, strategy: str | None = None):
+               B_rows: torch.Tensor, *, strategy: str | None = None) -> Plan:
     """How `add_lora_torch` covers one step's LoRA tokens for one target kind; `.run(y, x,
     A_rows, B_rows)` applies it with no checks. Every layer of that kind shares it (same
     metadata, row table, ranks and widths), saving the host-side planning of every other call.
@@ -473,7 +489,8 @@ def _check_add(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: t
 
 
 def add_lora_torch(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
-                   row_table: torch.Tensor, ranks: torch.Tensor, meta: LoRAMeta, plan=None) -> None:
+                   row_table: torch.Tensor, ranks: torch.Tensor, meta: LoRAMeta,
+                   plan: Plan | None = None) -> None:
     """y[t] += B[a] @ (A[a] @ x[t]) after checking the inputs; the rank-space product stays
     compact. plan: from `plan_torch` for this step and target kind (else planned here)."""
     _check_add(y, x, A_rows, B_rows, row_table, ranks, meta)
@@ -490,7 +507,7 @@ class _Scope:
     plans: dict = field(default_factory=dict)  # key -> plan
     built: list = field(default_factory=list)  # (row_table, ranks, plan), to share between keys
 
-    def shared(self, row_table: torch.Tensor, ranks: torch.Tensor):
+    def shared(self, row_table: torch.Tensor, ranks: torch.Tensor) -> Plan | None:
         """A plan built for another key with the same rows: adapters that target every kind at
         one rank get identical row tables in each kind's pool (the free lists hand rows out in
         the same order), so q/k/v/o/gate/up/down share one plan."""

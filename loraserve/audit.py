@@ -24,7 +24,7 @@ from loraserve.catalog.records import RevisionRecord
 from loraserve.catalog.store import Catalog
 from loraserve.adapters.pool import AdapterPool, PoolConfig, TargetSpec
 from loraserve.lora.layers import LoRAExpertLinear, LoRALinear, LoRAState
-from loraserve.model.qwen3 import ExpertLinear
+from loraserve.model.moe import ExpertLinear
 
 TOKENS = 5  # random input rows per target (MoE: (token, expert) pairs)
 

@@ -1,4 +1,4 @@
-"""`loraserve` command line: serve, demo, export, catalog ..., loadtest."""
+"""`loraserve` command line: serve, demo, export, catalog ..., loadtest, keys."""
 from __future__ import annotations
 
 import argparse
@@ -25,7 +25,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     _add_engine_options(p)
-    p.add_argument("--api-key", default=os.environ.get("LORASERVE_API_KEY"))
+    p.add_argument("--api-key", default=os.environ.get("LORASERVE_API_KEY"),
+                   help="one admin key (default: $LORASERVE_API_KEY)")
+    p.add_argument("--keys", metavar="FILE", help="API keys file (TOML: hashed keys, roles, tenants, "
+                   "limits; see `loraserve keys create`); re-read on SIGHUP")
+    p.add_argument("--metrics-key", default=os.environ.get("LORASERVE_METRICS_KEY"),
+                   help="a key that may read /metrics only (default: $LORASERVE_METRICS_KEY)")
+    p.add_argument("--audit-log", metavar="FILE", help="append control-plane actions here (JSON lines)")
     p.add_argument("--demo-dir", default=DEFAULT_DEMO_DIR)
     p.add_argument("--single-process", action="store_true",
                    help="run the engine on a thread of the API server's process (debugging) instead "
@@ -107,6 +113,9 @@ def _serve(args: argparse.Namespace) -> int:
     from .server.app import run_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.keys:
+        from .keys import load_keys
+        load_keys(args.keys)  # a bad keys file stops here, before the model loads
     model, catalog = args.model, args.catalog
     if model is None:
         from .demo import build_demo
@@ -116,7 +125,8 @@ def _serve(args: argparse.Namespace) -> int:
                if hasattr(args, f.name)}  # the dests of _add_engine_options
     cfg = EngineConfig(model_dir=model, catalog_dir=catalog, **options)
     engine = AsyncEngine.from_config(cfg) if args.single_process else CoreClient(cfg)
-    run_server(engine, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level.lower())
+    run_server(engine, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level.lower(),
+               keys=args.keys, metrics_key=args.metrics_key, audit_log=args.audit_log)
     return 0
 
 
@@ -144,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_subcommands(sub)
     from .loadtest import add_subcommand
     add_subcommand(sub)
+    from .cli_keys import add_subcommand as add_keys
+    add_keys(sub)
     return parser
 
 

@@ -65,3 +65,51 @@ def hf_dense(tmp_path_factory, demo_dense) -> Path:
 @pytest.fixture(scope="session")
 def hf_moe(tmp_path_factory, demo_dense) -> Path:
     return _hf_base(tmp_path_factory.mktemp("hfmoe"), demo_dense, "qwen3_moe")
+
+
+ARCH_BASES = {  # model_type -> (transformers config class, causal-LM class, config): odd sizes, GQA
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(  # Llama 3.2-like: tied, llama3 RoPE
+        tie_word_embeddings=True, mlp_bias=True,
+        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),  # q/k/v biases
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=12, sliding_window=6)),
+}
+
+
+def _hf_arch_base(root: Path, demo: Path, arch: str) -> Path:
+    """A tiny `arch` base (see ARCH_BASES) with unit-scale random weights and biases, so logits
+    are confident, and the demo tokenizer."""
+    import transformers
+
+    torch.manual_seed(2)
+    demo_cfg = json.loads((demo / "config.json").read_text())
+    config_cls, model_cls, extra = ARCH_BASES[arch]
+    config = getattr(transformers, config_cls)(
+        vocab_size=demo_cfg["vocab_size"], hidden_size=60, intermediate_size=92, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=demo_cfg["eos_token_id"], **extra)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
+    out = root / arch
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        shutil.copy(demo / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_llama(tmp_path_factory, demo_dense) -> Path:
+    return _hf_arch_base(tmp_path_factory.mktemp("hf_llama"), demo_dense, "llama")
+
+
+@pytest.fixture(scope="session")
+def hf_qwen2(tmp_path_factory, demo_dense) -> Path:
+    return _hf_arch_base(tmp_path_factory.mktemp("hf_qwen2"), demo_dense, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def hf_mistral(tmp_path_factory, demo_dense) -> Path:
+    return _hf_arch_base(tmp_path_factory.mktemp("hf_mistral"), demo_dense, "mistral")

@@ -47,9 +47,10 @@ VENV="$CACHE/venv"
 if [ ! -f "$VENV/.ready" ]; then
     "$PY" -m venv "$VENV"
     "$VENV/bin/pip" install -q "$TORCH_SPEC"
-    # the converters' requirements, plus what writes the tiny model and its adapters
-    "$VENV/bin/pip" install -q "$SRC/gguf-py" numpy sentencepiece safetensors \
-        "transformers==5.24.0" "peft==0.21.2" protobuf
+    # the converters' pins (requirements/requirements-convert_*.txt; torch is the local CPU
+    # build instead of their 2.11), plus peft, which writes the adapters
+    "$VENV/bin/pip" install -q "$SRC/gguf-py" "numpy~=2.2.6" "sentencepiece>=0.1.98,<0.3.0" \
+        "transformers==4.57.6" "protobuf>=4.21.0,<5.0.0" safetensors "peft==0.21.2"
     touch "$VENV/.ready"
 fi
 echo "llama.cpp: $(cat "$CACHE/LLAMACPP_COMMIT")  ($(cat "$CACHE/LLAMACPP_VERSION" | tr '\n' ' '))"

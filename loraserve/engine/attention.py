@@ -5,7 +5,7 @@ The per-step metadata (slot mapping, gather index, mask) is built once and share
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +44,11 @@ class PagedAttention:
     mask: torch.Tensor           # [B, 1, Q, C] bool: True = may attend
     shape: tuple[int, int, int]  # B, Q, C
     single_query: bool           # Q == 1: every sequence brings one token (decode)
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask, on first use
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                 window: int | None = None) -> torch.Tensor:
+        # q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]; with `window`, only the last `window` positions
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         kc.index_copy_(0, self.slot_mapping, k.to(kc.dtype))
         vc.index_copy_(0, self.slot_mapping, v.to(vc.dtype))
@@ -61,10 +63,20 @@ class PagedAttention:
             # CUDA: a boolean mask rules out flash attention, and the memory-efficient kernel
             # does not take GQA, so repeat K/V rather than fall back to the math kernel
             kb, vb = kb.repeat_interleave(rep, dim=1), vb.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(qb, kb.to(qb.dtype), vb.to(qb.dtype), attn_mask=self.mask,
+        mask = self.mask if window is None else self.window_mask(window)
+        out = F.scaled_dot_product_attention(qb, kb.to(qb.dtype), vb.to(qb.dtype), attn_mask=mask,
                                              enable_gqa=heads != kb.shape[1])
         out = out.transpose(1, 2).reshape(b * nq, heads, d)                          # [B * Q, Hq, D]
         return out if self.single_query else out.index_select(0, self.q_valid_pos)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """`mask` without keys `window` or more positions behind their query (sliding-window
+        layers), built once per step and window. A query's position is its count of visible keys - 1."""
+        if window not in self.window_masks:
+            qpos = self.mask.sum(-1, keepdim=True) - 1                                 # [B, 1, Q, 1]
+            pos = torch.arange(self.shape[2], device=self.mask.device)
+            self.window_masks[window] = self.mask & (pos > qpos - window)
+        return self.window_masks[window]
 
     @classmethod
     def build(cls, cache: KVCache, block_tables: list[list[int]], starts: list[int],

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import torch
 
-from loraserve.model.qwen3 import Qwen3ForCausalLM
+from loraserve.model.transformer import CausalLM
 
 
 @torch.no_grad()
-def greedy_generate(model: Qwen3ForCausalLM, prompt_ids: list[int], max_new_tokens: int,
+def greedy_generate(model: CausalLM, prompt_ids: list[int], max_new_tokens: int,
                     eos_token_ids: list[int] | None = None) -> list[int]:
     """Append argmax tokens to `prompt_ids`, recomputing the whole sequence every step.
 

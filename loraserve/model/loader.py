@@ -1,10 +1,14 @@
-"""Load a Hugging Face Qwen3 / Qwen3-MoE checkpoint directory into `Qwen3ForCausalLM`.
+"""Load a Hugging Face checkpoint directory of any supported architecture into `CausalLM`.
 
 The model is built on the meta device and each parameter is assigned once, already converted to
 its dtype and device, so the weights are never materialised twice. Only safetensors are read.
+The checkpoint must hold exactly the tensors the model uses: one that is missing, or one the model
+has no place for (another architecture's bias, an extra head), is refused by name before any
+tensor bytes are read.
 """
 from __future__ import annotations
 
+import re
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -16,7 +20,11 @@ from loraserve.catalog.checkpoint import read_tensor_index
 from loraserve.catalog.dtypes import SERVING_DTYPES, dtype_name, torch_dtype
 from loraserve.model.checkpoint import CheckpointError, expert_tensor_name
 from loraserve.model.config import ModelConfig
-from loraserve.model.qwen3 import Qwen3ForCausalLM
+from loraserve.model.transformer import CausalLM
+
+# buffers old checkpoints carry that the model recomputes (transformers skips them as well)
+_RECOMPUTED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_NAMES_SHOWN = 5
 
 
 def resolve_dtype(name: str, config: ModelConfig, device: str | torch.device) -> torch.dtype:
@@ -41,6 +49,9 @@ class _TensorSource:
     def __contains__(self, name: str) -> bool:
         return name in self._files
 
+    def names(self) -> list[str]:
+        return list(self._files)
+
     def get(self, name: str, shape: torch.Size) -> Tensor:
         """The CPU tensor `name`, checked against `shape`."""
         if name not in self._files:
@@ -56,11 +67,12 @@ class _TensorSource:
 
 
 def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> Qwen3ForCausalLM:
+               device: str | torch.device = "cpu") -> CausalLM:
     """Build the model described by `model_dir/config.json` and load its safetensors weights.
 
     Handles single-file and sharded (index.json) checkpoints, per-expert MoE tensors (packed into
-    ExpertLinear.weight [E, out, in]) and tied embeddings (tie_word_embeddings, or no lm_head.weight).
+    ExpertLinear.weight [E, out, in]) and tied embeddings. As in transformers 5, a stored
+    `lm_head.weight` is the head (even where config.json says tied) and none means tied.
     Returns the model in eval mode with requires_grad off.
     """
     model_dir, device = Path(model_dir), torch.device(device)
@@ -68,10 +80,12 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
     config = ModelConfig.from_dir(model_dir)
     with ExitStack() as stack:
         source = _TensorSource(model_dir, stack)
-        if not config.tie_word_embeddings and "lm_head.weight" not in source:
-            config.tie_word_embeddings = True   # transformers' rule: no lm_head -> tied
-        model = Qwen3ForCausalLM(config, device="meta")
-        for name, param in list(model.named_parameters()):
+        config.tie_word_embeddings = "lm_head.weight" not in source
+        model = CausalLM(config, device="meta")
+        params = list(model.named_parameters())
+        _check_names(source, [n for name, p in params for n, _ in _checkpoint_names(name, p.shape)],
+                     config.arch)
+        for name, param in params:
             value = _read_param(source, name, param.shape, dtype, device)
             _assign(model, name, torch.nn.Parameter(value, requires_grad=False))
     model.tie_weights()
@@ -79,13 +93,40 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
     return model.eval()
 
 
+def _checkpoint_names(name: str, shape: torch.Size) -> list[tuple[str, torch.Size]]:
+    """(checkpoint tensor name, shape) that parameter `name` is read from: itself, or one per
+    expert for a packed expert weight [E, out, in]."""
+    if expert_tensor_name(name, 0) is None:
+        return [(name, shape)]
+    return [(expert_tensor_name(name, e), shape[1:]) for e in range(shape[0])]
+
+
+def _check_names(source: _TensorSource, wanted: list[str], arch: str) -> None:
+    """CheckpointError naming the tensors the model needs and the checkpoint lacks, or the
+    tensors the checkpoint has and the model does not use."""
+    want = set(wanted)
+    missing = [n for n in wanted if n not in source]
+    if missing:
+        raise CheckpointError(f"checkpoint is missing tensor {_listing(missing)}, which config.json's "
+                              f"{arch} model needs")
+    unused = sorted(n for n in source.names() if n not in want and not _RECOMPUTED.search(n))
+    if unused:
+        raise CheckpointError(f"checkpoint has tensor {_listing(unused)}, which config.json's {arch} "
+                              "model does not use (a checkpoint of another architecture?)")
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:_NAMES_SHOWN])
+    return shown + (f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else "")
+
+
 def _read_param(source: _TensorSource, name: str, shape: torch.Size, dtype: torch.dtype,
                 device: torch.device) -> Tensor:
     if expert_tensor_name(name, 0) is None:
         return source.get(name, shape).to(device=device, dtype=dtype)
     out = torch.empty(shape, dtype=dtype, device=device)          # [E, out, in]
-    for e in range(shape[0]):
-        out[e].copy_(source.get(expert_tensor_name(name, e), shape[1:]))
+    for e, (tensor_name, plane) in enumerate(_checkpoint_names(name, shape)):
+        out[e].copy_(source.get(tensor_name, plane))
     return out
 
 

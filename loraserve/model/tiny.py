@@ -1,4 +1,5 @@
-"""Tiny deterministic Qwen3 / Qwen3-MoE bases with a byte-level tokenizer, for the demo and tests.
+"""Tiny deterministic bases of any supported architecture (the demo uses Qwen3 and Qwen3-MoE) with
+a byte-level tokenizer, for the demo and tests.
 
 The vocabulary is the 256 bytes (token id = byte value) plus `<|endoftext|>`, `<|im_start|>` and
 `<|im_end|>`, with a ChatML (Qwen-style) chat template. Weights are drawn from a seeded generator,
@@ -14,7 +15,7 @@ import torch
 from tokenizers import decoders, models, pre_tokenizers
 
 from loraserve.model.config import ModelConfig
-from loraserve.model.qwen3 import Qwen3ForCausalLM
+from loraserve.model.transformer import CausalLM
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]   # ids 256, 257, 258
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 256, 257, 258
@@ -42,13 +43,13 @@ def tiny_config(arch: str = "qwen3", **overrides: object) -> ModelConfig:
     return ModelConfig(**base)
 
 
-def random_model(config: ModelConfig, seed: int = 0) -> Qwen3ForCausalLM:
+def random_model(config: ModelConfig, seed: int = 0) -> CausalLM:
     """A model with weights drawn from a generator seeded with `seed`; norms are 1.
 
     Matrices are N(0, 1/in_features) so activations keep unit scale, embeddings N(0, 1) and
     lm_head N(0, 4/H) so logits have std ~2: the base babbles with confidence, and a trained
     LoRA's greedy answer wins by a wide margin (robust across implementations and dtypes)."""
-    model = Qwen3ForCausalLM(config)
+    model = CausalLM(config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

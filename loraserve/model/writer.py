@@ -1,4 +1,4 @@
-"""Write a `Qwen3ForCausalLM` as a Hugging Face checkpoint directory transformers can load.
+"""Write a `CausalLM` as a Hugging Face checkpoint directory transformers can load.
 
 Layout: `config.json`, then `model.safetensors` or `model-0000i-of-0000n.safetensors` plus
 `model.safetensors.index.json`; packed experts are written per expert, tied lm_head is omitted.
@@ -17,10 +17,10 @@ from torch import Tensor
 from loraserve.catalog.checkpoint import INDEX_FILE, SINGLE_FILE, shard_file_name
 from loraserve.catalog.dtypes import dtype_name
 from loraserve.model.checkpoint import expert_tensor_name
-from loraserve.model.qwen3 import Qwen3ForCausalLM
+from loraserve.model.transformer import CausalLM
 
 
-def checkpoint_tensors(model: Qwen3ForCausalLM) -> Iterator[tuple[str, Tensor]]:
+def checkpoint_tensors(model: CausalLM) -> Iterator[tuple[str, Tensor]]:
     """(checkpoint name, contiguous CPU tensor) for every weight, in parameter order."""
     for name, param in model.named_parameters():   # a tied lm_head is deduplicated away
         t = param.detach()
@@ -45,7 +45,7 @@ def _shards(tensors: list[tuple[str, Tensor]], max_bytes: int | None) -> list[li
     return shards
 
 
-def save_checkpoint(model: Qwen3ForCausalLM, out_dir: str | Path, *,
+def save_checkpoint(model: CausalLM, out_dir: str | Path, *,
                     max_shard_bytes: int | None = None) -> None:
     """Write `model` (weights in their current dtype) to `out_dir` in Hugging Face layout."""
     if max_shard_bytes is not None and max_shard_bytes <= 0:

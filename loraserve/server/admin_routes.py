@@ -22,9 +22,9 @@ from fastapi import APIRouter, FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 
 from loraserve.catalog.errors import CatalogError
+from loraserve.keys import KeyFileError, Principal
 from loraserve.server.audit_log import DENIED, FAILED, OK
 from loraserve.server.errors import APIError, as_api_error
-from loraserve.server.keys import KeyFileError, Principal
 from loraserve.server.tenancy import (AuthMiddleware, Tenancy, TenancyConfig, forbidden, hidden,
                                       principal_of, split_ref)
 

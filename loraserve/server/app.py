@@ -9,7 +9,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
 from loraserve.catalog.errors import CatalogError
 from loraserve.catalog.ids import parse_model_ref
@@ -136,7 +136,7 @@ def _ops_router() -> APIRouter:
             raise err
         return {"status": "ready"}
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=PlainTextResponse)  # (documents its content type)
     async def metrics(request: Request) -> Response:
         ctx = _ctx(request)
         return Response(ctx.metrics.render(ctx.engine.stats()), media_type=CONTENT_TYPE)

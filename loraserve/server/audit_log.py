@@ -28,6 +28,9 @@ class AuditLog:
 
     def __init__(self, path: str | os.PathLike | None = None) -> None:
         self.path = None if path is None else Path(path)
+        if self.path is not None:  # an unwritable log stops the server now, not at an action
+            with open(self.path, "a", encoding="utf-8"):
+                pass
 
     def record(self, *, key: str | None, action: str, adapter: str | None = None,
                revision: str | None = None, outcome: str = OK, status: int | None = None,

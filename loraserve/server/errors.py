@@ -55,6 +55,15 @@ def _encodable(text: str) -> str:
         return _SURROGATE.sub("\ufffd", text)
 
 
+_LONG_WORD = re.compile(r"\S{%d,}" % (ECHO_MAX + 1))
+
+
+def _clip_words(text: str) -> str:
+    """Every run of non-space characters cut to ECHO_MAX: an echoed value (an id a catalog or
+    engine message quotes) is clipped where it stands, and the rest of the message is kept."""
+    return _LONG_WORD.sub(lambda m: clip(m.group(0)), text) if len(text) > ECHO_MAX else text
+
+
 def _clip_middle(text: str, limit: int) -> str:
     """Keep the head and the tail (a reason usually ends a message) of an over-long text."""
     if len(text) <= limit:
@@ -77,7 +86,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, code: str | None = None,
                  param: str | None = None, headers: dict[str, str] | None = None):
-        message = _clip_middle(_encodable(message), MESSAGE_MAX)
+        message = _clip_middle(_clip_words(_encodable(message)), MESSAGE_MAX)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -118,8 +127,9 @@ def as_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, EngineError):
         return APIError(exc.status, str(exc), code=exc.code, param=exc.param)
-    if isinstance(exc, CatalogError):
-        return APIError(exc.status, str(exc), code=_catalog_code(exc, exc.status),
+    if isinstance(exc, CatalogError):  # its class's `code`, else one from the class name
+        code = getattr(exc, "code", None) or _catalog_code(exc, exc.status)
+        return APIError(exc.status, str(exc), code=code,
                         param="model" if exc.status < 500 else None)
     logger.error("unexpected error while serving a request", exc_info=exc)
     return APIError(500, f"Internal server error: {type(exc).__name__}", code="internal_error")

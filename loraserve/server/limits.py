@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
+from loraserve.keys import Limits, Principal
 from loraserve.server.errors import APIError
-from loraserve.server.keys import Limits, Principal
 from loraserve.server.metrics import ServerMetrics
 
 CONCURRENCY, REQUESTS, TOKENS = "max_concurrent", "requests_per_second", "tokens_per_minute"
@@ -118,13 +118,14 @@ class Limiter:
         return Lease(usage, sequences)
 
     def _usage_of(self, key_id: str | None, tenant: str, limits: Limits) -> Usage:
-        """The (key, tenant)'s usage; a reload that changed the key's limits starts new buckets
-        but keeps the sequences in flight."""
+        """The (key, tenant)'s usage. A reload that changed the key's limits gets new buckets
+        in the same Usage: the leases of requests in flight still release into it."""
         usage = self._usage.get((key_id, tenant))
-        if usage is None or usage.limits != limits:
+        if usage is None:
+            usage = self._usage[(key_id, tenant)] = Usage.of(limits, self.clock())
+        elif usage.limits != limits:
             fresh = Usage.of(limits, self.clock())
-            fresh.in_flight = 0 if usage is None else usage.in_flight
-            usage = self._usage[(key_id, tenant)] = fresh
+            usage.limits, usage.requests, usage.tokens = limits, fresh.requests, fresh.tokens
         return usage
 
     @staticmethod

@@ -54,23 +54,31 @@ class BodyTooLarge(BodyError):
 class BodyLimitMiddleware:
     """Refuse request bodies over `max_bytes` with 413, before anything parses them.
 
-    A declared Content-Length over the limit is answered at once, unread; otherwise the streamed
-    body is counted as the app reads it, and the read that crosses the limit raises BodyTooLarge
-    (FastAPI passes it to the error handlers: a 413; an app that lets it escape gets the 413 from
-    here). Nothing over the limit is ever buffered whole.
+    A declared Content-Length over the limit is answered without reading the body into memory;
+    otherwise the streamed body is counted as the app reads it, and the read that crosses the
+    limit raises BodyTooLarge (FastAPI passes it to the error handlers: a 413; an app that lets it
+    escape gets the 413 from here). Nothing over the limit is ever buffered.
+
+    Before the 413 the rest of the body is read and dropped, up to `linger_bytes` more (what
+    nginx's lingering close does): a server that closes with unread data makes the kernel reset
+    the connection, and the client, still sending, sees a reset instead of the 413. A client that
+    asked `Expect: 100-continue` has sent nothing yet and gets the 413 at once.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int, linger_bytes: int | None = None):
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.app = app
         self.max_bytes = max_bytes
+        self.linger_bytes = 4 * max_bytes if linger_bytes is None else linger_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length")
+        linger = 0 if headers.get(b"expect", b"").lower() == b"100-continue" else self.linger_bytes
         if declared is not None:
             try:
                 length = int(declared)
@@ -81,6 +89,8 @@ class BodyLimitMiddleware:
                 await _send_json(send, 400, error.body(), close=True)
                 return
             if length > self.max_bytes:
+                if length <= self.max_bytes + linger:
+                    await _discard_body(receive, length)
                 await _send_json(send, 413, too_large(self.max_bytes).body(), close=True)
                 return
         seen = 0
@@ -92,6 +102,8 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
+                    if message.get("more_body", False):
+                        await _discard_body(receive, linger)
                     raise BodyTooLarge(too_large(self.max_bytes))
             return message
 
@@ -106,6 +118,17 @@ class BodyLimitMiddleware:
             if started:
                 raise
             await _send_json(send, 413, exc.error.body(), close=True)
+
+
+async def _discard_body(receive: Receive, budget: int) -> None:
+    """Read and drop what is left of a request body, at most `budget` bytes (then stop)."""
+    while budget > 0:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        budget -= len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 class RequestCountMiddleware:

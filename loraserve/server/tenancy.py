@@ -30,10 +30,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from loraserve.catalog.errors import AdapterNotFound, InvalidAdapterId
 from loraserve.catalog.ids import parse_model_ref
 from loraserve.engine.types import GenerateRequest, RequestOutput
+from loraserve.keys import (ALL_TENANTS, OPEN, KeyEntry, KeyFileError, KeyStore, Principal,
+                            digest, load_keys)
 from loraserve.server.audit_log import FAILED, AuditLog
 from loraserve.server.errors import APIError, as_api_error
-from loraserve.server.keys import (ALL_TENANTS, OPEN, KeyEntry, KeyFileError, KeyStore,
-                                   Principal, digest, load_keys)
 from loraserve.server.limits import Lease, LimitExceeded, Limiter, TenantCounters
 from loraserve.server.metrics import ServerMetrics
 
@@ -47,7 +47,7 @@ class TenancyConfig:
     """Keys and logs of one server. No api_key and no keys_file: every route is open."""
 
     api_key: str | None = None              # one admin key (--api-key, $LORASERVE_API_KEY)
-    keys_file: Path | None = None           # --keys: the TOML keys file (keys.py)
+    keys_file: Path | None = None           # --keys: the TOML keys file (loraserve/keys.py)
     metrics_key: str | None = None          # --metrics-key: may read /metrics, nothing else
     audit_log: Path | None = None           # --audit-log: control-plane actions, JSON lines
 

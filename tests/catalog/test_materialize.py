@@ -1,13 +1,15 @@
-"""Bulk materialize: exact counts, determinism, kill + rerun, readers during writes."""
+"""Bulk materialize: exact counts, determinism, kill + rerun, readers during writes, no orphans."""
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from loraserve.catalog.base import BaseInfo
+from loraserve.catalog.errors import CatalogError
 from loraserve.catalog.format import blob_checksum
 from loraserve.catalog.layout import load_revision
 from loraserve.catalog.materialize import MaterializeConfig, materialize
@@ -67,18 +69,34 @@ def _materialize_cmd(cat_dir, base, count):
             "--count", str(count), "--workers", "2", "--batch", "25", "--shards", "4", "--no-progress"]
 
 
+def _adapters_seen(cat_dir) -> int:
+    """Adapters a reader sees now; 0 while the catalog or a shard is still being created (a shard
+    file shorter than its meta pages for a moment reads as unavailable)."""
+    if not (cat_dir / "catalog.json").exists():
+        return 0
+    try:
+        with Catalog.open(cat_dir, readonly=True) as cat:
+            return cat.stats()["adapters"]
+    except CatalogError:
+        return 0
+
+
+def _wait_for_adapters(proc, cat_dir, timeout_s: float = 300) -> int:
+    """Poll (as a reader, while the workers write) until some adapters exist; how many."""
+    deadline = time.monotonic() + timeout_s  # generous: the CLI imports torch, slow on a loaded machine
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (seen := _adapters_seen(cat_dir)) > 0:
+            return seen
+        time.sleep(0.02)
+    raise AssertionError(f"no adapters appeared (materialize exited with {proc.poll()})")
+
+
 def test_killed_midway_then_rerun_gives_exactly_n(dense_base, tmp_path):
     n, cat_dir = 30000, tmp_path / "cat"
     proc = subprocess.Popen(_materialize_cmd(cat_dir, dense_base, n), cwd=REPO, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    seen = 0
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and seen == 0:  # a reader polls while the workers write
-            time.sleep(0.02)
-            if (cat_dir / "catalog.json").exists():
-                with Catalog.open(cat_dir, readonly=True) as cat:
-                    seen = cat.stats()["adapters"]
+        _wait_for_adapters(proc, cat_dir)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the whole group: the CLI and its workers
         proc.wait()
@@ -95,3 +113,52 @@ def test_killed_midway_then_rerun_gives_exactly_n(dense_base, tmp_path):
     assert (st["adapters"], st["revisions"]) == (n, n)
     assert ids == [f"synth/a{i:07d}" for i in range(n)]
     assert st["bytes"] == n * size
+
+
+def _children(pid: int) -> list[int]:
+    """Pids of the live processes whose parent is `pid` (from /proc)."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue  # gone meanwhile
+            if int(fields[1]) == pid and fields[0] != "Z":
+                kids.append(int(entry.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped by its new parent, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_workers_exit_when_the_parent_is_killed(dense_base, tmp_path):
+    n, cat_dir = 30000, tmp_path / "cat"
+    proc = subprocess.Popen(_materialize_cmd(cat_dir, dense_base, n), cwd=REPO, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_adapters(proc, cat_dir)
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers  # --workers 2
+        proc.kill()  # kill -9 of the parent alone, not its process group
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(w) for w in workers), "materialize workers outlived their parent"
+        settled = _adapters_seen(cat_dir)
+        time.sleep(0.5)
+        assert _adapters_seen(cat_dir) == settled < n  # nobody writes any more
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # leave nothing behind even when the test fails
+        except ProcessLookupError:
+            pass

@@ -46,7 +46,7 @@ async def _collect(engine, req: GenerateRequest):
     tokens, logprobs = [], []
     async for out in engine.generate(req):
         tokens += out.token_ids
-        logprobs += [(lp.token_id, round(lp.logprob, 5)) for lp in out.logprobs or []]
+        logprobs += [(lp.token_id, lp.logprob) for lp in out.logprobs or []]
     return tokens, logprobs
 
 
@@ -60,7 +60,11 @@ async def _run_all(engine, reqs):
 def test_core_process_matches_in_process_engine(cfg) -> None:
     local = asyncio.run(_run_all(AsyncEngine.from_config(cfg), _requests("a", 12)))
     remote = asyncio.run(_run_all(CoreClient(cfg), _requests("a", 12)))
-    assert remote == local
+    # the same tokens; logprobs equal up to float noise (batches may group differently in time)
+    assert [toks for toks, _ in remote] == [toks for toks, _ in local]
+    for (_, lr), (_, ll) in zip(remote, local):
+        assert [t for t, _ in lr] == [t for t, _ in ll]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(lr, ll)) < 1e-4
     assert all(len(toks) == 12 for toks, _ in remote)
 
 

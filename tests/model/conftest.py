@@ -1,4 +1,4 @@
-"""Tiny Qwen3 / Qwen3-MoE checkpoints written by transformers' save_pretrained (the reference).
+"""Tiny checkpoints of every supported architecture written by transformers' save_pretrained (the reference).
 
 Weights are re-drawn with unit-scale std (transformers' default 0.02 gives near-flat logits, which
 would make greedy comparisons hinge on float noise)."""
@@ -12,22 +12,35 @@ import torch
 VOCAB = 96
 
 
-def hf_model(arch: str, *, tie: bool = False, seed: int = 0, **overrides):
-    """A transformers model with tiny dims and weights that give confident logits."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+HF_CLASSES = {  # model_type -> (transformers config class, causal-LM class)
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
+
+def hf_model(arch: str, *, tie: bool = False, seed: int = 0, attn_implementation: str | None = None,
+             **overrides):
+    """A transformers model with tiny dims and weights that give confident logits (biases too)."""
+    import transformers
 
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
                   max_position_embeddings=256, tie_word_embeddings=tie, eos_token_id=[1, 2])
     common.update(overrides)
-    if arch == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**common))
-    else:
+    if common["head_dim"] is None:  # hidden / heads, as Llama and Qwen2 configs leave it
+        del common["head_dim"]
+    config_cls, model_cls = (getattr(transformers, name) for name in HF_CLASSES[arch])
+    if arch == "qwen3_moe":
         common.setdefault("num_experts", 6)
         moe = dict(moe_intermediate_size=24, num_experts_per_tok=2, norm_topk_prob=True)
         moe.update({k: common.pop(k) for k in list(common) if k in moe})
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, **moe))
+        common.update(moe)
+    config = config_cls(**common)
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    model = model_cls(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

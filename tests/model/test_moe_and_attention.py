@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraserve.model import ExpertLinear, Qwen3ForCausalLM, causal_attention
-from loraserve.model.qwen3 import SparseMoeBlock
+from loraserve.model import CausalLM, ExpertLinear, causal_attention
+from loraserve.model.moe import SparseMoeBlock
 from loraserve.model.tiny import random_model, tiny_config
 
 SMALL_MOE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
@@ -110,7 +110,7 @@ def _varlen_attention(seq_lens: list[int], seen: list):
 
 
 def test_flattened_batch_with_attention_fn_equals_separate_runs():
-    model: Qwen3ForCausalLM = random_model(tiny_config("qwen3", **{k: v for k, v in SMALL_MOE.items()
+    model: CausalLM = random_model(tiny_config("qwen3", **{k: v for k, v in SMALL_MOE.items()
                                                                   if "expert" not in k}), seed=3)
     a, b = torch.tensor([5, 9, 2, 7]), torch.tensor([3, 1, 4, 1, 5, 9])
     seen: list = []

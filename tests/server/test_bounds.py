@@ -4,6 +4,7 @@ on serving others; big inputs are handled off the event loop, so /health answers
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -66,6 +67,35 @@ def test_chunked_body_over_limit_is_413(http: httpx.Client) -> None:
     error = assert_error_body(http.post("/v1/completions", content=chunks(), headers=JSON), 413,
                               None)
     assert error["code"] == "request_too_large"
+    assert_still_serving(http)
+
+
+def raw_exchange(server: LiveServer, head: bytes) -> bytes:
+    """Send request headers only (no body) on a fresh socket; what the server answers."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize("extra", [b"Expect: 100-continue\r\n", b""], ids=["expect", "huge"])
+def test_declared_oversize_is_413_before_any_body_is_sent(http: httpx.Client, server: LiveServer,
+                                                          extra: bytes) -> None:
+    # with Expect: 100-continue the client waits for the go-ahead; without it, a length past
+    # what the server would read and drop: either way the 413 comes without reading the body
+    length = MAX_BYTES + 1 if extra else 10**12
+    answer = raw_exchange(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                          b"Content-Type: application/json\r\n" + extra +
+                          f"Content-Length: {length}\r\n\r\n".encode())
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413") and b"connection: close" in head.lower()
+    assert json.loads(body)["error"]["code"] == "request_too_large"
     assert_still_serving(http)
 
 
@@ -394,7 +424,10 @@ def test_model_revision_is_resolved() -> None:
                               ("demo/ghost@r1", "adapter_not_found")]:
             assert assert_error_body(http.get(f"/v1/models/{missing}"), 404, "model")["code"] == code
         assert_error_body(http.get("/v1/models/demo/pirate@bad@rev"), 400, "model")
+        error = assert_error_body(http.get(f"/v1/models/demo/{'b' * 10_000}"), 400, "model")
+        assert len(error["message"]) < 400  # the catalog's message quotes the id: clipped
         assert http.get("/v1/models/fake-base").status_code == 200
+        assert_still_serving(http)
 
 
 # -- 3. the OpenAPI document describes the errors really sent ---------------------------------------
@@ -420,3 +453,54 @@ def test_validation_errors_are_400_not_422(http: httpx.Client) -> None:
         assert http.post("/v1/completions", json=body).status_code == 400
     assert http.get("/v1/models", params={"limit": "many"}).status_code == 400
     assert_still_serving(http)
+
+
+# -- units: echo clipping, defaults, the flags -----------------------------------------------------
+
+def test_error_messages_clip_echoed_values_where_they_stand() -> None:
+    from loraserve.catalog.errors import InvalidAdapterId
+    from loraserve.server.errors import ECHO_MAX, as_api_error
+
+    long_id = "demo/" + "b" * 10_000
+    error = as_api_error(InvalidAdapterId(f"invalid name in {long_id!r}: longer than 128 chars"))
+    assert error.status == 400 and len(error.message) < ECHO_MAX + 64
+    assert error.message.startswith("invalid name in 'demo/b") and "\u2026" in error.message
+    assert error.message.endswith("longer than 128 chars")
+    many = as_api_error(EngineError(" ".join(["x" * 200] * 50))).message  # many long words
+    assert len(many) <= 1024
+    assert as_api_error(EngineError("short and sweet")).message == "short and sweet"
+
+
+def test_limits_default_to_engine_config() -> None:
+    from loraserve.engine.config import EngineConfig
+
+    ctx = build_app(FakeEngine()).state.ctx
+    assert (ctx.max_request_bytes, ctx.max_seqs_per_request, ctx.shutdown_timeout) == \
+        (16 * 2**20, 256, 30.0)
+    for name in ("max_request_bytes", "max_seqs_per_request"):
+        with pytest.raises(ValueError, match=name):
+            EngineConfig(model_dir="m", **{name: 0})
+    with pytest.raises(ValueError, match="shutdown_timeout"):
+        EngineConfig(model_dir="m", shutdown_timeout=-1)
+
+
+def test_serve_flags_set_the_limits() -> None:
+    from loraserve.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--max-request-bytes", "1024",
+                                      "--max-seqs-per-request", "4", "--shutdown-timeout", "2.5"])
+    assert (args.max_request_bytes, args.max_seqs_per_request, args.shutdown_timeout) == \
+        (1024, 4, 2.5)
+    defaults = build_parser().parse_args(["serve"])
+    assert (defaults.max_request_bytes, defaults.max_seqs_per_request,
+            defaults.shutdown_timeout) == (16 * 2**20, 256, 30.0)
+
+
+def test_default_body_limit_is_16_mib() -> None:
+    with LiveServer(build_app(FakeEngine())) as live, \
+            httpx.Client(base_url=live.url, timeout=30) as http:
+        answer = raw_exchange(live, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                              b"Content-Type: application/json\r\nExpect: 100-continue\r\n" +
+                              f"Content-Length: {16 * 2**20 + 1}\r\n\r\n".encode())
+        assert answer.startswith(b"HTTP/1.1 413")
+        assert_still_serving(http)

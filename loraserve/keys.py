@@ -222,9 +222,10 @@ def parse_entry(key_id: str, fields: Any) -> KeyEntry:
     limits = Limits(max_concurrent=_typed(fields, "max_concurrent", int),
                     requests_per_second=_number(fields, "requests_per_second"),
                     tokens_per_minute=_typed(fields, "tokens_per_minute", int))
+    weight = _number(fields, "weight")
     principal = Principal(key_id=key_id, admin=role == "admin", tenants=tuple(tenants),
                           load=_typed(fields, "load", bool) or False,
-                          weight=_number(fields, "weight") or 1.0, limits=limits)
+                          weight=1.0 if weight is None else weight, limits=limits)
     return KeyEntry(principal, bytes.fromhex(sha))
 
 
@@ -235,8 +236,11 @@ def _typed(fields: dict[str, Any], name: str, kind: type, required: bool = False
             raise ValueError(f"missing field {name!r}")
         return None
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ValueError(f"{name} must be a {kind.__name__}, got {value!r}")
+        raise ValueError(f"{name} must be {_KINDS[kind]}, got {value!r}")
     return value
+
+
+_KINDS = {str: "a string", int: "an integer", bool: "true or false"}
 
 
 def _number(fields: dict[str, Any], name: str) -> float | None:
@@ -286,6 +290,10 @@ def append_key(path: str | os.PathLike, principal: Principal) -> str:
         raise KeyFileError(f"keys file {path}: a key with id {principal.key_id!r} exists")
     key = new_key()
     text = entry_toml(principal, digest(key).hex())
+    try:  # check the entry before the file is touched
+        parse_keys(tomllib.loads(text))
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise KeyFileError(f"key {principal.key_id!r}: {_one_line(exc)}") from None
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     with os.fdopen(fd, "a", encoding="utf-8") as f:
         if f.tell() > 0:

@@ -1,0 +1,383 @@
+"""loraserve against llama.cpp's `llama-server`: same model, same adapters, one interleaved run.
+
+    bash bench/llamacpp/build.sh                                     # llama-server + converter venv
+    .loraserve/llamacpp/venv/bin/python bench/llamacpp/make_model.py --out .loraserve/llamacpp/h512
+    .venv/bin/python bench/llamacpp/run.py --model-dir .loraserve/llamacpp/h512 [--reps 5] [--threads 2,1]
+
+Not part of `make test`. For each thread count, both servers run side by side (each told to use
+that many compute threads: llama.cpp `-t/-tb`, loraserve `--torch-threads`), with prompt caching
+off on both. Each batch is 32 concurrent `/v1/completions` requests x 32 new tokens, greedy,
+`ignore_eos`, and a per-request adapter: loraserve by name (`"model": "bench/aNN"`), llama.cpp by
+its `lora` field (`[{"id": N, "scale": 1.0}]`; every adapter is loaded at start with
+`--lora-init-without-apply`). Mixes: the base alone, 1 adapter, 8 adapters, 32 adapters.
+
+1. Correctness first, per mix: every request's greedy token ids from loraserve (logprobs with
+   `return_tokens_as_token_ids`) and from llama.cpp (`/completion` with `return_tokens`) must be
+   equal, and equal to transformers + PEFT (`generate`, one prompt at a time). The prompt texts
+   must also tokenize the same in both servers. A mix with a mismatch is reported and not timed.
+2. Timing: `--reps` rounds; in each round every mix runs once on each server, the order of the two
+   servers alternating, so noise from the rest of the (shared) machine lands on both. Every timed
+   response's text is checked against the texts of step 1.
+Prints tokens/s (min / median over rounds) per mix and thread count, and the ratio
+loraserve / llama.cpp per round (median, min-max): the figure to quote on a noisy machine.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MIXES = {"base": 0, "1 adapter": 1, "8 adapters": 8, "32 adapters": 32}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def adapter_of(mix: str, i: int) -> int | None:
+    """The adapter index of request i in `mix` (None: the base)."""
+    n = MIXES[mix]
+    return None if n == 0 else i % n
+
+
+# ---------------------------------------------------------------------------------------------
+# setup: loraserve catalog, reference outputs
+
+
+def ensure_catalog(model_dir: Path, n: int) -> Path:
+    """Import the PEFT adapters into a loraserve catalog with the CLI (once)."""
+    cat = model_dir / "catalog"
+    done = cat / ".bench-imported"
+    if done.is_file() and int(done.read_text()) >= n:
+        return cat
+    if cat.exists():
+        shutil.rmtree(cat)
+    cli = str(ROOT / ".venv" / "bin" / "loraserve")
+    subprocess.run([cli, "catalog", "init", str(cat), "--shards", "8"], check=True)
+    for i in range(n):
+        subprocess.run([cli, "catalog", "import", str(cat), f"bench/a{i:02d}",
+                        str(model_dir / "peft" / f"a{i:02d}"), "--model", str(model_dir / "hf"),
+                        "--promote"], check=True, stdout=subprocess.DEVNULL)
+    done.write_text(str(n))
+    return cat
+
+
+def reference_outputs(model_dir: Path, prompts: list[list[int]], pairs: set[tuple[int, int | None]],
+                      tokens: int) -> dict[tuple[int, int | None], list[int]]:
+    """transformers + PEFT greedy ids for each (prompt, adapter) pair, cached on disk."""
+    path = model_dir / f"reference-{tokens}.json"
+    cache = {}
+    if path.is_file():
+        cache = {(int(p), None if a == "base" else int(a)): v
+                 for p, a, v in json.loads(path.read_text())}
+    todo = sorted(pairs - cache.keys(), key=lambda pa: (pa[1] is not None, pa[1] or 0, pa[0]))
+    if todo:
+        import torch
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(2)
+        base = AutoModelForCausalLM.from_pretrained(model_dir / "hf", dtype=torch.float32).eval()
+        adapters = sorted({a for _, a in todo if a is not None})
+        model = None
+        for a in adapters:
+            if model is None:
+                model = PeftModel.from_pretrained(base, model_dir / "peft" / f"a{a:02d}", adapter_name=f"a{a:02d}")
+            else:
+                model.load_adapter(model_dir / "peft" / f"a{a:02d}", adapter_name=f"a{a:02d}")
+        model = (model or base).eval()
+        with torch.no_grad():
+            for p, a in todo:
+                ids = torch.tensor([prompts[p]])
+                kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                          pad_token_id=0, attention_mask=torch.ones_like(ids))
+                if a is None:
+                    if model is base:
+                        out = base.generate(ids, **kw)
+                    else:
+                        with model.disable_adapter():
+                            out = model.generate(input_ids=ids, **kw)
+                else:
+                    model.set_adapter(f"a{a:02d}")
+                    out = model.generate(input_ids=ids, **kw)
+                cache[(p, a)] = out[0, ids.shape[1]:].tolist()
+        del model, base
+        path.write_text(json.dumps([[p, "base" if a is None else a, v] for (p, a), v in sorted(
+            cache.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1]))]))
+    return cache
+
+
+# ---------------------------------------------------------------------------------------------
+# servers
+
+
+class Server:
+    name: str
+    proc: subprocess.Popen
+    url: str
+    cmd: list[str]
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        import httpx
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name} exited with {self.proc.returncode}; see {self.log}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"{self.name} not ready after {timeout} s; see {self.log}")
+
+    def start(self, log: Path) -> "Server":
+        self.log = log
+        self.proc = subprocess.Popen(self.cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        return self
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class LoraServe(Server):
+    name = "loraserve"
+
+    def __init__(self, model_dir: Path, catalog: Path, threads: int, n_adapters: int, batch: int,
+                 max_len: int):
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.cmd = [str(ROOT / ".venv" / "bin" / "loraserve"), "serve",
+                    "--model", str(model_dir / "hf"), "--catalog", str(catalog),
+                    "--served-model-name", "base", "--host", "127.0.0.1", "--port", str(port),
+                    "--device", "cpu", "--dtype", "float32", "--torch-threads", str(threads),
+                    "--no-prefix-caching", "--max-batch-size", str(batch),
+                    "--max-model-len", str(max_len), "--max-gpu-adapters", str(max(n_adapters, 1)),
+                    "--max-lora-rank", "16", "--log-level", "warning"]
+
+    def body(self, prompt: str, adapter: int | None, tokens: int, check: bool) -> tuple[str, dict]:
+        b = {"model": "base" if adapter is None else f"bench/a{adapter:02d}", "prompt": prompt,
+             "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+        if check:
+            b.update(logprobs=0, return_tokens_as_token_ids=True)
+        return "/v1/completions", b
+
+    @staticmethod
+    def parse(r: dict, check: bool) -> tuple[str, int, list[int] | None]:
+        c = r["choices"][0]
+        ids = [int(t.split(":", 1)[1]) for t in c["logprobs"]["tokens"]] if check else None
+        return c["text"], r["usage"]["completion_tokens"], ids
+
+
+class LlamaCpp(Server):
+    name = "llama.cpp"
+
+    def __init__(self, binary: Path, model_dir: Path, threads: int, n_adapters: int, batch: int,
+                 max_len: int):
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        gg = model_dir / "gguf"
+        self.cmd = [str(binary), "-m", str(gg / "base-f32.gguf"), "--host", "127.0.0.1",
+                    "--port", str(port), "-t", str(threads), "-tb", str(threads),
+                    "-np", str(batch), "-c", str(batch * max_len), "-ngl", "0",
+                    "-ctk", "f32", "-ctv", "f32", "--no-cache-prompt", "--no-webui",
+                    "--lora-init-without-apply"]
+        for i in range(n_adapters):
+            self.cmd += ["--lora", str(gg / f"a{i:02d}-f32.gguf")]
+
+    def body(self, prompt: str, adapter: int | None, tokens: int, check: bool) -> tuple[str, dict]:
+        b = {"prompt": prompt, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+        if adapter is not None:
+            b["lora"] = [{"id": adapter, "scale": 1.0}]
+        if check:   # the native endpoint returns the token ids
+            b.update(n_predict=tokens, return_tokens=True)
+            return "/completion", b
+        b.update(model="base", max_tokens=tokens)
+        return "/v1/completions", b
+
+    @staticmethod
+    def parse(r: dict, check: bool) -> tuple[str, int, list[int] | None]:
+        if check:
+            return r["content"], r["tokens_predicted"], [int(t) for t in r["tokens"]]
+        return r["choices"][0]["text"], r["usage"]["completion_tokens"], None
+
+
+async def run_batch(server: Server, prompts: list[str], adapters: list[int | None], tokens: int,
+                    check: bool) -> tuple[float, list[tuple[str, int, list[int] | None]]]:
+    """All requests at once, one connection each (no keep-alive: setup stays inside the timing).
+    The client is built before the clock starts."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as client:
+        async def one(p: str, a: int | None):
+            path, body = server.body(p, a, tokens, check)
+            r = await client.post(path, json=body)
+            if r.status_code != 200:
+                raise SystemExit(f"{server.name} {path} -> {r.status_code}: {r.text[:500]}")
+            return server.parse(r.json(), check)
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(one(p, a) for p, a in zip(prompts, adapters)))
+        return time.perf_counter() - t0, list(outs)
+
+
+def llamacpp_tokenize(server: LlamaCpp, texts: list[str]) -> list[list[int]]:
+    import httpx
+    return [httpx.post(f"{server.url}/tokenize", json={"content": t, "add_special": False},
+                       timeout=30).json()["tokens"] for t in texts]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def check_mix(mix: str, ls_out, lc_out, ref: dict, adapters: list[int | None]) -> list[str]:
+    """Mismatch lines (empty: all equal)."""
+    bad = []
+    for i, ((_, n1, ids1), (_, n2, ids2), a) in enumerate(zip(ls_out, lc_out, adapters)):
+        r = ref.get((i, a))
+        if ids1 != ids2 or (r is not None and ids1 != r):
+            bad.append(f"  {mix} request {i} (adapter {a}): first difference at token "
+                       f"ls/lc {first_diff(ids1, ids2)}, ls/ref {first_diff(ids1, r or ids1)}; "
+                       f"loraserve {ids1[:8]}... llama.cpp {ids2[:8]}... ref {(r or [])[:8]}...")
+    return bad
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", type=Path, default=ROOT / ".loraserve/llamacpp/h512")
+    ap.add_argument("--llama-server", type=Path, default=ROOT / ".loraserve/llamacpp/build/bin/llama-server")
+    ap.add_argument("--threads", default="2,1")
+    ap.add_argument("--mixes", default=",".join(MIXES))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=32, help="concurrent requests")
+    ap.add_argument("--no-reference", action="store_true", help="skip transformers + PEFT")
+    ap.add_argument("--time-mismatched", action="store_true", help="time mixes with mismatches too")
+    ap.add_argument("--logs", type=Path, default=None, help="server logs (default: MODEL_DIR/logs)")
+    ap.add_argument("--json", type=Path, default=None, help="write all timings here")
+    args = ap.parse_args()
+
+    model_dir = args.model_dir.resolve()
+    mixes = [m.strip() for m in args.mixes.split(",")]
+    n_adapters = max(MIXES[m] for m in mixes)
+    texts = json.loads((model_dir / "prompts.json").read_text())[: args.batch]
+    if len(texts) < args.batch:
+        texts = [texts[i % len(texts)] + f" {i}" for i in range(args.batch)]
+    logs = (args.logs or model_dir / "logs").resolve()
+    logs.mkdir(parents=True, exist_ok=True)
+
+    import tokenizers
+    tok = tokenizers.Tokenizer.from_file(str(model_dir / "hf" / "tokenizer.json"))
+    prompt_ids = [tok.encode(t, add_special_tokens=False).ids for t in texts]
+    max_len = 1 << (max(map(len, prompt_ids)) + args.tokens + 16 - 1).bit_length()
+    catalog = ensure_catalog(model_dir, n_adapters)
+    ref: dict = {}
+    if not args.no_reference:
+        pairs = {(i, adapter_of(m, i)) for m in mixes for i in range(args.batch)}
+        t0 = time.time()
+        ref = reference_outputs(model_dir, prompt_ids, pairs, args.tokens)
+        print(f"transformers + PEFT reference: {len(pairs)} (prompt, adapter) pairs "
+              f"({time.time() - t0:.0f} s, cached in {model_dir}/reference-{args.tokens}.json)")
+
+    print(f"model {model_dir}: prompts {min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens, "
+          f"{args.batch} requests x {args.tokens} new tokens, reps {args.reps}")
+    results: dict = {}
+    for threads in [int(t) for t in args.threads.split(",")]:
+        servers = [LoraServe(model_dir, catalog, threads, n_adapters, args.batch, max_len),
+                   LlamaCpp(args.llama_server, model_dir, threads, n_adapters, args.batch, max_len)]
+        for s in servers:
+            print(f"[threads {threads}] {s.name}: {' '.join(s.cmd)}")
+            s.start(logs / f"{s.name}-t{threads}.log")
+        try:
+            for s in servers:
+                s.wait_ready()
+            ls, lc = servers
+            lc_ids = llamacpp_tokenize(lc, texts)
+            same_tok = sum(a == b for a, b in zip(lc_ids, prompt_ids))
+            print(f"[threads {threads}] prompt tokenization equal in both: {same_tok}/{len(texts)}")
+            # 1. correctness (this also pages every adapter in and warms both up)
+            expected: dict[str, dict[str, list[str]]] = {}
+            timed_mixes = []
+            for mix in mixes:
+                adapters = [adapter_of(mix, i) for i in range(args.batch)]
+                _, ls_out = asyncio.run(run_batch(ls, texts, adapters, args.tokens, check=True))
+                _, lc_out = asyncio.run(run_batch(lc, texts, adapters, args.tokens, check=True))
+                bad = check_mix(mix, ls_out, lc_out, ref, adapters)
+                distinct = len({tuple(o[2]) for o in ls_out})
+                same_text = sum(a[0] == b[0] for a, b in zip(ls_out, lc_out))
+                print(f"[threads {threads}] {mix}: token ids equal (loraserve = llama.cpp"
+                      f"{' = transformers+PEFT' if ref else ''}) for {args.batch - len(bad)}/{args.batch} "
+                      f"requests; {distinct} distinct outputs; texts equal {same_text}/{args.batch}")
+                for line in bad[:8]:
+                    print(line)
+                expected[mix] = {"loraserve": [o[0] for o in ls_out], "llama.cpp": [o[0] for o in lc_out]}
+                results.setdefault(f"t{threads}", {}).setdefault(mix, {})["mismatches"] = len(bad)
+                if not bad or args.time_mismatched:
+                    timed_mixes.append(mix)
+            # warm the OpenAI-compatible path of llama.cpp too (correctness used /completion)
+            for mix in timed_mixes:
+                adapters = [adapter_of(mix, i) for i in range(args.batch)]
+                asyncio.run(run_batch(lc, texts, adapters, args.tokens, check=False))
+                asyncio.run(run_batch(ls, texts, adapters, args.tokens, check=False))
+            # 2. timing, interleaved
+            text_mismatch = {s.name: 0 for s in servers}
+            for rep in range(args.reps):
+                for k, mix in enumerate(timed_mixes):
+                    adapters = [adapter_of(mix, i) for i in range(args.batch)]
+                    order = servers if (rep + k) % 2 == 0 else servers[::-1]
+                    for s in order:
+                        dt, outs = asyncio.run(run_batch(s, texts, adapters, args.tokens, check=False))
+                        n = sum(o[1] for o in outs)
+                        text_mismatch[s.name] += sum(o[0] != e for o, e in zip(outs, expected[mix][s.name]))
+                        results[f"t{threads}"][mix].setdefault(s.name, []).append(n / dt)
+                print(f"[threads {threads}] round {rep + 1}/{args.reps}: " + ", ".join(
+                    f"{m} {results[f't{threads}'][m]['loraserve'][-1]:.0f}/"
+                    f"{results[f't{threads}'][m]['llama.cpp'][-1]:.0f}" for m in timed_mixes)
+                    + " tok/s (loraserve/llama.cpp)")
+            print(f"[threads {threads}] timed responses whose text differed from step 1: {text_mismatch}")
+        finally:
+            for s in servers:
+                s.stop()
+
+    print()
+    print(f"| threads | mix | loraserve tok/s min / median | llama.cpp tok/s min / median | "
+          f"loraserve / llama.cpp, median (min-max) of {args.reps} rounds |")
+    print("|---|---|---|---|---|")
+    for tkey, per_mix in results.items():
+        for mix, r in per_mix.items():
+            if "loraserve" not in r:
+                print(f"| {tkey[1:]} | {mix} | not timed: {r['mismatches']} mismatches | | |")
+                continue
+            a, b = r["loraserve"], r["llama.cpp"]
+            ratios = [x / y for x, y in zip(a, b)]
+            print(f"| {tkey[1:]} | {mix} | {min(a):.0f} / {statistics.median(a):.0f} | "
+                  f"{min(b):.0f} / {statistics.median(b):.0f} | **{statistics.median(ratios):.2f}x** "
+                  f"({min(ratios):.2f}-{max(ratios):.2f}) |")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The decoder every supported architecture runs (Qwen3, Qwen3-MoE, Llama, Qwen2, Mistral), in
+plain torch over a flattened batch of tokens.
+
+The model never sees sequences: `forward(input_ids [T], positions [T], attn)` runs T tokens from any
+number of sequences, and the `attn` callable (the engine's paged attention) decides which tokens
+attend to which. With `attn=None` the T tokens are one causal sequence (tests, training).
+Architectures differ only through `ModelConfig` (see `arch.py`): the parts are in `layers.py`,
+`rope.py` and `moe.py`. Letters: T tokens, H hidden, V vocab.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from loraserve.model.config import ModelConfig
+from loraserve.model.layers import MLP, Attention, AttentionFn, RMSNorm
+from loraserve.model.moe import SparseMoeBlock
+from loraserve.model.rope import Device, RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x += attn(norm(x)); x += mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, device: Device = None):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx, device)
+        self.mlp = SparseMoeBlock(cfg, device) if cfg.is_moe_layer(layer_idx) \
+            else MLP(cfg.hidden_size, cfg.intermediate_size, device, bias=cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionFn | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers and the final norm."""
+
+    def __init__(self, cfg: ModelConfig, device: Device = None):
+        super().__init__()
+        # _weight skips nn.Embedding's normal_ init (slow on the meta device, overwritten anyway)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(
+            cfg.vocab_size, cfg.hidden_size, device=device))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, l, device) for l in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionFn | None) -> Tensor:
+        """input_ids [T], positions [T] -> hidden [T, H] after the final norm."""
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope, attn)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """Decoder plus unembedding; `lm_head.weight` is `embed_tokens.weight` when tied.
+
+    Construction does not initialise weights meaningfully (embedding and experts are left
+    uninitialised): load a checkpoint, or draw weights as `model.tiny.random_model` does.
+    `device="meta"` builds the skeleton the loader assigns into."""
+
+    def __init__(self, config: ModelConfig, *, device: Device = None):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, device)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device)
+        if config.tie_word_embeddings:
+            self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make lm_head share the embedding Parameter (a no-op for untied configs)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionFn | None = None) -> Tensor:
+        """input_ids [T] int64, positions [T] int64 -> hidden [T, H] (final norm applied)."""
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"expected input_ids [T] and positions [T], got "
+                             f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [M, H] -> logits [M, V] float32, through self.lm_head (LoRA-wrappable)."""
+        return self.lm_head(hidden).float()

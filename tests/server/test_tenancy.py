@@ -1,0 +1,298 @@
+"""Tenants and keys over HTTP with the fake engine: what a user key may see and use, /metrics,
+per-tenant limits (429) and counters, key reloads (route and SIGHUP) under a streaming request,
+and the audit log of reloads."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loraserve.server import build_app
+from loraserve.keys import KeyFileError, Principal, append_key
+
+from .fake_engine import FakeEngine
+from .live import LiveServer
+from .test_auth_metrics_lifecycle import samples, wait_for
+
+BASE = "fake-base"
+KEYS = {"acme": "k-acme", "beta": "k-beta", "root": "k-root", "acme-slow": "k-slow",
+        "gamma-one": "k-one"}
+
+
+def sha(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def keys_toml() -> str:
+    return f"""
+[keys.acme]
+sha256 = "{sha('k-acme')}"
+role = "user"
+tenants = ["acme"]
+weight = 2.5
+
+[keys.beta]
+sha256 = "{sha('k-beta')}"
+role = "user"
+tenants = ["beta"]
+
+[keys.root]
+sha256 = "{sha('k-root')}"
+role = "admin"
+
+[keys.acme-slow]
+sha256 = "{sha('k-slow')}"
+role = "user"
+tenants = ["acme"]
+requests_per_second = 0.2
+
+[keys.gamma-one]
+sha256 = "{sha('k-one')}"
+role = "user"
+tenants = ["gamma"]
+max_concurrent = 1
+"""
+
+
+def auth(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[name]}"}
+
+
+def completion(model: str = BASE, **kw: object) -> dict:
+    return {"model": model, "prompt": "ab", "max_tokens": 2, **kw}
+
+
+@pytest.fixture()
+def keys_file(tmp_path: Path) -> Path:
+    path = tmp_path / "keys.toml"
+    path.write_text(keys_toml())
+    return path
+
+
+@pytest.fixture()
+def served(tmp_path: Path, keys_file: Path) -> Iterator[tuple[httpx.Client, FakeEngine, Path]]:
+    engine = FakeEngine(adapters=("acme/support", "beta/secret"), delay_s=0.0)
+    audit = tmp_path / "audit.jsonl"
+    app = build_app(engine, keys=keys_file, metrics_key="k-metrics", audit_log=audit)
+    with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=30) as http:
+        yield http, engine, audit
+
+
+def test_a_user_key_uses_the_base_and_its_own_tenant_only(served) -> None:
+    http, engine, _ = served
+    r = http.post("/v1/completions", json=completion(), headers=auth("acme"))
+    assert r.status_code == 200, r.text
+    assert (engine.requests[-1].tenant, engine.requests[-1].tenant_weight) == ("acme", 2.5)
+    r = http.post("/v1/completions", json=completion("acme/support"),
+                  headers={"X-API-Key": KEYS["acme"]})
+    assert r.status_code == 200 and engine.requests[-1].tenant == "acme"
+    before = len(engine.requests)
+    other = http.post("/v1/completions", json=completion("beta/secret"), headers=auth("acme"))
+    absent = http.post("/v1/completions", json=completion("beta/nope"), headers=auth("acme"))
+    assert other.status_code == absent.status_code == 404
+    assert other.text.replace("secret", "nope") == absent.text
+    assert len(engine.requests) == before  # the engine never saw them
+    chat = http.post("/v1/chat/completions", headers=auth("acme"), json={
+        "model": "beta/secret", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
+    assert chat.status_code == 404
+    assert http.post("/v1/completions", json=completion("beta/secret"),
+                     headers=auth("beta")).status_code == 200
+    assert http.post("/v1/completions", json=completion("beta/secret"),
+                     headers=auth("root")).status_code == 200
+
+
+def test_listing_and_model_cards_show_only_the_keys_tenants(served) -> None:
+    http, _, _ = served
+
+    def ids(name: str) -> list[str]:
+        return [m["id"] for m in http.get("/v1/models", headers=auth(name)).json()["data"]]
+
+    assert ids("acme") == [BASE, "acme/support"]
+    assert ids("beta") == [BASE, "beta/secret"]
+    assert ids("root") == [BASE, "acme/support", "beta/secret"]
+    assert http.get("/v1/models/acme/support", headers=auth("acme")).status_code == 200
+    other = http.get("/v1/models/beta/secret", headers=auth("acme"))
+    absent = http.get("/v1/models/beta/nope", headers=auth("acme"))
+    assert other.status_code == absent.status_code == 404
+    assert other.text.replace("secret", "nope") == absent.text
+    assert http.get("/v1/models/beta/secret", headers=auth("root")).status_code == 200
+    assert http.get(f"/v1/models/{BASE}", headers=auth("acme")).status_code == 200
+
+
+def test_keys_are_required_and_checked(served) -> None:
+    http, _, _ = served
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"X-API-Key": "nope"},
+                    {"Authorization": "k-acme"}):
+        r = http.get("/v1/models", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert http.get("/v1/models", headers={"X-API-Key": "k-metrics"}).status_code == 401
+    assert http.get("/health").status_code == 200
+
+
+def test_metrics_need_an_admin_or_the_metrics_key(served) -> None:
+    http, _, _ = served
+    assert http.post("/v1/completions", json=completion("acme/support"),
+                     headers=auth("acme")).status_code == 200
+    assert http.get("/metrics").status_code == 401
+    assert http.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert http.get("/metrics", headers=auth("acme")).status_code == 403
+    assert http.get("/metrics", headers={"X-API-Key": "k-metrics"}).status_code == 200
+    m = samples(http.get("/metrics", headers=auth("root")).text)
+    assert m[("loraserve_tenant_requests_total", (("tenant", "acme"),))] == 1
+    assert m[("loraserve_tenant_prompt_tokens_total", (("tenant", "acme"),))] == 2
+    assert m[("loraserve_tenant_generation_tokens_total", (("tenant", "acme"),))] == 2
+    labels = {dict(lbl).get("tenant") for (name, lbl) in m if name.startswith("loraserve_tenant")}
+    assert labels == {"acme"}  # tenants only: no adapter ids, no key ids
+
+
+def test_a_tenant_over_its_rate_gets_429_while_others_are_served(served) -> None:
+    http, _, _ = served
+    first = http.post("/v1/completions", json=completion(), headers=auth("acme-slow"))
+    assert first.status_code == 200
+    r = http.post("/v1/completions", json=completion("acme/support"), headers=auth("acme-slow"))
+    assert r.status_code == 429, r.text
+    assert int(r.headers["Retry-After"]) >= 1
+    err = r.json()["error"]
+    assert (err["type"], err["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+    assert "requests_per_second" in err["message"]
+    assert http.post("/v1/completions", json=completion(), headers=auth("beta")).status_code == 200
+    assert http.post("/v1/completions", json=completion(), headers=auth("acme")).status_code == 200
+    m = samples(http.get("/metrics", headers=auth("root")).text)
+    key = ("loraserve_tenant_rejections_total",
+           (("reason", "requests_per_second"), ("tenant", "acme")))
+    assert m[key] == 1
+
+
+def test_max_concurrent_counts_sequences_until_the_response_ends(served) -> None:
+    http, engine, _ = served
+    engine.delay_s = 0.02
+    with http.stream("POST", "/v1/completions", headers=auth("gamma-one"),
+                     json=completion(max_tokens=40, stream=True)) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        busy = http.post("/v1/completions", json=completion(), headers=auth("gamma-one"))
+        assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
+        assert "max_concurrent" in busy.json()["error"]["message"]
+        assert http.post("/v1/completions", json=completion(),
+                         headers=auth("acme")).status_code == 200
+        assert [line for line in lines if line.startswith("data:")][-1] == "data: [DONE]"
+    two = http.post("/v1/completions", json=completion(n=2), headers=auth("gamma-one"))
+    assert two.status_code == 429  # 2 sequences never fit in 1
+    assert http.post("/v1/completions", json=completion(),
+                     headers=auth("gamma-one")).status_code == 200
+
+
+def test_reload_keys_swaps_them_without_dropping_a_stream(served, keys_file: Path) -> None:
+    http, engine, audit = served
+    engine.delay_s = 0.02
+    assert http.post("/admin/reload-keys", headers=auth("acme")).status_code == 403
+    assert http.post("/admin/reload-keys").status_code == 401
+    with http.stream("POST", "/v1/completions", headers=auth("acme"),
+                     json=completion(max_tokens=30, stream=True)) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        new_key = append_key(keys_file, Principal("acme-new", admin=False, tenants=("acme",)))
+        assert http.get("/v1/models", headers={"X-API-Key": new_key}).status_code == 401
+        r = http.post("/admin/reload-keys", headers=auth("root"))
+        assert r.status_code == 200 and r.json()["keys"] == 6
+        assert http.get("/v1/models", headers={"X-API-Key": new_key}).status_code == 200
+        good = keys_file.read_text()
+        keys_file.write_text(good + '\n[keys.broken]\nsha256 = "00"\nrole = "user"\n')
+        bad = http.post("/admin/reload-keys", headers=auth("root"))
+        assert bad.status_code == 400 and "64 hex digits" in bad.json()["error"]["message"]
+        assert http.get("/v1/models", headers={"X-API-Key": new_key}).status_code == 200
+        events = [line for line in lines if line.startswith("data:")]
+        assert events[-1] == "data: [DONE]" and '"error"' not in "".join(events)
+    reloads = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert [(a["action"], a["key"], a["outcome"]) for a in reloads] == [
+        ("reload-keys", "root", "ok"), ("reload-keys", "root", "failed")]
+    assert "64 hex digits" in reloads[1]["error"] and reloads[1]["status"] == 400
+
+
+def test_without_keys_everything_stays_open() -> None:
+    engine = FakeEngine(adapters=("acme/support", "beta/secret"))
+    with LiveServer(build_app(engine)) as live, httpx.Client(base_url=live.url, timeout=30) as http:
+        assert http.post("/v1/completions", json=completion("beta/secret")).status_code == 200
+        assert engine.requests[-1].tenant == "beta"
+        assert http.post("/v1/completions", json=completion()).status_code == 200
+        assert engine.requests[-1].tenant == ""
+        assert len(http.get("/v1/models").json()["data"]) == 3
+        assert http.get("/metrics").status_code == 200
+        r = http.post("/admin/reload-keys")
+        assert r.status_code == 400 and "--keys" in r.json()["error"]["message"]
+
+
+def test_the_api_key_alone_is_one_admin_key(tmp_path: Path) -> None:
+    engine = FakeEngine(adapters=("acme/support", "beta/secret"))
+    with LiveServer(build_app(engine, api_key="s3cret")) as live, \
+            httpx.Client(base_url=live.url, timeout=30) as http:
+        admin = {"X-API-Key": "s3cret"}
+        assert len(http.get("/v1/models", headers=admin).json()["data"]) == 3
+        assert http.post("/admin/reload-keys").status_code == 401
+        assert http.post("/admin/reload-keys", headers=admin).status_code == 400  # no keys file
+
+
+def test_a_bad_keys_file_stops_build_app(tmp_path: Path) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text('[keys.a]\nsha256 = "xyz"\nrole = "user"\ntenants = ["a"]\n')
+    with pytest.raises(KeyFileError, match="64 hex digits"):
+        build_app(FakeEngine(), keys=path)
+
+
+SERVER_SCRIPT = """
+import sys
+from server.fake_engine import FakeEngine
+from loraserve.server import run_server
+run_server(FakeEngine(delay_s=0.03), port=0, log_level="info", keys=sys.argv[1])
+"""
+
+
+def test_sighup_reloads_keys_under_a_streaming_request(keys_file: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, str(keys_file)], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{_port(proc)}"
+        drain = threading.Thread(target=proc.stderr.read, daemon=True)  # keep the pipe flowing
+        drain.start()
+        with httpx.Client(base_url=url, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", headers=auth("acme"),
+                             json=completion(max_tokens=60, stream=True)) as stream:
+                lines = stream.iter_lines()
+                assert next(line for line in lines if line.startswith("data:"))
+                new_key = append_key(keys_file, Principal("late", admin=False, tenants=("x",)))
+                assert http.get("/v1/models", headers={"X-API-Key": new_key}).status_code == 401
+                proc.send_signal(signal.SIGHUP)
+                assert wait_for(lambda: http.get("/v1/models", headers={
+                    "X-API-Key": new_key}).status_code == 200)
+                events = [line for line in lines if line.startswith("data:")]
+                assert events[-1] == "data: [DONE]" and '"error"' not in "".join(events)
+                assert len(events) == 60  # the 59 deltas after the first, [DONE]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def _port(proc: subprocess.Popen) -> int:
+    log = []
+    for line in proc.stderr:  # uvicorn logs where it listens
+        log.append(line)
+        found = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+        if found:
+            return int(found.group(1))
+    raise AssertionError("".join(log))
