@@ -164,8 +164,10 @@ def exit_with_parent(parent_pid: int) -> None:
     """End this process when `parent_pid` (the process that started it) dies.
 
     Linux: PR_SET_PDEATHSIG with SIGKILL, safe here because a worker's every write is one LMDB
-    txn (a kill loses the batch in flight, never half of one). Elsewhere: a daemon thread polls
-    os.getppid(). A parent already gone before either was armed is caught by the check after.
+    txn (a kill loses the batch in flight, never half of one). The signal follows the parent
+    *thread* that forked the worker; `materialize` blocks in that thread until its workers end.
+    Elsewhere: a daemon thread polls os.getppid(). A parent already gone before either was
+    armed is caught by the check after.
     """
     if not _set_parent_death_signal(signal.SIGKILL):
         threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()

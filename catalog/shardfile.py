@@ -9,7 +9,9 @@ every committed state and a failure means damage.
 
 Before an env is opened the same facts come from the two meta pages, read with `pread` (LMDB 0.9
 on-disk layout, data version 1, 64-bit, native byte order): a short or foreign file is an error
-here, not a mapping LMDB would fault on, nor a zero-length file LMDB would silently re-create.
+here, not a mapping LMDB would fault on. A zero-length file is one LMDB never initialized (its
+creator was killed before writing the meta pages, or is writing them now): LMDB treats it as a
+new environment, and so does the catalog (an empty shard), so `materialize` stays safe to kill.
 """
 from __future__ import annotations
 
@@ -48,9 +50,7 @@ def unopened_fault(path: Path) -> str | None:
     """Why the data file at `path` cannot be opened safely (None: it can, or it does not exist).
 
     Reads the two meta pages with `pread` and takes the larger last page of the two (both were
-    committed, so the file must cover both). A file still being created by another process
-    (shorter than its meta pages for a moment) reads as truncated: a transient fault of a shard
-    that had nothing in it.
+    committed, so the file must cover both). A zero-length file is not initialized yet: no fault.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -59,8 +59,8 @@ def unopened_fault(path: Path) -> str | None:
     except OSError as e:
         return f"{DATA_FILE} cannot be opened: {e.strerror}"
     try:
-        if not _SUPPORTED:
-            return None  # the layout below is the 64-bit one; LMDB's own checks remain
+        if not _SUPPORTED or os.fstat(fd).st_size == 0:
+            return None  # 64-bit layout only (LMDB's own checks remain); or never initialized
         first = _meta(fd, 0)
         if first is None:
             return f"{DATA_FILE} is truncated or not an LMDB file ({os.fstat(fd).st_size} bytes)"

@@ -90,7 +90,12 @@ class Shard:
         return self.path.parent / CATALOG_META
 
     def exists(self) -> bool:
-        return self.data_file.exists()
+        """Whether the data file holds an environment: a zero-length one was never initialized
+        (see `shardfile`), so a read finds nothing and the first write lets LMDB initialize it."""
+        try:
+            return self.data_file.stat().st_size > 0
+        except FileNotFoundError:
+            return False
 
     # -- health ----------------------------------------------------------------------------
     def diagnose(self) -> str | None:

@@ -58,6 +58,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     option("max_batched_tokens")
     option("prefix_caching", flag="--no-prefix-caching")
     option("served_model_name")
+    option("tokenizer_name")
     option("lora_backend", choices=["auto", "triton", "torch"])
     option("pinned_adapters", flag="--pin", metavar="ID", help="keep this adapter resident (repeatable)")
     option("adapter_root")

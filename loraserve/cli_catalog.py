@@ -45,6 +45,9 @@ def _add_import(csub) -> None:
     p.add_argument("--revision", default=None)
     p.add_argument("--promote", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--dtype", default=None, choices=SERVING_DTYPES)
+    p.add_argument("--alias", action="append", default=[], metavar="URI",
+                   help="another name of the imported revision, e.g. the tinker://<run-id>/"
+                        "sampler_weights/<checkpoint> MinT exported it as (repeatable)")
     p.set_defaults(func=cmd_import)
 
 
@@ -150,11 +153,19 @@ def cmd_import(args) -> int:
     from loraserve.catalog.importer import import_peft
     from loraserve.catalog.store import Catalog
 
+    from loraserve.catalog.aliases import check_alias_free, record_alias
+
     with Catalog.open(args.dir) as cat:
+        for alias in args.alias:  # a bad or taken alias stops the import before it writes
+            check_alias_free(cat, alias, args.adapter_id)
         rec = import_peft(cat, args.adapter_id, args.peft_dir, args.model, revision=args.revision,
                           promote=args.promote, dtype=args.dtype)
+        for alias in args.alias:
+            record_alias(cat, alias, rec.adapter_id, rec.revision)
     print(f"imported {rec.ref} ({rec.size} bytes, rank {rec.rank}, {','.join(rec.targets)})"
           + (" promoted" if args.promote else ""))
+    for alias in args.alias:
+        print(f"alias {alias} -> {rec.ref}")
     return 0
 
 

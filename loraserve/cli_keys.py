@@ -30,6 +30,8 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests-per-second", type=float, metavar="R", help="per tenant")
     p.add_argument("--tokens-per-minute", type=int, metavar="T",
                    help="prompt + max_tokens per minute, per tenant")
+    p.add_argument("--prefix", default="ls-",
+                   help="the key's prefix (default: ls-); the Tinker/MinT SDK takes sk- or tml- keys")
     p.add_argument("--id", help="the key's id in the file and the audit log "
                                 "(default: the first tenant and a random suffix)")
     p.set_defaults(func=cmd_create)
@@ -51,7 +53,7 @@ def principal_from(args: argparse.Namespace) -> Principal:
 
 def cmd_create(args: argparse.Namespace) -> int:
     principal = principal_from(args)
-    key = append_key(args.keys, principal)
+    key = append_key(args.keys, principal, args.prefix)
     print(key)
     role = "admin" if principal.admin else "user"
     print(f"added key {principal.key_id!r} ({role}, tenants {', '.join(principal.tenants)}) to "

@@ -39,6 +39,7 @@ ALL_TENANTS = "*"
 ROLES = ("user", "admin")
 _KEY_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_KEY_PREFIX = re.compile(r"[A-Za-z0-9_-]{0,16}")
 _FIELDS = {"sha256", "role", "tenants", "load", "weight", "max_concurrent", "requests_per_second",
            "tokens_per_minute"}
 
@@ -256,9 +257,12 @@ def _one_line(exc: BaseException) -> str:
 
 # -- creating keys -------------------------------------------------------------------------------
 
-def new_key() -> str:
-    """A fresh random key: `ls-` and 43 URL-safe characters (256 bits)."""
-    return KEY_PREFIX + secrets.token_urlsafe(32)
+def new_key(prefix: str = KEY_PREFIX) -> str:
+    """A fresh random key: `prefix` (`ls-`; the Tinker SDK takes `sk-` or `tml-` keys only) and
+    43 URL-safe characters (256 bits)."""
+    if not _KEY_PREFIX.fullmatch(prefix):
+        raise KeyFileError(f"invalid key prefix {prefix!r}: at most 16 letters, digits, '_', '-'")
+    return prefix + secrets.token_urlsafe(32)
 
 
 def entry_toml(principal: Principal, sha256_hex: str) -> str:
@@ -279,7 +283,7 @@ def entry_toml(principal: Principal, sha256_hex: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def append_key(path: str | os.PathLike, principal: Principal) -> str:
+def append_key(path: str | os.PathLike, principal: Principal, prefix: str = KEY_PREFIX) -> str:
     """Make a new key for `principal`, append its entry (the hash only) to the keys file at
     `path` (created with mode 0600 if missing) and return the key, which is stored nowhere.
 
@@ -288,7 +292,7 @@ def append_key(path: str | os.PathLike, principal: Principal) -> str:
     store = load_keys(path) if path.exists() else KeyStore()
     if any(e.principal.key_id == principal.key_id for e in store.entries):
         raise KeyFileError(f"keys file {path}: a key with id {principal.key_id!r} exists")
-    key = new_key()
+    key = new_key(prefix)
     text = entry_toml(principal, digest(key).hex())
     try:  # check the entry before the file is touched
         parse_keys(tomllib.loads(text))

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from loraserve.catalog.targets import DENSE_KINDS, parse_module_path
-from loraserve.model.qwen3 import Qwen3ForCausalLM
+from loraserve.model import CausalLM
 
 DENSE_TARGETS = DENSE_KINDS  # the kinds this trainer wraps: every nn.Linear target of a decoder layer
 PEFT_PREFIX = "base_model.model."
@@ -71,7 +71,7 @@ def _kind_of(module_name: str) -> str | None:
         return None
 
 
-def attach_lora(model: Qwen3ForCausalLM, cfg: LoRATrainConfig) -> dict[str, TrainableLoRALinear]:
+def attach_lora(model: CausalLM, cfg: LoRATrainConfig) -> dict[str, TrainableLoRALinear]:
     """Replace every targeted nn.Linear of `model` in place; returns {module path: wrapper}."""
     gen = torch.Generator().manual_seed(cfg.seed)
     wrapped: dict[str, TrainableLoRALinear] = {}
@@ -86,14 +86,14 @@ def attach_lora(model: Qwen3ForCausalLM, cfg: LoRATrainConfig) -> dict[str, Trai
     return wrapped
 
 
-def detach_lora(model: Qwen3ForCausalLM, wrapped: dict[str, TrainableLoRALinear]) -> None:
+def detach_lora(model: CausalLM, wrapped: dict[str, TrainableLoRALinear]) -> None:
     """Put the original nn.Linear modules back."""
     for name, lora in wrapped.items():
         owner, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner), attr, lora.base)
 
 
-def train_on_sequence(model: Qwen3ForCausalLM, wrapped: dict[str, TrainableLoRALinear],
+def train_on_sequence(model: CausalLM, wrapped: dict[str, TrainableLoRALinear],
                       prompt_ids: list[int], target_ids: list[int], cfg: LoRATrainConfig) -> float:
     """Adam on the LoRA weights so the model continues `prompt_ids` with `target_ids`.
 
@@ -126,7 +126,7 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _adam_steps(model: Qwen3ForCausalLM, opt: torch.optim.Optimizer, ids: Tensor, n_prompt: int,
+def _adam_steps(model: CausalLM, opt: torch.optim.Optimizer, ids: Tensor, n_prompt: int,
                 cfg: LoRATrainConfig) -> float:
     positions = torch.arange(len(ids))
     labels = ids[n_prompt:]                                            # [T_target]

@@ -49,7 +49,7 @@ def build_engine(cfg: EngineConfig) -> LLMEngine:
         max_slots=cfg.max_gpu_adapters, max_rank=cfg.max_lora_rank,
         max_bytes=(cfg.gpu_adapter_mb or DEFAULT_POOL_MB) * 2**20,
         device=str(engine.device), dtype=engine.dtype))
-    catalog = Catalog.open(cfg.catalog_dir, readonly=False)
+    catalog = Catalog.open(cfg.catalog_dir, readonly=cfg.catalog_readonly)
     fingerprint = base_fingerprint(cfg.model_dir)
     cpu_cache = CpuCache(cfg.cpu_cache_mb * 2**20, pin_memory=engine.device.type == "cuda")
     pager = Pager(catalog, cpu_cache, fingerprint, workers=cfg.pager_workers)

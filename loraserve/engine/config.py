@@ -15,6 +15,10 @@ class EngineConfig:
         "help": "dtype of weights and activations; auto: float32 on CPU, the checkpoint's on CUDA"})
     served_model_name: str | None = field(default=None, metadata={
         "help": "the base model's name in the API", "default": "the model directory's name"})
+    tokenizer_name: str | None = field(default=None, metadata={
+        "help": "what the Tinker SDK is told the base model is (a Hugging Face id or an absolute "
+                "local directory): its get_tokenizer() loads that tokenizer",
+        "default": "the served model name"})
     max_batch_size: int = field(default=64, metadata={"help": "sequences in one step"})
     max_waiting: int = field(default=1024, metadata={
         "help": "sequences that may wait beyond a full batch; past it a request gets 429 "
@@ -35,6 +39,9 @@ class EngineConfig:
     # multi-LoRA
     catalog_dir: str | None = field(default=None, metadata={
         "help": "adapter catalog directory", "default": "no adapters"})
+    catalog_readonly: bool = field(default=False, metadata={
+        "help": "open the catalog read-only (engine replicas: one process writes, the others "
+                "read its committed revisions)"})
     max_gpu_adapters: int = field(default=32, metadata={
         "help": "adapters resident in the device pool at once"})
     max_lora_rank: int = field(default=64, metadata={"help": "largest adapter rank served"})

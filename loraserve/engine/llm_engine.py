@@ -118,7 +118,8 @@ class LLMEngine:
         gen = torch.Generator().manual_seed(req.params.seed) if req.params.seed is not None else None
         key = (record.adapter_id, record.revision) if record is not None else None
         return Sequence(req.request_id, list(req.prompt_token_ids), req.params, key,
-                        generator=gen, detok=self.tokenizer.detokenizer(), adapter_record=record,
+                        adapter_ref=req.adapter if key is not None else None, generator=gen,
+                        detok=self.tokenizer.detokenizer(), adapter_record=record,
                         tenant=req.tenant, tenant_weight=req.tenant_weight)
 
     # -- requests and commands: engine thread ---------------------------------------------------
@@ -318,15 +319,16 @@ class LLMEngine:
             running=len(sch.running), waiting=len(sch.waiting), parked=len(sch.parked),
             batch_size=self.last_batch_size, kv_usage=b.usage, preemptions=sch.num_preemptions,
             prefix_cache_hit_rate=b.prefix_hit_tokens / b.prefix_query_tokens if b.prefix_query_tokens else 0.0,
-            running_adapters=tuple(sorted({s.adapter_key[0] for s in sch.running if s.adapter_key})),
-            waiting_adapters=tuple(sorted({s.adapter_key[0] for s in waiting if s.adapter_key})),
+            running_adapters=tuple(sorted({s.adapter_ref for s in sch.running if s.adapter_ref})),
+            waiting_adapters=tuple(sorted({s.adapter_ref for s in waiting if s.adapter_ref})),
             resident=frozenset(pool.resident()) if pool is not None else frozenset(),
             pool=pool.stats if pool is not None else None,
             cpu_cache=mgr.cpu_cache.stats if mgr is not None else None,
             pager=mgr.pager.stats if mgr is not None else None,
             page_in_samples=tuple((x.name, x.labels, x.value) for m in mgr.pager.page_in_seconds.collect()
                                   for x in m.samples) if mgr is not None else (),
-            max_lora=pool.config.max_slots if pool is not None else 0, published=now)
+            max_lora=pool.config.max_slots if pool is not None else 0, num_kv_blocks=b.num_blocks,
+            published=now)
 
     def stats(self) -> dict:
         return self.snapshot.stats()

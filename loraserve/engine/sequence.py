@@ -23,6 +23,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     adapter_key: tuple[str, str] | None = None  # (adapter_id, revision) it runs on, fixed at arrival
+    adapter_ref: str | None = None         # the model name asked for ("tenant/name[@rev]"; metrics)
     slot: int = -1                         # adapter pool slot while running; -1 = base only
     output_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING

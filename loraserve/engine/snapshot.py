@@ -24,14 +24,15 @@ class EngineSnapshot:
     kv_usage: float = 0.0                 # fraction of KV blocks in use
     preemptions: int = 0
     prefix_cache_hit_rate: float = 0.0
-    running_adapters: tuple[str, ...] = ()  # adapter ids with a running sequence, sorted
-    waiting_adapters: tuple[str, ...] = ()  # adapter ids with a waiting or parked sequence, sorted
+    running_adapters: tuple[str, ...] = ()  # adapters (names as asked) with a running sequence, sorted
+    waiting_adapters: tuple[str, ...] = ()  # the same, with a waiting or parked sequence
     resident: frozenset[AdapterKey] = frozenset()  # (adapter_id, revision) in the device pool
     pool: object | None = None            # adapters.stats.PoolStats copy; None without a catalog
     cpu_cache: object | None = None       # adapters.stats.CacheStats copy
     pager: object | None = None           # adapters.stats.PagerStats copy
     page_in_samples: tuple = ()           # (name, labels, value) of the page-in histogram
     max_lora: int = 0                     # device pool slots
+    num_kv_blocks: int = 0                # KV cache blocks (vllm:cache_config_info)
     published: float = 0.0                # time.monotonic() of publication
 
     def stats(self) -> dict:

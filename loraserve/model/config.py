@@ -230,7 +230,8 @@ def _rope_fields(d: dict[str, Any], spec: Arch) -> dict[str, Any]:
 def _window_fields(d: dict[str, Any], spec: Arch) -> dict[str, Any]:
     """sliding_window / max_window_layers as transformers applies them (its defaults included)."""
     if spec.window == WINDOW_ALL:
-        return dict(sliding_window=d.get("sliding_window", 4096))
+        window = d.get("sliding_window", 4096)
+        return dict(sliding_window=None if window is None else int(window))
     if not d.get("use_sliding_window", False) or d.get("sliding_window", 4096) is None:
         return {}
     first = int(d.get("max_window_layers", 28))

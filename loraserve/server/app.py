@@ -21,12 +21,15 @@ from loraserve.server.completions import create_completion
 from loraserve.server.errors import APIError, as_api_error, clip, install_error_handlers
 from loraserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from loraserve.server.middleware import BodyLimitMiddleware, RequestCountMiddleware
+from loraserve.server.names import canonical_model
 from loraserve.server.protocol import ChatCompletionRequest, CompletionRequest, JSONBodyRoute
 from loraserve.server.serving import Engine, ServerContext
 from loraserve.server.tenancy import (TenancyConfig, check_visible, principal_of, scoped_listing,
                                       visible_ids)
+from loraserve.server.tinker import install_tinker
 
 API_KEY_ENV = "LORASERVE_API_KEY"
+OAI_PREFIX = "/oai/api/v1"  # where Tinker's docs put its OpenAI-compatible endpoint
 CLIENT_CLOSED = 499  # nginx's "client closed request"; nobody reads it
 
 
@@ -70,8 +73,9 @@ def _model_card(model_id: str, engine: Engine) -> dict:
             "max_model_len": engine.max_model_len}
 
 
-def _api_router() -> APIRouter:
-    router = APIRouter(prefix="/v1", route_class=JSONBodyRoute)
+def _api_router(prefix: str = "/v1") -> APIRouter:
+    """The OpenAI-compatible routes under `prefix` (/v1; the same under OAI_PREFIX)."""
+    router = APIRouter(prefix=prefix, route_class=JSONBodyRoute)
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -102,13 +106,14 @@ def _api_router() -> APIRouter:
     @router.get("/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> dict:
         engine = _ctx(request).engine
-        check_visible(principal_of(request), model_id, engine.model_name)  # another tenant's: 404
-        if model_id in engine.list_models():
+        name = canonical_model(model_id, engine)  # an alias or tinker:// name: what it names
+        check_visible(principal_of(request), name, engine.model_name)  # another tenant's: 404
+        if name in engine.list_models():
             return _model_card(model_id, engine)
         mgr = getattr(engine, "adapter_manager", None)
-        if mgr is not None and "/" in model_id:
+        if mgr is not None and "/" in name:
             try:
-                adapter_id, rev = parse_model_ref(model_id)  # 400 for an invalid id
+                adapter_id, rev = parse_model_ref(name)  # 400 for an invalid id
                 if rev is None:
                     await asyncio.to_thread(mgr.catalog.policy, adapter_id)  # 404 when unknown
                 else:  # 404 for an unknown adapter, revision or tag
@@ -174,7 +179,9 @@ def build_app(engine: Engine, *, api_key: str | None = None, max_n: int = 16,
     app.state.ctx = ctx
     install_error_handlers(app)
     app.include_router(_api_router())
+    app.include_router(_api_router(OAI_PREFIX), include_in_schema=False)  # the same handlers
     app.include_router(_ops_router())
+    install_tinker(app)
     if getattr(engine, "adapter_manager", None) is not None:
         app.include_router(adapter_router())
         ctx.metrics.register(AdapterCollector(engine))

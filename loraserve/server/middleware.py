@@ -10,10 +10,12 @@ from loraserve.server.errors import APIError, BodyError
 from loraserve.server.metrics import ServerMetrics
 
 API_PREFIX = "/v1"
+# the API's prefixes: OpenAI's, the same under Tinker's /oai/api/v1, and the Tinker SDK's
+API_PREFIXES = (API_PREFIX, "/oai/", "/api/v1/")
 
 
 def _is_api(scope: Scope) -> bool:
-    return scope["type"] == "http" and scope["path"].startswith(API_PREFIX)
+    return scope["type"] == "http" and scope["path"].startswith(API_PREFIXES)
 
 
 class ApiKeyMiddleware:

@@ -16,6 +16,7 @@ from loraserve.engine.config import EngineConfig
 from loraserve.engine.types import SEED_MAX, GenerateRequest, RequestOutput, SamplingParams
 from loraserve.server.errors import APIError, clip
 from loraserve.server.metrics import ServerMetrics
+from loraserve.server.names import canonical_model
 from loraserve.server.protocol import (CHARS_PER_TOKEN_MAX, InputLimits, SamplingFields,
                                        too_long_message)
 from loraserve.server.streaming import ShutdownDeadline
@@ -115,12 +116,14 @@ def now() -> int:
 
 
 def resolve_adapter(model: str, engine: Engine) -> str | None:
-    """The adapter ref a request's `model` names; None for the base. 404 for anything else."""
-    if model == engine.model_name:
+    """The adapter ref a request's `model` names (an alias or tinker:// name: the one it stands
+    for, names.py); None for the base. 404 for anything else."""
+    name = canonical_model(model, engine)
+    if name == engine.model_name:
         return None
     try:  # the engine (catalog) decides whether a well-formed ref exists
-        parse_model_ref(model)
-        return model
+        parse_model_ref(name)
+        return name
     except InvalidAdapterId:
         pass
     raise APIError(404, f"The model `{clip(model)}` does not exist.", code="model_not_found",

@@ -49,6 +49,11 @@ class ShutdownDeadline:
         self.passed = False
         self._ends: set[Callable[[], None]] = set()
 
+    @property
+    def watched(self) -> int:
+        """Requests now waiting on the engine under this deadline."""
+        return len(self._ends)
+
     def expire(self) -> None:
         self.passed = True
         for end in list(self._ends):

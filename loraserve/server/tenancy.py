@@ -4,8 +4,9 @@
   the per-tenant counters and the audit log. Event loop only.
 - `AuthMiddleware` turns the key a request presents (`Authorization: Bearer` or `X-API-Key`)
   into its Principal before anything else runs: 401 without a valid key, 403 for a user key on
-  /admin/* or /metrics. /health, /ready and /openapi.json stay open; so does everything when
-  the server has no keys at all. The principal is `request.state.principal`, and for the
+  /admin/* or /metrics. /health, /ready, /openapi.json and the Tinker SDK's healthz and
+  client/config stay open; so does everything when the server has no keys at all. A JWT minted
+  for a key (tokens.py) is that key, wherever a key is accepted. The principal is `request.state.principal`, and for the
   generation path (which has no request object) the request's `RequestTenancy` is a ContextVar.
 - Another tenant's adapter is answered exactly as an id that does not exist (`hidden`), by
   generation, listing, /v1/models/{id}, /v1/adapters/{id} and the control routes alike.
@@ -36,8 +37,11 @@ from loraserve.server.audit_log import FAILED, AuditLog
 from loraserve.server.errors import APIError, as_api_error
 from loraserve.server.limits import Lease, LimitExceeded, Limiter, TenantCounters
 from loraserve.server.metrics import ServerMetrics
+from loraserve.server.tokens import TokenIssuer, looks_like_jwt
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json"})
+# the Tinker SDK's probes: it asks for its config before it has a token (server/tinker.py)
+OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json", "/api/v1/healthz",
+                        "/api/v1/client/config"})
 API_KEY_ID = "api-key"  # the key id of --api-key in audit lines
 NOBODY = Principal(key_id=None, admin=False, tenants=())  # an unauthenticated caller
 
@@ -80,6 +84,16 @@ class Tenancy:
         self.limiter = Limiter(clock)
         self.counters = TenantCounters(metrics)
         self.audit = AuditLog(config.audit_log)
+        self.tokens = TokenIssuer()  # JWTs standing for keys (POST /api/v1/auth/token)
+
+    def find(self, key: str | None) -> Principal | None:
+        """The principal of an API key, or of a valid token minted for one; None if neither."""
+        if key is None:
+            return None
+        found = self.keys.find(key)
+        if found is None and looks_like_jwt(key):
+            found = self.tokens.principal(key, self.keys)
+        return found
 
     def _read_keys(self) -> KeyStore:
         cfg = self.config
@@ -112,7 +126,7 @@ class Tenancy:
         cfg = self.config
         if not (cfg.guarded or cfg.metrics_guarded):
             return OPEN
-        principal = None if key is None else self.keys.find(key)
+        principal = self.find(key)
         if path == "/metrics" and cfg.metrics_guarded:
             if (principal is not None and principal.admin) or self._is_metrics_key(key):
                 return principal or NOBODY
@@ -201,6 +215,16 @@ class AuthMiddleware:
         finally:
             _CURRENT.reset(token)
             current.release()
+
+
+def detach_leases() -> list[Lease]:
+    """Take the current HTTP request's leases over: work that outlives the request (a Tinker
+    future) releases them itself when it ends, instead of the request's end doing it."""
+    current = _CURRENT.get()
+    if current is None:
+        return []
+    leases, current.leases = current.leases, []
+    return leases
 
 
 def principal_of(request: Request) -> Principal:

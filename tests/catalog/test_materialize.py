@@ -63,6 +63,20 @@ def test_materialize_rejects_bad_config(dense_base, tmp_path):
         cfg(tmp_path, dense_base, 10, prefix="bad prefix/")
 
 
+def test_rerun_over_a_shard_killed_while_being_created(dense_base, tmp_path):
+    """A worker killed inside LMDB's creation of a shard leaves a zero-length data file; a rerun
+    finishes over it (LMDB initializes it), and readers meanwhile see that shard as empty."""
+    Catalog.create(tmp_path / "cat", shards=2).close()
+    (tmp_path / "cat" / "shard-001").mkdir()
+    (tmp_path / "cat" / "shard-001" / "data.mdb").touch()
+    with Catalog.open(tmp_path / "cat", readonly=True) as cat:
+        assert cat.stats()["adapters"] == 0 and cat.degraded_shards() == []
+    rep = materialize(cfg(tmp_path / "cat", dense_base, 20, workers=2))
+    assert rep.ok and rep.written == 20
+    with Catalog.open(tmp_path / "cat", readonly=True) as cat:
+        assert cat.stats()["adapters"] == 20
+
+
 def _materialize_cmd(cat_dir, base, count):
     code = ("import sys; from loraserve.cli_catalog import run; sys.exit(run(sys.argv[1:]))")
     return [sys.executable, "-c", code, "catalog", "materialize", str(cat_dir), "--model", str(base),
@@ -160,5 +174,40 @@ def test_workers_exit_when_the_parent_is_killed(dense_base, tmp_path):
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # leave nothing behind even when the test fails
+        except ProcessLookupError:
+            pass
+
+
+WATCHDOG_PARENT = r"""
+import os, time
+import loraserve.catalog.materialize_worker as worker
+worker._set_parent_death_signal = lambda sig: False  # as where prctl is missing: the watchdog thread
+parent = os.getpid()
+child = os.fork()
+if child == 0:
+    worker.exit_with_parent(parent)
+    while True:
+        time.sleep(0.1)
+print(child, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_watchdog_fallback_ends_an_orphan(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", WATCHDOG_PARENT], cwd=REPO, start_new_session=True,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(proc.stdout.readline())
+        assert _alive(child)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), "the watchdog did not end the orphaned worker"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass

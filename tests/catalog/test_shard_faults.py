@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from loraserve.catalog.errors import CatalogError, ShardUnavailable
+from loraserve.catalog.errors import AdapterNotFound, CatalogError, ShardUnavailable
 from loraserve.catalog.layout import AdapterWeights, save_revision
 from loraserve.catalog.shardfile import unopened_fault
 from loraserve.catalog.store import Catalog
@@ -76,7 +76,7 @@ def test_shard_truncated_while_open_fails_alone_then_recovers(filled):
         assert len(cat.list(limit=1000)) == 8 * SHARDS
 
 
-@pytest.mark.parametrize("size", [0, 100, 4096, 8192, 20000])
+@pytest.mark.parametrize("size", [100, 4096, 8192, 20000])
 def test_damaged_shard_is_refused_before_lmdb_maps_it(filled, size):
     cat_dir, by_shard, blobs = filled
     truncate(data_file(cat_dir, 2), size)
@@ -91,6 +91,24 @@ def test_damaged_shard_is_refused_before_lmdb_maps_it(filled, size):
                     cat.put_revision(by_shard[2][0], blobs[by_shard[2][0]])
             assert serves(cat, by_shard[0][0], blobs)
     assert data_file(cat_dir, 2).stat().st_size == size  # never rewritten
+
+
+def test_zero_length_file_is_a_shard_never_initialized(filled):
+    """What a process killed while LMDB creates the shard leaves: LMDB's "new environment". It reads
+    as empty and the next write initializes it (a rerun of `materialize` finishes). Once open,
+    a shard cut to zero is truncated like any other (the test above)."""
+    cat_dir, by_shard, blobs = filled
+    truncate(data_file(cat_dir, 2), 0)
+    with Catalog.open(cat_dir, readonly=True) as ro:
+        assert ro.degraded_shards() == [] and ro.stats()["adapters"] == 16
+        with pytest.raises(AdapterNotFound):
+            ro.policy(by_shard[2][0])
+    with Catalog.open(cat_dir) as cat:
+        cat.put_revision(by_shard[2][0], blobs[by_shard[2][0]])
+        assert serves(cat, by_shard[2][0], blobs) and cat.degraded_shards(max_age=0) == []
+        truncate(data_file(cat_dir, 2), 0)
+        with pytest.raises(ShardUnavailable, match="truncated"):
+            cat.policy(by_shard[2][0])
 
 
 def test_catalog_dir_removed_under_open_catalog(filled, tmp_path):

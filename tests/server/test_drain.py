@@ -208,3 +208,20 @@ def test_sigterm_drains_a_real_server_process(tmp_path: Path) -> None:
             proc.kill()
             proc.wait(30)
         proc.stderr.close()
+
+
+def test_finished_and_abandoned_requests_leave_nothing_watched() -> None:
+    engine = FakeEngine(delay_s=0.001)
+    app = build_app(engine)
+    with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=30) as http:
+        for _ in range(3):
+            assert http.post("/v1/completions", json=GOOD).status_code == 200
+            with http.stream("POST", "/v1/completions",
+                             json={**GOOD, "max_tokens": 50, "stream": True}) as r:
+                next(r.iter_lines())  # then the client goes away mid-stream
+            with http.stream("POST", "/v1/chat/completions", json={
+                    "model": "fake-base", "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 3, "stream": True}) as r:
+                assert list(r.iter_lines())
+        wait_until(lambda: engine.running == 0, "every engine request ended")
+        assert app.state.ctx.deadline.watched == 0

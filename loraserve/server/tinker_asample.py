@@ -1,0 +1,183 @@
+"""A Tinker request against the app's state: which model a name pins, the sampling session a
+request names, and `asample`'s future (started, de-duplicated, answered) and its long poll.
+
+See tinker.py for the protocol; this module holds what its handlers do.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Request
+
+from loraserve.catalog.errors import CatalogError
+from loraserve.catalog.ids import parse_model_ref
+from loraserve.server import serving as sv
+from loraserve.server import tinker_sampling as ts
+from loraserve.server.errors import APIError, as_api_error, clip
+from loraserve.server.streaming import start_all
+from loraserve.server.tenancy import admit, check_visible, detach_leases, principal_of
+from loraserve.server.tinker_state import Future, FutureStore, SamplingSession, TinkerState
+
+LONG_POLL_S = 30.0   # below the SDK's 45 s per retrieve_future call
+ADMIT_WAIT_S = 0.05  # how long asample waits for the engine to take (or refuse, 429) the work
+
+
+def state_of(request: Request) -> TinkerState:
+    return request.app.state.tinker
+
+
+def ctx_of(request: Request) -> sv.ServerContext:
+    return request.app.state.ctx
+
+
+def owner_of(request: Request) -> str | None:
+    return principal_of(request).key_id
+
+
+def base_model_name(engine: Any) -> str:
+    """What `base_model` tells the SDK: `--tokenizer-name` (its get_tokenizer() loads that with
+    AutoTokenizer), else the served name."""
+    return getattr(getattr(engine, "config", None), "tokenizer_name", None) or engine.model_name
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sampling_session(request: Request, sampling_session_id: str) -> SamplingSession:
+    session = state_of(request).samplers.get(sampling_session_id)
+    if session is None or session.owner != owner_of(request):
+        raise APIError(404, f"sampling session {clip(sampling_session_id)} is unknown or expired "
+                       "(the server restarted?); create a new sampling client",
+                       code="sampling_session_not_found")
+    return session
+
+
+async def pin(name: str, request: Request) -> str | None:
+    """The revision `name` stands for now (`tenant/name@rev`), None for the base model; 404 for
+    an unknown model or adapter, or one of a tenant the key may not see."""
+    engine = ctx_of(request).engine
+    if name == base_model_name(engine):
+        return None
+    adapter = sv.resolve_adapter(name, engine)
+    if adapter is None:
+        return None
+    check_visible(principal_of(request), adapter, engine.model_name)
+    catalog = getattr(getattr(engine, "adapter_manager", None), "catalog", None)
+    if catalog is None:  # no catalog: the engine decides when it is used
+        return adapter
+    try:
+        return (await asyncio.to_thread(catalog.resolve, *parse_model_ref(adapter))).ref
+    except CatalogError as exc:
+        raise as_api_error(exc) from exc
+
+
+# -- asample -------------------------------------------------------------------------------------
+
+async def start_sample(body: ts.SampleBody, request: Request) -> Future:
+    """The future of `body`: the one already made for its (sampling session, seq id), or a new
+    one whose generation runs on after this returns. 429 over the key's or the engine's
+    capacity, 400/404 for a request the engine refuses at once."""
+    ctx, state, owner = ctx_of(request), state_of(request), owner_of(request)
+    adapter, dedupe = await _target(body, request)
+    if dedupe is not None and (known := state.futures.for_seq(dedupe, owner)) is not None:
+        return known
+    if state.futures.pending >= state.futures.max_pending:
+        raise APIError(429, "too many sampling requests in flight; retry later")
+    plan = ts.plan_sample(body, ctx.engine, ctx.max_seqs_per_request)
+    admitted = admit(adapter, [plan.prompt], plan.n, plan.params.max_tokens)  # 404, 429
+    future = Future(new_id("req"), owner, dedupe)
+    state.futures.add(future)  # before any wait: a concurrent retry finds it
+    try:
+        await _launch(future, plan, adapter, admitted.engine(ctx.engine), ctx, state.futures)
+    except BaseException:
+        state.futures.discard(future)
+        raise
+    return future
+
+
+async def _target(body: ts.SampleBody, request: Request) -> tuple[str | None, tuple | None]:
+    """(the adapter ref to sample, None: the base; the de-duplication key, if any)."""
+    if body.sampling_session_id is not None:
+        adapter = sampling_session(request, body.sampling_session_id).adapter
+        dedupe = None if body.seq_id is None else (body.sampling_session_id, body.seq_id)
+        return adapter, dedupe
+    name = body.model_path or body.base_model
+    if not name:
+        raise APIError(400, "sampling_session_id or model_path is required",
+                       param="sampling_session_id")
+    return await pin(name, request), None
+
+
+async def _launch(future: Future, plan: ts.SamplePlan, adapter: str | None, engine: Any,
+                  ctx: sv.ServerContext, futures: FutureStore) -> None:
+    """Submit the plan; what the engine refuses at once (429 at capacity, 400, 404) is raised
+    here, anything later becomes the future's answer. The leases of this request's admission
+    are held until the generation ends."""
+    release = _releaser(detach_leases())
+    starting = asyncio.ensure_future(start_all(engine, ts.engine_requests(
+        future.request_id, plan, adapter)))
+    try:
+        await asyncio.wait({starting}, timeout=ADMIT_WAIT_S)
+        if starting.done() and starting.exception() is not None:
+            raise starting.exception()
+    except BaseException:
+        starting.cancel()
+        release()
+        raise
+    future.task = asyncio.create_task(_run(futures, future, engine, plan, adapter, starting,
+                                           ctx, sv.RequestClock(ctx.metrics), release))
+
+
+async def _run(futures: FutureStore, future: Future, engine: Any, plan: ts.SamplePlan,
+               adapter: str | None, starting: Any, ctx: sv.ServerContext,
+               clock: sv.RequestClock, release: Callable[[], None]) -> None:
+    """Generate, then set the future's answer (a SampleResponse or an error)."""
+    def at_capacity() -> None:
+        future.queue_state = "paused_capacity"
+
+    try:
+        seqs, prompt_lps = await ts.generate(engine, future.request_id, plan, adapter, starting,
+                                             at_capacity, clock.first_output)
+        ctx.metrics.prompt_tokens.inc(len(plan.prompt.token_ids))
+        ctx.metrics.generation_tokens.inc(sum(len(s.tokens) for s in seqs))
+        answer = ts.sample_response(plan, seqs, prompt_lps)
+    except asyncio.CancelledError:
+        futures.finish(future, {"error": "the server stopped before this request finished; "
+                                "sample again", "category": "server"})
+        raise
+    except Exception as exc:  # the future's answer: the SDK raises it as RequestFailedError
+        answer = ts.failure(exc)
+    finally:
+        release()
+        clock.finished()
+    futures.finish(future, answer)
+
+
+def _releaser(leases: list) -> Callable[[], None]:
+    def release() -> None:
+        for lease in leases:
+            lease.release()
+
+    return release
+
+
+async def long_poll(future: Future, request: Request) -> None:
+    """Wait until the future has its answer, LONG_POLL_S passes or the client goes away."""
+    finished = asyncio.ensure_future(future.finished.wait())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({finished, gone}, timeout=LONG_POLL_S,
+                           return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        finished.cancel()
+        gone.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: only that can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
