@@ -61,10 +61,6 @@ class AsyncEngine(EngineFrontend):
     def snapshot(self) -> EngineSnapshot:
         return self.engine.snapshot
 
-    @property
-    def ready(self) -> bool:
-        return True
-
     def residency(self, key: tuple[str, str]) -> str:
         """Where a revision is: gpu (device pool), cpu (CPU cache) or disk."""
         if key in self.engine.snapshot.resident:

@@ -63,8 +63,16 @@ class EngineFrontend(ABC):
     def config(self) -> EngineConfig:
         return self.cfg
 
+    restarts = 0  # engine-core processes started again after one died (CoreClient)
+
+    @property
+    def ready(self) -> bool:
+        """The engine can take requests now (an in-process engine always can)."""
+        return True
+
     def stats(self) -> dict:
-        return self.snapshot.stats()
+        return {**self.snapshot.stats(), "engine_restarts": self.restarts,
+                "engine_ready": int(self.ready)}
 
     def list_models(self) -> list[str]:
         return [self.model_name, *self.snapshot.resident_ids()]

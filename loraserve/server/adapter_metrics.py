@@ -9,16 +9,17 @@ Names (stable; `loraserve loadtest` scrapes the hit counters):
   loraserve_adapter_evictions_total{tier}, loraserve_adapter_resident{tier},
   loraserve_adapter_resident_bytes{tier}, loraserve_adapter_capacity_bytes{tier},
   loraserve_adapter_disk_reads_total, loraserve_adapter_page_in_seconds{source} (histogram),
-  loraserve_parked_requests, loraserve_catalog_shards_degraded,
-  vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}
-  (vLLM's gauge, so gateways that route by adapter affinity work unchanged).
+  loraserve_parked_requests, loraserve_catalog_shards_degraded.
+vLLM's `vllm:lora_requests_info`, which gateways route by, is router_metrics.py's (every engine).
+Behind a facade over several engine replicas (Ray Serve) every series but the catalog's carries
+a `replica` label.
 """
 from __future__ import annotations
 
-import time
-
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from loraserve.server.router_metrics import labelled_snapshots, label_names
 
 _FAMILIES = [("hits", CounterMetricFamily, "Adapter lookups served by this tier"),
              ("misses", CounterMetricFamily, "Adapter lookups this tier could not serve"),
@@ -37,37 +38,43 @@ class AdapterCollector(Collector):
                                      "Catalog shards unavailable (data files damaged or missing)")
         degraded.add_metric([], len(self.engine.adapter_manager.catalog.degraded()))
         yield degraded
-        snap = self.engine.snapshot
-        pool, cache, pager = snap.pool, snap.cpu_cache, snap.pager
-        if pool is None:  # an engine core that has not published its first snapshot yet
+        # an engine core that has not published its first snapshot yet has no tier stats
+        snaps = [(labels, s) for labels, s in labelled_snapshots(self.engine) if s.pool is not None]
+        if not snaps:
             return
-        tiers = {"gpu": (pool.hits, pool.misses, pool.evictions, pool.resident_adapters,
-                         pool.bytes_used, pool.bytes_capacity),
-                 "cpu": (pager.cpu_hits, pager.cpu_misses, cache.evictions, cache.entries,
-                         cache.bytes, cache.max_bytes)}
+        extra = label_names(snaps)
         for i, (name, family, doc) in enumerate(_FAMILIES):
-            m = family(f"loraserve_adapter_{name}", doc, labels=["tier"])
-            for tier, values in tiers.items():
-                m.add_metric([tier], values[i])
+            m = family(f"loraserve_adapter_{name}", doc, labels=[*extra, "tier"])
+            for labels, snap in snaps:
+                for tier, values in _tiers(snap).items():
+                    m.add_metric([*labels.values(), tier], values[i])
             yield m
-        reads = CounterMetricFamily("loraserve_adapter_disk_reads", "Catalog blob reads (singleflight)")
-        reads.add_metric([], pager.disk_reads)
+        reads = CounterMetricFamily("loraserve_adapter_disk_reads", "Catalog blob reads (singleflight)",
+                                    labels=extra)
+        parked = GaugeMetricFamily("loraserve_parked_requests", "Requests waiting for their adapter to page in",
+                                   labels=extra)
+        for labels, snap in snaps:
+            reads.add_metric(list(labels.values()), snap.pager.disk_reads)
+            parked.add_metric(list(labels.values()), snap.parked)
         yield reads
-        yield _page_in_histogram(snap.page_in_samples)
-        parked = GaugeMetricFamily("loraserve_parked_requests", "Requests waiting for their adapter to page in")
-        parked.add_metric([], snap.parked)
+        yield _page_in_histogram(snaps)
         yield parked
-        info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
-                                 labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
-        info.add_metric([",".join(snap.running_adapters), ",".join(snap.waiting_adapters),
-                         str(snap.max_lora)], time.time())
-        yield info
 
 
-def _page_in_histogram(samples) -> Metric:
-    """The pager's page-in histogram, rebuilt from the snapshot's (name, labels, value) samples."""
+def _tiers(snap) -> dict[str, tuple]:
+    """tier -> (hits, misses, evictions, resident, resident bytes, capacity bytes)."""
+    pool, cache, pager = snap.pool, snap.cpu_cache, snap.pager
+    return {"gpu": (pool.hits, pool.misses, pool.evictions, pool.resident_adapters,
+                    pool.bytes_used, pool.bytes_capacity),
+            "cpu": (pager.cpu_hits, pager.cpu_misses, cache.evictions, cache.entries,
+                    cache.bytes, cache.max_bytes)}
+
+
+def _page_in_histogram(snaps) -> Metric:
+    """The pager's page-in histogram, rebuilt from each snapshot's (name, labels, value) samples."""
     m = Metric("loraserve_adapter_page_in_seconds", "Time to page an adapter in, by source tier",
                "histogram")
-    for name, labels, value in samples:
-        m.add_sample(name, dict(labels), value)
+    for extra, snap in snaps:
+        for name, labels, value in snap.page_in_samples:
+            m.add_sample(name, {**extra, **dict(labels)}, value)
     return m

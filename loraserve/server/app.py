@@ -22,6 +22,7 @@ from loraserve.server.errors import APIError, as_api_error, clip, install_error_
 from loraserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from loraserve.server.middleware import BodyLimitMiddleware, RequestCountMiddleware
 from loraserve.server.names import canonical_model
+from loraserve.server.router_metrics import RouterMetricsCollector
 from loraserve.server.protocol import ChatCompletionRequest, CompletionRequest, JSONBodyRoute
 from loraserve.server.serving import Engine, ServerContext
 from loraserve.server.tenancy import (TenancyConfig, check_visible, principal_of, scoped_listing,
@@ -136,8 +137,14 @@ def _ops_router() -> APIRouter:
 
     @router.get("/ready")
     async def ready(request: Request) -> dict:
-        """Readiness (/health is liveness): 503 naming the catalog shards that are unavailable."""
-        if (err := await asyncio.to_thread(readiness, _ctx(request).engine)) is not None:
+        """Readiness (/health is liveness): 503 while the server drains for shutdown, while its
+        engine core is (re)starting, or naming the catalog shards that are unavailable."""
+        ctx = _ctx(request)
+        if ctx.deadline.draining:
+            raise APIError(503, "the server is shutting down", code="server_shutting_down")
+        if not getattr(ctx.engine, "ready", True):
+            raise APIError(503, "the engine core is starting", code="engine_unavailable")
+        if (err := await asyncio.to_thread(readiness, ctx.engine)) is not None:
             raise err
         return {"status": "ready"}
 
@@ -182,6 +189,8 @@ def build_app(engine: Engine, *, api_key: str | None = None, max_n: int = 16,
     app.include_router(_api_router(OAI_PREFIX), include_in_schema=False)  # the same handlers
     app.include_router(_ops_router())
     install_tinker(app)
+    if getattr(engine, "snapshot", None) is not None:  # vLLM's gauges, for endpoint pickers
+        ctx.metrics.register(RouterMetricsCollector(engine))
     if getattr(engine, "adapter_manager", None) is not None:
         app.include_router(adapter_router())
         ctx.metrics.register(AdapterCollector(engine))
@@ -211,6 +220,7 @@ class DrainingServer(uvicorn.Server):
         self.ctx = ctx
 
     async def shutdown(self, sockets: list | None = None) -> None:
+        self.ctx.deadline.draining = True
         timer = asyncio.get_running_loop().call_later(self.ctx.shutdown_timeout,
                                                       self.ctx.deadline.expire)
         try:

@@ -14,7 +14,8 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 
 # engine.stats() key -> gauge attribute
 _STAT_GAUGES = {"running": "running", "waiting": "waiting", "batch_size": "batch_size",
-                "kv_usage": "kv_usage", "prefix_cache_hit_rate": "prefix_hit_rate"}
+                "kv_usage": "kv_usage", "prefix_cache_hit_rate": "prefix_hit_rate",
+                "engine_restarts": "engine_restarts", "engine_ready": "engine_ready"}
 
 
 class ServerMetrics:
@@ -46,6 +47,10 @@ class ServerMetrics:
                                 registry=r)
         self.kv_usage = Gauge("loraserve_kv_cache_usage", "Fraction of KV cache blocks in use",
                               registry=r)
+        self.engine_restarts = Gauge("loraserve_engine_core_restarts",
+                                     "Engine-core processes started again after one died", registry=r)
+        self.engine_ready = Gauge("loraserve_engine_ready", "1 while an engine core is up and ready",
+                                  registry=r)
         self.prefix_hit_rate = Gauge("loraserve_prefix_cache_hit_rate",
                                      "Prompt tokens found in the prefix cache / looked up, since start",
                                      registry=r)

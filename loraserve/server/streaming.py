@@ -47,6 +47,7 @@ class ShutdownDeadline:
 
     def __init__(self) -> None:
         self.passed = False
+        self.draining = False  # shutdown has begun (/ready answers 503 from then on)
         self._ends: set[Callable[[], None]] = set()
 
     @property

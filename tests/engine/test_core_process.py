@@ -128,3 +128,6 @@ def test_http_stream_gets_an_error_event_not_a_torn_connection(cfg) -> None:
             assert r.status_code == 503
             time.sleep(0.2)
         assert r.status_code == 200 and client.restarts == 1
+        assert http.get("/ready").status_code == 200
+        metrics = http.get("/metrics").text
+        assert "loraserve_engine_core_restarts 1.0" in metrics and "loraserve_engine_ready 1.0" in metrics
