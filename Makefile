@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,ray]'
 	touch $@
 
 venv: $(VENV)/.installed
@@ -26,8 +26,10 @@ demo: venv
 serve: demo
 	$(VENV)/bin/loraserve serve --model $(DEMO_DIR)/qwen3 --catalog $(DEMO_DIR)/catalog --host $(HOST) --port $(PORT)
 
+# the Ray Serve tests start a local Ray on both cores: alone, after the rest
 test: venv
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q $(PYTEST_ARGS) -m 'not ray' tests
+	$(PY) -m pytest -q -m ray tests
 
 clean:
 	rm -rf $(VENV) .loraserve .pytest_cache

@@ -12,8 +12,11 @@ Modules (none imports `loraserve` outside this package):
     layout      AdapterWeights, save_revision, load_revision
     base        BaseInfo.from_dir, base_fingerprint (torch-free)
     baseweights one base weight as a torch tensor (the audit's reference)
-    shards      one LMDB env per shard, map growth
+    shardfile   checks of a shard's data file that never fault on a missing page (truncation)
+    shards      one LMDB env per shard, map growth, ShardUnavailable for damaged/missing files
     store       Catalog
+    source      an adapter directory read confined to a root, non-blocking, size-bounded
+    aliases     other names (URIs, e.g. MinT's tinker:// checkpoint names) of revisions
     export      PEFT dir -> AdapterWeights; importer puts it into a Catalog
     materialize bulk synthetic revisions (worker processes own shards)
 This package import is light on purpose: import the submodule you need.

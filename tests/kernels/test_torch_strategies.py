@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from loraserve import kernels
+import loraserve.kernels.torch_backend as tb
 from loraserve.kernels import LoRAMeta
 from loraserve.kernels.reference import add_lora_ref
 from loraserve.kernels.torch_backend import STRATEGIES
@@ -47,3 +48,47 @@ def test_strategy_matches_reference(strategy, pattern):
         assert (picked.tok is None) if strategy == "dense" else (picked.vtok is None and picked.invalid is None)
     kernels.add_lora_torch(y, x, A_rows, B_rows, table, ranks, meta, plan=picked)
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+
+
+def _target(gen, P, H, O, table, ranks):
+    return torch.randn(P, H, generator=gen), torch.randn(P, O, generator=gen), table, ranks
+
+
+def test_plan_cache_reuses_shares_and_drops_plans(monkeypatch):
+    """One plan per step for kinds with equal row tables, run directly by later calls; a new
+    meta object (a new step) plans again; MoE calls interleaved with dense ones keep their own
+    scope; a forced strategy reaches every plan. Every call matches the reference."""
+    built = []
+    plan_torch = tb.plan_torch
+    monkeypatch.setattr(tb, "plan_torch", lambda *a, **k: built.append(k) or plan_torch(*a, **k))
+    gen = torch.Generator().manual_seed(3)
+    T, H, P, A, R, E = 12, 16, 64, 4, 8, 3
+    table = torch.arange(A * R, dtype=torch.int32).view(A, R)
+    ranks = torch.tensor([8, 4, 8, 2], dtype=torch.int32)
+    other_table = table.flip(0).contiguous()  # another kind whose adapters hold other rows
+    slots = torch.tensor([0] * 5 + [2] * 4 + [-1] * 3, dtype=torch.int32)
+    experts = torch.arange(T, dtype=torch.int32) % E
+    cache = tb.PlanCache(strategy="gather")
+
+    def call(meta, key, weights, moe=False):
+        A_rows, B_rows, tbl, rk = weights
+        x = torch.randn(T, A_rows.shape[-1], generator=gen)
+        y = torch.randn(T, B_rows.shape[-1], generator=gen)
+        want = y.clone()
+        add_lora_ref(want, x, A_rows, B_rows, tbl, rk, slots, experts if moe else None)
+        cache.add(key, y, x, A_rows, B_rows, tbl, rk, meta)
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+
+    q, v = _target(gen, P, H, H, table, ranks), _target(gen, P, H, 8, table.clone(), ranks.clone())
+    o = _target(gen, P, H, H, other_table, ranks)
+    moe = (torch.randn(P, E, H, generator=gen), torch.randn(P, E, H, generator=gen), table, ranks)
+    for step in range(2):
+        meta = LoRAMeta.build(slots, max_segments=A)  # a new object each step
+        pair_meta = LoRAMeta.build(slots, max_segments=A * E, token_experts=experts)
+        for layer in range(2):
+            call(meta, "q_proj", q)
+            call(pair_meta, ("experts.up_proj", 0), moe, moe=True)
+            call(meta, "v_proj", v)  # equal rows: q's plan
+            call(meta, "o_proj", o)  # other rows: its own plan
+        assert len(built) == 3 * (step + 1), "one plan per distinct rows and scope per step"
+    assert all(k == {"strategy": "gather"} for k in built)

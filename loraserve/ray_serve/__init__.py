@@ -1,0 +1,12 @@
+"""`loraserve serve --replicas N`: the same API served by Ray Serve, N engine replicas behind one
+FastAPI ingress, requests routed to the replicas that hold their adapter.
+
+Nothing here is imported unless --replicas is given (`ray` is an optional extra,
+`loraserve[ray]`): `config` has no Ray import; `launch.serve_replicas` is the entry point.
+
+  ingress (1 replica)           the existing FastAPI app (routes, auth, tenants, error bodies)
+    RayEngineFrontend           over an engine facade that forwards generation to ...
+  EngineReplica (N replicas)    one AsyncEngine each over the same EngineConfig, catalog
+                                read-only; `@serve.multiplexed` on the adapter id, so Serve's
+                                router prefers a replica that already holds a request's adapter
+"""

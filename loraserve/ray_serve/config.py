@@ -1,0 +1,70 @@
+"""How `loraserve serve --replicas N` lays the server out on Ray Serve (no Ray import here)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loraserve.engine.config import EngineConfig
+
+APP_NAME = "loraserve"
+INGRESS_DEPLOYMENT = "LoraServeIngress"
+REPLICA_DEPLOYMENT = "LoraServeEngine"
+
+
+@dataclass(slots=True)
+class ScaleOutConfig:
+    """The Ray side of a scaled-out server; the engines' own settings stay in EngineConfig.
+
+    `replicas` engine replicas (>= 2; one engine is plain `loraserve serve`) each reserve
+    `replica_cpus` CPUs and `replica_gpus` GPUs (None: 1 when the engine runs on CUDA, else 0).
+    `ray_address` joins that Ray cluster; None starts a local Ray with `num_cpus` CPUs (None: all
+    the machine's) and stops it with the server. Replicas report their engine snapshot to the
+    ingress every `report_interval_s`; one silent for `stale_after_s` is gone from /metrics.
+    """
+
+    replicas: int
+    ray_address: str | None = None
+    num_cpus: int | None = None
+    replica_cpus: float = 1.0
+    replica_gpus: float | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    app_name: str = APP_NAME
+    report_interval_s: float = 0.5
+    stale_after_s: float = 5.0
+    object_store_mb: int | None = None  # local Ray's object store; None: Ray's default
+
+    def __post_init__(self) -> None:
+        if self.replicas < 2:
+            raise ValueError(f"--replicas must be >= 2 (one engine is plain `loraserve serve`), "
+                             f"got {self.replicas}")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ValueError(f"num_cpus must be >= 1, got {self.num_cpus}")
+        if self.num_cpus is not None and self.ray_address is not None:
+            raise ValueError("num_cpus sizes a local Ray; it cannot be given with --ray-address")
+        if self.replica_cpus < 0 or (self.replica_gpus or 0) < 0:
+            raise ValueError("replica_cpus and replica_gpus must be >= 0")
+        if not 0 < self.report_interval_s < self.stale_after_s:
+            raise ValueError("need 0 < report_interval_s < stale_after_s")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.object_store_mb is not None and self.object_store_mb < 64:
+            raise ValueError("object_store_mb must be >= 64")
+
+    def gpus_per_replica(self, cfg: EngineConfig) -> float:
+        """`replica_gpus`, or 1 when the engine will run on CUDA (device cuda, or auto on a
+        machine whose torch sees a GPU), else 0."""
+        if self.replica_gpus is not None:
+            return self.replica_gpus
+        if cfg.device.startswith("cuda"):
+            return 1.0
+        if cfg.device == "auto":
+            import torch
+            return 1.0 if torch.cuda.is_available() else 0.0
+        return 0.0
+
+
+def replica_capacity(cfg: EngineConfig) -> dict[str, int]:
+    """Serve's per-replica bounds from the engine's: requests in flight on a replica follow its
+    batch (`max_batch_size`; more wait in Serve's router, where they can still be routed to
+    another replica), adapters it is said to hold follow its device pool (`max_gpu_adapters`)."""
+    return {"max_ongoing_requests": cfg.max_batch_size, "max_adapters": cfg.max_gpu_adapters}

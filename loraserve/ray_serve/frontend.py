@@ -1,0 +1,220 @@
+"""The ingress's engine facade: the FastAPI app is served unchanged over it, generation goes to
+the engine replicas through a Serve deployment handle.
+
+`RayEngineFrontend` has the surface the app reads of `AsyncEngine`/`CoreClient` (model sizes,
+tokenizer, `generate`, `stats`, `snapshot`, `list_models`, `adapter_manager`, ...), so every
+route, auth and tenant check and error body is the single process's. What differs:
+
+- `generate` resolves the request's adapter in the ingress (unknown: the usual 404 before any
+  replica is asked), then streams from a replica chosen by Serve with the adapter id as the
+  multiplexed model id: Serve's router prefers a replica that holds the adapter, and spills to
+  another when those are full. Base-only requests carry no model id and go anywhere.
+- A replica that dies before the first output is retried once on another; one that dies
+  mid-stream ends the request with one clean 503 (a stream gets its error event and [DONE]).
+- The catalog is opened read-write here, the one writer (`/v1/load_lora_adapter`, promote,
+  rollback); replicas open it read-only and see each commit in their next read.
+- Snapshots come from the replicas' reports (`board.ReplicaBoard`), one per replica; /metrics
+  labels each replica's series with `replica`.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+from collections.abc import AsyncIterator
+
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from loraserve.catalog.base import base_fingerprint
+from loraserve.catalog.store import Catalog
+
+from ..adapters.manager import AdapterNotServable, describe_adapter, resolve_servable
+from ..adapters.pool import PoolLimits
+from ..adapters.stats import CacheStats, PagerStats, PoolStats
+from ..engine.config import EngineConfig
+from ..engine.snapshot import EngineSnapshot
+from ..engine.types import EngineError, GenerateRequest, RequestOutput
+from ..engine.wire import error_from_wire, output_from_wire, request_to_wire, snapshot_from_wire
+from ..model.config import ModelConfig
+from ..tokenizer import Tokenizer
+from .board import ReplicaBoard, merged
+from .config import ScaleOutConfig
+
+log = logging.getLogger(__name__)
+
+RETRIES = 1                 # a replica that dies before the first output: tried again once
+CONTROL_TIMEOUT_S = 120.0   # warm / residency / unload calls to replicas
+
+# the engine replicas that served the current HTTP request (the x-loraserve-replica header)
+served_by: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("served_by", default=None)
+
+
+def replica_lost() -> EngineError:
+    return EngineError("the engine replica serving this request stopped; retry it", status=503,
+                       code="engine_unavailable")
+
+
+class RayAdapters:
+    """The adapter side of the ingress: the catalog (read-write: the one writer), resolving
+    requests against the replicas' pool limits, warming and describing through the replicas."""
+
+    def __init__(self, frontend: RayEngineFrontend, cfg: EngineConfig):
+        self.frontend = frontend
+        self.catalog = Catalog.open(cfg.catalog_dir, readonly=False)
+        self.base_fingerprint = base_fingerprint(cfg.model_dir)
+        self.pool = PoolLimits(0, ())  # from a replica, at start()
+
+    def resolve(self, ref: str):
+        return resolve_servable(self.catalog, self.base_fingerprint, self.pool, ref)
+
+    def warm(self, ref: str) -> tuple[str, str]:
+        """Blocking (a worker thread): page ref into the CPU tier of the replica Serve routes
+        its adapter to (the one that will serve it next)."""
+        rec = self.resolve(ref)
+        handle = self.frontend.replicas.options(multiplexed_model_id=rec.adapter_id)
+        handle.warm.remote(f"{rec.adapter_id}@{rec.revision}").result(timeout_s=CONTROL_TIMEOUT_S)
+        return rec.adapter_id, rec.revision
+
+    def describe(self, adapter_id: str, residency) -> dict:
+        return describe_adapter(self.catalog, adapter_id, residency)
+
+    def close(self) -> None:
+        self.catalog.close()
+
+
+class RayEngineFrontend:
+    def __init__(self, cfg: EngineConfig, replicas: DeploymentHandle, scale: ScaleOutConfig):
+        self.cfg = cfg
+        self.scale = scale
+        self.replicas = replicas
+        mc = ModelConfig.from_dir(cfg.model_dir)
+        self.model_name = cfg.served_model_name or cfg.model_dir.rstrip("/").split("/")[-1]
+        self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings)
+        self.vocab_size = mc.vocab_size
+        self.tokenizer = Tokenizer.from_dir(cfg.model_dir)
+        self.adapter_manager = RayAdapters(self, cfg) if cfg.catalog_dir else None
+        self.board = ReplicaBoard(scale.stale_after_s)
+        self._started = False
+
+    # -- what the server reads -------------------------------------------------------------------
+    @property
+    def config(self) -> EngineConfig:
+        return self.cfg
+
+    @property
+    def ready(self) -> bool:
+        """Some engine replica reported lately."""
+        return bool(self.board.live())
+
+    def replica_snapshots(self) -> dict[str, EngineSnapshot]:
+        """replica id -> its latest snapshot (router_metrics labels series by it)."""
+        return self.board.live()
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        return merged(list(self.board.live().values()))
+
+    def stats(self) -> dict:
+        return {**self.snapshot.stats(), "engine_ready": int(self.ready),
+                "engine_restarts": self.board.lost}
+
+    def list_models(self) -> list[str]:
+        return [self.model_name, *self.snapshot.resident_ids()]
+
+    def residency(self, key: tuple[str, str]) -> str:
+        """Blocking: gpu when a replica holds the revision in its device pool; else what the
+        replica Serve routes the adapter to says (cpu or disk)."""
+        if any(key in s.resident for s in self.board.live().values()):
+            return "gpu"
+        handle = self.replicas.options(multiplexed_model_id=key[0])
+        return handle.residency.remote(list(key)).result(timeout_s=CONTROL_TIMEOUT_S)
+
+    def describe_adapter(self, adapter_id: str) -> dict:
+        return self.adapter_manager.describe(adapter_id, self.residency)
+
+    async def unload_adapter(self, adapter_id: str) -> int:
+        """Evict adapter_id's idle revisions on every replica (404 first for an unknown id)."""
+        await asyncio.to_thread(self.adapter_manager.catalog.policy, adapter_id)
+        results = await self.board.broadcast("unload_adapter", [adapter_id], CONTROL_TIMEOUT_S)
+        return sum(results.values())
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Learn the replicas' pool limits (what an adapter must fit to be served)."""
+        if self._started:
+            return
+        info = await self.replicas.info.remote()
+        if self.adapter_manager is not None:
+            self.adapter_manager.pool = PoolLimits(info["max_rank"], tuple(info["kinds"]))
+        self._started = True
+
+    async def shutdown(self) -> None:
+        if self.adapter_manager is not None:
+            self.adapter_manager.close()
+
+    def report(self, replica_id: str, snapshot: dict, seen: int, results: dict) -> list:
+        """A replica's periodic report (board.ReplicaBoard.report); snapshot in wire form."""
+        snap = snapshot_from_wire(snapshot, PoolStats, CacheStats, PagerStats)
+        return self.board.report(replica_id, snap, seen, results)
+
+    # -- requests -------------------------------------------------------------------------------
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        await self.start()
+        req.check(self.vocab_size, self.max_model_len)
+        adapter_id = (await asyncio.to_thread(self._resolve, req.adapter)).adapter_id \
+            if req.adapter else None
+        wire = request_to_wire(req)
+        for attempt in range(RETRIES + 1):
+            started = False
+            try:
+                async for out in self._stream(wire, adapter_id):
+                    started = True
+                    yield out
+                return
+            except RayActorError as exc:
+                if started or attempt == RETRIES:
+                    log.warning("request %s: engine replica lost (%s)", req.request_id, exc)
+                    raise replica_lost() from None
+                log.info("request %s: engine replica lost before its first output; retrying",
+                         req.request_id)
+
+    async def _stream(self, wire: dict, adapter_id: str | None) -> AsyncIterator[RequestOutput]:
+        """One try: the replica's output deltas; its errors raised as they were raised there."""
+        handle = self.replicas.options(stream=True, multiplexed_model_id=adapter_id or "")
+        gen = handle.generate.remote(wire)
+        finished = False
+        try:
+            async for kind, value in gen:
+                if kind == "replica":
+                    if (replicas := served_by.get()) is not None:
+                        replicas.add(value)
+                elif kind == "error":
+                    finished = True
+                    raise error_from_wire(value)
+                else:
+                    yield output_from_wire(value)
+            finished = True
+        except BackPressureError:
+            finished = True
+            raise EngineError("the server is at capacity (every engine replica's queue is full); "
+                              "retry later", status=429, code="rate_limit_exceeded") from None
+        except RayTaskError as exc:
+            finished = True
+            log.error("engine replica failed: %s", exc)
+            raise EngineError("internal error in an engine replica", status=500,
+                              code="internal_error") from None
+        finally:
+            if not finished:  # closed early (client gone) or failed: the replica aborts it
+                gen.cancel()
+
+    def _resolve(self, ref: str):
+        if self.adapter_manager is None:
+            raise EngineError(f"adapter {ref!r} asked for, but this server has no adapter catalog "
+                              "(start it with --catalog)", status=404, code="model_not_found",
+                              param="model")
+        try:
+            return self.adapter_manager.resolve(ref)
+        except AdapterNotServable as exc:
+            raise EngineError(str(exc), status=400, param="model") from exc

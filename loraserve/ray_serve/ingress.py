@@ -1,0 +1,118 @@
+"""The ingress deployment: the server's FastAPI app (`build_app`, unchanged) over a
+`RayEngineFrontend`, plus the replica header and per-replica engine gauges.
+
+Every response carries `x-loraserve-replica`: the engine replica(s) that served it (comma-
+separated when a request's sequences went to several), or `ingress` when no engine replica was
+involved (an error found before any was asked, /metrics, /health, listings).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..engine.config import EngineConfig
+from ..server.app import build_app
+from ..server.router_metrics import labelled_snapshots, label_names
+from .config import ScaleOutConfig
+from .frontend import RayEngineFrontend, served_by
+
+REPLICA_HEADER = "x-loraserve-replica"
+NO_REPLICA = "ingress"
+
+# the per-engine gauges of ServerMetrics (one engine's, unlabelled) -> (name, documentation,
+# EngineSnapshot attribute); behind the ingress they come per replica instead
+_ENGINE_GAUGES = {"running": ("loraserve_running_requests", "Requests running in the engine", "running"),
+                  "waiting": ("loraserve_waiting_requests", "Requests waiting for admission", "waiting"),
+                  "batch_size": ("loraserve_batch_size", "Sequences in the last engine step", "batch_size"),
+                  "kv_usage": ("loraserve_kv_cache_usage", "Fraction of KV cache blocks in use", "kv_usage"),
+                  "prefix_hit_rate": ("loraserve_prefix_cache_hit_rate", "Prompt tokens found in the "
+                                      "prefix cache / looked up, since start", "prefix_cache_hit_rate")}
+
+
+@dataclass(slots=True)
+class ServerOptions:
+    """build_app's options (the `serve` command's auth, keys and audit flags)."""
+
+    api_key: str | None = None
+    keys: str | None = None
+    metrics_key: str | None = None
+    audit_log: str | None = None
+    max_n: int = 16
+
+
+class ReplicaHeaderMiddleware:
+    """Pure ASGI: set `x-loraserve-replica` on every response from the replicas the request's
+    engine calls went to (frontend.served_by, filled as their streams open)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        replicas: set[str] = set()
+        token = served_by.set(replicas)
+
+        async def send_with_replica(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)[REPLICA_HEADER] = ",".join(sorted(replicas)) or NO_REPLICA
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_replica)
+        finally:
+            served_by.reset(token)
+
+
+class ReplicaEngineGauges(Collector):
+    """ServerMetrics' engine gauges, one series per engine replica (label `replica`)."""
+
+    def __init__(self, frontend: RayEngineFrontend):
+        self.frontend = frontend
+
+    def collect(self):
+        snaps = labelled_snapshots(self.frontend)
+        extra = label_names(snaps) or ["replica"]
+        for name, doc, attr in _ENGINE_GAUGES.values():
+            m = GaugeMetricFamily(name, doc, labels=extra)
+            for labels, snap in snaps:
+                m.add_metric(list(labels.values()), float(getattr(snap, attr)))
+            yield m
+
+
+def ingress_app(frontend: RayEngineFrontend, options: ServerOptions) -> FastAPI:
+    """The single process's app over `frontend`, with per-replica engine gauges on /metrics
+    and the replica header on every response."""
+    app = build_app(frontend, api_key=options.api_key, max_n=options.max_n, keys=options.keys,
+                    metrics_key=options.metrics_key, audit_log=options.audit_log)
+    metrics = app.state.ctx.metrics
+    for attr in _ENGINE_GAUGES:
+        metrics.registry.unregister(getattr(metrics, attr))
+    metrics.register(ReplicaEngineGauges(frontend))
+    app.add_middleware(ReplicaHeaderMiddleware)
+    return app
+
+
+@serve.ingress()
+class Ingress:
+    """The HTTP entry (one replica): routes, auth and tenants as in the single process."""
+
+    def __init__(self, replicas: DeploymentHandle, engine_config: dict, scale: ScaleOutConfig,
+                 options: ServerOptions):
+        self.frontend = RayEngineFrontend(EngineConfig(**engine_config), replicas, scale)
+        self._loraserve_app = ingress_app(self.frontend, options)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return self._loraserve_app
+
+    async def report(self, replica_id: str, snapshot: dict, seen: int, results: dict) -> list:
+        """An engine replica's periodic report (board.ReplicaBoard.report)."""
+        return self.frontend.report(replica_id, snapshot, seen, results)

@@ -1,0 +1,129 @@
+"""An engine replica: one `AsyncEngine` over the server's EngineConfig, catalog read-only, as a
+Ray Serve deployment.
+
+Requests arrive through the ingress's deployment handle with the adapter id as Serve's
+multiplexed model id. `load_adapter` (`@serve.multiplexed`, its capacity the engine's device
+adapter slots) is what tells Serve's router which replica holds which adapter; it is cheap
+(the engine pages the weights in itself, parking the request meanwhile) and evicts nothing
+(the engine's device pool has its own LRU of the same size).
+
+Streams carry plain lists, never engine objects: ["replica", id] first (the ingress's
+x-loraserve-replica header), then ["out", delta] per output delta (engine.wire's form), or
+["error", error] for an error the client is to see (a 4xx/5xx body).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from loraserve.catalog.errors import CatalogError
+
+from ..engine.async_engine import AsyncEngine
+from ..engine.config import EngineConfig
+from ..engine.types import EngineError
+from ..engine.wire import error_to_wire, output_to_wire, request_from_wire, snapshot_to_wire
+from .config import INGRESS_DEPLOYMENT, ScaleOutConfig
+
+log = logging.getLogger(__name__)
+
+
+async def load_adapter(self, adapter_id: str) -> str:
+    """Serve's model "load" for an adapter: nothing to do (the engine pages weights in itself);
+    what matters is that Serve now counts adapter_id as held here."""
+    return adapter_id
+
+
+class EngineReplica:
+    """The deployment class (`replica_class` adds `load_adapter` with its capacity)."""
+
+    async def __init__(self, engine_config: dict, scale: ScaleOutConfig):
+        cfg = EngineConfig(**{**engine_config, "catalog_readonly": True})
+        self.engine = AsyncEngine.from_config(cfg)
+        await self.engine.start()
+        ctx = serve.get_replica_context()
+        self.replica_id = ctx.replica_id.unique_id
+        self.scale = scale
+        self._ingress = serve.get_deployment_handle(INGRESS_DEPLOYMENT, ctx.app_name)
+        self._seen = 0                       # the last broadcast command run
+        self._results: dict[int, list] = {}  # its results, for the next report
+        self._reporter = asyncio.create_task(self._report_loop())
+
+    # -- requests ------------------------------------------------------------------------------
+    async def generate(self, request: dict) -> AsyncIterator[list]:
+        yield ["replica", self.replica_id]
+        adapter_id = serve.get_multiplexed_model_id()
+        if adapter_id:
+            await self.load_adapter(adapter_id)
+        try:
+            async for out in self.engine.generate(request_from_wire(request)):
+                yield ["out", output_to_wire(out)]
+        except (EngineError, CatalogError) as exc:
+            yield ["error", error_to_wire(exc)]
+        except Exception as exc:  # a bug: logged here, a 500 there
+            log.exception("request %s failed", request.get("id"))
+            yield ["error", error_to_wire(exc)]
+
+    # -- control calls from the ingress ----------------------------------------------------------
+    async def info(self) -> dict:
+        """What the ingress checks adapters against (the pool's rank and target kinds)."""
+        mgr = self.engine.adapter_manager
+        limits = mgr.pool.limits if mgr is not None else None
+        return {"replica": self.replica_id, "max_rank": limits.max_rank if limits else 0,
+                "kinds": list(limits.kinds) if limits else []}
+
+    async def warm(self, ref: str) -> list[str]:
+        """Page ref into the CPU tier (after /v1/load_lora_adapter); this replica now holds it."""
+        await self.load_adapter(serve.get_multiplexed_model_id() or ref.split("@", 1)[0])
+        return list(await asyncio.to_thread(self.engine.adapter_manager.warm, ref))
+
+    async def residency(self, key: list[str]) -> str:
+        return self.engine.residency(tuple(key))
+
+    # -- reports to the ingress -----------------------------------------------------------------
+    async def _report_loop(self) -> None:
+        """Every report interval: the snapshot and command results to the ingress; run the
+        commands it hands back. Errors (the ingress restarting, say) are retried next time."""
+        while True:
+            try:
+                sent = self._results
+                self._results = {}
+                commands = await self._ingress.report.remote(
+                    self.replica_id, snapshot_to_wire(self.engine.snapshot), self._seen, sent)
+                for seq, name, args in commands:
+                    await self._run_command(seq, name, args)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("report to the ingress failed: %s", exc)
+            await asyncio.sleep(self.scale.report_interval_s)
+
+    async def _run_command(self, seq: int, name: str, args: list) -> None:
+        if seq <= self._seen:
+            return
+        self._seen = seq
+        try:
+            if name != "unload_adapter":
+                raise EngineError(f"unknown replica command {name!r}", status=500)
+            self._results[seq] = ["ok", await self.engine.unload_adapter(*args)]
+        except Exception as exc:
+            self._results[seq] = ["error", error_to_wire(exc)]
+
+    async def __del__(self) -> None:
+        self._reporter.cancel()
+        await self.engine.shutdown()
+
+
+def replica_class(max_adapters: int) -> type:
+    """EngineReplica with `load_adapter` multiplexed over `max_adapters` adapters per replica
+    (Serve's decorator takes its capacity at class definition; the engine's comes from config)."""
+    load = serve.multiplexed(max_num_models_per_replica=max_adapters)(load_adapter)
+    return type("EngineReplica", (EngineReplica,), {"load_adapter": load})
+
+
+def engine_config_dict(cfg: EngineConfig) -> dict:
+    """The EngineConfig as plain values (what travels to the replicas)."""
+    return dataclasses.asdict(cfg)
