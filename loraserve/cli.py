@@ -37,6 +37,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="run the engine on a thread of the API server's process (debugging) instead "
                         "of in its own engine-core process")
     p.add_argument("--log-level", default="info")
+    from .ray_serve.config import add_arguments as add_scale_out  # no Ray import
+    add_scale_out(p)
     p.set_defaults(func=_serve)
 
 
@@ -114,6 +116,8 @@ def _serve(args: argparse.Namespace) -> int:
     from .server.app import run_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .ray_serve.config import from_args as scale_out
+    scale = scale_out(args)  # None: one engine; bad --replicas values stop here
     if args.keys:
         from .keys import load_keys
         load_keys(args.keys)  # a bad keys file stops here, before the model loads
@@ -125,6 +129,12 @@ def _serve(args: argparse.Namespace) -> int:
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
                if hasattr(args, f.name)}  # the dests of _add_engine_options
     cfg = EngineConfig(model_dir=model, catalog_dir=catalog, **options)
+    if scale is not None:  # Ray Serve: N engine replicas behind the same app
+        from .ray_serve.config import ServerOptions
+        from .ray_serve.launch import run
+        run(cfg, scale, ServerOptions(api_key=args.api_key or None, keys=args.keys,
+                                      metrics_key=args.metrics_key, audit_log=args.audit_log))
+        return 0
     engine = AsyncEngine.from_config(cfg) if args.single_process else CoreClient(cfg)
     run_server(engine, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level.lower(),
                keys=args.keys, metrics_key=args.metrics_key, audit_log=args.audit_log)

@@ -11,7 +11,6 @@ import shutil
 import socket
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -42,8 +41,7 @@ def demo(tmp_path_factory) -> DemoPaths:
 
 @pytest.fixture(scope="module")
 def server(demo: DemoPaths, tmp_path_factory) -> Iterator[str]:
-    from loraserve.ray_serve.config import ScaleOutConfig
-    from loraserve.ray_serve.ingress import ServerOptions
+    from loraserve.ray_serve.config import ScaleOutConfig, ServerOptions
     from loraserve.ray_serve.launch import start
 
     catalog = tmp_path_factory.mktemp("ray-catalog") / "catalog"

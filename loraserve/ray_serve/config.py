@@ -1,6 +1,9 @@
-"""How `loraserve serve --replicas N` lays the server out on Ray Serve (no Ray import here)."""
+"""How `loraserve serve --replicas N` lays the server out on Ray Serve, and its command-line
+options (no Ray import here: `loraserve` without --replicas never imports Ray)."""
 from __future__ import annotations
 
+import argparse
+import importlib.util
 from dataclasses import dataclass
 
 from loraserve.engine.config import EngineConfig
@@ -63,8 +66,48 @@ class ScaleOutConfig:
         return 0.0
 
 
-def replica_capacity(cfg: EngineConfig) -> dict[str, int]:
-    """Serve's per-replica bounds from the engine's: requests in flight on a replica follow its
-    batch (`max_batch_size`; more wait in Serve's router, where they can still be routed to
-    another replica), adapters it is said to hold follow its device pool (`max_gpu_adapters`)."""
-    return {"max_ongoing_requests": cfg.max_batch_size, "max_adapters": cfg.max_gpu_adapters}
+@dataclass(slots=True)
+class ServerOptions:
+    """build_app's options (the `serve` command's auth, keys and audit flags)."""
+
+    api_key: str | None = None
+    keys: str | None = None
+    metrics_key: str | None = None
+    audit_log: str | None = None
+    max_n: int = 16
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`serve`'s scale-out options."""
+    g = p.add_argument_group("scale out on Ray Serve (needs the extra: pip install 'loraserve[ray]')")
+    g.add_argument("--replicas", type=int, metavar="N",
+                   help="serve with N >= 2 engine replicas on Ray Serve behind one ingress, requests "
+                        "routed to the replicas holding their adapter (default: one engine, no Ray)")
+    g.add_argument("--ray-address", metavar="ADDR",
+                   help="join this Ray cluster (HEAD_IP:6379, or auto on a cluster node; default: "
+                        "start a local Ray and stop it with the server)")
+    g.add_argument("--ray-num-cpus", type=int, metavar="N",
+                   help="CPUs of the local Ray (default: all of this machine's)")
+    g.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="CPUs each engine replica reserves (default: 1)")
+    g.add_argument("--replica-gpus", type=float,
+                   help="GPUs each engine replica reserves (default: 1 when the engine runs on "
+                        "CUDA, else 0)")
+
+
+def from_args(args: argparse.Namespace) -> ScaleOutConfig | None:
+    """The ScaleOutConfig `serve`'s options ask for; None without --replicas (ValueError for
+    bad values, before anything loads)."""
+    if args.replicas is None:
+        for flag in ("ray_address", "ray_num_cpus", "replica_gpus"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --replicas")
+        return None
+    if args.single_process:
+        raise ValueError("--replicas and --single-process exclude each other")
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError("--replicas serves on Ray Serve, which is not installed: "
+                         "pip install 'loraserve[ray]'")
+    return ScaleOutConfig(replicas=args.replicas, ray_address=args.ray_address,
+                          num_cpus=args.ray_num_cpus, replica_cpus=args.replica_cpus,
+                          replica_gpus=args.replica_gpus, host=args.host, port=args.port)

@@ -7,8 +7,6 @@ involved (an error found before any was asked, /metrics, /health, listings).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from fastapi import FastAPI
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -20,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..engine.config import EngineConfig
 from ..server.app import build_app
 from ..server.router_metrics import labelled_snapshots, label_names
-from .config import ScaleOutConfig
+from .config import ScaleOutConfig, ServerOptions
 from .frontend import RayEngineFrontend, served_by
 
 REPLICA_HEADER = "x-loraserve-replica"
@@ -34,17 +32,6 @@ _ENGINE_GAUGES = {"running": ("loraserve_running_requests", "Requests running in
                   "kv_usage": ("loraserve_kv_cache_usage", "Fraction of KV cache blocks in use", "kv_usage"),
                   "prefix_hit_rate": ("loraserve_prefix_cache_hit_rate", "Prompt tokens found in the "
                                       "prefix cache / looked up, since start", "prefix_cache_hit_rate")}
-
-
-@dataclass(slots=True)
-class ServerOptions:
-    """build_app's options (the `serve` command's auth, keys and audit flags)."""
-
-    api_key: str | None = None
-    keys: str | None = None
-    metrics_key: str | None = None
-    audit_log: str | None = None
-    max_n: int = 16
 
 
 class ReplicaHeaderMiddleware:

@@ -16,8 +16,8 @@ from ray import serve
 from ray.serve.config import HTTPOptions
 
 from ..engine.config import EngineConfig
-from .config import INGRESS_DEPLOYMENT, REPLICA_DEPLOYMENT, ScaleOutConfig
-from .ingress import Ingress, ServerOptions
+from .config import INGRESS_DEPLOYMENT, REPLICA_DEPLOYMENT, ScaleOutConfig, ServerOptions
+from .ingress import Ingress
 from .replica import engine_config_dict, replica_class
 
 log = logging.getLogger(__name__)

@@ -146,11 +146,14 @@ def test_random_workload_keeps_the_books_balanced(ops):
                 live.append(seq)
         elif live:
             seq = live[which % len(live)]
-            if op == "grow" and bm.can_append(seq):
-                seq.output_ids.append(7)
-                bm.allocate(seq)
-                seq.num_cached = len(seq)
-                bm.commit([seq])
+            if op == "grow":
+                seq.output_ids.append(7)  # as in decode: the new token is in seq, its K/V not yet
+                if bm.can_append(seq):
+                    bm.allocate(seq)
+                    seq.num_cached = len(seq)
+                    bm.commit([seq])
+                else:
+                    seq.output_ids.pop()
             elif op in ("free", "preempt"):
                 bm.free(seq)
                 live.remove(seq)

@@ -1,0 +1,224 @@
+"""The scale-out pieces that need no Ray cluster: command-line options, the replica board, and
+the ingress facade's stream handling (retry before the first output, clean 503 after it)
+against a stand-in deployment handle. Without Ray installed, the facade tests skip."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from loraserve.cli import build_parser
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.snapshot import EngineSnapshot
+from loraserve.engine.types import EngineError, GenerateRequest, RequestOutput, SamplingParams
+from loraserve.engine.wire import error_to_wire, output_to_wire
+from loraserve.ray_serve.board import ReplicaBoard, merged
+from loraserve.ray_serve.config import ScaleOutConfig, from_args
+
+
+def _serve_args(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_scale_out_options() -> None:
+    assert from_args(_serve_args()) is None
+    scale = from_args(_serve_args("--replicas", "3", "--ray-num-cpus", "4", "--port", "9000"))
+    assert (scale.replicas, scale.num_cpus, scale.port, scale.host) == (3, 4, 9000, "127.0.0.1")
+    for argv, message in [(["--replicas", "1"], ">= 2"),
+                          (["--ray-address", "auto"], "needs --replicas"),
+                          (["--replicas", "2", "--single-process"], "exclude"),
+                          (["--replicas", "2", "--ray-address", "auto", "--ray-num-cpus", "2"],
+                           "local Ray")]:
+        with pytest.raises(ValueError, match=message):
+            from_args(_serve_args(*argv))
+
+
+def test_replica_gpus_follow_the_engine_device() -> None:
+    scale = ScaleOutConfig(replicas=2)
+    assert scale.gpus_per_replica(EngineConfig(model_dir="m", device="cuda")) == 1.0
+    assert scale.gpus_per_replica(EngineConfig(model_dir="m", device="cpu")) == 0.0
+    assert ScaleOutConfig(replicas=2, replica_gpus=0.5).gpus_per_replica(
+        EngineConfig(model_dir="m", device="cuda")) == 0.5
+
+
+def test_plain_serve_never_imports_ray() -> None:
+    probe = ("import sys; from loraserve.cli import build_parser; "
+             "from loraserve.ray_serve.config import from_args; import loraserve.server.app; "
+             "from_args(build_parser().parse_args(['serve'])); print('ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+# -- the replica board --------------------------------------------------------------------------
+
+def test_board_keeps_fresh_snapshots_and_forgets_silent_replicas(monkeypatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr("loraserve.ray_serve.board.time.monotonic", lambda: clock[0])
+    board = ReplicaBoard(stale_after_s=5.0)
+    board.report("a", EngineSnapshot(running=1), 0, {})
+    board.report("b", EngineSnapshot(running=2, waiting_adapters=("t/x@r2",)), 0, {})
+    assert set(board.live()) == {"a", "b"}
+    clock[0] += 4
+    board.report("a", EngineSnapshot(running=3), 0, {})
+    clock[0] += 2
+    assert set(board.live()) == {"a"} and board.lost == 1
+
+
+def test_board_broadcast_waits_for_every_live_replica() -> None:
+    async def scenario():
+        board = ReplicaBoard(stale_after_s=5.0)
+        board.report("a", EngineSnapshot(), 0, {})
+        board.report("b", EngineSnapshot(), 0, {})
+        call = asyncio.ensure_future(board.broadcast("unload_adapter", ["t/x"], timeout_s=5))
+        await asyncio.sleep(0)
+        [[seq, name, args]] = board.report("a", EngineSnapshot(), 0, {})
+        assert (name, args) == ("unload_adapter", ["t/x"])
+        assert board.report("a", EngineSnapshot(), seq, {seq: ["ok", 2]}) == []
+        assert not call.done()
+        board.report("b", EngineSnapshot(), 0, {seq: ["ok", 1]})
+        return await call
+
+    assert asyncio.run(scenario()) == {"a": 2, "b": 1}
+
+
+def test_board_broadcast_raises_a_replica_error() -> None:
+    async def scenario():
+        board = ReplicaBoard()
+        board.report("a", EngineSnapshot(), 0, {})
+        call = asyncio.ensure_future(board.broadcast("unload_adapter", ["t/x"], timeout_s=5))
+        await asyncio.sleep(0)
+        err = error_to_wire(EngineError("nope", status=404, code="not_found"))
+        board.report("a", EngineSnapshot(), 1, {1: ["error", err]})
+        return await call
+
+    with pytest.raises(EngineError, match="nope") as info:
+        asyncio.run(scenario())
+    assert info.value.status == 404
+
+
+def test_merged_snapshot_sums_and_unites() -> None:
+    snap = merged([EngineSnapshot(running=1, waiting=2, kv_usage=0.2, running_adapters=("t/a",),
+                                  resident=frozenset({("t/a", "r1")}), max_lora=2),
+                   EngineSnapshot(running=3, kv_usage=0.4, running_adapters=("t/b@r2",),
+                                  resident=frozenset({("t/b", "r2")}), max_lora=2)])
+    assert (snap.running, snap.waiting, snap.max_lora) == (4, 2, 4)
+    assert snap.kv_usage == pytest.approx(0.3)
+    assert snap.running_adapters == ("t/a", "t/b@r2") and snap.resident_ids() == ["t/a", "t/b"]
+    assert merged([]) == EngineSnapshot()
+
+
+# -- the ingress facade's streams ---------------------------------------------------------------
+
+class FakeStream:
+    """What `handle.generate.remote()` returns: items, then maybe an exception."""
+
+    def __init__(self, items: list, error: BaseException | None = None):
+        self.items, self.error, self.cancelled = list(items), error, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.items:
+            return self.items.pop(0)
+        if self.error is not None:
+            raise self.error
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeHandle:
+    def __init__(self, streams: list[FakeStream]):
+        self.streams, self.calls = streams, []
+        self.generate = SimpleNamespace(remote=self._remote)
+
+    def options(self, **kw):
+        self.calls.append(kw)
+        return self
+
+    def _remote(self, wire: dict) -> FakeStream:
+        return self.streams.pop(0)
+
+
+def _delta(text: str, finish: str | None = None) -> list:
+    return ["out", output_to_wire(RequestOutput("r-1", [1], text, finish_reason=finish))]
+
+
+@pytest.fixture()
+def frontend_for(demo_dense):
+    pytest.importorskip("ray")
+    from loraserve.ray_serve.frontend import RayEngineFrontend
+
+    def make(streams: list[FakeStream]):
+        front = RayEngineFrontend(EngineConfig(model_dir=str(demo_dense)), FakeHandle(streams),
+                                  ScaleOutConfig(replicas=2))
+        front._started = True
+        return front
+
+    return make
+
+
+async def _collect(front, served: set[str] | None = None) -> list[str]:
+    from loraserve.ray_serve.frontend import served_by
+
+    served_by.set(served)
+    req = GenerateRequest("r-1", [1, 2], SamplingParams(max_tokens=2))
+    return [out.text async for out in front.generate(req)]
+
+
+def test_a_replica_lost_before_the_first_output_is_retried(frontend_for) -> None:
+    from ray.exceptions import ActorDiedError
+
+    first = FakeStream([["replica", "a"]], ActorDiedError())
+    second = FakeStream([["replica", "b"], _delta("x"), _delta("y", "stop")])
+    front = frontend_for([first, second])
+    served: set[str] = set()
+    assert asyncio.run(_collect(front, served)) == ["x", "y"]
+    assert first.cancelled and not second.cancelled
+    assert served == {"a", "b"}
+    assert front.replicas.calls[0] == {"stream": True, "multiplexed_model_id": ""}
+
+
+def test_a_replica_lost_mid_stream_is_one_clean_503(frontend_for) -> None:
+    from ray.exceptions import ActorDiedError
+
+    front = frontend_for([FakeStream([["replica", "a"], _delta("x")], ActorDiedError())])
+    with pytest.raises(EngineError) as info:
+        asyncio.run(_collect(front))
+    assert (info.value.status, info.value.code) == (503, "engine_unavailable")
+
+
+def test_errors_from_the_replica_keep_their_status(frontend_for) -> None:
+    err = error_to_wire(EngineError("too long", status=400, param="max_tokens"))
+    front = frontend_for([FakeStream([["replica", "a"], ["error", err]])])
+    with pytest.raises(EngineError) as info:
+        asyncio.run(_collect(front))
+    assert (info.value.status, info.value.param) == (400, "max_tokens")
+
+
+def test_a_full_deployment_is_a_429(frontend_for) -> None:
+    from ray.serve.exceptions import BackPressureError
+
+    front = frontend_for([FakeStream([], BackPressureError(num_queued_requests=8, max_queued_requests=8))])
+    with pytest.raises(EngineError) as info:
+        asyncio.run(_collect(front))
+    assert info.value.status == 429
+
+
+def test_closing_a_stream_early_cancels_the_replica_call(frontend_for) -> None:
+    stream = FakeStream([["replica", "a"], _delta("x"), _delta("y"), _delta("z", "stop")])
+    front = frontend_for([stream])
+
+    async def first_only():
+        it = front.generate(GenerateRequest("r-1", [1, 2], SamplingParams(max_tokens=2)))
+        out = await it.__anext__()
+        await it.aclose()
+        return out.text
+
+    assert asyncio.run(first_only()) == "x" and stream.cancelled
