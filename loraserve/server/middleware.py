@@ -1,7 +1,7 @@
-"""Pure ASGI middleware (streaming-safe): body size limit, API-key check, per-status counting."""
+"""Pure ASGI middleware (streaming-safe): body size limit and per-status counting (keys and
+tenants: tenancy.py)."""
 from __future__ import annotations
 
-import hmac
 import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -16,31 +16,6 @@ API_PREFIXES = (API_PREFIX, "/oai/", "/api/v1/")
 
 def _is_api(scope: Scope) -> bool:
     return scope["type"] == "http" and scope["path"].startswith(API_PREFIXES)
-
-
-class ApiKeyMiddleware:
-    """Require `Authorization: Bearer <api_key>` on /v1/* as vLLM does; /health, /metrics stay open.
-
-    The check runs before the body is read, so a client without the key learns nothing else.
-    """
-
-    def __init__(self, app: ASGIApp, api_key: str):
-        if not api_key:
-            raise ValueError("api_key must be a non-empty string")
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not _is_api(scope) or scope.get("method") == "OPTIONS":
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self._expected):
-            await self.app(scope, receive, send)
-            return
-        error = APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
-                         code="invalid_api_key")
-        await _send_json(send, 401, error.body())
 
 
 def too_large(max_bytes: int) -> APIError:
