@@ -157,10 +157,10 @@ class Shard:
             self._check()
             if not create and not self.exists():
                 return False
-            self._open_env()
-            return True
+            return self._open_env()
 
-    def _open_env(self) -> None:
+    def _open_env(self) -> bool:
+        """Open and check the env; False when a read-only open finds no dbs yet (empty for now)."""
         o = self.options
         try:
             env = lmdb.open(
@@ -179,11 +179,17 @@ class Shard:
             if not o.readonly:
                 env.reader_check()  # drop reader slots of killed processes
             # no explicit txn: a handle opened inside a read txn dies with that txn
-            self._dbs = Dbs(*(env.open_db(n, create=not o.readonly) for n in DB_NAMES))
+            dbs = Dbs(*(env.open_db(n, create=not o.readonly) for n in DB_NAMES))
+        except lmdb.NotFoundError:
+            # read-only, and the shard's creator (another process) has not committed its first
+            # txn: nothing to read yet; the next read opens again
+            env.close()
+            return False
         except BaseException:
             env.close()
             raise
-        self._env, self._psize, self._ident = env, psize, (st.st_dev, st.st_ino)
+        self._env, self._dbs, self._psize, self._ident = env, dbs, psize, (st.st_dev, st.st_ino)
+        return True
 
     def _begin(self, write: bool) -> lmdb.Transaction:
         try:

@@ -31,8 +31,9 @@ from pathlib import Path
 
 import lmdb
 
+from .shardfile import DATA_FILE
 from .shards import CATALOG_META, DB_NAMES, shard_dirname
-from .store import Catalog
+from .store import Catalog, read_catalog_meta
 
 STATE_FILE = "sync-state.json"
 SMALL_DBS = ("policy", "revision", "meta")
@@ -135,23 +136,35 @@ def snapshot_catalog(src_dir: str | Path, out_dir: str | Path) -> list[int]:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / CATALOG_META).write_bytes((src_dir / CATALOG_META).read_bytes())
     copied = []
-    with Catalog.open(src_dir, readonly=True) as src, Catalog.open(out_dir, readonly=True) as old:
-        for i in range(src.shards):
-            txn_id = _txn_id(src, i)
-            if txn_id is None or _txn_id(old, i) == txn_id:
-                continue
-            old.shard(i).close()
-            target = out_dir / shard_dirname(i)
+    for i in range(int(read_catalog_meta(src_dir)["shards"])):
+        source, target = src_dir / shard_dirname(i), out_dir / shard_dirname(i)
+        if not (source / DATA_FILE).is_file():
+            continue
+        env = lmdb.open(str(source), readonly=True, max_dbs=len(DB_NAMES))
+        try:
+            with env.begin() as txn:
+                if _file_txn_id(target) == txn.id():
+                    continue
             target.mkdir(exist_ok=True)
             for f in target.iterdir():
                 f.unlink()
-            env = lmdb.open(str(src_dir / shard_dirname(i)), readonly=True, max_dbs=len(DB_NAMES))
-            try:
-                env.copy(str(target))  # not compact: a compacted copy restarts the txn ids
-            finally:
-                env.close()
-            copied.append(i)
+            env.copy(str(target))  # not compact: a compacted copy restarts the txn ids
+        finally:
+            env.close()
+        copied.append(i)
     return copied
+
+
+def _file_txn_id(shard_dir: Path) -> int | None:
+    """The last transaction id of the env in shard_dir; None when there is none."""
+    if not (shard_dir / DATA_FILE).is_file():
+        return None
+    env = lmdb.open(str(shard_dir), readonly=True, max_dbs=len(DB_NAMES), lock=False)
+    try:
+        with env.begin() as txn:
+            return txn.id()
+    finally:
+        env.close()
 
 
 def main(argv: list[str] | None = None) -> int:

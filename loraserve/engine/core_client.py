@@ -25,14 +25,14 @@ import zmq.asyncio
 
 from loraserve.catalog.store import Catalog
 
-from ..adapters.manager import AdapterNotServable, describe_adapter, resolve_servable
+from ..adapters.manager import describe_adapter, resolve_servable
 from ..adapters.pool import PoolLimits
 from ..adapters.stats import CacheStats, PagerStats, PoolStats
 from ..model.config import ModelConfig
 from ..tokenizer import Tokenizer
 from .config import EngineConfig
 from .core import run_core
-from .frontend import EngineFrontend
+from .frontend import EngineFrontend, resolve_with
 from .snapshot import EngineSnapshot
 from .types import EngineError, GenerateRequest
 from .wire import (error_from_wire, output_from_wire, pack, request_to_wire, snapshot_from_wire,
@@ -248,13 +248,7 @@ class CoreClient(EngineFrontend):
 
     # -- EngineFrontend -------------------------------------------------------------------------
     def _resolve(self, ref: str):
-        if self.adapter_manager is None:
-            raise EngineError(f"adapter {ref!r} asked for, but this server has no adapter catalog "
-                              "(start it with --catalog)", status=404, code="model_not_found", param="model")
-        try:
-            return self.adapter_manager.resolve(ref)
-        except AdapterNotServable as exc:
-            raise EngineError(str(exc), status=400, param="model") from exc
+        return resolve_with(self.adapter_manager, ref)
 
     def _submit(self, req: GenerateRequest, record) -> None:
         if self._sock is None:

@@ -12,9 +12,22 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
+from ..adapters.manager import AdapterNotServable
 from .config import EngineConfig
 from .snapshot import EngineSnapshot
 from .types import EngineError, GenerateRequest, RequestOutput
+
+
+def resolve_with(adapters, ref: str):
+    """The RevisionRecord `ref` names, through `adapters` (an AdapterManager or the remote view of
+    one; None = no catalog). A catalog read. Raises catalog errors, or EngineError 400/404."""
+    if adapters is None:
+        raise EngineError(f"adapter {ref!r} asked for, but this server has no adapter catalog "
+                          "(start it with --catalog)", status=404, code="model_not_found", param="model")
+    try:
+        return adapters.resolve(ref)
+    except AdapterNotServable as exc:
+        raise EngineError(str(exc), status=400, param="model") from exc
 
 
 class EngineFrontend(ABC):

@@ -14,13 +14,13 @@ import time
 
 import torch
 
-from ..adapters.manager import AdapterNotServable
 from ..model.config import ModelConfig
 from ..model.loader import load_model, resolve_dtype
 from ..tokenizer import Tokenizer
 from .attention import KVCache
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .frontend import resolve_with
 from .model_runner import ModelRunner, StepResult
 from .output import OutputProcessor
 from .sampler import sample, token_logprobs
@@ -104,15 +104,7 @@ class LLMEngine:
     def resolve_adapter(self, ref: str | None):
         """'tenant/name[@rev]' -> the RevisionRecord a request runs on; None = base only.
         A catalog read. Raises catalog errors, or EngineError 400/404."""
-        if ref is None:
-            return None
-        if self.adapters is None:
-            raise EngineError(f"adapter {ref!r} asked for, but this server has no adapter catalog "
-                              "(start it with --catalog)", status=404, code="model_not_found", param="model")
-        try:
-            return self.adapters.resolve(ref)
-        except AdapterNotServable as exc:
-            raise EngineError(str(exc), status=400, param="model") from exc
+        return None if ref is None else resolve_with(self.adapters, ref)
 
     def make_sequence(self, req: GenerateRequest, record=None) -> Sequence:
         gen = torch.Generator().manual_seed(req.params.seed) if req.params.seed is not None else None

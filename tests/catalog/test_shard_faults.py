@@ -111,6 +111,20 @@ def test_zero_length_file_is_a_shard_never_initialized(filled):
             cat.policy(by_shard[2][0])
 
 
+def test_read_only_open_before_the_first_commit_is_empty(tmp_path):
+    """A reader (another process, read-only) may open a shard its creator has initialized but not
+    yet committed to: no named dbs yet. That shard is empty for now, then serves once written."""
+    import lmdb
+
+    Catalog.create(tmp_path / "cat", shards=1).close()
+    lmdb.open(str(tmp_path / "cat" / "shard-000"), max_dbs=4).close()  # initialized, nothing committed
+    with Catalog.open(tmp_path / "cat", readonly=True) as ro:
+        assert ro.stats()["adapters"] == 0 and ro.list() == []
+        with Catalog.open(tmp_path / "cat") as rw:
+            rw.put_revision("acme/x", blob(1))
+        assert [p.adapter_id for p in ro.list()] == ["acme/x"]
+
+
 def test_catalog_dir_removed_under_open_catalog(filled, tmp_path):
     cat_dir, by_shard, blobs = filled
     with Catalog.open(cat_dir) as cat:
