@@ -7,6 +7,14 @@ adapter drawn `uniform`ly or `zipf:S` (the i-th adapter listed has weight 1/i^S)
 (its promoted adapters) or `--adapters FILE` (one model reference per line). The report: ok / errors,
 req/s, output tokens/s, TTFT and end-to-end p50/p90/p99, and the server's per-tier adapter hit rates
 over the run, from the `loraserve_adapter_{hits,misses}_total{tier=...}` counters on `/metrics`.
+
+The generator must not be what limits the rate: by default (`--client raw`) it speaks HTTP/1.1
+over asyncio itself (loraserve/loadgen/client.py: httptools, orjson, uvloop when installed);
+`--client httpx` is the general-purpose client it replaced, kept for comparison; `--client wrk`
+drives wrk (closed loop only, no TTFT) and falls back to the built-in client when wrk is not
+installed. `--report DIR` also writes DIR/report.html (throughput, latency and TTFT CDFs, tier hit
+rates, page-ins, resident adapters and server memory over time, from /metrics scraped every
+`--scrape-interval` seconds, errors by kind) and DIR/summary.json (the same numbers).
 """
 from __future__ import annotations
 
@@ -15,15 +23,23 @@ import asyncio
 import dataclasses
 import json
 import random
+import resource
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import httptools
 import httpx
 import numpy as np
+import orjson
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
+from loraserve.loadgen.client import HTTPClient
+from loraserve.loadgen.timeline import MetricsTimeline
+
+CLIENTS = ("raw", "httpx", "wrk")
 HIT_METRIC, MISS_METRIC = "loraserve_adapter_hits_total", "loraserve_adapter_misses_total"
 WORDS = ("the", "adapter", "serves", "many", "tenants", "with", "one", "base", "model", "today",
          "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "and", "then", "rests")
@@ -50,6 +66,10 @@ class LoadTestConfig:
     timeout: float = 120.0
     seed: int = 0
     progress: bool = True
+    client: str = "raw"  # "raw" (built-in HTTP/1.1), "httpx", or "wrk" (closed loop, if installed)
+    report_dir: str | None = None  # write report.html and summary.json here
+    scrape_interval: float = 1.0  # seconds between /metrics scrapes for the report's timelines
+    wrk_threads: int = 1
     zipf_s: float | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -67,6 +87,13 @@ class LoadTestConfig:
             raise ValueError(f"--max-requests must be >= 1, got {self.max_requests}")
         if not self.model_field:
             raise ValueError("--model-field must name a request field")
+        if self.client not in CLIENTS:
+            raise ValueError(f"--client must be one of {', '.join(CLIENTS)}, got {self.client!r}")
+        if self.client == "wrk" and (self.rate is not None or self.max_requests is not None):
+            raise ValueError("--client wrk runs a closed loop for a duration: use --concurrency, not "
+                             "--rate or --requests")
+        if not self.scrape_interval > 0 or self.wrk_threads < 1:
+            raise ValueError("--scrape-interval and --wrk-threads must be positive")
         self.zipf_s = _parse_dist(self.dist)
 
 
@@ -93,6 +120,7 @@ class Sample:
     ttft: float | None = None
     output_tokens: int = 0
     error: str | None = None  # "http 404", "ReadTimeout", ...
+    start: float = 0.0  # seconds from the start of the run
 
 
 class _Workload:
@@ -126,7 +154,7 @@ class _Workload:
 
 
 async def _request(client: httpx.AsyncClient, body: dict) -> Sample:
-    """Stream one completion, timing the first text and the end."""
+    """Stream one completion with httpx (`--client httpx`), timing the first text and the end."""
     start = time.perf_counter()
     ttft, chunks, usage = None, 0, None
     try:
@@ -148,6 +176,71 @@ async def _request(client: httpx.AsyncClient, body: dict) -> Sample:
         return Sample(False, time.perf_counter() - start, error=type(e).__name__)
     e2e = time.perf_counter() - start
     return Sample(True, e2e, ttft if ttft is not None else e2e, usage if usage is not None else chunks)
+
+
+class _Events:
+    """The sink of one streamed response (built-in client): SSE events parsed as they arrive."""
+
+    __slots__ = ("start", "buf", "ttft", "chunks", "usage", "error")
+
+    def __init__(self, start: float):
+        self.start = start
+        self.buf = b""
+        self.ttft: float | None = None
+        self.chunks = 0
+        self.usage: int | None = None
+        self.error: str | None = None
+
+    def feed(self, data: bytes) -> None:
+        buf = self.buf + data
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")
+        *events, self.buf = buf.split(b"\n\n")
+        for event in events:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    self._data(line[5:].strip())
+
+    def _data(self, payload: bytes) -> None:
+        if payload == b"[DONE]" or self.error is not None:
+            return
+        try:
+            event = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            self.error = "JSONDecodeError"
+            return
+        if "error" in event:
+            self.error = "stream error"
+            return
+        usage = event.get("usage")
+        if usage:
+            self.usage = usage.get("completion_tokens", self.usage)
+        if any(c.get("text") for c in event.get("choices", ())):
+            self.chunks += 1
+            if self.ttft is None:
+                self.ttft = time.perf_counter() - self.start
+
+    def finish(self) -> None:
+        if self.buf.strip():
+            self.feed(b"\n\n")
+
+
+async def _request_raw(client: HTTPClient, data: bytes) -> Sample:
+    """Stream one completion with the built-in client (`data`: the prebuilt request)."""
+    start = time.perf_counter()
+    events = _Events(start)
+    try:
+        status = await client.request(data, events.feed)
+    except (OSError, httptools.HttpParserError) as e:  # refused, reset, timed out, garbled
+        return Sample(False, time.perf_counter() - start, error=type(e).__name__)
+    e2e = time.perf_counter() - start
+    if status != 200:
+        return Sample(False, e2e, error=f"http {status}")
+    events.finish()
+    if events.error is not None:
+        return Sample(False, e2e, error=events.error)
+    ttft = events.ttft if events.ttft is not None else e2e
+    return Sample(True, e2e, ttft, events.usage if events.usage is not None else events.chunks)
 
 
 async def _scrape(client: httpx.AsyncClient) -> dict[str, dict[str, float]] | None:
@@ -178,10 +271,12 @@ async def _base_model(client: httpx.AsyncClient) -> str:
     return bases[0]
 
 
-async def _drive(client: httpx.AsyncClient, work: _Workload, record) -> None:
-    """Send requests until the deadline (or request budget), open or closed loop; await them all."""
+async def _drive(send, work: _Workload, record) -> None:
+    """Send requests until the deadline (or request budget), open or closed loop; await them all.
+    `send(adapter, prompt)` makes one request and returns its Sample."""
     cfg = work.cfg
-    deadline = time.perf_counter() + cfg.duration
+    t0 = time.perf_counter()
+    deadline = t0 + cfg.duration
     budget = [cfg.max_requests if cfg.max_requests is not None else float("inf")]
 
     def take() -> bool:
@@ -191,7 +286,10 @@ async def _drive(client: httpx.AsyncClient, work: _Workload, record) -> None:
         return True
 
     async def one() -> None:
-        record(await _request(client, work.body(*work.draw())))
+        start = time.perf_counter() - t0
+        sample = await send(*work.draw())
+        sample.start = start
+        record(sample)
 
     if cfg.concurrency is not None:
         async def client_loop() -> None:
@@ -209,36 +307,137 @@ async def _drive(client: httpx.AsyncClient, work: _Workload, record) -> None:
     await asyncio.gather(*tasks)
 
 
+def _sender(cfg: LoadTestConfig, work: _Workload, headers: dict[str, str]):
+    """(send(adapter, prompt) -> Sample, the client to close) for the configured client."""
+    if cfg.client == "httpx":
+        # idle connections expire well before the server drops them (uvicorn: 5 s by default)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
+        client = httpx.AsyncClient(base_url=cfg.url.rstrip("/"), headers=headers, timeout=cfg.timeout,
+                                   limits=limits)
+
+        async def send_httpx(adapter, prompt):
+            return await _request(client, work.body(adapter, prompt))
+        return send_httpx, client
+    raw = HTTPClient(cfg.url, headers, timeout=cfg.timeout)
+
+    async def send_raw(adapter, prompt):
+        return await _request_raw(raw, raw.build("POST", "/v1/completions",
+                                                 orjson.dumps(work.body(adapter, prompt))))
+    return send_raw, raw
+
+
+class _CPU:
+    """CPU seconds this process (all its threads) and its finished children spent since start."""
+
+    def __init__(self) -> None:
+        self.t0 = time.process_time()
+        self.c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+
+    def spent(self) -> float:
+        c = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.process_time() - self.t0 + (c.ru_utime - self.c0.ru_utime) + (c.ru_stime - self.c0.ru_stime)
+
+
 async def _run(cfg: LoadTestConfig) -> dict:
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    # idle connections expire well before the server drops them (uvicorn: 5 s by default)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
-    async with httpx.AsyncClient(base_url=cfg.url.rstrip("/"), headers=headers,
-                                 timeout=cfg.timeout, limits=limits) as client:
+    if cfg.client == "wrk":
+        from loraserve.loadgen.wrk import find_wrk
+        if find_wrk() is None:
+            print("loadtest: wrk is not installed; using the built-in client", file=sys.stderr)
+            cfg = dataclasses.replace(cfg, client="raw")
+    async with httpx.AsyncClient(base_url=cfg.url.rstrip("/"), headers=headers, timeout=cfg.timeout) as meta:
         if cfg.base_model is None and (not cfg.adapters or cfg.model_field != "model"):
-            cfg = dataclasses.replace(cfg, base_model=await _base_model(client))
+            cfg = dataclasses.replace(cfg, base_model=await _base_model(meta))
         work = _Workload(cfg)
-        samples: list[Sample] = []
-        bar = tqdm(total=cfg.max_requests, unit="req", disable=not cfg.progress, desc="loadtest")
+        before = await _scrape(meta)
+        start = time.perf_counter()
+        timeline = MetricsTimeline(meta, cfg.scrape_interval, t0=start) if cfg.report_dir else None
+        scraper = asyncio.ensure_future(timeline.run()) if timeline is not None else None
+        cpu = _CPU()
+        try:
+            if cfg.client == "wrk":
+                result, samples = await _drive_wrk(cfg, work, headers), None
+            else:
+                result, samples = None, await _drive_client(cfg, work, headers)
+            wall = time.perf_counter() - start
+            cpu_s = cpu.spent()
+        finally:
+            if scraper is not None:
+                scraper.cancel()
+                await asyncio.gather(scraper, return_exceptions=True)
+        if timeline is not None:
+            await timeline.scrape_once()  # the state at the end
+        after = await _scrape(meta)
+    if samples is None:
+        report = summarize_wrk(cfg, result, wall, before, after)
+    else:
+        report = summarize(cfg, samples, wall, before, after)
+    report["generator_cpu_s"] = cpu_s
+    report["generator_cpu_us_per_request"] = 1e6 * cpu_s / report["requests"] if report["requests"] else None
+    if cfg.report_dir:
+        _write_report(cfg, report, samples, timeline, result)
+    return report
 
-        def record(sample: Sample) -> None:
-            samples.append(sample)
+
+async def _drive_client(cfg: LoadTestConfig, work: _Workload, headers: dict[str, str]) -> list[Sample]:
+    send, client = _sender(cfg, work, headers)
+    samples: list[Sample] = []
+    bar = tqdm(total=cfg.max_requests, unit="req", disable=not cfg.progress, desc="loadtest")
+
+    def record(sample: Sample) -> None:
+        samples.append(sample)
+        bar.update(1)
+
+    try:
+        await _drive(send, work, record)
+    finally:
+        bar.close()
+        await client.aclose()
+    return samples
+
+
+async def _drive_wrk(cfg: LoadTestConfig, work: _Workload, headers: dict[str, str]) -> dict:
+    from loraserve.loadgen.wrk import run_wrk
+
+    n = len(cfg.adapters) if cfg.dist == "cycle" and cfg.adapters else 4096
+    bodies = [orjson.dumps(work.body(*work.draw())) for _ in range(min(n, 200_000))]
+    seconds = max(1, round(cfg.duration))
+    bar = tqdm(total=seconds, unit="s", disable=not cfg.progress, desc="loadtest (wrk)")
+
+    async def tick() -> None:
+        for _ in range(seconds):
+            await asyncio.sleep(1.0)
             bar.update(1)
 
-        before = await _scrape(client)
-        start = time.perf_counter()
-        try:
-            await _drive(client, work, record)
-        finally:
-            bar.close()
-        wall = time.perf_counter() - start
-        after = await _scrape(client)
-    return summarize(cfg, samples, wall, before, after)
+    ticker = asyncio.ensure_future(tick())
+    try:
+        return await run_wrk(cfg.url, "/v1/completions", bodies, headers, connections=cfg.concurrency,
+                             duration=seconds, threads=cfg.wrk_threads, timeout=cfg.timeout)
+    finally:
+        ticker.cancel()
+        bar.close()
+
+
+def _write_report(cfg: LoadTestConfig, report: dict, samples: list[Sample] | None,
+                  timeline: MetricsTimeline, wrk_result: dict | None) -> None:
+    from loraserve.loadgen.report import build_series, write_report
+
+    latency = None
+    if wrk_result is not None:
+        pts = wrk_result["latency_us"]["percentiles"]
+        latency = {"e2e_s": {"x": [us / 1e6 for _, us in pts], "p": [p / 100 for p, _ in pts]}}
+    series = build_series(report, samples, timeline.rows, bin_s=cfg.scrape_interval, latency=latency)
+    page, _ = write_report(cfg.report_dir, report, series, format_report(report))
+    report["report_html"] = str(page)
 
 
 def run_loadtest(cfg: LoadTestConfig) -> dict:
     """Run the load test described by `cfg`; returns the report (see `summarize`)."""
-    return asyncio.run(_run(cfg))
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(_run(cfg))
+    return uvloop.run(_run(cfg))
 
 
 def _percentiles(values: list[float]) -> dict[str, float | None]:
@@ -285,6 +484,36 @@ def summarize(cfg: LoadTestConfig, samples: list[Sample], wall: float,
     }
 
 
+def summarize_wrk(cfg: LoadTestConfig, result: dict, wall: float,
+                  before: dict | None = None, after: dict | None = None) -> dict:
+    """The report of a wrk run, in `summarize`'s shape: latencies from wrk's histogram, no TTFT,
+    output tokens assumed to be max_tokens per ok request (wrk does not read the events)."""
+    statuses = {int(k): v for k, v in result["statuses"].items()}
+    ok = sum(n for status, n in statuses.items() if status == 200)
+    errors = {f"http {status}": n for status, n in statuses.items() if status != 200}
+    errors.update({f"wrk {kind}": n for kind, n in result["errors"].items() if n and kind != "timeout"})
+    if result["errors"]["timeout"]:
+        errors["ResponseTimeout"] = result["errors"]["timeout"]
+    failed = sum(errors.values())
+    wall = result["duration_us"] / 1e6 or wall
+    pct = dict((p, us / 1e6) for p, us in result["latency_us"]["percentiles"])
+    tokens = ok * cfg.max_tokens if cfg.ignore_eos else 0
+    config = asdict(cfg)
+    config.pop("api_key")
+    config["adapters"] = len(cfg.adapters)
+    none = {"p50": None, "p90": None, "p99": None, "mean": None}
+    return {
+        "mode": "closed", "config": config, "wall_s": wall,
+        "requests": ok + failed, "ok": ok, "errors": failed, "error_kinds": errors,
+        "req_per_s": ok / wall if wall > 0 else 0.0,
+        "output_tokens": tokens, "output_tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "ttft_s": dict(none),
+        "e2e_s": none if ok == 0 else {"p50": pct.get(50.0), "p90": pct.get(90.0), "p99": pct.get(99.0),
+                                       "mean": result["latency_us"]["mean"] / 1e6},
+        "adapter_hit_rate": _hit_rates(before, after),
+    }
+
+
 def format_report(report: dict) -> str:
     """The report as a small table (latencies in milliseconds)."""
     def ms(v: float | None) -> str:
@@ -302,6 +531,9 @@ def format_report(report: dict) -> str:
     for name, key in (("ttft", "ttft_s"), ("e2e", "e2e_s")):
         p = report[key]
         lines.append(f"{name:<9} {ms(p['p50']):>9} {ms(p['p90']):>9} {ms(p['p99']):>9} {ms(p['mean']):>9}")
+    cpu = report.get("generator_cpu_us_per_request")
+    lines.append(f"client    {cfg.get('client', 'httpx')}"
+                 + ("" if cpu is None else f"  (generator CPU {cpu:.0f} us/request)"))
     rates = report["adapter_hit_rate"]
     if rates is None:
         lines.append("adapter hit rate: /metrics unavailable")
@@ -351,6 +583,13 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", metavar="FILE", help="also write the report as JSON")
+    p.add_argument("--report", metavar="DIR", help="write DIR/report.html (charts) and DIR/summary.json")
+    p.add_argument("--scrape-interval", type=float, default=1.0,
+                   help="seconds between /metrics scrapes for --report's timelines")
+    p.add_argument("--client", choices=CLIENTS, default="raw",
+                   help="raw: built-in HTTP/1.1 client (default); httpx; wrk: drive wrk for raw rate "
+                        "(closed loop, no TTFT; falls back to raw when wrk is not installed)")
+    p.add_argument("--wrk-threads", type=int, default=1, help="wrk's threads (--client wrk)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=_main)
 
@@ -368,11 +607,14 @@ def _main(args: argparse.Namespace) -> int:
         duration=args.duration, max_requests=args.requests, prompt_len=args.prompt_len,
         max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, temperature=args.temperature,
         model_field=args.model_field, api_key=args.api_key, timeout=args.timeout, seed=args.seed,
-        progress=not args.no_progress)
+        progress=not args.no_progress, client=args.client, report_dir=args.report,
+        scrape_interval=args.scrape_interval, wrk_threads=args.wrk_threads)
     report = run_loadtest(cfg)
     print(format_report(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    if args.report:
+        print(f"report: {report['report_html']}")
     if report["ok"] == 0:
         raise RuntimeError(f"no request succeeded ({report['errors']} errors: {report['error_kinds']})")
     return 0

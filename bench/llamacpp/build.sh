@@ -26,9 +26,15 @@ if [ ! -f "$SRC/CMakeLists.txt" ]; then
     "$ROOT/.venv/bin/pip" download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$CACHE"
     tar -xzf "$CACHE/llama_cpp_python-$VERSION.tar.gz" -C "$CACHE"
 fi
-# the llama.cpp commit this release vendors (from its CHANGELOG)
-grep -m1 -o 'ggml-org/llama.cpp@[0-9a-f]*' "$CACHE/llama_cpp_python-$VERSION/CHANGELOG.md" \
-    > "$CACHE/LLAMACPP_COMMIT" || echo unknown > "$CACHE/LLAMACPP_COMMIT"
+# the llama.cpp commit this release vendors (the sdist carries the submodule's git HEAD; its
+# CHANGELOG names the same commit, abbreviated)
+SUBMODULE_HEAD="$CACHE/llama_cpp_python-$VERSION/.git/modules/vendor/llama.cpp/HEAD"
+if [ -f "$SUBMODULE_HEAD" ]; then
+    echo "ggml-org/llama.cpp@$(cat "$SUBMODULE_HEAD")" > "$CACHE/LLAMACPP_COMMIT"
+else
+    grep -m1 -o 'ggml-org/llama.cpp@[0-9a-f]*' "$CACHE/llama_cpp_python-$VERSION/CHANGELOG.md" \
+        > "$CACHE/LLAMACPP_COMMIT" || echo unknown > "$CACHE/LLAMACPP_COMMIT"
+fi
 
 # 2. llama-server (CPU only, no network features: no OpenSSL, no prebuilt web UI download)
 BUILD="$CACHE/build"
@@ -48,8 +54,9 @@ if [ ! -f "$VENV/.ready" ]; then
     "$PY" -m venv "$VENV"
     "$VENV/bin/pip" install -q "$TORCH_SPEC"
     # the converters' pins (requirements/requirements-convert_*.txt; torch is the local CPU
-    # build instead of their 2.11), plus peft, which writes the adapters
-    "$VENV/bin/pip" install -q "$SRC/gguf-py" "numpy~=2.2.6" "sentencepiece>=0.1.98,<0.3.0" \
+    # build instead of their 2.11; sentencepiece 0.2.0, since 0.2.1+ needs protobuf 5), plus
+    # peft, which writes the adapters
+    "$VENV/bin/pip" install -q "$SRC/gguf-py" "numpy~=2.2.6" "sentencepiece==0.2.0" \
         "transformers==4.57.6" "protobuf>=4.21.0,<5.0.0" safetensors "peft==0.21.2"
     touch "$VENV/.ready"
 fi

@@ -198,10 +198,10 @@ class LlamaCpp(Server):
         self.cmd = [str(binary), "-m", str(gg / "base-f32.gguf"), "--host", "127.0.0.1",
                     "--port", str(port), "-t", str(threads), "-tb", str(threads),
                     "-np", str(batch), "-c", str(batch * max_len), "-ngl", "0",
-                    "-ctk", "f32", "-ctv", "f32", "--no-cache-prompt", "--no-webui",
+                    "-ctk", "f32", "-ctv", "f32", "--no-cache-prompt", "--cache-ram", "0", "--no-webui",
                     "--lora-init-without-apply"]
-        for i in range(n_adapters):
-            self.cmd += ["--lora", str(gg / f"a{i:02d}-f32.gguf")]
+        if n_adapters:   # one --lora, comma-separated (a repeated --lora keeps only the last)
+            self.cmd += ["--lora", ",".join(str(gg / f"a{i:02d}-f32.gguf") for i in range(n_adapters))]
 
     def body(self, prompt: str, adapter: int | None, tokens: int, check: bool) -> tuple[str, dict]:
         b = {"prompt": prompt, "temperature": 0, "ignore_eos": True, "cache_prompt": False}

@@ -22,6 +22,7 @@ from loraserve.server.errors import APIError, as_api_error, clip, install_error_
 from loraserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from loraserve.server.middleware import BodyLimitMiddleware, RequestCountMiddleware
 from loraserve.server.names import canonical_model
+from loraserve.server.process_metrics import CoreMemoryCollector
 from loraserve.server.router_metrics import RouterMetricsCollector
 from loraserve.server.protocol import ChatCompletionRequest, CompletionRequest, JSONBodyRoute
 from loraserve.server.serving import Engine, ServerContext
@@ -194,6 +195,8 @@ def build_app(engine: Engine, *, api_key: str | None = None, max_n: int = 16,
     if getattr(engine, "adapter_manager", None) is not None:
         app.include_router(adapter_router())
         ctx.metrics.register(AdapterCollector(engine))
+    if hasattr(engine, "core_pid"):  # the engine core's memory, beside the server's own
+        ctx.metrics.register(CoreMemoryCollector(engine))
     app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.max_request_bytes)
     install_tenancy(app, TenancyConfig(api_key=api_key, keys_file=keys, metrics_key=metrics_key,
                                        audit_log=audit_log))

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               generate_latest)
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -54,6 +55,7 @@ class ServerMetrics:
         self.prefix_hit_rate = Gauge("loraserve_prefix_cache_hit_rate",
                                      "Prompt tokens found in the prefix cache / looked up, since start",
                                      registry=r)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, fds (Linux)
 
     def register(self, collector: Collector) -> None:
         """Expose another collector (e.g. adapter residency) on this app's /metrics."""

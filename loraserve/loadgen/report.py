@@ -1,0 +1,297 @@
+"""`loraserve loadtest --report DIR`: report.html (charts people can look at) and summary.json.
+
+The series (summary.json's "series", every key always present, empty when the run had nothing
+to show):
+
+  throughput         per time bin: ok and failed requests/s, output tokens/s (from the client's
+                     own samples; with wrk, from the server's loraserve_requests_total)
+  latency_cdf        end-to-end and TTFT distributions: x (seconds) against p
+  errors_by_status   failed requests by kind ("http 429", "ResponseTimeout", ...)
+  errors_over_time   failed requests/s per kind, per time bin
+  hit_rate           per adapter tier: hits / lookups in each scrape interval
+  page_ins_per_s     per source tier: adapters paged in per second
+  evictions_per_s    per tier: adapters evicted per second
+  resident_adapters  per tier: adapters resident (gauge)
+  resident_bytes     per tier: bytes of resident adapters (gauge)
+  memory_bytes       resident memory of the API server and of the engine core (gauges)
+
+The charts are matplotlib figures written as inline SVG (text kept as text), so the page needs
+nothing but itself: no scripts, no stylesheets or fonts from elsewhere.
+"""
+from __future__ import annotations
+
+import html
+import io
+import json
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SERIES_KEYS = ("throughput", "latency_cdf", "errors_by_status", "errors_over_time", "hit_rate",
+               "page_ins_per_s", "evictions_per_s", "resident_adapters", "resident_bytes",
+               "memory_bytes")
+CDF_POINTS = 400
+
+_LABELS = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def _split_key(key: str) -> tuple[str, dict[str, str]]:
+    name, _, rest = key.partition("{")
+    return name, dict(_LABELS.findall(rest))
+
+
+def cdf(values: Sequence[float], points: int = CDF_POINTS) -> dict[str, list[float]]:
+    """The empirical CDF of `values`, at most `points` (x, p) pairs."""
+    if not len(values):
+        return {"x": [], "p": []}
+    xs = np.sort(np.asarray(values, dtype=float))
+    if len(xs) <= points:
+        return {"x": xs.tolist(), "p": (np.arange(1, len(xs) + 1) / len(xs)).tolist()}
+    p = np.linspace(0.0, 1.0, points)
+    return {"x": np.quantile(xs, p).tolist(), "p": p.tolist()}
+
+
+def _bins(wall: float, bin_s: float) -> int:
+    return max(1, int(np.ceil(wall / bin_s - 1e-9)))
+
+
+def client_throughput(samples: Sequence[Any], wall: float, bin_s: float) -> tuple[dict, dict]:
+    """(throughput, errors_over_time) from per-request samples (`start`, `e2e`, `ok`, ...)."""
+    n = _bins(wall, bin_s)
+    ok, bad, tokens = np.zeros(n), np.zeros(n), np.zeros(n)
+    per_kind: dict[str, np.ndarray] = {}
+    for s in samples:
+        i = min(int((s.start + s.e2e) / bin_s), n - 1)
+        if s.ok:
+            ok[i] += 1
+            tokens[i] += s.output_tokens
+        else:
+            bad[i] += 1
+            per_kind.setdefault(s.error or "error", np.zeros(n))[i] += 1
+    t = ((np.arange(n) + 0.5) * bin_s).tolist()
+    throughput = {"source": "client", "t": t, "ok_per_s": (ok / bin_s).tolist(),
+                  "errors_per_s": (bad / bin_s).tolist(), "output_tokens_per_s": (tokens / bin_s).tolist()}
+    return throughput, {k: {"t": t, "value": (v / bin_s).tolist()} for k, v in sorted(per_kind.items())}
+
+
+def _gauges(rows, name: str, label: str) -> dict[str, dict[str, list]]:
+    """Per value of `label`: the gauge `name` over time."""
+    out: dict[str, dict[str, list]] = defaultdict(lambda: {"t": [], "value": []})
+    for t, values in rows:
+        for key, v in values.items():
+            metric, labels = _split_key(key)
+            if metric == name:
+                series = out[labels.get(label, "")]
+                series["t"].append(t)
+                series["value"].append(v)
+    return dict(sorted(out.items()))
+
+
+def _rates(rows, name: str, label: str) -> dict[str, dict[str, list]]:
+    """Per value of `label`: the counter `name`'s increase per second between scrapes."""
+    out: dict[str, dict[str, list]] = {}
+    for key, g in _gauges(rows, name, label).items():
+        t, v = g["t"], g["value"]
+        out[key] = {"t": [(a + b) / 2 for a, b in zip(t, t[1:])],
+                    "value": [max(0.0, (y - x) / (b - a)) if b > a else 0.0
+                              for a, b, x, y in zip(t, t[1:], v, v[1:])]}
+    return out
+
+
+def _hit_rates(rows) -> dict[str, dict[str, list]]:
+    hits = _gauges(rows, "loraserve_adapter_hits_total", "tier")
+    misses = _gauges(rows, "loraserve_adapter_misses_total", "tier")
+    out = {}
+    for tier, h in hits.items():
+        m = misses.get(tier)
+        if m is None or len(m["value"]) != len(h["value"]):
+            continue
+        t, rate = [], []
+        for i in range(1, len(h["t"])):
+            dh = h["value"][i] - h["value"][i - 1]
+            dm = m["value"][i] - m["value"][i - 1]
+            t.append((h["t"][i] + h["t"][i - 1]) / 2)
+            rate.append(dh / (dh + dm) if dh + dm > 0 else None)
+        out[tier] = {"t": t, "value": rate}
+    return out
+
+
+def server_throughput(rows) -> dict:
+    """Requests/s answered, from the server's loraserve_requests_total{status} (wrk runs)."""
+    by_status = _rates(rows, "loraserve_requests_total", "status")
+    if not by_status:
+        return {"source": "server", "t": [], "ok_per_s": [], "errors_per_s": [], "output_tokens_per_s": []}
+    t = next(iter(by_status.values()))["t"]
+    ok = [sum(s["value"][i] for k, s in by_status.items() if k.startswith("2") and i < len(s["value"]))
+          for i in range(len(t))]
+    bad = [sum(s["value"][i] for k, s in by_status.items() if not k.startswith("2") and i < len(s["value"]))
+           for i in range(len(t))]
+    return {"source": "server", "t": t, "ok_per_s": ok, "errors_per_s": bad, "output_tokens_per_s": []}
+
+
+def build_series(report: dict, samples: Sequence[Any] | None, rows, bin_s: float = 1.0,
+                 latency: dict | None = None) -> dict:
+    """Every series of the report. `samples`: the client's per-request samples (None: a wrk run,
+    whose `latency` = {"e2e_s": cdf} stands in); `rows`: the MetricsTimeline's rows."""
+    if samples is not None:
+        throughput, errors_over_time = client_throughput(samples, report["wall_s"], bin_s)
+        ok = [s for s in samples if s.ok]
+        latency_cdf = {"e2e_s": cdf([s.e2e for s in ok]),
+                       "ttft_s": cdf([s.ttft for s in ok if s.ttft is not None])}
+    else:
+        throughput, errors_over_time = server_throughput(rows), {}
+        latency_cdf = {"e2e_s": (latency or {}).get("e2e_s", cdf([])), "ttft_s": cdf([])}
+    memory = {}
+    for label, name in (("api_server", "process_resident_memory_bytes"),
+                        ("engine_core", "loraserve_engine_core_rss_bytes")):
+        g = _gauges(rows, name, "")
+        memory[label] = g.get("", {"t": [], "value": []})
+    return {
+        "throughput": throughput,
+        "latency_cdf": latency_cdf,
+        "errors_by_status": dict(sorted(report["error_kinds"].items())),
+        "errors_over_time": errors_over_time,
+        "hit_rate": _hit_rates(rows),
+        "page_ins_per_s": _rates(rows, "loraserve_adapter_page_in_seconds_count", "source"),
+        "evictions_per_s": _rates(rows, "loraserve_adapter_evictions_total", "tier"),
+        "resident_adapters": _gauges(rows, "loraserve_adapter_resident", "tier"),
+        "resident_bytes": _gauges(rows, "loraserve_adapter_resident_bytes", "tier"),
+        "memory_bytes": memory,
+    }
+
+
+# -- the page ---------------------------------------------------------------------------------------
+def _svg(fig) -> str:
+    """A figure as inline SVG markup (no XML prolog, no metadata block)."""
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
+    text = buf.getvalue()
+    text = text[text.index("<svg"):]
+    return re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)
+
+
+def _figure(title: str, xlabel: str, ylabel: str, width: float = 6.4, height: float = 3.2):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height))
+    ax = fig.add_subplot()
+    ax.set_title(title, fontsize=11)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _empty(ax, text: str = "no data in this run") -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def _lines(title: str, ylabel: str, groups: dict[str, dict[str, list]], scale: float = 1.0,
+           step: bool = False) -> str:
+    fig, ax = _figure(title, "seconds into the run", ylabel)
+    drawn = False
+    for name, g in groups.items():
+        pts = [(t, v * scale) for t, v in zip(g["t"], g["value"]) if v is not None]
+        if pts:
+            xs, ys = zip(*pts)
+            (ax.step if step else ax.plot)(xs, ys, label=name or "-", marker="." if len(xs) < 40 else None,
+                                           **({"where": "mid"} if step else {}))
+            drawn = True
+    if drawn:
+        ax.legend(fontsize=8)
+        ax.set_ylim(bottom=0)
+    else:
+        _empty(ax)
+    return _svg(fig)
+
+
+def _charts(series: dict) -> list[tuple[str, str]]:
+    """(heading, svg) per chart."""
+    from matplotlib import rc_context
+
+    charts = []
+    with rc_context({"svg.fonttype": "none", "font.size": 9}):
+        th = series["throughput"]
+        fig, ax = _figure(f"Throughput ({th['source']} side)", "seconds into the run", "requests/s")
+        if th["t"]:
+            ax.step(th["t"], th["ok_per_s"], where="mid", label="ok")
+            if any(th["errors_per_s"]):
+                ax.step(th["t"], th["errors_per_s"], where="mid", label="failed", color="tab:red")
+            ax.legend(fontsize=8)
+            ax.set_ylim(bottom=0)
+        else:
+            _empty(ax)
+        charts.append(("Throughput over time", _svg(fig)))
+
+        fig, ax = _figure("Latency distribution", "milliseconds (log scale)", "fraction of requests ≤ x")
+        drawn = False
+        for name, c in (("end to end", series["latency_cdf"]["e2e_s"]), ("TTFT", series["latency_cdf"]["ttft_s"])):
+            if c["x"]:
+                ax.plot([x * 1000 for x in c["x"]], c["p"], label=name, drawstyle="steps-post")
+                drawn = True
+        if drawn:
+            ax.set_xscale("log")
+            ax.set_ylim(0, 1.01)
+            ax.legend(fontsize=8)
+        else:
+            _empty(ax)
+        charts.append(("Latency and TTFT (CDF)", _svg(fig)))
+
+        charts.append(("Adapter tier hit rates", _lines("Hit rate per scrape interval", "hits / lookups",
+                                                        series["hit_rate"])))
+        charts.append(("Page-ins", _lines("Adapters paged in, by source tier", "page-ins/s",
+                                          series["page_ins_per_s"])))
+        charts.append(("Resident adapters", _lines("Adapters resident, by tier", "adapters",
+                                                   series["resident_adapters"], step=True)))
+        charts.append(("Memory", _lines("Resident memory", "MiB", series["memory_bytes"], scale=2 ** -20)))
+
+        errors = series["errors_by_status"]
+        fig, ax = _figure("Failed requests by kind", "", "requests", height=2.6)
+        if errors:
+            ax.barh(list(errors), list(errors.values()), color="tab:red")
+            ax.set_xlabel("requests")
+        else:
+            _empty(ax, "no errors")
+            ax.set_yticks([])
+        charts.append(("Errors", _svg(fig)))
+    return charts
+
+
+_STYLE = """
+body { font-family: sans-serif; margin: 1.5em auto; max-width: 72em; color: #222; }
+h1 { font-size: 1.4em; } h2 { font-size: 1.1em; margin-top: 1.5em; }
+pre { background: #f5f5f5; padding: 0.8em; overflow-x: auto; }
+.grid { display: grid; grid-template-columns: repeat(auto-fit, minmax(30em, 1fr)); gap: 1em; }
+.grid svg { width: 100%; height: auto; }
+table { border-collapse: collapse; } td, th { padding: 0.2em 0.8em; border-bottom: 1px solid #ddd; text-align: right; }
+"""
+
+
+def render_html(report: dict, series: dict, text: str) -> str:
+    cfg = report["config"]
+    title = f"loraserve loadtest: {cfg['url']}"
+    figures = "\n".join(f"<section><h2>{html.escape(h)}</h2>\n{svg}\n</section>" for h, svg in _charts(series))
+    rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
+                   for k, v in sorted(cfg.items()))
+    return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n"
+            f"<title>{html.escape(title)}</title>\n<style>{_STYLE}</style></head>\n<body>\n"
+            f"<h1>{html.escape(title)}</h1>\n<pre>{html.escape(text)}</pre>\n"
+            f"<div class=\"grid\">\n{figures}\n</div>\n"
+            f"<h2>Configuration</h2>\n<table>{rows}</table>\n"
+            f"<p>The numbers behind every chart are in summary.json beside this page.</p>\n"
+            f"</body></html>\n")
+
+
+def write_report(directory: str | Path, report: dict, series: dict, text: str) -> tuple[Path, Path]:
+    """Write report.html and summary.json (the report plus "series") under `directory`."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = out / "summary.json"
+    summary.write_text(json.dumps({**report, "series": series}, indent=1, allow_nan=False) + "\n")
+    page = out / "report.html"
+    page.write_text(render_html(report, series, text))
+    return page, summary
