@@ -1,12 +1,13 @@
 """Multi-LoRA decode: loraserve vs its own base-only batch and vs Hugging Face PEFT, one run.
 
     python bench/lora_decode.py [--model DIR] [--batch 32] [--tokens 32] [--distinct 1,8,32]
-                                [--rank 16 | --rank 4,16,64] [--strategy NAME] [--no-peft]
+                                [--rank 16 | --rank 4,16,64] [--strategies auto,dense,...] [--no-peft]
 
 1. Engine (in process): decode tokens/s for `--batch` requests spread over 1, 8, 32 distinct
    rank-16 adapters on every target, against the same batch on the base alone. A rank list gives
-   adapter i the rank `ranks[i % len]` (mixed ranks); `--strategy` forces one plan of the torch
-   LoRA backend (dense, padded, gather, segments) instead of its cost model.
+   adapter i the rank `ranks[i % len]` (mixed ranks). `--strategies` runs the LoRA cases once per
+   plan of the torch backend named (auto = its cost model; dense, padded, gather, segments),
+   interleaved in one process, so strategies compare under the same machine noise.
 2. End to end: the same mixed batch sent over HTTP to a live loraserve server (uvicorn, streaming
    off, concurrent requests), against PEFT's mixed-adapter `generate(..., adapter_names=...)`
    on the same base, adapters and batch.
@@ -59,7 +60,7 @@ def make_adapters(base: Path, root: Path, n: int, ranks: list[int]) -> tuple[Pat
 
 def engine_decode(base: Path, catalog: Path, ids: list[str], batch: int, tokens: int,
                   distinct: list[int], device: str = "auto", repeats: int = 3, max_rank: int = 16,
-                  strategy: str | None = None) -> list[tuple[str, float, float]]:
+                  strategies: tuple[str, ...] = ("auto",)) -> list[tuple[str, float, float]]:
     import sys
     sys.path.insert(0, str(Path(__file__).parent))
     from decode import measure
@@ -68,17 +69,28 @@ def engine_decode(base: Path, catalog: Path, ids: list[str], batch: int, tokens:
 
     eng = build_engine(EngineConfig(model_dir=str(base), catalog_dir=str(catalog), max_batch_size=batch, device=device,
                                     max_model_len=64 + tokens, max_gpu_adapters=max(distinct), max_lora_rank=max_rank))
-    if strategy is not None:  # the torch backend's per-step plans (loraserve.kernels.torch_backend)
-        eng.runner.lora.plans.strategy = strategy
     measure(eng, 2, 16, 4, [ids[0], None])  # warm-up
-    cases = [("base only", None)] + [(f"{d} adapters", [ids[i % d] for i in range(batch)]) for d in distinct]
+    cases = [("base only", None, "auto")] + [
+        (f"{d} adapters" + (f", {s}" if strategies != ("auto",) else ""), [ids[i % d] for i in range(batch)], s)
+        for s in strategies for d in distinct]
     best: dict[str, tuple[float, float]] = {}
     for _ in range(repeats):  # interleaved, best of N: the machine's noise hits every case alike
-        for name, adapters in cases:
+        for name, adapters, strategy in cases:
+            if strategies != ("auto",):
+                use_plans(eng, strategy)
             tps, ms = measure(eng, batch, 16, tokens, adapters)
             if tps > best.get(name, (0.0, 0.0))[0]:
                 best[name] = (tps, ms)
-    return [(name, *best[name]) for name, _ in cases]
+    return [(name, *best[name]) for name, _, _ in cases]
+
+
+def use_plans(eng, strategy: str) -> None:
+    """Fresh per-step plans of the torch LoRA backend, forced to `strategy` (auto: cost model)."""
+    from loraserve.kernels.torch_backend import PlanCache
+
+    lora = eng.runner.lora
+    if (lora.plans.strategy or "auto") != strategy:
+        lora.plans = PlanCache(None if strategy == "auto" else strategy)
 
 
 async def _http_batch(client, prompts: list[str], models: list[str], tokens: int) -> int:
@@ -155,7 +167,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--distinct", default="1,8,32")
     ap.add_argument("--rank", default="16", help="one rank, or a list cycled over the adapters")
-    ap.add_argument("--strategy", default=None, help="force one torch-backend plan (engine cases)")
+    ap.add_argument("--strategies", default="auto", help="torch-backend plans to run the engine cases with")
     ap.add_argument("--no-peft", action="store_true")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
@@ -165,12 +177,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         catalog, ids, dirs = make_adapters(base, Path(tmp), max(distinct), ranks)
         rows = engine_decode(base, catalog, ids, args.batch, args.tokens, distinct, args.device,
-                             max_rank=max(ranks), strategy=args.strategy)
+                             max_rank=max(ranks), strategies=tuple(args.strategies.split(",")))
         print(f"engine decode, batch {args.batch}, rank {args.rank}, all 7 targets, {args.tokens} tokens, "
-              f"best of 3 interleaved runs, plans: {args.strategy or 'cost model'}")
-        print(f"{'batch':>12} {'tok/s':>9} {'ms/step':>8} {'vs base':>8}")
+              "best of 3 interleaved runs")
+        w = max(12, *(len(name) for name, _, _ in rows))
+        print(f"{'batch':>{w}} {'tok/s':>9} {'ms/step':>8} {'vs base':>8}")
         for name, tps, ms in rows:
-            print(f"{name:>12} {tps:>9.1f} {ms:>8.2f} {tps / rows[0][1]:>8.2f}")
+            print(f"{name:>{w}} {tps:>9.1f} {ms:>8.2f} {tps / rows[0][1]:>8.2f}")
         if args.no_peft:
             return
         d = max(distinct)

@@ -2,12 +2,13 @@
 against the same step on the base alone.
 
     python bench/lora_prefill.py [--model DIR] [--batch 32] [--prompt 128] [--distinct 1,8,32]
-                                 [--strategy NAME]
+                                 [--strategies auto,padded,segments]
 
 The adapters are rank 16 on all seven targets, synthesized into a temporary catalog by
 `loraserve catalog materialize`. Prefix caching is off, so
-every step computes every prompt token. Cases run interleaved, best of 3. `--strategy` forces one
-plan of the torch LoRA backend (dense, padded, gather, segments) instead of its cost model.
+every step computes every prompt token. Cases run interleaved, best of 3. `--strategies` runs the
+LoRA cases once per plan of the torch backend named (auto = its cost model; dense, padded, gather,
+segments), interleaved in one process.
 """
 from __future__ import annotations
 
@@ -53,6 +54,15 @@ def prefill_ms(eng, prompt: list[int], adapters: list[str | None], tries: int = 
     raise RuntimeError(f"no step prefilled all {len(adapters)} prompts in {tries} tries")
 
 
+def use_plans(eng, strategy: str) -> None:
+    """Fresh per-step plans of the torch LoRA backend, forced to `strategy` (auto: cost model)."""
+    from loraserve.kernels.torch_backend import PlanCache
+
+    lora = eng.runner.lora
+    if (lora.plans.strategy or "auto") != strategy:
+        lora.plans = PlanCache(None if strategy == "auto" else strategy)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -60,7 +70,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--distinct", default="1,8,32")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--strategy", default=None, help="force one torch-backend plan")
+    ap.add_argument("--strategies", default="auto", help="torch-backend plans to run the LoRA cases with")
     args = ap.parse_args()
     model = base_or_demo(args.model)
     distinct = [int(d) for d in args.distinct.split(",")]
@@ -74,23 +84,25 @@ def main() -> None:
                                         max_batch_size=args.batch, max_model_len=args.prompt + 8,
                                         max_batched_tokens=args.batch * args.prompt, prefix_caching=False,
                                         max_gpu_adapters=max(distinct), max_lora_rank=16))
-        if args.strategy is not None:  # the torch backend's per-step plans
-            eng.runner.lora.plans.strategy = args.strategy
         prompt = [(7 * i) % (eng.vocab_size - 6) + 3 for i in range(args.prompt)]
-        cases = [("base only", [None] * args.batch)] + [
-            (f"{d} adapters", [ids[i % d] for i in range(args.batch)]) for d in distinct]
-        for _, adapters in cases:  # warm-up, pages every adapter in
+        strategies = tuple(args.strategies.split(","))
+        cases = [("base only", [None] * args.batch, "auto")] + [
+            (f"{d} adapters" + (f", {s}" if strategies != ("auto",) else ""),
+             [ids[i % d] for i in range(args.batch)], s) for s in strategies for d in distinct]
+        for _, adapters, _ in cases:  # warm-up, pages every adapter in
             prefill_ms(eng, prompt, adapters)
-        best = {name: float("inf") for name, _ in cases}
+        best = {name: float("inf") for name, _, _ in cases}
         for _ in range(3):
-            for name, adapters in cases:
+            for name, adapters, strategy in cases:
+                if strategies != ("auto",):
+                    use_plans(eng, strategy)
                 best[name] = min(best[name], prefill_ms(eng, prompt, adapters))
     tokens = args.batch * args.prompt
-    print(f"prefill step: {args.batch} prompts x {args.prompt} tokens, rank 16, all 7 targets, device {eng.device}, "
-          f"plans: {args.strategy or 'cost model'}")
-    print(f"{'batch':>12} {'ms':>8} {'tok/s':>9} {'vs base':>8}")
-    for name, _ in cases:
-        print(f"{name:>12} {best[name]:>8.1f} {tokens / best[name] * 1e3:>9.0f} {best['base only'] / best[name]:>8.2f}")
+    print(f"prefill step: {args.batch} prompts x {args.prompt} tokens, rank 16, all 7 targets, device {eng.device}")
+    w = max(12, *(len(name) for name, _, _ in cases))
+    print(f"{'batch':>{w}} {'ms':>8} {'tok/s':>9} {'vs base':>8}")
+    for name, _, _ in cases:
+        print(f"{name:>{w}} {best[name]:>8.1f} {tokens / best[name] * 1e3:>9.0f} {best['base only'] / best[name]:>8.2f}")
 
 
 if __name__ == "__main__":

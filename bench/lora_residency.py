@@ -9,6 +9,9 @@ sweep: one server (--max-gpu-adapters 64 --cpu-cache-mb 256) serves N distinct a
        from the catalog, each once; /metrics and the server's RSS are sampled every second to
        show the resident sets never pass their bounds and memory stays flat.
 The catalog must be built for the same base (e.g. `loraserve catalog materialize`).
+Each measured run also writes `loraserve loadtest`'s report (report.html: throughput, latency and
+TTFT CDFs, tier hit rates, page-ins, resident adapters and server memory over time; summary.json)
+under --report DIR (default .loraserve/reports/residency-<mode>).
 """
 from __future__ import annotations
 
@@ -86,8 +89,9 @@ def cliff(args, model: str) -> None:
     try:
         common = dict(url=url, rate=args.rate, duration=args.duration, prompt_len=8, max_tokens=8, progress=False)
         run_loadtest(LoadTestConfig(adapters=ids[: args.slots], **{**common, "duration": 5}))  # warm-up
-        resident = run_loadtest(LoadTestConfig(adapters=ids[: args.slots], **common))
-        missing = run_loadtest(LoadTestConfig(adapters=ids, **common))
+        resident = run_loadtest(LoadTestConfig(adapters=ids[: args.slots], report_dir=f"{args.report}/resident",
+                                               **common))
+        missing = run_loadtest(LoadTestConfig(adapters=ids, report_dir=f"{args.report}/10x-slots", **common))
     finally:
         proc.terminate()
         proc.wait(30)
@@ -99,6 +103,7 @@ def cliff(args, model: str) -> None:
         print(f"{name:>24} {rep['ok']:>6} {rep['errors']:>5} {1000 * t['p50']:>12.1f} {1000 * t['p99']:>12.1f} "
               f"{hits if hits is None else round(hits, 3)!s:>8}")
     print(f"TTFT p99 ratio (10x / resident): {missing['ttft_s']['p99'] / resident['ttft_s']['p99']:.2f}x")
+    print(f"reports: {resident['report_html']}, {missing['report_html']}")
 
 
 def sweep(args, model: str) -> None:
@@ -120,8 +125,7 @@ def sweep(args, model: str) -> None:
     try:
         rep = run_loadtest(LoadTestConfig(url=url, adapters=ids, dist="cycle", concurrency=args.concurrency,
                                           max_requests=len(ids), duration=args.duration_cap, prompt_len=4,
-                                          max_tokens=2,
-                                          progress=True))
+                                          max_tokens=2, progress=True, report_dir=args.report))
     finally:
         stop.set()
         thread.join(5)
@@ -138,6 +142,7 @@ def sweep(args, model: str) -> None:
     for name, xs in (("anonymous", anon), ("file-backed (LMDB maps)", files)):
         print(f"server RSS {name} MiB: first 10% avg {sum(xs[:tenth]) / tenth:.0f}, "
               f"last 10% avg {sum(xs[-tenth:]) / tenth:.0f}, max {max(xs):.0f}")
+    print(f"report: {rep['report_html']}")
 
 
 def main() -> None:
@@ -152,7 +157,10 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=100_000)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--duration-cap", type=float, default=7200.0, help="sweep: stop after this many seconds")
+    ap.add_argument("--report", metavar="DIR", default=None,
+                    help="loadtest reports go here (default .loraserve/reports/residency-<mode>)")
     args = ap.parse_args()
+    args.report = args.report or f".loraserve/reports/residency-{args.mode}"
     model = base_or_demo(args.model)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     (cliff if args.mode == "cliff" else sweep)(args, model)

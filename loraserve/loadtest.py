@@ -70,6 +70,7 @@ class LoadTestConfig:
     report_dir: str | None = None  # write report.html and summary.json here
     scrape_interval: float = 1.0  # seconds between /metrics scrapes for the report's timelines
     wrk_threads: int = 1
+    stream: bool = True  # False: plain JSON answers (TTFT = end to end; built-in client and wrk)
     zipf_s: float | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -92,6 +93,8 @@ class LoadTestConfig:
         if self.client == "wrk" and (self.rate is not None or self.max_requests is not None):
             raise ValueError("--client wrk runs a closed loop for a duration: use --concurrency, not "
                              "--rate or --requests")
+        if self.client == "httpx" and not self.stream:
+            raise ValueError("--no-stream needs --client raw or wrk")
         if not self.scrape_interval > 0 or self.wrk_threads < 1:
             raise ValueError("--scrape-interval and --wrk-threads must be positive")
         self.zipf_s = _parse_dist(self.dist)
@@ -146,8 +149,9 @@ class _Workload:
     def body(self, adapter: str | None, prompt: str) -> dict:
         cfg = self.cfg
         body = {"model": cfg.base_model, "prompt": prompt, "max_tokens": cfg.max_tokens,
-                "temperature": cfg.temperature, "stream": True, "ignore_eos": cfg.ignore_eos,
-                "stream_options": {"include_usage": True}}
+                "temperature": cfg.temperature, "stream": cfg.stream, "ignore_eos": cfg.ignore_eos}
+        if cfg.stream:
+            body["stream_options"] = {"include_usage": True}
         if adapter is not None:
             body[cfg.model_field] = adapter
         return body
@@ -181,10 +185,11 @@ async def _request(client: httpx.AsyncClient, body: dict) -> Sample:
 class _Events:
     """The sink of one streamed response (built-in client): SSE events parsed as they arrive."""
 
-    __slots__ = ("start", "buf", "ttft", "chunks", "usage", "error")
+    __slots__ = ("start", "buf", "ttft", "chunks", "usage", "error", "stream")
 
-    def __init__(self, start: float):
+    def __init__(self, start: float, stream: bool = True):
         self.start = start
+        self.stream = stream
         self.buf = b""
         self.ttft: float | None = None
         self.chunks = 0
@@ -192,6 +197,9 @@ class _Events:
         self.error: str | None = None
 
     def feed(self, data: bytes) -> None:
+        if not self.stream:
+            self.buf += data
+            return
         buf = self.buf + data
         if b"\r" in buf:
             buf = buf.replace(b"\r\n", b"\n")
@@ -217,18 +225,24 @@ class _Events:
             self.usage = usage.get("completion_tokens", self.usage)
         if any(c.get("text") for c in event.get("choices", ())):
             self.chunks += 1
-            if self.ttft is None:
+            if self.ttft is None and self.stream:
                 self.ttft = time.perf_counter() - self.start
 
     def finish(self) -> None:
+        if not self.stream:  # one JSON answer
+            try:
+                self._data(self.buf)
+            except AttributeError:
+                self.error = "unexpected answer"
+            return
         if self.buf.strip():
             self.feed(b"\n\n")
 
 
-async def _request_raw(client: HTTPClient, data: bytes) -> Sample:
-    """Stream one completion with the built-in client (`data`: the prebuilt request)."""
+async def _request_raw(client: HTTPClient, data: bytes, stream: bool = True) -> Sample:
+    """One completion with the built-in client (`data`: the prebuilt request)."""
     start = time.perf_counter()
-    events = _Events(start)
+    events = _Events(start, stream)
     try:
         status = await client.request(data, events.feed)
     except (OSError, httptools.HttpParserError) as e:  # refused, reset, timed out, garbled
@@ -322,7 +336,7 @@ def _sender(cfg: LoadTestConfig, work: _Workload, headers: dict[str, str]):
 
     async def send_raw(adapter, prompt):
         return await _request_raw(raw, raw.build("POST", "/v1/completions",
-                                                 orjson.dumps(work.body(adapter, prompt))))
+                                                 orjson.dumps(work.body(adapter, prompt))), cfg.stream)
     return send_raw, raw
 
 
@@ -575,6 +589,8 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt length in words")
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                   help="stream the answers (TTFT = first text); --no-stream: plain JSON answers")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--model-field", default="model",
                    help="request field that carries the adapter id (default: model)")
@@ -608,7 +624,7 @@ def _main(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, temperature=args.temperature,
         model_field=args.model_field, api_key=args.api_key, timeout=args.timeout, seed=args.seed,
         progress=not args.no_progress, client=args.client, report_dir=args.report,
-        scrape_interval=args.scrape_interval, wrk_threads=args.wrk_threads)
+        scrape_interval=args.scrape_interval, wrk_threads=args.wrk_threads, stream=args.stream)
     report = run_loadtest(cfg)
     print(format_report(report))
     if args.out:

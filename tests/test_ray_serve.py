@@ -7,6 +7,7 @@ Marked `ray`: `make test` runs this module alone, after the main suite (Ray take
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import time
@@ -22,6 +23,9 @@ from loraserve.demo import DEMO_ADAPTERS, DemoPaths, build_demo  # noqa: E402
 from loraserve.engine.config import EngineConfig  # noqa: E402
 
 pytestmark = pytest.mark.ray
+if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker would start its own Ray on both cores
+    pytest.skip("starts a local Ray: run alone (`pytest -m ray`), as `make test` does",
+                allow_module_level=True)
 
 PHRASES = {adapter_id: phrase for adapter_id, _, phrase in DEMO_ADAPTERS}
 PROMPT = DEMO_ADAPTERS[0][1]

@@ -12,7 +12,7 @@ Writes, under --out (every step is skipped when its output is there):
                     training line identically (checked here)
   peft/aNN/         --adapters PEFT LoRA adapters, rank --rank, on all seven projections
   gguf/base-f32.gguf, gguf/aNN-f32.gguf   the same weights for llama.cpp (f32, no quantization)
-  prompts.json      --prompts prompt texts (~24-40 tokens each)
+  prompts.json      --prompts prompt texts (2-3 generated sentences: 30-105 tokens)
 
 Why this tokenizer: llama.cpp's converter recognises a byte-level BPE tokenizer only by a hash of
 its pre-tokenizer output on a fixed text, so a home-made BPE vocabulary is refused. A SentencePiece

@@ -16,6 +16,7 @@ from ..adapters.manager import AdapterNotServable
 from .config import EngineConfig
 from .snapshot import EngineSnapshot
 from .types import EngineError, GenerateRequest, RequestOutput
+from .warm_refs import WarmRefs
 
 
 def resolve_with(adapters, ref: str):
@@ -44,6 +45,7 @@ class EngineFrontend(ABC):
         # max_waiting; past it a request is refused (429) instead of queued forever.
         self._in_flight = 0
         self._tenant_in_flight: dict[str, int] = {}
+        self._warm = WarmRefs()  # adapter refs resolved moments ago: resolved again inline
 
     # -- hosting (subclasses) --------------------------------------------------------------------
     @abstractmethod
@@ -99,7 +101,7 @@ class EngineFrontend(ABC):
         self._admit(req.tenant)
         done = False
         try:
-            record = await asyncio.to_thread(self._resolve, req.adapter) if req.adapter else None
+            record = await self._resolve_adapter(req.adapter) if req.adapter else None
             q: asyncio.Queue = asyncio.Queue()
             self._queues[req.request_id] = q
             self._submit(req, record)
@@ -116,6 +118,16 @@ class EngineFrontend(ABC):
             self._release(req.tenant)
             if self._queues.pop(req.request_id, None) is not None and not done:
                 self._abort(req.request_id)
+
+    async def _resolve_adapter(self, ref: str):
+        """`_resolve(ref)`: on the event loop when ref was resolved moments ago (its catalog pages
+        are cached: the read is cheaper than a thread hop), else on a worker thread."""
+        if self._warm.is_warm(ref):
+            record = self._resolve(ref)
+        else:
+            record = await asyncio.to_thread(self._resolve, ref)
+        self._warm.touch(ref)
+        return record
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         """Event loop: hand each delta to its request's queue (gone requests are skipped)."""

@@ -16,6 +16,8 @@ import dataclasses
 
 import msgpack
 
+from loraserve.catalog.errors import CatalogError
+
 from .snapshot import EngineSnapshot
 from .types import EngineError, GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
 
@@ -56,15 +58,19 @@ def _logprobs_from_wire(lps: list | None) -> list[TokenLogprob | None] | None:
 
 
 def error_to_wire(err: BaseException) -> dict:
-    """An error a client may see: EngineError and catalog errors keep their HTTP status."""
-    return {"message": str(err), "status": getattr(err, "status", 500),
-            "code": getattr(err, "code", None) if isinstance(err, EngineError) else None,
-            "param": getattr(err, "param", None), "type": type(err).__name__}
+    """An error a client may see: EngineError and catalog errors keep their HTTP status and code
+    (a catalog error without one is named after its class, as the server names it)."""
+    code = getattr(err, "code", None)
+    if code is None and isinstance(err, CatalogError):
+        code = _snake(type(err).__name__)
+    return {"message": str(err), "status": getattr(err, "status", 500), "code": code,
+            "param": getattr(err, "param", None)}
 
 
 def error_from_wire(d: dict) -> EngineError:
-    code = d["code"] or _snake(d["type"]) if d["status"] < 500 else d["code"] or "internal_error"
-    return EngineError(d["message"], status=d["status"], code=code, param=d["param"])
+    status = d["status"]
+    code = d["code"] or ("internal_error" if status >= 500 else "invalid_request")
+    return EngineError(d["message"], status=status, code=code, param=d["param"])
 
 
 def _snake(name: str) -> str:

@@ -250,7 +250,7 @@ def _charts(series: dict) -> list[tuple[str, str]]:
         charts.append(("Memory", _lines("Resident memory", "MiB", series["memory_bytes"], scale=2 ** -20)))
 
         errors = series["errors_by_status"]
-        fig, ax = _figure("Failed requests by kind", "", "requests", height=2.6)
+        fig, ax = _figure("Failed requests by kind", "", "", height=0.8 + 0.35 * max(2, len(errors)))
         if errors:
             ax.barh(list(errors), list(errors.values()), color="tab:red")
             ax.set_xlabel("requests")

@@ -30,10 +30,11 @@ from ray.serve.handle import DeploymentHandle
 from loraserve.catalog.base import base_fingerprint
 from loraserve.catalog.store import Catalog
 
-from ..adapters.manager import AdapterNotServable, describe_adapter, resolve_servable
+from ..adapters.manager import describe_adapter, resolve_servable
 from ..adapters.pool import PoolLimits
 from ..adapters.stats import CacheStats, PagerStats, PoolStats
 from ..engine.config import EngineConfig
+from ..engine.frontend import resolve_with
 from ..engine.snapshot import EngineSnapshot
 from ..engine.types import EngineError, GenerateRequest, RequestOutput
 from ..engine.wire import error_from_wire, output_from_wire, request_to_wire, snapshot_from_wire
@@ -181,20 +182,23 @@ class RayEngineFrontend:
                          req.request_id)
 
     async def _stream(self, wire: dict, adapter_id: str | None) -> AsyncIterator[RequestOutput]:
-        """One try: the replica's output deltas; its errors raised as they were raised there."""
+        """One try: the replica's output deltas; its errors raised as they were raised there.
+        The replica is named in served_by once it answers (a lost one never is)."""
         handle = self.replicas.options(stream=True, multiplexed_model_id=adapter_id or "")
         gen = handle.generate.remote(wire)
         finished = False
+        replica, answered = None, served_by.get()
         try:
             async for kind, value in gen:
                 if kind == "replica":
-                    if (replicas := served_by.get()) is not None:
-                        replicas.add(value)
-                elif kind == "error":
+                    replica = value
+                    continue
+                if answered is not None:
+                    answered.add(replica)
+                if kind == "error":
                     finished = True
                     raise error_from_wire(value)
-                else:
-                    yield output_from_wire(value)
+                yield output_from_wire(value)
             finished = True
         except BackPressureError:
             finished = True
@@ -210,11 +214,4 @@ class RayEngineFrontend:
                 gen.cancel()
 
     def _resolve(self, ref: str):
-        if self.adapter_manager is None:
-            raise EngineError(f"adapter {ref!r} asked for, but this server has no adapter catalog "
-                              "(start it with --catalog)", status=404, code="model_not_found",
-                              param="model")
-        try:
-            return self.adapter_manager.resolve(ref)
-        except AdapterNotServable as exc:
-            raise EngineError(str(exc), status=400, param="model") from exc
+        return resolve_with(self.adapter_manager, ref)

@@ -181,6 +181,9 @@ def build_app(engine: Engine, *, api_key: str | None = None, max_n: int = 16,
         try:
             yield
         finally:
+            imports = getattr(app.state, "adapter_imports", None)
+            if imports is not None:
+                imports.close()
             await engine.shutdown()
 
     app = FastAPI(title="loraserve", lifespan=lifespan, docs_url=None, redoc_url=None)

@@ -18,10 +18,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from loraserve.engine.types import RequestOutput, SamplingParams
 from loraserve.server.errors import sse_error
+from loraserve.server.fastjson import FastJSONResponse
 from loraserve.server.logprobs import TokenRenderer
 from loraserve.server.protocol import SamplingFields
 from loraserve.server.serving import (Engine, Prompt, RequestClock, ServerContext, check_request,
@@ -107,7 +108,7 @@ async def serve(req: SamplingFields, ctx: ServerContext, endpoint: Endpoint) -> 
         return StreamingResponse(body, media_type="text/event-stream")
     await _collect(streams, choices, ctx, clock)
     completion_tokens = sum(c.num_tokens for c in choices)
-    return JSONResponse({**endpoint.head(request_id, created, req.model, False),
+    return FastJSONResponse({**endpoint.head(request_id, created, req.model, False),
                          "choices": [c.to_json() for c in choices],
                          "usage": usage(prompt_tokens, completion_tokens)})
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -21,6 +20,7 @@ import anyio
 
 from loraserve.engine.types import GenerateRequest, RequestOutput
 from loraserve.server.errors import APIError
+from loraserve.server.fastjson import dumps
 
 T = TypeVar("T")
 
@@ -29,7 +29,7 @@ DONE = "data: [DONE]\n\n"
 
 def sse(payload: dict[str, Any]) -> str:
     """One SSE event carrying `payload` as JSON."""
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {dumps(payload)}\n\n"  # orjson: ~10x cheaper per chunk than json.dumps
 
 
 def shutting_down() -> APIError:

@@ -112,11 +112,17 @@ def test_sequences_keep_the_name_as_asked(engine) -> None:
     assert eng.make_sequence(GenerateRequest("names-2", [1], SamplingParams(max_tokens=1))).adapter_ref is None
 
 
-def test_a_scrape_stays_cheap(http, app) -> None:
-    assert http.get("/metrics").status_code == 200
-    metrics = app.state.ctx.metrics
+def _per_call(fn, n: int) -> float:
     t0 = time.perf_counter()
-    for _ in range(50):
-        metrics.render({})
-    per_scrape = (time.perf_counter() - t0) / 50
-    assert per_scrape < 0.005, per_scrape  # every collector reads snapshots only
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def test_a_scrape_stays_cheap(http, app, engine) -> None:
+    """Every collector reads snapshots only: about 20 µs for the vLLM gauges and 1.5 ms for a
+    whole render on the 2-core development machine; the bounds leave room for a busy one."""
+    assert http.get("/metrics").status_code == 200
+    router = RouterMetricsCollector(engine)
+    assert _per_call(lambda: list(router.collect()), 200) < 0.001
+    assert _per_call(lambda: app.state.ctx.metrics.render(engine.stats()), 50) < 0.025
