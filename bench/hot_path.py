@@ -1,6 +1,7 @@
 """The hot path: 1-token requests on one resident adapter next to a bare endpoint, one run.
 
-    python bench/hot_path.py [--rounds 3] [--duration 5] [--profile DIR] [--baseline DIR] [--out FILE]
+    python bench/hot_path.py [--rounds 3] [--duration 5] [--stack asyncio,h11] [--baseline DIR]
+                             [--profile DIR] [--out FILE] [-- extra `loraserve serve` arguments]
 
 Servers, each in its own process on 127.0.0.1 (free ports), all up for the whole run:
   null       a raw asyncio + httptools responder answering a constant: costs almost nothing, so a
@@ -407,8 +408,10 @@ def main() -> None:
     ap.add_argument("--profile", metavar="DIR", help="also profile loraserve under load with py-spy")
     ap.add_argument("--baseline", metavar="DIR", help="also serve loraserve from this source tree")
     ap.add_argument("--out", metavar="FILE", help="write every measurement as JSON")
-    ap.add_argument("serve_args", nargs="*", help="after --: extra `loraserve serve` arguments")
-    args = ap.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = ap.parse_args(argv[:cut])
+    args.serve_args = argv[cut + 1:]  # after --: extra `loraserve serve` arguments
     if args.stack and args.mode != "run":
         force_stack(*args.stack.split(","))
     if args.mode == "bare-server":

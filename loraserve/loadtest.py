@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import random
 import resource
@@ -95,6 +96,8 @@ class LoadTestConfig:
                              "--rate or --requests")
         if self.client == "httpx" and not self.stream:
             raise ValueError("--no-stream needs --client raw or wrk")
+        if self.report_dir is not None and importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--report draws with matplotlib: pip install 'loraserve[report]'")
         if not self.scrape_interval > 0 or self.wrk_threads < 1:
             raise ValueError("--scrape-interval and --wrk-threads must be positive")
         self.zipf_s = _parse_dist(self.dist)

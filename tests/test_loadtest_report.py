@@ -301,3 +301,23 @@ def test_server_metrics_carry_process_memory_and_the_core_rss():
     quiet = ServerMetrics()
     quiet.register(CoreMemoryCollector(NoCore()))
     assert "loraserve_engine_core_rss_bytes" not in generate_latest(quiet.registry).decode()
+
+
+def test_non_streamed_requests(tmp_path):
+    """--no-stream: plain JSON answers; tokens from their usage, TTFT is the end-to-end time."""
+    app = FastAPI()
+    seen: list[dict] = []
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        seen.append(await request.json())
+        return {"choices": [{"index": 0, "text": "ab"}], "usage": {"completion_tokens": 2}}
+
+    with Served(app) as url:
+        report = run_loadtest(LoadTestConfig(url=url, base_model="b", concurrency=2, duration=5, max_requests=6,
+                                             max_tokens=2, progress=False, stream=False))
+    assert report["ok"] == 6 and report["output_tokens"] == 12
+    assert report["ttft_s"] == report["e2e_s"]
+    assert all(b["stream"] is False and "stream_options" not in b for b in seen)
+    with pytest.raises(ValueError, match="no-stream"):
+        LoadTestConfig(url=url, concurrency=1, stream=False, client="httpx")

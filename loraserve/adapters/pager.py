@@ -16,7 +16,9 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from loraserve.catalog.errors import BaseMismatch
+import torch
+
+from loraserve.catalog.errors import BaseMismatch, CorruptBlob
 from loraserve.catalog.ids import parse_model_ref
 from loraserve.catalog.layout import load_revision
 from loraserve.catalog.records import RevisionRecord
@@ -113,6 +115,7 @@ class Pager:
             blob = self.catalog.read_blob(record)  # raises CorruptBlob on a checksum mismatch
             weights = load_revision(blob)
             self._check_base(record.ref, weights.base_fingerprint)
+            check_finite(record.ref, weights)
             self.cpu_cache.put(key, weights)
         except BaseException:
             with self._lock:
@@ -128,6 +131,15 @@ class Pager:
 
     def _check_base(self, ref: str, fingerprint: str) -> None:
         check_base(ref, fingerprint, self.base_fingerprint)
+
+
+def check_finite(ref: str, weights) -> None:
+    """CorruptBlob unless every tensor of the revision is finite. Every entry (export, import,
+    runtime load) refuses NaN/Inf already; this catches a blob changed behind their back, once
+    per page-in, before the weights can reach the CPU cache or the device pool."""
+    for name, t in weights.tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CorruptBlob(f"adapter {ref}: tensor {name} holds NaN or Inf; it is not served")
 
 
 def check_base(ref: str, fingerprint: str, served: str) -> None:

@@ -7,7 +7,7 @@ import torch
 from adapter_fakes import FINGERPRINT, make_weights, tiny_specs
 
 from loraserve.catalog.errors import AdapterNotFound, BaseMismatch, CorruptBlob, InvalidAdapterId, RevisionNotFound
-from loraserve.catalog.layout import save_revision
+from loraserve.catalog.layout import load_revision, save_revision
 from loraserve.catalog.store import Catalog
 from loraserve.adapters.cpu_cache import CpuCache
 from loraserve.adapters.pager import Pager, record_key
@@ -196,3 +196,26 @@ def test_closed_pager_refuses_fetches(catalog):
         pager.fetch(record)
     with pytest.raises(ValueError, match="workers"):
         Pager(catalog, CpuCache(max_bytes=1), FINGERPRINT, workers=0)
+
+
+def test_non_finite_revision_is_refused_at_page_in(catalog, pager) -> None:
+    """A blob changed behind the validators' back (NaN in a tensor, checksum still right) is
+    refused once, by the page-in, and never reaches the CPU cache; other revisions page in."""
+    real_read = catalog.catalog.read_blob
+
+    def nan_read(record):
+        blob = real_read(record)
+        if record.adapter_id != "acme/a1":
+            return blob
+        weights = load_revision(blob)
+        name = next(iter(weights.tensors))
+        weights.tensors[name] = torch.full_like(weights.tensors[name], float("nan"))
+        return save_revision(weights)
+
+    catalog.catalog.read_blob = nan_read
+    bad, good = pager.resolve("acme/a1"), pager.resolve("acme/a2")
+    with pytest.raises(CorruptBlob, match="NaN or Inf"):
+        pager.fetch(bad).result(WAIT)
+    assert record_key(bad) not in pager.cpu_cache
+    assert pager.fetch(good).result(WAIT) is not None
+    assert record_key(good) in pager.cpu_cache

@@ -1,0 +1,86 @@
+"""Adapter refs resolved moments ago are resolved again on the event loop (no thread hop); the
+catalog is still read every time, so what a ref names is never stale."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+from loraserve.engine import warm_refs
+from loraserve.engine.frontend import EngineFrontend
+from loraserve.engine.snapshot import EngineSnapshot
+from loraserve.engine.types import GenerateRequest, RequestOutput, SamplingParams
+from loraserve.engine.warm_refs import WarmRefs
+
+
+def test_warm_refs_expire_and_stay_bounded(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(warm_refs.time, "monotonic", lambda: now[0])
+    refs = WarmRefs(ttl_s=5.0, capacity=2)
+    assert not refs.is_warm("a/x")
+    refs.touch("a/x")
+    assert refs.is_warm("a/x")
+    now[0] += 5.1
+    assert not refs.is_warm("a/x")
+    refs.touch("a/x")
+    refs.touch("a/y")
+    refs.touch("a/z")  # over capacity: the least recently resolved goes
+    assert not refs.is_warm("a/x") and refs.is_warm("a/y") and refs.is_warm("a/z")
+
+
+class Frontend(EngineFrontend):
+    """Answers every request with one token; records the thread and the revision of each resolve."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = SimpleNamespace(max_batch_size=8, max_waiting=8)
+        self.model_name, self.max_model_len, self.vocab_size = "base", 64, 100
+        self.resolves: list[tuple[str, bool]] = []
+        self.revision = "r1"
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot()
+
+    def _resolve(self, ref: str):
+        self.resolves.append((self.revision, threading.current_thread() is threading.main_thread()))
+        if ref.startswith("missing/"):
+            raise LookupError(ref)
+        return SimpleNamespace(revision=self.revision)
+
+    def _submit(self, req: GenerateRequest, record) -> None:
+        out = RequestOutput(req.request_id, [1], "x", finish_reason="length", adapter_revision=record.revision)
+        asyncio.get_running_loop().call_soon(self._deliver, [out])
+
+    def _abort(self, request_id: str) -> None: ...
+
+
+def test_second_resolve_of_a_ref_runs_inline_and_reads_the_catalog_again():
+    fe = Frontend()
+
+    async def one(i: int, ref: str) -> list[RequestOutput]:
+        req = GenerateRequest(f"r{i}", [1, 2], SamplingParams(max_tokens=1), adapter=ref)
+        return [o async for o in fe.generate(req)]
+
+    async def go():
+        first = await one(0, "acme/a")
+        fe.revision = "r2"  # promoted in between: the next resolve must see it
+        second = await one(1, "acme/a")
+        try:
+            await one(2, "missing/b")
+        except LookupError:
+            pass
+        try:
+            await one(3, "missing/b")  # a ref that failed is not warm: a thread again
+        except LookupError:
+            pass
+        return first, second
+
+    first, second = asyncio.run(go())
+    assert [o.adapter_revision for o in first + second] == ["r1", "r2"]
+    assert fe.resolves == [("r1", False), ("r2", True), ("r2", False), ("r2", False)]
+    assert fe._in_flight == 0
