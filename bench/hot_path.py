@@ -195,7 +195,7 @@ def loraserve_cmd(extra: list[str]) -> list[str]:
 
 # -- measurements ------------------------------------------------------------------------------------
 def load(server: Server, *, client: str, concurrency: int, duration: float, stream: bool,
-         adapter: str | None = None) -> dict:
+         adapter: str | None = None, max_tokens: int = 1) -> dict:
     from loraserve.loadtest import LoadTestConfig, run_loadtest
 
     pids = server.pids()
@@ -203,7 +203,7 @@ def load(server: Server, *, client: str, concurrency: int, duration: float, stre
     rep = run_loadtest(LoadTestConfig(
         url=server.url, adapters=[adapter] if adapter else [], base_model="qwen3" if not adapter else None,
         concurrency=concurrency, duration=duration, client=client, stream=stream, prompt_len=4,
-        max_tokens=1, progress=False, timeout=60))
+        max_tokens=max_tokens, progress=False, timeout=60))
     for k, p in pids.items():
         rep[f"server_cpu_ms_per_request_{k}"] = 1e3 * (cpu_seconds(p) - cpu0[k]) / max(rep["ok"], 1)
     return rep
@@ -239,17 +239,22 @@ def hot_path(servers: dict[str, Server], targets: list[str], rounds: int, durati
             wrk = load(s, client="wrk", concurrency=64, duration=duration, stream=False,
                        adapter=adapter) if use_wrk else None
             one = load(s, client="raw", concurrency=1, duration=duration, stream=False, adapter=adapter)
+            streamed = load(s, client="raw", concurrency=16, duration=duration, stream=True, adapter=adapter,
+                            max_tokens=16)
             row = {"round": r, "target": target, "req_per_s_c16": tput["req_per_s"],
                    "req_per_s_wrk_c64": wrk["req_per_s"] if wrk else None,
                    "p50_ms_c1": 1e3 * one["e2e_s"]["p50"], "p99_ms_c1": 1e3 * one["e2e_s"]["p99"],
                    "api_cpu_ms": tput["server_cpu_ms_per_request_api"],
                    "core_cpu_ms": tput.get("server_cpu_ms_per_request_core"),
-                   "errors": tput["errors"] + one["errors"] + (wrk["errors"] if wrk else 0)}
+                   "stream16_req_per_s": streamed["req_per_s"],
+                   "stream16_api_cpu_ms": streamed["server_cpu_ms_per_request_api"],
+                   "errors": tput["errors"] + one["errors"] + streamed["errors"] + (wrk["errors"] if wrk else 0)}
             rows.append(row)
             print(f"  hot r{r} {target:>9}: c16 {row['req_per_s_c16']:6.0f} req/s, wrk c64 "
                   f"{row['req_per_s_wrk_c64'] or 0:6.0f} req/s, c1 p50 {row['p50_ms_c1']:.2f} ms "
                   f"p99 {row['p99_ms_c1']:.2f} ms, CPU/req api {row['api_cpu_ms']:.2f} ms core "
-                  f"{row['core_cpu_ms'] or 0:.2f} ms, errors {row['errors']}", flush=True)
+                  f"{row['core_cpu_ms'] or 0:.2f} ms; streamed x16 c16 {row['stream16_req_per_s']:.0f} req/s, "
+                  f"API CPU {row['stream16_api_cpu_ms']:.2f} ms/req; errors {row['errors']}", flush=True)
     return rows
 
 
@@ -354,7 +359,8 @@ def print_tables(ceil_rows, hot_rows, prof, targets) -> None:
         print("\n### Hot path: 1-token completions (non-streamed), one resident adapter\n")
         keys = [("req_per_s_c16", "req/s c16 (raw)"), ("req_per_s_wrk_c64", "req/s c64 (wrk)"),
                 ("p50_ms_c1", "p50 ms c1"), ("p99_ms_c1", "p99 ms c1"), ("api_cpu_ms", "API CPU ms/req"),
-                ("core_cpu_ms", "core CPU ms/req")]
+                ("core_cpu_ms", "core CPU ms/req"), ("stream16_req_per_s", "streamed x16 req/s c16"),
+                ("stream16_api_cpu_ms", "streamed x16 API CPU ms/req")]
         print("| target | " + " | ".join(h for _, h in keys) + " |")
         print("|---|" + "---:|" * len(keys))
         meds = {}

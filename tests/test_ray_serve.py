@@ -23,9 +23,6 @@ from loraserve.demo import DEMO_ADAPTERS, DemoPaths, build_demo  # noqa: E402
 from loraserve.engine.config import EngineConfig  # noqa: E402
 
 pytestmark = pytest.mark.ray
-if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker would start its own Ray on both cores
-    pytest.skip("starts a local Ray: run alone (`pytest -m ray`), as `make test` does",
-                allow_module_level=True)
 
 PHRASES = {adapter_id: phrase for adapter_id, _, phrase in DEMO_ADAPTERS}
 PROMPT = DEMO_ADAPTERS[0][1]
@@ -40,6 +37,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> DemoPaths:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker would start its own Ray on both cores
+        pytest.skip("starts a local Ray: run alone (`pytest -m ray`), as `make test` does")
     return build_demo(tmp_path_factory.mktemp("ray-demo"))
 
 
@@ -47,7 +46,6 @@ def demo(tmp_path_factory) -> DemoPaths:
 def server(demo: DemoPaths, tmp_path_factory) -> Iterator[str]:
     from loraserve.ray_serve.config import ScaleOutConfig, ServerOptions
     from loraserve.ray_serve.launch import start
-
     catalog = tmp_path_factory.mktemp("ray-catalog") / "catalog"
     shutil.copytree(demo.catalog, catalog)  # the ingress writes to it
     cfg = EngineConfig(model_dir=str(demo.qwen3), catalog_dir=str(catalog), device="cpu",

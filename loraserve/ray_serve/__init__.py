@@ -2,7 +2,8 @@
 FastAPI ingress, requests routed to the replicas that hold their adapter.
 
 Nothing here is imported unless --replicas is given (`ray` is an optional extra,
-`loraserve[ray]`): `config` has no Ray import; `launch.serve_replicas` is the entry point.
+`loraserve[ray]`): `config` has no Ray import; the entries are `launch.run` (the CLI) and
+`launch.start` (tests).
 
   ingress (1 replica)           the existing FastAPI app (routes, auth, tenants, error bodies)
     RayEngineFrontend           over an engine facade that forwards generation to ...

@@ -114,6 +114,14 @@ async def _first(it: AsyncIterator[RequestOutput]) -> RequestOutput | None:
         return None
 
 
+async def _first_or_error(it: AsyncIterator[RequestOutput]) -> RequestOutput | Exception | None:
+    """`_first`, its error returned as gather(return_exceptions=True) would (cancellation raises)."""
+    try:
+        return await _first(it)
+    except Exception as exc:
+        return exc
+
+
 async def close_all(iterators: Sequence[AsyncIterator[RequestOutput]]) -> None:
     """Close engine iterators (aborting their requests), even inside a cancelled scope."""
     with anyio.CancelScope(shield=True):
@@ -132,7 +140,10 @@ async def start_all(engine: Any, requests: Sequence[GenerateRequest]) -> list[Pr
     try:
         for request in requests:
             iterators.append(await _open(engine, request))
-        firsts = await asyncio.gather(*(_first(it) for it in iterators), return_exceptions=True)
+        if len(iterators) == 1:  # the common case (one prompt, n=1): awaited here, no task for it
+            firsts = [await _first_or_error(iterators[0])]
+        else:
+            firsts = await asyncio.gather(*(_first(it) for it in iterators), return_exceptions=True)
     except BaseException:
         await close_all(iterators)
         raise
