@@ -454,18 +454,26 @@ def main() -> None:
         ceil_rows = [] if args.skip_ceiling else ceiling(servers, args.rounds, args.duration, clients)
         hot_rows = [] if args.skip_hot else hot_path(servers, targets, args.rounds, args.duration, use_wrk)
         prof = profile(servers["loraserve"], Path(args.profile), max(args.duration, 8)) if args.profile else None
+        prof_base = profile(servers["baseline"], Path(args.profile) / "baseline", max(args.duration, 8)) \
+            if args.profile and args.baseline else None
     finally:
         for s in servers.values():
             s.stop()
     print_tables(ceil_rows, hot_rows, prof, targets)
-    if prof:
+    for name, pr in (("loraserve", prof), ("baseline", prof_base)):
+        if pr is None:
+            continue
+        if name == "baseline":
+            print("\n## baseline (--baseline DIR), profiled the same way")
+            print_tables([], [], pr, targets)
         for k in ("api", "core"):
-            if k in prof:
-                print(f"top self frames ({k}):")
-                for frame, n in prof[k]["top_self"]:
+            if k in pr:
+                print(f"top self frames ({name}, {k}):")
+                for frame, n in pr[k]["top_self"]:
                     print(f"  {n:6d}  {frame[:140]}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"ceiling": ceil_rows, "hot": hot_rows, "profile": prof}, indent=1))
+        Path(args.out).write_text(json.dumps({"ceiling": ceil_rows, "hot": hot_rows, "profile": prof,
+                                              "profile_baseline": prof_base}, indent=1))
 
 
 if __name__ == "__main__":

@@ -9,9 +9,6 @@ ranks and widths), so `PlanCache` builds it once per step. The strategies:
   the longest into `[S, L, H]` blocks, two `bmm` against each segment's rank rows. Each adapter's
   rows are read once; the engine groups its batch by adapter, so x, y and the pool rows are
   usually all views and a decode step is exactly two `bmm` with no copy.
-- `_Dense` (same domain): all LoRA tokens against the concatenated rank rows of every live
-  segment in two GEMMs, a block mask keeping each token's own adapter. Fewest ops; it wins for
-  one adapter and for mixed ranks or scattered pool rows at small hidden sizes.
 - `_Gather` (*light* segments: one or a few tokens per adapter, and every MoE decode step): each
   token's rank rows gathered into `[n, r_b, H]` and one `bmm`; ~15 ops however many adapters.
   `r_b` is the largest rank among these tokens; rank indices past a token's own are masked.
@@ -19,7 +16,7 @@ ranks and widths), so `PlanCache` builds it once per step. The strategies:
   rank; a segment is heavy when the weight copies the gather would make for it cost more than
   a loop iteration.
 
-A small cost model (ops, MACs, copied weights) picks dense, padded or the gather; otherwise
+A small cost model (ops, MACs, copied weights) picks padded or the gather; otherwise
 segments split into light (`_Gather`) and heavy (`_Segments`), both run by `_Parts` when a step
 has both. `shrink_torch` / `expand_torch` use the light / heavy split only.
 """
@@ -39,9 +36,12 @@ from .meta import LoRAMeta
 # weight elements ((len - 1) * r * (H_in + H_out)); below it, a loop iteration's fixed cost wins.
 HEAVY_MIN_EXTRA_ELEMENTS = 1 << 16
 GATHER_MAX_ELEMENTS = 1 << 26  # cap on the gathered [n, r_b, H] copy; past it, loop everything
-SMALL_MAX_SEGMENTS = 64  # dense and padded cover at most this many adapters
+SMALL_MAX_SEGMENTS = 64  # padded covers at most this many adapters
 SMALL_MAX_MACS = 1 << 24  # n * sum(r) * (H_in + H_out): past it (prefill), use the other paths
-STRATEGIES = ("dense", "padded", "gather", "segments")  # what `plan_torch(strategy=)` can force
+STRATEGIES = ("padded", "gather", "segments")  # what `plan_torch(strategy=)` can force
+# No strategy multiplies one adapter's weights by another token's activations, not even masked
+# by zeros (0 * NaN = NaN): a "dense" strategy (every token against every live adapter's rows,
+# then a block mask) was faster for some tiny batches and is gone for that reason.
 
 # Cost model of one small-batch call on a CPU core, calibrated on the 2-core dev machine (in situ,
 # weights not in L1/L2): a torch op's fixed cost, a GEMM MAC, a gathered weight element.
@@ -63,7 +63,7 @@ class _Gather:
 
     name: ClassVar[str] = "gather"
     tok: torch.Tensor  # [n] int64, token index
-    flat_rows: torch.Tensor  # [n * r_b] int64, row of the pool viewed as [P * E, H] (0 if masked)
+    flat_rows: torch.Tensor  # [n * r_b] int64, row of the pool viewed as [P * E, H] (own first if masked)
     invalid: torch.Tensor  # [n, r_b] bool, rank index >= the token's slot rank
 
     def rows_of(self, pool: torch.Tensor) -> torch.Tensor:
@@ -156,48 +156,11 @@ class _Parts:
 
 
 @dataclass(slots=True)
-class _Dense:
-    """Few adapters in a small batch: every LoRA token against the rank rows of every live
-    segment in two dense GEMMs, then a block mask keeps each token's own adapter. Reads each
-    adapter's rows once (no per-token weight copies) at the price of S x the (tiny) MACs."""
-
-    name: ClassVar[str] = "dense"
-    tok: torch.Tensor | None  # [n] int64 LoRA tokens in sorted order; None = they are rows [0, n)
-    n: int  # LoRA tokens
-    rows: torch.Tensor  # [sum r] int64 pool rows of the live segments, concatenated
-    other: torch.Tensor | None  # [n, sum r] bool: column of another token's segment (None: S = 1)
-    row_range: tuple[int, int] | None  # rows are pool[start:stop]: views, no copy
-    views: dict = field(default_factory=dict)  # id(pool) -> (pool, its view)
-
-    def pick(self, pool: torch.Tensor) -> torch.Tensor:
-        """[sum r, H]: the live segments' rows of `pool`."""
-        if self.row_range is None:
-            return pool.index_select(0, self.rows)
-        return _cached_view(self.views, pool, lambda: pool[self.row_range[0]:self.row_range[1]])
-
-    def run(self, y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor) -> None:
-        """y[tok] += ((x[tok] @ A_all^T) * own-block mask) @ B_all."""
-        xs = x[: self.n] if self.tok is None else x.index_select(0, self.tok)
-        A = self.pick(A_rows)
-        h = torch.mm(xs, A.T if A.dtype == xs.dtype else A.T.to(xs.dtype))
-        if self.other is not None:
-            h.masked_fill_(self.other, 0)
-        B = self.pick(B_rows)
-        if self.tok is None and B.dtype == y.dtype:
-            y[: self.n].addmm_(h if h.dtype == B.dtype else h.to(B.dtype), B)
-            return
-        delta = (h.to(B.dtype) @ B).to(y.dtype)
-        if self.tok is None:
-            y[: self.n].add_(delta)
-        else:
-            y.index_add_(0, self.tok, delta)
-
-
-@dataclass(slots=True)
 class _Padded:
     """Segments padded to the longest one: token blocks [S, L, H_in] against each segment's rank
     rows [S, r_b, H] in two bmm. Each adapter's rows are read once and the MACs are those of the
-    padded blocks (S x L x r_b), not S x those of every token (the dense strategy's cost).
+    padded blocks (S x L x r_b). Rank positions past a segment's own rank (mixed ranks) read
+    that segment's own first row and are masked: padding never touches another adapter's rows.
 
     When the engine has grouped its batch by adapter (it does: `ModelRunner` orders sequences by
     slot) and every segment is L tokens long, x and y are viewed as [S, L, H] in place; when the
@@ -245,8 +208,8 @@ class _Padded:
 
 @dataclass(slots=True)
 class _Layout:
-    """The live segments of a small batch (dense pools, CPU metadata), as dense and padded
-    need them: S segments of `lengths` tokens at `seg_ranks`, r_b the largest rank."""
+    """The live segments of a small batch (dense pools, CPU metadata), as the padded plan needs
+    them: S segments of `lengths` tokens at `seg_ranks`, r_b the largest rank."""
 
     lengths: list[int]
     seg_ranks: list[int]
@@ -267,7 +230,7 @@ class _Layout:
         return self.prefix and min(self.lengths) == max(self.lengths)
 
 
-Plan = _Gather | _Segments | _Parts | _Dense | _Padded  # what plan_torch returns
+Plan = _Gather | _Segments | _Parts | _Padded  # what plan_torch returns
 
 
 def _contiguous_run(rows: torch.Tensor) -> tuple[int, int] | None:
@@ -284,7 +247,7 @@ def _check_ranks(seg_ranks: list[int], row_table: torch.Tensor) -> None:
 
 def _small_layout(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, num_experts: int,
                   width: int) -> _Layout | None:
-    """The layout dense and padded run on; None when they do not apply (MoE pools, device
+    """The layout the padded plan runs on; None when it does not apply (MoE pools, device
     metadata, too many segments, no rank, or more MACs than a small batch)."""
     if num_experts > 1 or meta.device.type != "cpu":
         return None
@@ -296,7 +259,9 @@ def _small_layout(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, 
     _check_ranks(seg_ranks, row_table)
     lengths = [b - a for a, b in pairwise(starts)]
     n, total, r_b = starts[-1], sum(seg_ranks), max(seg_ranks)
-    if total == 0 or min(n * total, s * max(lengths) * r_b) * width > SMALL_MAX_MACS:
+    if min(seg_ranks) == 0:  # a segment without LoRA on this kind has no rows of its own to pad
+        return None          # with: the split below leaves it out
+    if min(n * total, s * max(lengths) * r_b) * width > SMALL_MAX_MACS:
         return None
     tok = meta.token_ids[:n].long()
     table = row_table[meta.seg_slot[:s].long(), :r_b].long()  # [S, r_b]
@@ -307,29 +272,16 @@ def _small_layout(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, 
 
 
 def _small_costs(lay: _Layout, width: int) -> dict[str, float]:
-    """Estimated ns of dense, padded and the gather for one call (ties go to the first)."""
-    s, n, total, r_b = len(lay.lengths), len(lay.tok), len(lay.rows), lay.table.shape[1]
+    """Estimated ns of padded and the gather for one call (ties go to the first)."""
+    s, n, r_b = len(lay.lengths), len(lay.tok), lay.table.shape[1]
     copied = lay.run is None
     padded_views = not copied and lay.equal_ranks
     return {
-        "dense": (OP_NS * (2 + (s > 1) + 2 * (not lay.prefix) + 2 * copied)
-                  + MAC_NS * n * total * width + COPY_NS * copied * total * width),
         "padded": (OP_NS * (2 + (not lay.equal_ranks) + 4 * (not lay.direct) + 2 * (not padded_views))
                    + MAC_NS * s * max(lay.lengths) * r_b * width
                    + COPY_NS * (not padded_views) * s * r_b * width),
         "gather": OP_NS * 7 + (MAC_NS + COPY_NS) * n * r_b * width,
     }
-
-
-def _dense_plan(lay: _Layout) -> _Dense:
-    """The dense plan of `lay`: its rows, and the mask of other segments' columns when S > 1."""
-    s, n = len(lay.lengths), len(lay.tok)
-    other = None
-    if s > 1:
-        col_seg = torch.repeat_interleave(torch.arange(s), torch.tensor(lay.seg_ranks))
-        tok_seg = torch.repeat_interleave(torch.arange(s), torch.tensor(lay.lengths))
-        other = tok_seg[:, None] != col_seg[None, :]
-    return _Dense(None if lay.prefix else lay.tok, n, lay.rows, other, lay.run)
 
 
 def _padded_plan(lay: _Layout) -> _Padded:
@@ -342,15 +294,16 @@ def _padded_plan(lay: _Layout) -> _Padded:
         tok_seg = torch.repeat_interleave(torch.arange(s), torch.tensor(lengths))
         seg_first = torch.tensor([0] + lengths[:-1]).cumsum(0)
         vtok, vpos = lay.tok, tok_seg * length + torch.arange(len(lay.tok)) - seg_first[tok_seg]
-    return _Padded(vtok, vpos, lay.table.masked_fill(invalid, 0).flatten(),
+    own = torch.where(invalid, lay.table[:, :1], lay.table)  # pads read the segment's own row
+    return _Padded(vtok, vpos, own.flatten(),
                    lay.run if lay.equal_ranks else None,
                    invalid[:, None, :] if bool(invalid.any()) else None, (s, length, r_b))
 
 
 def _small_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, num_experts: int,
-                width: int, strategy: str | None) -> _Dense | _Padded | None:
-    """Dense or padded, the forced one or whichever the cost model prices lowest; None when
-    the gather is priced lower or neither applies."""
+                width: int, strategy: str | None) -> _Padded | None:
+    """Padded, when forced or when the cost model prices it below the gather; None when the
+    gather is priced lower or padded does not apply."""
     lay = _small_layout(meta, row_table, ranks, num_experts, width)
     if lay is None:
         return None
@@ -359,7 +312,7 @@ def _small_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, nu
         strategy = min(costs, key=costs.get)
     if strategy == "gather":
         return None
-    return _dense_plan(lay) if strategy == "dense" else _padded_plan(lay)
+    return _padded_plan(lay)
 
 
 def _split(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, num_experts: int,
@@ -378,8 +331,9 @@ def _split(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, num_exp
     if strategy is None and n_light * max(r_list, default=0) * width > GATHER_MAX_ELEMENTS:
         heavy, n_light = [r > 0 for r in r_list], 0
     light = None
-    if n_light:
-        pos = None if not any(heavy) else _positions(lengths, [not h for h in heavy])
+    if n_light:  # the light tokens: segments neither heavy nor without LoRA on this kind
+        light_segs = [not h and r > 0 for h, r in zip(heavy, r_list)]
+        pos = None if all(light_segs) else _positions(lengths, light_segs)
         light = _gather_plan(meta, row_table, ranks, int(starts[-1]), pos, num_experts)
     if not any(heavy):
         return light, None
@@ -428,7 +382,9 @@ def _gather_plan(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, n
     rows = row_table[slots, :r_b].long()
     if num_experts > 1:
         rows = rows * num_experts + pick(meta.sorted_experts)[:, None]
-    return _Gather(pick(meta.token_ids).long(), rows.masked_fill_(invalid, 0).flatten(), invalid)
+    # rank positions past a token's own read its own first row (then masked): never another's
+    rows = torch.where(invalid, rows[:, :1], rows)
+    return _Gather(pick(meta.token_ids).long(), rows.flatten(), invalid)
 
 
 def _num_experts(pool: torch.Tensor) -> int:
@@ -462,13 +418,13 @@ def plan_torch(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, A_r
     metadata, row table, ranks and widths), saving the host-side planning of every other call.
 
     strategy: None lets the cost model choose; one of STRATEGIES forces it (tests, benchmarks)
-    where it applies. "gather" and "segments" apply everywhere; where dense or padded do not (MoE
+    where it applies. "gather" and "segments" apply everywhere; where padded does not (MoE
     pools, CUDA metadata, batches past SMALL_MAX_SEGMENTS or SMALL_MAX_MACS), the light / heavy
     split covers the call. The plan's `name` says what runs."""
     if strategy is not None and strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     num_experts, width = _num_experts(A_rows), A_rows.shape[-1] + B_rows.shape[-1]
-    if strategy in (None, "dense", "padded"):
+    if strategy in (None, "padded"):
         small = _small_plan(meta, row_table, ranks, num_experts, width, strategy)
         if small is not None:
             return small

@@ -8,8 +8,9 @@ Not part of `make test`. For each thread count, both servers run side by side (e
 that many compute threads: llama.cpp `-t/-tb`, loraserve `--torch-threads`), with prompt caching
 off on both. Each batch is 32 concurrent `/v1/completions` requests x 32 new tokens, greedy,
 `ignore_eos`, and a per-request adapter: loraserve by name (`"model": "bench/aNN"`), llama.cpp by
-its `lora` field (`[{"id": N, "scale": 1.0}]`; every adapter is loaded at start with
-`--lora-init-without-apply`). Mixes: the base alone, 1 adapter, 8 adapters, 32 adapters.
+its `lora` field (`[{"id": N, "scale": 1.0}]`; every adapter is loaded at start, at scale 0, so a
+request without `lora` is the base). Mixes: the base alone, 1 adapter, 8 adapters, 32 adapters.
+Both run float32 weights and KV cache; llama.cpp's flash attention is off (`--llama-flash-attn`).
 
 1. Correctness first, per mix: every request's greedy token ids from loraserve (logprobs with
    `return_tokens_as_token_ids`) and from llama.cpp (`/completion` with `return_tokens`) must be
@@ -191,17 +192,22 @@ class LlamaCpp(Server):
     name = "llama.cpp"
 
     def __init__(self, binary: Path, model_dir: Path, threads: int, n_adapters: int, batch: int,
-                 max_len: int):
+                 max_len: int, flash_attn: str = "off"):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         gg = model_dir / "gguf"
         self.cmd = [str(binary), "-m", str(gg / "base-f32.gguf"), "--host", "127.0.0.1",
                     "--port", str(port), "-t", str(threads), "-tb", str(threads),
                     "-np", str(batch), "-c", str(batch * max_len), "-ngl", "0",
-                    "-ctk", "f32", "-ctv", "f32", "--no-cache-prompt", "--cache-ram", "0", "--no-webui",
-                    "--lora-init-without-apply"]
-        if n_adapters:   # one --lora, comma-separated (a repeated --lora keeps only the last)
-            self.cmd += ["--lora", ",".join(str(gg / f"a{i:02d}-f32.gguf") for i in range(n_adapters))]
+                    "-ctk", "f32", "-ctv", "f32", "--no-cache-prompt", "--cache-ram", "0", "--no-webui"]
+        self.cmd += ["-fa", flash_attn]
+        if n_adapters:
+            # One flag, comma-separated (a repeated --lora keeps only the last). Scale 0 at load:
+            # a request without a `lora` field runs with the scales the adapters were loaded with
+            # (`--lora-init-without-apply` alone leaves them at 1.0, so the "base" would be all
+            # 32 adapters at once).
+            self.cmd += ["--lora-init-without-apply", "--lora-scaled", ",".join(
+                f"{gg / f'a{i:02d}-f32.gguf'}:0.0" for i in range(n_adapters))]
 
     def body(self, prompt: str, adapter: int | None, tokens: int, check: bool) -> tuple[str, dict]:
         b = {"prompt": prompt, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
@@ -273,6 +279,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, default=32, help="concurrent requests")
+    ap.add_argument("--llama-flash-attn", default="off", choices=["off", "on", "auto"],
+                    help="llama.cpp -fa (default off: its CPU flash attention rounds through "
+                         "float16, and greedy outputs then differ from float32 references)")
     ap.add_argument("--no-reference", action="store_true", help="skip transformers + PEFT")
     ap.add_argument("--time-mismatched", action="store_true", help="time mixes with mismatches too")
     ap.add_argument("--logs", type=Path, default=None, help="server logs (default: MODEL_DIR/logs)")
@@ -306,7 +315,8 @@ def main() -> None:
     results: dict = {}
     for threads in [int(t) for t in args.threads.split(",")]:
         servers = [LoraServe(model_dir, catalog, threads, n_adapters, args.batch, max_len),
-                   LlamaCpp(args.llama_server, model_dir, threads, n_adapters, args.batch, max_len)]
+                   LlamaCpp(args.llama_server, model_dir, threads, n_adapters, args.batch, max_len,
+                            args.llama_flash_attn)]
         for s in servers:
             print(f"[threads {threads}] {s.name}: {' '.join(s.cmd)}")
             s.start(logs / f"{s.name}-t{threads}.log")

@@ -1,7 +1,7 @@
-"""Each CPU strategy of the torch backend (gather, per-segment GEMM, dense, padded) against the
+"""Each CPU strategy of the torch backend (gather, per-segment GEMM, padded) against the
 reference, forced one at a time through `plan_torch(strategy=)`, on random row tables and on
 the layout the engine produces (batch grouped by adapter, one run of pool rows at one rank),
-where dense and padded work on views."""
+where padded works on views."""
 from __future__ import annotations
 
 import zlib
@@ -43,9 +43,9 @@ def test_strategy_matches_reference(strategy, pattern):
     assert picked.name == strategy, f"{strategy} was not chosen"
     if pattern.startswith("grouped") and strategy == "segments":  # row ranges, no gather
         assert picked.direct
-    if pattern == "grouped" and strategy in ("dense", "padded"):  # the copy-free fast paths
+    if pattern == "grouped" and strategy == "padded":  # the copy-free fast path
         assert picked.row_range is not None
-        assert (picked.tok is None) if strategy == "dense" else (picked.vtok is None and picked.invalid is None)
+        assert picked.vtok is None and picked.invalid is None
     kernels.add_lora_torch(y, x, A_rows, B_rows, table, ranks, meta, plan=picked)
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
 
