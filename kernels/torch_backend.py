@@ -37,7 +37,7 @@ from .meta import LoRAMeta
 HEAVY_MIN_EXTRA_ELEMENTS = 1 << 16
 GATHER_MAX_ELEMENTS = 1 << 26  # cap on the gathered [n, r_b, H] copy; past it, loop everything
 SMALL_MAX_SEGMENTS = 64  # padded covers at most this many adapters
-SMALL_MAX_MACS = 1 << 24  # n * sum(r) * (H_in + H_out): past it (prefill), use the other paths
+SMALL_MAX_MACS = 1 << 24  # S * L * r_b * (H_in + H_out), padded's MACs: past it, the other paths
 STRATEGIES = ("padded", "gather", "segments")  # what `plan_torch(strategy=)` can force
 # No strategy multiplies one adapter's weights by another token's activations, not even masked
 # by zeros (0 * NaN = NaN): a "dense" strategy (every token against every live adapter's rows,
@@ -48,12 +48,14 @@ STRATEGIES = ("padded", "gather", "segments")  # what `plan_torch(strategy=)` ca
 OP_NS, MAC_NS, COPY_NS = 5000.0, 0.05, 0.5
 
 
-def _cached_view(views: dict, pool: torch.Tensor, make) -> torch.Tensor:
-    """A plan's view of `pool`, made once: `views` maps id(pool) -> (pool, view), and holding
-    the pool keeps its id from being reused by another tensor."""
-    hit = views.get(id(pool))
+def _cached_view(views: dict, pool: torch.Tensor, make, shape: int = 0) -> torch.Tensor:
+    """A plan's view of `pool`, made once: `views` maps (id(pool), shape) -> (pool, view), and
+    holding the pool keeps its id from being reused by another tensor. `shape` tells apart
+    several views of one pool."""
+    key = (id(pool), shape)
+    hit = views.get(key)
     if hit is None or hit[0] is not pool:
-        hit = views[id(pool)] = (pool, make())
+        hit = views[key] = (pool, make())
     return hit[1]
 
 
@@ -174,7 +176,7 @@ class _Padded:
     row_range: tuple[int, int] | None  # rows are pool[start:stop] (equal ranks): a view
     invalid: torch.Tensor | None  # [S, 1, r_b] bool: rank index past the segment's rank (None: none)
     shape: tuple[int, int, int]  # S, L, r_b
-    views: dict = field(default_factory=dict)  # id(pool) -> (pool, its [S, r_b, H] view)
+    views: dict = field(default_factory=dict)  # (id(pool), shape) -> (pool, its view)
 
     def pick(self, pool: torch.Tensor) -> torch.Tensor:
         """[S, r_b, H]: each segment's rank rows of `pool`."""
@@ -184,9 +186,19 @@ class _Padded:
         return _cached_view(self.views, pool,
                             lambda: pool[self.row_range[0]:self.row_range[1]].view(s, r_b, -1))
 
+    def pick_one(self, pool: torch.Tensor) -> torch.Tensor:
+        """[r, H]: the rank rows of `pool` of the only segment (S = 1)."""
+        if self.row_range is None:
+            return pool.index_select(0, self.rows)
+        return _cached_view(self.views, pool, lambda: pool[self.row_range[0]:self.row_range[1]], 2)
+
     def run(self, y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor) -> None:
         """Per segment: y[its tokens] += (x[its tokens] @ A^T) @ B, all segments in one bmm pair."""
         s, length, _ = self.shape
+        if s == 1 and self.vtok is None and A_rows.dtype == x.dtype and B_rows.dtype == y.dtype:
+            # one adapter (the common decode step): two plain GEMMs cost ~5 us less than the bmm pair
+            y[:length].addmm_(x[:length] @ self.pick_one(A_rows).T, self.pick_one(B_rows))
+            return
         if self.vtok is None:
             xs = x[: s * length].view(s, length, -1)
         else:
@@ -261,7 +273,7 @@ def _small_layout(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, 
     n, total, r_b = starts[-1], sum(seg_ranks), max(seg_ranks)
     if min(seg_ranks) == 0:  # a segment without LoRA on this kind has no rows of its own to pad
         return None          # with: the split below leaves it out
-    if min(n * total, s * max(lengths) * r_b) * width > SMALL_MAX_MACS:
+    if s * max(lengths) * r_b * width > SMALL_MAX_MACS:
         return None
     tok = meta.token_ids[:n].long()
     table = row_table[meta.seg_slot[:s].long(), :r_b].long()  # [S, r_b]
