@@ -9,7 +9,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?= -n 2
 
-.PHONY: serve test venv demo bench clean
+.PHONY: serve test venv demo bench clean wrk
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,8 +26,15 @@ demo: venv
 serve: demo
 	$(VENV)/bin/loraserve serve --model $(DEMO_DIR)/qwen3 --catalog $(DEMO_DIR)/catalog --host $(HOST) --port $(PORT)
 
+# wrk (Debian's package) drives `loraserve loadtest --client wrk`; its test needs it. Installed
+# when missing and we may (CI runs as root); elsewhere install it yourself or that test skips.
+wrk:
+	@command -v wrk >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  { apt-get install -y -q wrk >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && \
+	    apt-get install -y -q wrk >/dev/null 2>&1; }; }; } || echo "wrk not installed: its loadtest test will skip"
+
 # the Ray Serve tests start a local Ray on both cores: alone, after the rest
-test: venv
+test: venv wrk
 	$(PY) -m pytest -q $(PYTEST_ARGS) -m 'not ray' tests
 	$(PY) -m pytest -q -m ray tests
 

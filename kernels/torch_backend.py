@@ -270,7 +270,7 @@ def _small_layout(meta: LoRAMeta, row_table: torch.Tensor, ranks: torch.Tensor, 
     seg_ranks = ranks[meta.seg_slot[:s].long()].tolist()
     _check_ranks(seg_ranks, row_table)
     lengths = [b - a for a, b in pairwise(starts)]
-    n, total, r_b = starts[-1], sum(seg_ranks), max(seg_ranks)
+    n, r_b = starts[-1], max(seg_ranks)
     if min(seg_ranks) == 0:  # a segment without LoRA on this kind has no rows of its own to pad
         return None          # with: the split below leaves it out
     if s * max(lengths) * r_b * width > SMALL_MAX_MACS:
