@@ -40,6 +40,33 @@ ROOT = Path(__file__).resolve().parents[2]
 MIXES = {"base": 0, "1 adapter": 1, "8 adapters": 8, "32 adapters": 32}
 
 
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its live descendants (loraserve's engine process)."""
+    stats = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                raw = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            f = raw[raw.rindex(")") + 2:].split()   # fields after the command name
+            stats[int(d)] = (int(f[1]), (int(f[11]) + int(f[12])) / CLK_TCK)   # ppid, utime+stime
+    tree, frontier = set(), {pid}
+    while frontier:
+        tree |= frontier
+        frontier = {p for p, (pp, _) in stats.items() if pp in frontier} - tree
+    return sum(stats[p][1] for p in tree if p in stats)
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds all processes on this machine have used (from /proc/stat)."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(f) - f[3] - f[4]) / CLK_TCK   # all but idle and iowait
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -337,9 +364,14 @@ def main() -> None:
                 bad = check_mix(mix, ls_out, lc_out, ref, adapters)
                 distinct = len({tuple(o[2]) for o in ls_out})
                 same_text = sum(a[0] == b[0] for a, b in zip(ls_out, lc_out))
+                # the tokenizer.json decoder strips the leading space of a completion's first
+                # piece; llama.cpp keeps it. Random weights also emit lone byte-fallback tokens
+                # (invalid UTF-8), which the two render differently.
+                same_strip = sum(a[0].lstrip(" ") == b[0].lstrip(" ") for a, b in zip(ls_out, lc_out))
                 print(f"[threads {threads}] {mix}: token ids equal (loraserve = llama.cpp"
                       f"{' = transformers+PEFT' if ref else ''}) for {args.batch - len(bad)}/{args.batch} "
-                      f"requests; {distinct} distinct outputs; texts equal {same_text}/{args.batch}")
+                      f"requests; {distinct} distinct outputs; texts equal {same_text}/{args.batch} "
+                      f"({same_strip} without the leading space)")
                 for line in bad[:8]:
                     print(line)
                 expected[mix] = {"loraserve": [o[0] for o in ls_out], "llama.cpp": [o[0] for o in lc_out]}
@@ -358,10 +390,17 @@ def main() -> None:
                     adapters = [adapter_of(mix, i) for i in range(args.batch)]
                     order = servers if (rep + k) % 2 == 0 else servers[::-1]
                     for s in order:
+                        cpu0, busy0 = tree_cpu_seconds(s.proc.pid), machine_busy_seconds()
                         dt, outs = asyncio.run(run_batch(s, texts, adapters, args.tokens, check=False))
+                        cpu, busy = tree_cpu_seconds(s.proc.pid) - cpu0, machine_busy_seconds() - busy0
                         n = sum(o[1] for o in outs)
                         text_mismatch[s.name] += sum(o[0] != e for o, e in zip(outs, expected[mix][s.name]))
-                        results[f"t{threads}"][mix].setdefault(s.name, []).append(n / dt)
+                        r = results[f"t{threads}"][mix]
+                        r.setdefault(s.name, []).append(n / dt)
+                        r.setdefault(s.name + " cpu_ms_per_token", []).append(1000 * cpu / n)
+                        # CPU the rest of the machine (other users, this client) used meanwhile,
+                        # in cores: the noise each measurement ran under
+                        r.setdefault(s.name + " others_cores", []).append((busy - cpu) / dt)
                 print(f"[threads {threads}] round {rep + 1}/{args.reps}: " + ", ".join(
                     f"{m} {results[f't{threads}'][m]['loraserve'][-1]:.0f}/"
                     f"{results[f't{threads}'][m]['llama.cpp'][-1]:.0f}" for m in timed_mixes)
@@ -372,19 +411,25 @@ def main() -> None:
                 s.stop()
 
     print()
-    print(f"| threads | mix | loraserve tok/s min / median | llama.cpp tok/s min / median | "
-          f"loraserve / llama.cpp, median (min-max) of {args.reps} rounds |")
-    print("|---|---|---|---|---|")
+    print(f"Tokens/s: median (min-max) of {args.reps} interleaved rounds. Ratio: loraserve / llama.cpp "
+          f"within each round, median (min-max). CPU: the server's own CPU time (process tree) per "
+          f"generated token, median. Others: cores the rest of the machine kept busy meanwhile, median.")
+    print()
+    print("| threads | mix | loraserve tok/s | llama.cpp tok/s | ratio | CPU ms/token ls / lc | others (cores) |")
+    print("|---|---|---|---|---|---|---|")
+    med = statistics.median
     for tkey, per_mix in results.items():
         for mix, r in per_mix.items():
             if "loraserve" not in r:
-                print(f"| {tkey[1:]} | {mix} | not timed: {r['mismatches']} mismatches | | |")
+                print(f"| {tkey[1:]} | {mix} | not timed: {r['mismatches']} mismatches | | | | |")
                 continue
             a, b = r["loraserve"], r["llama.cpp"]
             ratios = [x / y for x, y in zip(a, b)]
-            print(f"| {tkey[1:]} | {mix} | {min(a):.0f} / {statistics.median(a):.0f} | "
-                  f"{min(b):.0f} / {statistics.median(b):.0f} | **{statistics.median(ratios):.2f}x** "
-                  f"({min(ratios):.2f}-{max(ratios):.2f}) |")
+            others = r["loraserve others_cores"] + r["llama.cpp others_cores"]
+            print(f"| {tkey[1:]} | {mix} | {med(a):.0f} ({min(a):.0f}-{max(a):.0f}) | "
+                  f"{med(b):.0f} ({min(b):.0f}-{max(b):.0f}) | **{med(ratios):.2f}x** "
+                  f"({min(ratios):.2f}-{max(ratios):.2f}) | {med(r['loraserve cpu_ms_per_token']):.2f} / "
+                  f"{med(r['llama.cpp cpu_ms_per_token']):.2f} | {med(others):.1f} |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 
