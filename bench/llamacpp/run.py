@@ -2,7 +2,7 @@
 
     bash bench/llamacpp/build.sh                                     # llama-server + converter venv
     .loraserve/llamacpp/venv/bin/python bench/llamacpp/make_model.py --out .loraserve/llamacpp/h512
-    .venv/bin/python bench/llamacpp/run.py --model-dir .loraserve/llamacpp/h512 [--reps 5] [--threads 2,1]
+    .venv/bin/python bench/llamacpp/run.py --model-dir .loraserve/llamacpp/h512 [--reps 7] [--threads 2,1]
 
 Not part of `make test`. For each thread count, both servers run side by side (each told to use
 that many compute threads: llama.cpp `-t/-tb`, loraserve `--torch-threads`), with prompt caching
@@ -19,8 +19,10 @@ Both run float32 weights and KV cache; llama.cpp's flash attention is off (`--ll
 2. Timing: `--reps` rounds; in each round every mix runs once on each server, the order of the two
    servers alternating, so noise from the rest of the (shared) machine lands on both. Every timed
    response's text is checked against the texts of step 1.
-Prints tokens/s (min / median over rounds) per mix and thread count, and the ratio
-loraserve / llama.cpp per round (median, min-max): the figure to quote on a noisy machine.
+Prints, per mix and thread count, tokens/s (median and min-max over rounds), the ratio
+loraserve / llama.cpp within each round (median, min-max: the figure to quote on a noisy
+machine), each server's own CPU time per generated token (its process tree, from /proc), and how
+many cores the rest of the machine kept busy meanwhile (the noise each figure ran under).
 """
 from __future__ import annotations
 
@@ -303,7 +305,7 @@ def main() -> None:
     ap.add_argument("--llama-server", type=Path, default=ROOT / ".loraserve/llamacpp/build/bin/llama-server")
     ap.add_argument("--threads", default="2,1")
     ap.add_argument("--mixes", default=",".join(MIXES))
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, default=32, help="concurrent requests")
     ap.add_argument("--llama-flash-attn", default="off", choices=["off", "on", "auto"],
