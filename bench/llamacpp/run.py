@@ -31,6 +31,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -300,6 +301,8 @@ def check_mix(mix: str, ls_out, lc_out, ref: dict, adapters: list[int | None]) -
 
 
 def main() -> None:
+    # a SIGTERM (e.g. from `timeout`) must still run the `finally` that stops both servers
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", type=Path, default=ROOT / ".loraserve/llamacpp/h512")
     ap.add_argument("--llama-server", type=Path, default=ROOT / ".loraserve/llamacpp/build/bin/llama-server")
