@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save, save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the source tree, for a checkout run without an install; appended, so an installed or linked
+# loraserve (scripts/gpu_check.sh) comes first
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from loraserve.catalog.base import BaseInfo  # noqa: E402
 from loraserve.catalog.export import export_peft  # noqa: E402

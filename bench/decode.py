@@ -9,8 +9,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# the repo root first: bench/kernels.py and bench/catalog.py must not shadow the packages
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the source tree, for a checkout run without an install; appended, so an installed or linked
+# loraserve (scripts/gpu_check.sh) comes first
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from _common import base_or_demo  # bench/_common.py, beside this script
 

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the source tree, for a checkout run without an install; appended, so an installed or linked
+# loraserve (scripts/gpu_check.sh) comes first
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from loraserve.kernels import LoRAMeta, add_lora, resolve_backend  # noqa: E402
 

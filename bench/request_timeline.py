@@ -18,7 +18,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # hot_path.py, beside this script
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the source tree, for a checkout run without an install; appended, so an installed or linked
+# loraserve (scripts/gpu_check.sh) comes first
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import argparse
 import os

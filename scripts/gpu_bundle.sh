@@ -3,7 +3,7 @@
 # enough to carry to the device machine (its carry limit is 64 MiB and 8 paths; .venv is far
 # bigger): the pure-Python test packages (pytest, hypothesis and what they import) from the
 # local .venv, without bytecode. The demo base is carried as .loraserve (about 11 MiB).
-#   bash scripts/gpu_bundle.sh     # then: carry [".gpu_bundle", ".loraserve"], run gpu_check.sh
+#   bash scripts/gpu_bundle.sh     # then: carry [".gpu_bundle", ".loraserve", ".whl"], run gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=python3; [ -x .venv/bin/python ] && PY=.venv/bin/python
@@ -20,5 +20,12 @@ for site in .venv/lib/python3*/site-packages; do
     done
   done
 done
+# Compiled packages the GPU image lacks (its python is 3.12), as wheels for gpu_check.sh.
+rm -rf .whl; mkdir -p .whl
+for req in "lmdb==$("$PY" -c 'import lmdb; print(lmdb.__version__)')"; do
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl "$req"
+done
 find .gpu_bundle -name __pycache__ -prune -exec rm -rf {} +
-du -sh .gpu_bundle .loraserve
+du -sh .gpu_bundle .loraserve .whl

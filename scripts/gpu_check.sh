@@ -1,17 +1,30 @@
 #!/usr/bin/env bash
 # GPU check for one CUDA machine (built for an H200): kernel tests on CUDA, then the kernel
 # benchmark, then a summary table. Needs torch + triton already installed; no network; never
-# installs torch. Runs from any directory; about 3-5 minutes (hard limits below keep it < 8).
+# installs torch. Runs from any directory; about 3-5 minutes (hard limits below keep it < 9.5).
 #   bash scripts/gpu_check.sh              # logs land in ${GPU_CHECK_OUT:-$OUT or /tmp}/gpu_check
 # On the device machine: first `bash scripts/gpu_bundle.sh` here, then carry
-# [".gpu_bundle", ".loraserve"] (test packages and the demo base) with the run.
+# [".gpu_bundle", ".loraserve", ".whl"] (test packages, the demo base, wheels) with the run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 LOG=${GPU_CHECK_OUT:-${OUT:-/tmp}}/gpu_check
 mkdir -p "$LOG"
 unset TRITON_INTERPRET            # compiled kernels, never the interpreter
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# The source tree installs as one package: loraserve/ plus kernels/ and catalog/ as
+# loraserve.kernels and loraserve.catalog (pyproject's package-dir). A bare GPU image has no
+# install, so a folder of links gives Python that same shape.
+PKG=/tmp/loraserve_pkg
+rm -rf "$PKG"; mkdir -p "$PKG/loraserve"
+for entry in "$REPO"/loraserve/*; do ln -s "$entry" "$PKG/loraserve/$(basename "$entry")"; done
+ln -s "$REPO/kernels" "$PKG/loraserve/kernels"
+ln -s "$REPO/catalog" "$PKG/loraserve/catalog"
+export PYTHONPATH="$PKG:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# Wheels carried in .whl (packages the image lacks, e.g. lmdb) go to their own folder.
+if ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/loraserve_site "$REPO"/.whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/loraserve_site"
+fi
 export TRITON_DEFAULT_FP_FUSION=1
 
 # A python whose torch sees CUDA: $PYTHON, then python3/python (the local .venv is a CPU build).
@@ -47,7 +60,8 @@ fi
 status_tests="not run"
 if "$PY" -c "import pytest" 2>/dev/null; then
   # --confcutdir: only tests/kernels' own conftest (the root one imports the whole server).
-  timeout 240 "$PY" -m pytest -q -p no:cacheprovider --confcutdir=tests/kernels tests/kernels \
+  # -P and --import-mode=append: the linked package above, not the bare source folder in the cwd.
+  timeout 200 "$PY" -P -m pytest -q -p no:cacheprovider --import-mode=append --confcutdir=tests/kernels tests/kernels \
     2>&1 | tee "$LOG/kernel_tests.txt"
   rc=${PIPESTATUS[0]}
   status_tests="$(tail -n 1 "$LOG/kernel_tests.txt") (rc=$rc)"
@@ -55,7 +69,7 @@ else
   echo "gpu_check: pytest unavailable, kernel tests skipped" | tee "$LOG/kernel_tests.txt"
 fi
 
-timeout 150 "$PY" bench/kernels.py 2>&1 | tee "$LOG/bench_kernels.txt"
+timeout 120 "$PY" bench/kernels.py 2>&1 | tee "$LOG/bench_kernels.txt"
 status_bench="rc=${PIPESTATUS[0]}"
 
 # ---- decode benchmarks (engine on CUDA; need safetensors, tokenizers, jinja2, lmdb, xxhash) ----
@@ -64,7 +78,7 @@ if "$PY" -c "import safetensors, tokenizers, jinja2, lmdb, xxhash, numpy" 2>/dev
   timeout 90 "$PY" bench/decode.py --device cuda --tokens 64 2>&1 | tee "$LOG/bench_decode.txt"
   status_decode="base rc=${PIPESTATUS[0]}"
   if "$PY" -c "import peft, transformers" 2>/dev/null; then
-    timeout 150 "$PY" bench/lora_decode.py --device cuda --no-peft 2>&1 | tee "$LOG/bench_lora_decode.txt"
+    timeout 120 "$PY" bench/lora_decode.py --device cuda --no-peft 2>&1 | tee "$LOG/bench_lora_decode.txt"
     status_decode="$status_decode, lora rc=${PIPESTATUS[0]}"
   fi
 fi
@@ -73,7 +87,7 @@ fi
 # packed vs per-expert MoE LoRA loading into the device row pool (issue 4's >= 10x is a GPU effect)
 status_moe="not run (missing python packages)"
 if "$PY" -c "import safetensors, lmdb, xxhash" 2>/dev/null; then
-  timeout 90 "$PY" bench/catalog.py moe --device cuda 2>&1 | tee "$LOG/bench_moe_load.txt"
+  timeout 60 "$PY" bench/catalog.py moe --device cuda 2>&1 | tee "$LOG/bench_moe_load.txt"
   status_moe="rc=${PIPESTATUS[0]}"
 fi
 
