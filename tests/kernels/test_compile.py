@@ -67,7 +67,9 @@ def compile_all() -> int:
 
 def test_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO),
+    # the caller's path first (scripts/gpu_check.sh links the installed package shape there)
+    path = [p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p]
+    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(path),
                TRITON_DEFAULT_FP_FUSION="1")
     proc = subprocess.run([sys.executable, __file__], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
@@ -76,5 +78,5 @@ def test_kernels_compile_for_sm90(tmp_path):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
+    sys.path.append(str(REPO))
     print(f"compiled {compile_all()} kernels for sm_90")

@@ -1,6 +1,6 @@
 """The LoRA math never mixes adapters: NaN planted in one adapter's pool rows (behind every
 validator's back) never reaches another adapter's tokens or base-only tokens, on every torch
-strategy and on the Triton backend (interpreted on CPU).
+strategy and on the Triton backend (interpreted on CPU, compiled on CUDA).
 
 Each case runs the same batch twice, once with the planted adapter's rows finite and once with
 them NaN; every row of a token that does not use that adapter must be bit-identical.
@@ -48,23 +48,30 @@ def _poison(rows: torch.Tensor, table: torch.Tensor, ranks: torch.Tensor) -> tor
     return bad
 
 
-def _run(add, slots, table, ranks, A_rows, B_rows, x, y) -> torch.Tensor:
+def _run(add, slots, table, ranks, A_rows, B_rows, x, y, device="cpu") -> torch.Tensor:
+    slots, table, ranks, A_rows, B_rows, x, y = (
+        t.to(device) for t in (slots, table, ranks, A_rows, B_rows, x, y))
     out = y.clone()
     meta = LoRAMeta.build(slots, max_segments=int(ranks.numel()))
     add(out, x, A_rows, B_rows, table, ranks, meta)
-    return out
+    return out.cpu()
 
 
-def _check(add, pattern: str, rank_mode: str) -> None:
+def _check(add, pattern: str, rank_mode: str, device: str = "cpu") -> None:
     slots, table, ranks, A_rows, B_rows, x, y = _case(pattern, rank_mode)
-    clean = _run(add, slots, table, ranks, A_rows, B_rows, x, y)
+    run = lambda a, b: _run(add, slots, table, ranks, a, b, x, y, device)  # noqa: E731
+    clean = run(A_rows, B_rows)
     for which in ("A", "B", "both"):
         bad_a = _poison(A_rows, table, ranks) if which in ("A", "both") else A_rows
         bad_b = _poison(B_rows, table, ranks) if which in ("B", "both") else B_rows
-        got = _run(add, slots, table, ranks, bad_a, bad_b, x, y)
+        got = run(bad_a, bad_b)
         others = slots != BAD_SLOT
-        assert torch.equal(got[others], clean[others]), \
-            f"NaN in adapter {BAD_SLOT}'s {which} rows reached other tokens ({pattern}, {rank_mode})"
+        msg = f"NaN in adapter {BAD_SLOT}'s {which} rows reached other tokens ({pattern}, {rank_mode})"
+        if device == "cpu":
+            assert torch.equal(got[others], clean[others]), msg
+        else:  # compiled kernels may split K and sum in another order: finite and equal to 1e-5
+            assert got[others].isfinite().all(), msg
+            torch.testing.assert_close(got[others], clean[others], rtol=1e-5, atol=1e-5, msg=msg)
         if (slots == BAD_SLOT).any():
             assert got[~others].isnan().any()  # the planted adapter's own tokens do see it
 
@@ -80,7 +87,7 @@ def test_torch_strategies_never_mix_adapters(strategy, pattern, rank_mode) -> No
 
 
 @pytest.mark.parametrize("pattern", ["grouped", "scattered"])
-def test_triton_never_mixes_adapters(pattern) -> None:
+def test_triton_never_mixes_adapters(pattern, device) -> None:
     def add(y, x, A_rows, B_rows, table, ranks, meta):
         kernels.add_lora(y, x, A_rows, B_rows, table, ranks, meta, backend="triton")
-    _check(add, pattern, "mixed")
+    _check(add, pattern, "mixed", device)
