@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from loraserve.engine.build import build_engine
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.llm_engine import LLMEngine
 from loraserve.engine.types import GenerateRequest, SamplingParams
@@ -54,17 +55,34 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--compile", default="auto", choices=["auto", "on", "off", "both"],
+                    help="the engine's --compile; both: eager and compiled engines side by side, "
+                         "interleaved per batch size, with their ratio")
     args = ap.parse_args()
     model = base_or_demo(args.model)
     batches = [int(b) for b in args.batches.split(",")]
-    eng = LLMEngine(EngineConfig(model_dir=model, device=args.device, dtype=args.dtype,
-                                 max_batch_size=max(batches), max_model_len=args.prompt_len + args.tokens + 1))
-    measure(eng, 2, args.prompt_len, 4)  # warm-up
+    modes = ["off", "on"] if args.compile == "both" else [args.compile]
+    engines = {}
+    for mode in modes:
+        t0 = time.perf_counter()
+        engines[mode] = build_engine(EngineConfig(
+            model_dir=model, device=args.device, dtype=args.dtype, max_batch_size=max(batches),
+            max_model_len=args.prompt_len + args.tokens + 1, compile=mode,
+            compile_batch_sizes=batches))
+        graphs = engines[mode].runner.graphs
+        if graphs is not None:
+            print(f"# --compile {mode}: {graphs.kind}, {len(graphs.batch_sizes)} batch x "
+                  f"{len(graphs.context_sizes)} context buckets made in {time.perf_counter() - t0:.1f} s")
+        measure(engines[mode], 2, args.prompt_len, 4)  # warm-up
+    eng = engines[modes[0]]
     print(f"model={model} device={eng.device} dtype={eng.dtype} prompt={args.prompt_len} tokens={args.tokens}")
-    print(f"{'batch':>6} {'tok/s':>10} {'ms/step':>9}")
+    head = "".join(f" {m + ' tok/s':>14} {m + ' ms/step':>14}" for m in modes)
+    print(f"{'batch':>6}{head}" + (f" {'on/off':>7}" if len(modes) == 2 else ""))
     for b in batches:
-        tps, ms = measure(eng, b, args.prompt_len, args.tokens)
-        print(f"{b:>6} {tps:>10.1f} {ms:>9.2f}")
+        rows = [measure(engines[m], b, args.prompt_len, args.tokens) for m in modes]
+        line = "".join(f" {tps:>14.1f} {ms:>14.2f}" for tps, ms in rows)
+        print(f"{b:>6}{line}" + (f" {rows[1][0] / rows[0][0]:>6.2f}x" if len(modes) == 2 else ""),
+              flush=True)
 
 
 if __name__ == "__main__":

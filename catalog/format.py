@@ -25,7 +25,8 @@ from .targets import ALL_KINDS, EXPERT_KINDS, LM_HEAD, module_path, parse_module
 
 __all__ = [  # the target names are the table's (catalog.targets), re-exported for blob users
     "ALL_KINDS", "EXPERT_KINDS", "FORMAT", "LM_HEAD", "META_KEYS", "blob_checksum", "canonical_blob",
-    "module_path", "parse_module_path", "parse_targets", "read_adapter_meta", "read_header",
+    "check_adapter_meta", "module_path", "parse_module_path", "parse_targets", "read_adapter_meta",
+    "read_header",
 ]
 
 FORMAT = "loraserve.adapter.v1"
@@ -45,6 +46,11 @@ def read_header(blob: bytes | memoryview, what: str = "adapter blob") -> tuple[d
 def read_adapter_meta(blob: bytes | memoryview, what: str = "adapter blob") -> dict:
     """The adapter metadata of a blob, checked: format, base_fingerprint, rank (int), targets (list), dtype, source."""
     _, meta, _ = read_header(blob, what)
+    return check_adapter_meta(meta, what)
+
+
+def check_adapter_meta(meta: dict, what: str = "adapter blob") -> dict:
+    """`meta` (a blob's `__metadata__`) checked and typed as `read_adapter_meta` returns it."""
     missing = [k for k in META_KEYS if k not in meta]
     if missing:
         raise CorruptBlob(f"{what}: metadata lacks {', '.join(missing)}")

@@ -6,14 +6,15 @@ both check the layout so a blob that loads is one the engine can use as is: ever
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import safetensors.torch
 import torch
 
-from .dtypes import dtype_name, torch_dtype
+from .dtypes import DTYPES_BY_NAME, dtype_name, name_of_code, torch_dtype
 from .errors import CorruptBlob
-from .format import FORMAT, canonical_blob, read_adapter_meta
+from .format import FORMAT, canonical_blob, check_adapter_meta, read_header
 from .targets import EXPERT_KINDS, module_path, parse_tensor_name, tensor_names
 
 
@@ -90,18 +91,82 @@ def save_revision(weights: AdapterWeights) -> bytes:
     return canonical_blob(safetensors.torch.save(tensors, metadata=weights.meta))
 
 
-def load_revision(blob: bytes) -> AdapterWeights:
-    """Parse a revision blob (safetensors only, never pickle); CorruptBlob if it is malformed."""
-    meta = read_adapter_meta(blob)
+def load_revision(blob: bytes | bytearray | memoryview, *, what: str = "adapter blob",
+                  finite: bool = False) -> AdapterWeights:
+    """Parse a revision blob (safetensors only, never pickle); CorruptBlob (naming `what`) if it
+    is malformed, or with `finite` if a value is NaN or Inf.
+
+    Every tensor is a view into one writable buffer, so a blob is copied at most once: a
+    `bytearray` is used as it is (the caller hands it over: the tensors share its memory; this is
+    how a page-in decodes what `Catalog.read_blobs` copied out of the LMDB map), anything else
+    is copied into one first. The header is checked as strictly as safetensors checks it: known
+    dtype codes, each tensor's byte range matching its shape, the ranges tiling the data region
+    with no gap, overlap or trailing byte; and every tensor must have the adapter's dtype. So the
+    data region is one array of that dtype, which makes each tensor a single `as_strided` of it
+    and the finiteness check one reduction over it rather than a few small ops per tensor (a
+    page-in of a small adapter is dominated by such per-op overhead). The data is read as
+    little-endian, the byte order of every host loraserve runs on.
+    """
+    buf = blob if isinstance(blob, bytearray) else bytearray(blob)
+    entries, raw_meta, start = read_header(buf, what)
+    meta = check_adapter_meta(raw_meta, what)
     try:
-        tensors = safetensors.torch.load(bytes(blob))
+        dtype = torch_dtype(meta["dtype"])
+        flat, tensors = _tensor_views(buf, entries, start, meta["dtype"])
+        if finite and not bool(torch.isfinite(flat).all()):
+            bad = next(n for n, t in tensors.items() if not bool(torch.isfinite(t).all()))
+            raise ValueError(f"tensor {bad} holds NaN or Inf; it is not served")
         return AdapterWeights(
             base_fingerprint=meta["base_fingerprint"],
             rank=meta["rank"],
             targets=meta["targets"],
-            dtype=torch_dtype(meta["dtype"]),
+            dtype=dtype,
             tensors=tensors,
             source=meta["source"],
         )
     except (ValueError, RuntimeError) as e:
-        raise CorruptBlob(f"adapter blob: {e}") from None
+        raise CorruptBlob(f"{what}: {e}") from None
+
+
+def _tensor_views(buf: bytearray, entries: dict, start: int,
+                  serving: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The data region of `buf` (from `start`) as a flat tensor of dtype `serving`, and name ->
+    tensor viewing its part of it. ValueError for an entry that is not a well-formed tensor of
+    that dtype, or entries that do not tile the data region exactly."""
+    itemsize = DTYPES_BY_NAME[serving].itemsize
+    spans = []
+    for name, entry in entries.items():
+        try:
+            code, shape, (begin, end) = entry["dtype"], list(entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{name}: malformed tensor entry") from None
+        if not all(type(x) is int and x >= 0 for x in (*shape, begin, end)):  # JSON true is no size
+            raise ValueError(f"{name}: shape and offsets must be non-negative integers")
+        if name_of_code(code) != serving:
+            raise ValueError(f"{name}: dtype code {code!r} differs from adapter dtype {serving}")
+        if end - begin != math.prod(shape) * itemsize:
+            raise ValueError(f"{name}: {end - begin} bytes for shape {shape} of {serving}")
+        spans.append((begin, end, name, shape))
+    spans.sort(key=lambda s: (s[0], s[1]))
+    covered = 0
+    for begin, end, name, _ in spans:
+        if begin != covered:
+            raise ValueError(f"{name}: data offsets leave a gap or overlap at byte {covered}")
+        covered = end
+    if start + covered != len(buf):
+        raise ValueError(f"{len(buf) - start - covered} bytes after the last tensor")
+    if not covered:
+        raise ValueError("no tensor data")
+    flat = torch.frombuffer(buf, dtype=getattr(torch, serving), offset=start)
+    base = flat.storage_offset()
+    return flat, {name: flat.as_strided(shape, _contiguous_strides(shape), base + begin // itemsize)
+                  for begin, _, name, shape in spans}
+
+
+def _contiguous_strides(shape: list[int]) -> list[int]:
+    """Row-major strides (in elements) of a contiguous tensor of `shape`."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return strides[::-1]

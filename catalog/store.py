@@ -13,9 +13,11 @@ a listing, which needs every shard, fails with it rather than answer partially.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from .errors import AdapterNotFound, CatalogError, CorruptBlob, RevisionNotFound, ShardUnavailable
@@ -38,6 +40,19 @@ def _numbers(indices: list[int], shown: int = 16) -> str:
     """`3, 7, 12` (and how many more beyond `shown`)."""
     more = len(indices) - shown
     return ", ".join(map(str, indices[:shown])) + (f" and {more} more" if more > 0 else "")
+
+
+def _verified(txn, dbs, record: RevisionRecord) -> memoryview:
+    """The stored blob of `record` as a view into the LMDB map (valid inside `txn` only), after
+    the checks every read makes: present, `record.size` bytes, `record.checksum`. CorruptBlob if not."""
+    view = txn.get(record.ref.encode(), db=dbs.blob)
+    if view is None:
+        raise CorruptBlob(f"{record.ref}: blob missing")
+    if len(view) != record.size:
+        raise CorruptBlob(f"{record.ref}: blob has {len(view)} bytes, record says {record.size} (truncated)")
+    if blob_checksum(view) != record.checksum:
+        raise CorruptBlob(f"{record.ref}: checksum mismatch, blob is corrupt")
+    return view
 
 
 def read_catalog_meta(path: str | Path) -> dict:
@@ -122,21 +137,47 @@ class Catalog:
 
     def read_blob(self, record: RevisionRecord) -> bytes:
         """The revision's blob, verified against `record.size` and `record.checksum` before the copy out."""
-
-        def fetch(txn, dbs):
-            view = txn.get(record.ref.encode(), db=dbs.blob)
-            if view is None:
-                raise CorruptBlob(f"{record.ref}: blob missing")
-            if len(view) != record.size:
-                raise CorruptBlob(f"{record.ref}: blob has {len(view)} bytes, record says {record.size} (truncated)")
-            if blob_checksum(view) != record.checksum:
-                raise CorruptBlob(f"{record.ref}: checksum mismatch, blob is corrupt")
-            return bytes(view)  # the one copy: out of the LMDB map
-
-        blob = self._shard_for(record.adapter_id).read(fetch)
+        blob = self._shard_for(record.adapter_id).read(lambda txn, dbs: bytes(_verified(txn, dbs, record)))
         if blob is None:
             raise CorruptBlob(f"{record.ref}: shard missing")
         return blob
+
+    def read_blobs(self, records: Sequence[RevisionRecord]) -> list[bytearray | Exception]:
+        """The blobs of many revisions in one read transaction per shard (a page-in batch).
+
+        Entry `i` is record `i`'s blob, verified exactly as `read_blob` verifies it, or the error
+        `read_blob` would raise for it (CorruptBlob, ShardUnavailable, ...): a bad blob or an
+        unavailable shard fails its own entries only. One transaction per shard pays the shard's
+        health check (`Shard.read`) and the transaction setup once for all its records. A blob
+        is a `bytearray`, the one copy out of the LMDB map: writable, so `layout.load_revision`
+        can make the tensors views of it rather than copy it again.
+        """
+        out: list[bytearray | Exception | None] = [None] * len(records)
+        by_shard: dict[int, list[int]] = {}
+        for i, record in enumerate(records):
+            try:
+                by_shard.setdefault(self.shard_index(validate_adapter_id(record.adapter_id)), []).append(i)
+            except CatalogError as e:
+                out[i] = e
+
+        def fetch(txn, dbs, positions):
+            for i in positions:
+                try:
+                    out[i] = bytearray(_verified(txn, dbs, records[i]))
+                except CorruptBlob as e:
+                    out[i] = e
+            return True
+
+        for index, positions in by_shard.items():
+            try:
+                if self._shards[index].read(functools.partial(fetch, positions=positions)) is None:
+                    for i in positions:
+                        out[i] = CorruptBlob(f"{records[i].ref}: shard missing")
+            except Exception as e:  # the shard's unread records fail with it; other shards go on
+                for i in positions:
+                    if out[i] is None:
+                        out[i] = e
+        return out
 
     def list(self, prefix: str = "", limit: int = 100, after: str | None = None) -> list[PolicyRecord]:
         """Policy records whose id starts with `prefix`, in id order, after id `after`, at most `limit`."""

@@ -37,7 +37,7 @@ def shrink(v: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, row_table: to
     """
     if _through_op():
         torch.ops.loraserve.shrink(v, x, A_rows, row_table, ranks, meta.tensors(),
-                                   meta.num_tokens, meta.moe, backend)
+                                   _op_tokens(meta, x), meta.moe, backend)
     else:
         _shrink_impl(v, x, A_rows, row_table, ranks, meta, backend)
 
@@ -53,7 +53,7 @@ def expand(y: torch.Tensor, v: torch.Tensor, B_rows: torch.Tensor, row_table: to
     """
     if _through_op():
         torch.ops.loraserve.expand(y, v, B_rows, row_table, ranks, meta.tensors(),
-                                   meta.num_tokens, meta.moe, backend)
+                                   _op_tokens(meta, v), meta.moe, backend)
     else:
         _expand_impl(y, v, B_rows, row_table, ranks, meta, backend)
 
@@ -72,9 +72,15 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: tor
     """
     if _through_op():
         torch.ops.loraserve.add_lora(y, x, A_rows, B_rows, row_table, ranks, buffer,
-                                     meta.tensors(), meta.num_tokens, meta.moe, backend)
+                                     meta.tensors(), _op_tokens(meta, x), meta.moe, backend)
     else:
         _add_lora_impl(y, x, A_rows, B_rows, row_table, ranks, meta, backend, buffer, plan)
+
+
+def _op_tokens(meta: LoRAMeta, x: torch.Tensor) -> int:
+    """num_tokens for the op: x's row count for dense targets (equal by contract), so a graph
+    compiled with dynamic shapes keeps it symbolic instead of specialising on the int."""
+    return meta.num_tokens if meta.moe else x.shape[0]
 
 
 def _through_op() -> bool:

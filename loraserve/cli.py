@@ -65,6 +65,11 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     option("pinned_adapters", flag="--pin", metavar="ID", help="keep this adapter resident (repeatable)")
     option("adapter_root")
     option("max_adapter_mb")
+    option("pager_batch")
+    option("compile", choices=["auto", "on", "off"])
+    p.add_argument("--no-compile", dest="compile", action="store_const", const="off",
+                   help="run the decode step eagerly (the same as --compile off)")
+    option("compile_batch_sizes", flag="--compile-batch-size", metavar="N")
     option("torch_threads")
     option("max_request_bytes")
     option("max_seqs_per_request")

@@ -2,23 +2,31 @@
 
 `resolve` turns a model reference into a `RevisionRecord` (quick: one LMDB read). `fetch` returns a
 future of the revision's `AdapterWeights`: already done on a CPU-cache hit, otherwise the result of
-one load on the thread pool — read the blob (checksum-verified by the catalog), decode it, check its
-base fingerprint, put it in the CPU cache. Loads are single-flight: concurrent fetches of one
-missing revision share one catalog read and one future, so every one of them (and nobody else) sees
-its error; once a load has finished, the next fetch of that key starts afresh (a retry after an
-error, a re-read after a CPU-cache eviction). The engine copies finished weights into the device
-pool itself (`AdapterPool.load`), between steps.
+one load by a worker thread — read the blob (checksum-verified by the catalog), decode it, check its
+base fingerprint and that it is finite, put it in the CPU cache. Loads are single-flight: concurrent
+fetches of one missing revision share one catalog read and one future, so every one of them (and
+nobody else) sees its error; once a load has finished, the next fetch of that key starts afresh (a
+retry after an error, a re-read after a CPU-cache eviction). The engine copies finished weights into
+the device pool itself (`AdapterPool.load`), between steps.
+
+Loads are batched. `fetch` only queues a miss (it never waits on the catalog); each worker takes
+up to `batch` queued loads at a time and reads their blobs with one `Catalog.read_blobs` call, one
+LMDB read transaction per shard, and decodes each blob into tensors that share its one copy out of
+the map. At namespace scale (most requests name a cold revision) this pays the per-read costs —
+thread hand-off, shard health check, transaction — once per batch instead of once per revision. A
+batch forms only from what is already queued: no load waits for others to arrive. Each revision's
+checks are its own: a blob that is missing, fails its checksum, was exported for another base or
+holds NaN fails that revision's future only, and the rest of the batch is cached as usual.
 """
 from __future__ import annotations
 
 import dataclasses
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import torch
-
-from loraserve.catalog.errors import BaseMismatch, CorruptBlob
+from loraserve.catalog.errors import BaseMismatch
 from loraserve.catalog.ids import parse_model_ref
 from loraserve.catalog.layout import load_revision
 from loraserve.catalog.records import RevisionRecord
@@ -34,24 +42,45 @@ def record_key(record: RevisionRecord) -> AdapterKey:
     return record.adapter_id, record.revision
 
 
-class Pager:
-    """Catalog -> CPU-cache loader with single-flight (see module doc).
+@dataclasses.dataclass(slots=True)
+class _Load:
+    """One queued disk load: a revision and the future every fetch of it shares."""
 
-    `stats` snapshots the counters; `page_in_seconds` is the page-in latency histogram
-    (prometheus_client, registered nowhere; a collector yields its `collect()`).
+    record: RevisionRecord
+    key: AdapterKey
+    future: Future
+
+
+class Pager:
+    """Catalog -> CPU-cache loader with single-flight and batched reads (see module doc).
+
+    Up to `workers` drain tasks run on a thread pool, each loading up to `batch` queued
+    revisions at a time until the queue is empty; `batch=1` reads one revision per catalog call.
+    (The pool's idle threads hold no reference to the pager, so a pager nobody closed is still
+    collected, and its catalog with it.) `stats` snapshots the counters;
+    `page_in_seconds` is the page-in latency histogram (prometheus_client, registered nowhere; a
+    collector yields its `collect()`): for a disk load, the time from its batch's start until its
+    own weights are cached, so a revision late in a batch also counts the ones decoded before it.
     """
 
-    def __init__(self, catalog, cpu_cache: CpuCache, base_fingerprint: str, *, workers: int = 4):
+    def __init__(self, catalog, cpu_cache: CpuCache, base_fingerprint: str, *, workers: int = 4,
+                 batch: int = 16):
         if workers < 1:
             raise ValueError(f"pager workers must be >= 1, got {workers}")
+        if batch < 1:
+            raise ValueError(f"pager batch must be >= 1, got {batch}")
         if not base_fingerprint:
             raise ValueError("the pager needs the served base's fingerprint")
         self.catalog = catalog
         self.cpu_cache = cpu_cache
         self.base_fingerprint = base_fingerprint
+        self.workers = workers
+        self.batch = batch
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loraserve-pager")
         self._lock = threading.Lock()
-        self._inflight: dict[AdapterKey, Future] = {}
+        self._queue: deque[_Load] = deque()  # loads no drain task has taken yet, oldest first
+        self._draining = 0  # drain tasks submitted and not finished
+        self._inflight: dict[AdapterKey, Future] = {}  # queued or loading, by key
         self._stats = PagerStats()
         self.page_in_seconds = page_in_histogram()
         self._closed = False
@@ -65,7 +94,8 @@ class Pager:
         return resolve_record(self.catalog, self.base_fingerprint, model_ref)
 
     def fetch(self, record: RevisionRecord) -> Future:
-        """A future of the revision's weights; done at once on a CPU-cache hit (see module doc)."""
+        """A future of the revision's weights; done at once on a CPU-cache hit, else a queued
+        load (see module doc). Never blocks on the catalog."""
         key = record_key(record)
         start = time.perf_counter()
         with self._lock:  # the cache lookup too: a load finishing meanwhile cannot be missed
@@ -85,20 +115,32 @@ class Pager:
                 self._stats.singleflight_joins += 1
                 return future
             self._stats.disk_reads += 1
-            future = self._pool.submit(self._load, record, key)
+            future = Future()
             self._inflight[key] = future
+            self._queue.append(_Load(record, key, future))
+            if self._draining < self.workers:  # else a running drain task will take it
+                self._draining += 1
+                self._pool.submit(self._drain)
             return future
 
     @property
     def stats(self) -> PagerStats:
-        """A snapshot of the counters, with the number of loads in flight right now."""
+        """A snapshot of the counters, with the number of loads queued or running right now."""
         with self._lock:
             return dataclasses.replace(self._stats, in_flight=len(self._inflight))
 
     def close(self) -> None:
-        """Stop the workers; loads not yet started are cancelled (their futures say so)."""
+        """Stop the workers once their current batches are done; loads not yet started are
+        cancelled (their futures say so, and `concurrent.futures.wait` sees them done)."""
         with self._lock:
             self._closed = True
+            cancelled = list(self._queue)
+            self._queue.clear()
+            for load in cancelled:
+                self._inflight.pop(load.key, None)
+        for load in cancelled:
+            if load.future.cancel():
+                load.future.set_running_or_notify_cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> Pager:
@@ -107,39 +149,74 @@ class Pager:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _load(self, record: RevisionRecord, key: AdapterKey):
-        """Worker: blob -> weights -> base check -> CPU cache. Runs once per in-flight key."""
+    def _drain(self) -> None:
+        """Drain task: load up to `batch` queued revisions at a time until none is queued."""
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._draining -= 1
+                    return
+                loads = [self._queue.popleft() for _ in range(min(self.batch, len(self._queue)))]
+            self._load_batch(loads)
+
+    def _load_batch(self, loads: list[_Load]) -> None:
+        """Blobs -> weights -> checks -> CPU cache for one batch; every load's future completes,
+        with its weights or with its own error, even if the batch as a whole breaks."""
         start = time.perf_counter()
+        running = []
+        for load in loads:
+            if load.future.set_running_or_notify_cancel():
+                running.append(load)
+            else:  # a caller cancelled the shared future: the next fetch starts afresh
+                with self._lock:
+                    self._inflight.pop(load.key, None)
         try:
-            self._check_base(record.ref, record.base_fingerprint)
-            blob = self.catalog.read_blob(record)  # raises CorruptBlob on a checksum mismatch
-            weights = load_revision(blob)
-            self._check_base(record.ref, weights.base_fingerprint)
-            check_finite(record.ref, weights)
-            self.cpu_cache.put(key, weights)
-        except BaseException:
-            with self._lock:
-                self._stats.load_errors += 1
-            raise
-        finally:
-            # The key leaves in-flight before the future completes: later fetches hit the cache
-            # (success) or start a fresh load (error), never a stale failed future.
-            with self._lock:
-                self._inflight.pop(key, None)
-        self.page_in_seconds.labels(source="disk").observe(time.perf_counter() - start)
+            readable = []
+            for load in running:  # a record exported for another base is refused unread
+                try:
+                    self._check_base(load.record.ref, load.record.base_fingerprint)
+                    readable.append(load)
+                except BaseMismatch as exc:
+                    self._finish(load, start, error=exc)
+            blobs = self.catalog.read_blobs([load.record for load in readable]) if readable else []
+            for load, blob in zip(readable, blobs, strict=True):
+                try:
+                    if isinstance(blob, Exception):
+                        raise blob
+                    weights = self._decode(load.record, blob)
+                    self.cpu_cache.put(load.key, weights)
+                except Exception as exc:
+                    self._finish(load, start, error=exc)
+                else:
+                    self._finish(load, start, weights=weights)
+        except Exception as exc:  # read_blobs itself failed (or a bug): the rest fail with it
+            for load in [load for load in running if not load.future.done()]:
+                self._finish(load, start, error=exc)
+
+    def _decode(self, record: RevisionRecord, blob: bytearray):
+        """A verified blob -> weights whose tensors share its memory, checked for this base and
+        for finite values (BaseMismatch / CorruptBlob). Every entry (export, import, runtime load)
+        refuses NaN/Inf already; the check here catches a blob changed behind their back, once per
+        page-in, before the weights can reach the CPU cache or the device pool."""
+        weights = load_revision(blob, what=f"adapter {record.ref}", finite=True)
+        self._check_base(record.ref, weights.base_fingerprint)
         return weights
+
+    def _finish(self, load: _Load, start: float, weights=None, error: BaseException | None = None) -> None:
+        """Complete one load. The key leaves in-flight before its future completes: later fetches
+        hit the cache (success) or start a fresh load (error), never a stale failed future."""
+        with self._lock:
+            self._inflight.pop(load.key, None)
+            if error is not None:
+                self._stats.load_errors += 1
+        if error is not None:
+            load.future.set_exception(error)
+            return
+        self.page_in_seconds.labels(source="disk").observe(time.perf_counter() - start)
+        load.future.set_result(weights)
 
     def _check_base(self, ref: str, fingerprint: str) -> None:
         check_base(ref, fingerprint, self.base_fingerprint)
-
-
-def check_finite(ref: str, weights) -> None:
-    """CorruptBlob unless every tensor of the revision is finite. Every entry (export, import,
-    runtime load) refuses NaN/Inf already; this catches a blob changed behind their back, once
-    per page-in, before the weights can reach the CPU cache or the device pool."""
-    for name, t in weights.tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise CorruptBlob(f"adapter {ref}: tensor {name} holds NaN or Inf; it is not served")
 
 
 def check_base(ref: str, fingerprint: str, served: str) -> None:

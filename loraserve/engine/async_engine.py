@@ -29,11 +29,10 @@ _IDLE_WAIT_S = 0.05  # with queued work that cannot run yet, look again this oft
 
 class AsyncEngine(EngineFrontend):
     def __init__(self, engine: LLMEngine):
-        super().__init__()
+        super().__init__(engine.tokenizer)
         self.engine = engine
         self.cfg = engine.cfg
         self.model_name = engine.model_name
-        self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -110,7 +109,7 @@ class AsyncEngine(EngineFrontend):
         return self.engine.resolve_adapter(ref)
 
     def _submit(self, req: GenerateRequest, record) -> None:
-        self._cmds.put(("add", (self.engine.make_sequence(req, record), req.stream)))
+        self._cmds.put(("add", self.engine.make_sequence(req, record)))
 
     def _abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
@@ -145,7 +144,7 @@ class AsyncEngine(EngineFrontend):
         kind, arg = cmd
         loop = self._loop_state
         if kind == "add":
-            return loop.add(*arg)
+            return loop.add(arg)
         if kind == "abort":
             loop.abort(arg)
         elif kind == "call":

@@ -15,6 +15,7 @@ from ..adapters.pager import Pager
 from ..adapters.pool import AdapterPool, PoolConfig, TargetSpec
 from ..lora.layers import LoRAState, attach_lora, target_modules
 from .config import EngineConfig
+from .decode_graphs import DecodeGraphs, batch_buckets, context_buckets
 from .llm_engine import LLMEngine
 
 
@@ -39,10 +40,30 @@ def pool_targets(model: torch.nn.Module, kinds: set[str] | None = None) -> list[
 
 
 def build_engine(cfg: EngineConfig) -> LLMEngine:
-    """An LLMEngine; with cfg.catalog_dir, serving adapters from that catalog."""
+    """An LLMEngine; with cfg.catalog_dir, serving adapters from that catalog; with its decode
+    step compiled where cfg.compile asks for it (after the LoRA wrappers are attached)."""
     engine = LLMEngine(cfg)
-    if cfg.catalog_dir is None:
-        return engine
+    if cfg.catalog_dir is not None:
+        _enable_lora(engine, cfg)
+    if compiles(cfg, engine):
+        graphs = DecodeGraphs(engine.model, engine.cache, engine.device, engine.runner.lora,
+                              engine.scratch_block,
+                              tuple(sorted(set(cfg.compile_batch_sizes or batch_buckets(cfg.max_batch_size)))),
+                              context_buckets(engine.max_model_len, cfg.block_size))
+        graphs.warm_up()
+        engine.runner.graphs = graphs
+    return engine
+
+
+def compiles(cfg: EngineConfig, engine: LLMEngine) -> bool:
+    """Whether the decode step is compiled: `on`, or `auto` on CUDA; never for MoE bases, whose
+    expert routing has data-dependent shapes."""
+    if cfg.compile == "off" or engine.model_config.is_moe:
+        return False
+    return cfg.compile == "on" or engine.device.type == "cuda"
+
+
+def _enable_lora(engine: LLMEngine, cfg: EngineConfig) -> None:
     kinds = set(cfg.lora_targets) if cfg.lora_targets else None
     specs = pool_targets(engine.model, kinds)
     pool = AdapterPool(specs, PoolConfig(
@@ -52,11 +73,10 @@ def build_engine(cfg: EngineConfig) -> LLMEngine:
     catalog = Catalog.open(cfg.catalog_dir, readonly=cfg.catalog_readonly)
     fingerprint = base_fingerprint(cfg.model_dir)
     cpu_cache = CpuCache(cfg.cpu_cache_mb * 2**20, pin_memory=engine.device.type == "cuda")
-    pager = Pager(catalog, cpu_cache, fingerprint, workers=cfg.pager_workers)
+    pager = Pager(catalog, cpu_cache, fingerprint, workers=cfg.pager_workers, batch=cfg.pager_batch)
     manager = AdapterManager(catalog, pool, cpu_cache, pager, fingerprint)
     state = LoRAState(pool, kernels.resolve_backend(cfg.lora_backend, engine.device), engine.device)
     attach_lora(engine.model, state, kinds)
     engine.enable_lora(manager, state)
     for ref in cfg.pinned_adapters:
         manager.pin(ref)
-    return engine

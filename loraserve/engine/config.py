@@ -62,6 +62,9 @@ class EngineConfig:
     max_adapter_mb: int = field(default=1024, metadata={
         "help": "largest adapter /v1/load_lora_adapter reads, in MiB (all its files); larger is a 413"})
     pager_workers: int = field(default=4, metadata={"help": "threads paging adapters in"})
+    pager_batch: int = field(default=16, metadata={
+        "help": "cold adapters one pager thread reads at a time (one catalog transaction per shard); "
+                "1 reads them one by one"})
     seed: int = field(default=0, metadata={"help": "seed of the sampler for unseeded requests"})
     # HTTP server bounds (read by loraserve.server from engine.config)
     max_request_bytes: int = field(default=16 * 2**20, metadata={
@@ -71,6 +74,14 @@ class EngineConfig:
     shutdown_timeout: float = field(default=30.0, metadata={
         "help": "seconds in-flight requests may run on after SIGTERM; then they end with a "
                 "clean error (503, or an error event in a stream)"})
+    compile: str = field(default="auto", metadata={
+        "help": "compile the decode step over batch and context buckets, at start-up: auto (CUDA "
+                "graphs on CUDA; eager on CPU, where inductor measured no faster) | on (also "
+                "torch.compile on CPU) | off. Prefill, MoE bases and batches past the largest "
+                "bucket run eagerly"})
+    compile_batch_sizes: list[int] | None = field(default=None, metadata={
+        "help": "batch buckets of the compiled decode step (repeatable)",
+        "default": "1, 2, 4, 8, every multiple of 16 below max-batch-size, and max-batch-size"})
     torch_threads: int | None = field(default=None, metadata={
         "help": "CPU intra-op threads", "default": "all cores but one, left to the server"})
 
@@ -79,13 +90,18 @@ class EngineConfig:
             raise ValueError(f"device must be auto|cpu|cuda, got {self.device!r}")
         if self.dtype not in ("auto", *SERVING_DTYPES):
             raise ValueError(f"dtype must be auto|{'|'.join(SERVING_DTYPES)}, got {self.dtype!r}")
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"compile must be auto|on|off, got {self.compile!r}")
+        if self.compile_batch_sizes is not None and (
+                not self.compile_batch_sizes or min(self.compile_batch_sizes) < 1):
+            raise ValueError("compile_batch_sizes must be positive batch sizes")
         if self.lora_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"lora_backend must be auto|triton|torch, got {self.lora_backend!r}")
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
         for name in ("max_batch_size", "max_model_len", "max_batched_tokens", "block_size",
                      "max_gpu_adapters", "max_lora_rank", "cpu_cache_mb", "max_adapter_mb", "pager_workers",
-                     "max_request_bytes", "max_seqs_per_request"):
+                     "pager_batch", "max_request_bytes", "max_seqs_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.shutdown_timeout < 0:

@@ -1,10 +1,10 @@
 """The engine core in its own process: scheduler, adapter tiers and model runner behind ZeroMQ.
 
 API servers (`CoreClient`, one or several) talk to the core over one ROUTER socket with msgpack
-messages (`loraserve.engine.wire`): requests and aborts in, per-step output deltas and engine
+messages (`loraserve.engine.wire`): requests and aborts in, per-step token-id deltas and engine
 snapshots out. The core's main thread owns the `LLMEngine` and runs the `EngineLoop` between
 polls of the socket; pager threads wake it through a pipe when a page-in lands. The HTTP event
-loop, tokenization and detokenization of requests stay in the API server's process, so the two
+loop, tokenization, detokenization and stop strings stay in the API server's process, so the two
 no longer share one GIL, and a crash of the core is survivable: the API server answers what was
 in flight with a clean error and starts a new core.
 """
@@ -133,7 +133,7 @@ class EngineCore:
         record = RevisionRecord.from_json(record_json) if record_json is not None else None
         seq = self.engine.make_sequence(req, record)
         self.owner[req.request_id] = client
-        return self.loop.add(seq, req.stream)
+        return self.loop.add(seq)
 
     def _info(self) -> dict:
         mgr = self.engine.adapters

@@ -3,7 +3,9 @@
 `CoreClient` is an `EngineFrontend`: the server uses it exactly as it uses `AsyncEngine`. It
 starts the core process, speaks to it over a ZeroMQ DEALER socket (msgpack, see `wire`), and
 keeps what the server reads locally: the tokenizer, the model's sizes, the catalog (listings,
-imports, resolving a request's adapter) and the latest snapshot the core published.
+imports, resolving a request's adapter) and the latest snapshot the core published. The core
+sends token-id deltas; their text and stop strings are worked out here (`EngineFrontend`'s
+`OutputProcessor`), and a request a stop string ends is aborted in the core.
 
 If the core dies, every request in flight ends with one clean 503 error (a streamed response
 gets its error event; nothing is torn), `ready` turns false, a new core is started, and
@@ -69,13 +71,12 @@ class RemoteAdapters:
 
 class CoreClient(EngineFrontend):
     def __init__(self, cfg: EngineConfig, *, start_timeout_s: float = 300.0):
-        super().__init__()
+        super().__init__(Tokenizer.from_dir(cfg.model_dir))
         self.cfg = cfg
         mc = ModelConfig.from_dir(cfg.model_dir)
         self.model_name = cfg.served_model_name or cfg.model_dir.rstrip("/").split("/")[-1]
         self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings)
         self.vocab_size = mc.vocab_size
-        self.tokenizer = Tokenizer.from_dir(cfg.model_dir)
         self.adapter_manager = RemoteAdapters(self, cfg.catalog_dir) if cfg.catalog_dir else None
         self.start_timeout_s = start_timeout_s
         self.restarts = 0

@@ -1,9 +1,11 @@
 """What the engine's owner thread does between steps, wherever that thread lives.
 
-`EngineLoop` applies commands (add, abort, call) and runs steps, returning the output deltas to
-hand over. `AsyncEngine` runs it on a thread of the API process; the engine-core process
-(`loraserve.engine.core`) runs it on its main thread behind a ZeroMQ socket. Either way it is
-the only code that touches the `LLMEngine`.
+`EngineLoop` applies commands (add, abort, call) and runs steps, returning the token-id deltas to
+hand over; every step's deltas go out, whatever the request (merging a non-streamed request's
+deltas, like their text and stop strings, is the API side's `OutputProcessor`: a stop string can
+end a request only once its text is known there). `AsyncEngine` runs it on a thread of the API
+process; the engine-core process (`loraserve.engine.core`) runs it on its main thread behind a
+ZeroMQ socket. Either way it is the only code that touches the `LLMEngine`.
 """
 from __future__ import annotations
 
@@ -15,28 +17,20 @@ from .sequence import Sequence
 from .types import RequestOutput
 
 log = logging.getLogger(__name__)
-_FIRST = object()  # a non-streamed request whose first delta is not out yet
 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        # non-streamed requests -> _FIRST (first delta not out yet), None (nothing held) or the
-        # merged deltas since the first, handed over when the request ends: the reader is not
-        # woken per token per request
-        self._quiet: dict[str, object] = {}
 
-    def add(self, seq: Sequence, stream: bool) -> list[RequestOutput]:
+    def add(self, seq: Sequence) -> list[RequestOutput]:
         try:
             self.engine.add_sequence(seq)
         except Exception as exc:  # e.g. a duplicate request id: that request alone fails
             return [self.engine.output.error(seq, exc)]
-        if not stream:
-            self._quiet[seq.request_id] = _FIRST
         return []
 
     def abort(self, request_id: str) -> None:
-        self._quiet.pop(request_id, None)
         self.engine.abort(request_id)  # nobody listens any more: its final delta is dropped
 
     def call(self, fn: Callable[[LLMEngine], object]) -> object:
@@ -50,28 +44,7 @@ class EngineLoop:
     def step(self) -> list[RequestOutput]:
         eng = self.engine
         try:
-            outs = eng.step()
+            return eng.step()
         except Exception as exc:  # a bug outside any one sequence: fail what is running, go on
             log.exception("engine step failed")
-            outs = eng.fail_all(exc)
-        return self._coalesce(outs) if self._quiet else outs
-
-    def _coalesce(self, outs: list[RequestOutput]) -> list[RequestOutput]:
-        """Non-streamed requests: pass the first delta, hold and merge the rest until the last."""
-        sent = []
-        for out in outs:
-            rid = out.request_id
-            if rid not in self._quiet:
-                sent.append(out)
-                continue
-            held = self._quiet[rid]
-            last = out.finish_reason is not None or out.error is not None
-            if held is _FIRST or last:
-                sent.append(out if held is _FIRST or held is None else held.merged(out))
-            else:
-                out = out if held is None else held.merged(out)
-            if last:
-                del self._quiet[rid]
-            else:
-                self._quiet[rid] = None if held is _FIRST else out
-        return sent
+            return eng.fail_all(exc)

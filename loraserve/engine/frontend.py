@@ -1,10 +1,12 @@
 """The request side of an engine, shared by the in-process and the out-of-process hosting.
 
 `EngineFrontend` lives on the API server's event loop. It validates a request, admits it against
-the queue bound (per-tenant share), resolves its adapter, submits it to wherever the engine runs
-and hands each output delta to the request's asyncio.Queue. Subclasses say how a request
-reaches the engine (`_submit`, `_abort`): `AsyncEngine` over a thread, `CoreClient` over ZeroMQ
-to an engine-core process.
+the queue bound (per-tenant share), resolves its adapter, submits it to wherever the engine runs,
+turns the engine's token-id deltas into text deltas (`OutputProcessor`: detokenization, stop
+strings, merging a non-streamed request's deltas) and hands each to the request's
+asyncio.Queue. Subclasses say how a request reaches the engine (`_submit`, `_abort`):
+`AsyncEngine` over a thread, `CoreClient` over ZeroMQ to an engine-core process; the output
+path is this class's, so both give the same outputs.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from collections.abc import AsyncIterator
 
 from ..adapters.manager import AdapterNotServable
 from .config import EngineConfig
+from .output_processor import OutputProcessor
 from .snapshot import EngineSnapshot
 from .types import EngineError, GenerateRequest, RequestOutput
 from .warm_refs import WarmRefs
@@ -38,9 +41,11 @@ class EngineFrontend(ABC):
     vocab_size: int
     tokenizer: object
 
-    def __init__(self) -> None:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
         # event loop only
         self._queues: dict[str, asyncio.Queue] = {}
+        self._outputs = OutputProcessor(tokenizer)
         # sequences between generate() and their last delta. Bounded by a full batch plus
         # max_waiting; past it a request is refused (429) instead of queued forever.
         self._in_flight = 0
@@ -62,11 +67,13 @@ class EngineFrontend(ABC):
 
     @abstractmethod
     def _submit(self, req: GenerateRequest, record) -> None:
-        """Hand req (on revision `record`, None = base) to the engine; deltas come to _deliver."""
+        """Hand req (on revision `record`, None = base) to the engine; its token-id deltas come
+        to _deliver."""
 
     @abstractmethod
     def _abort(self, request_id: str) -> None:
-        """Tell the engine nobody waits for request_id any more."""
+        """Tell the engine to end request_id: nobody waits for it any more, or a stop string
+        ended it here."""
 
     @property
     @abstractmethod
@@ -104,6 +111,7 @@ class EngineFrontend(ABC):
             record = await self._resolve_adapter(req.adapter) if req.adapter else None
             q: asyncio.Queue = asyncio.Queue()
             self._queues[req.request_id] = q
+            self._outputs.add(req)
             self._submit(req, record)
             while True:
                 out = await q.get()
@@ -116,6 +124,7 @@ class EngineFrontend(ABC):
                     return
         finally:
             self._release(req.tenant)
+            self._outputs.remove(req.request_id)
             if self._queues.pop(req.request_id, None) is not None and not done:
                 self._abort(req.request_id)
 
@@ -130,11 +139,16 @@ class EngineFrontend(ABC):
         return record
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
-        """Event loop: hand each delta to its request's queue (gone requests are skipped)."""
-        for out in outs:
+        """Event loop: the engine's token-id deltas of one step -> text deltas, each handed to
+        its request's queue (gone requests are skipped); requests a stop string ended are
+        aborted in the engine, which frees what they hold there."""
+        ready, ended = self._outputs.process(outs)
+        for out in ready:
             q = self._queues.get(out.request_id)
             if q is not None:
                 q.put_nowait(out)
+        for request_id in ended:
+            self._abort(request_id)
 
     def _fail_in_flight(self, err: EngineError) -> None:
         """Event loop: end every request in flight with err (one clean error each)."""

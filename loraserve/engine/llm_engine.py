@@ -22,7 +22,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .frontend import resolve_with
 from .model_runner import ModelRunner, StepResult
-from .output import OutputProcessor
+from .output import TokenOutputs
 from .sampler import sample, token_logprobs
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -72,15 +72,18 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings)
         self.vocab_size = mc.vocab_size
         blocks = _num_kv_blocks(cfg, mc, self.dtype)
-        self.cache = KVCache(mc.num_layers, blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim,
+        # one block more than the block manager hands out: the compiled decode step's pad rows
+        # write their K/V there (engine.decode_graphs), never into a sequence's block
+        self.scratch_block = blocks
+        self.cache = KVCache(mc.num_layers, blocks + 1, cfg.block_size, mc.num_kv_heads, mc.head_dim,
                              self.dtype, self.device)
         self.blocks = BlockManager(blocks, cfg.block_size, prefix_caching=cfg.prefix_caching)
         self.adapters = None  # AdapterManager once enable_lora() ran
         self.scheduler = Scheduler(self.blocks, max_batch_size=cfg.max_batch_size,
                                    max_batched_tokens=cfg.max_batched_tokens)
         self.runner = ModelRunner(self.model, self.cache, self.device)
-        self.output = OutputProcessor(self.tokenizer, mc.eos_token_ids or self.tokenizer.eos_token_ids,
-                                      self.max_model_len)
+        # token-level stop checks and deltas only: text and stop strings are the API side's
+        self.output = TokenOutputs(mc.eos_token_ids or self.tokenizer.eos_token_ids, self.max_model_len)
         self.default_gen = torch.Generator().manual_seed(cfg.seed)
         self.seqs: dict[str, Sequence] = {}
         self._waiting_for: dict[AdapterKey, list[Sequence]] = {}  # parked sequences by adapter
@@ -111,8 +114,7 @@ class LLMEngine:
         key = (record.adapter_id, record.revision) if record is not None else None
         return Sequence(req.request_id, list(req.prompt_token_ids), req.params, key,
                         adapter_ref=req.adapter if key is not None else None, generator=gen,
-                        detok=self.tokenizer.detokenizer(), adapter_record=record,
-                        tenant=req.tenant, tenant_weight=req.tenant_weight)
+                        adapter_record=record, tenant=req.tenant, tenant_weight=req.tenant_weight)
 
     # -- requests and commands: engine thread ---------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:
@@ -134,6 +136,8 @@ class LLMEngine:
             self.adapters.notify = wake
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        """End request_id and free its KV blocks and adapter slot: nobody waits for it any more,
+        or one of its stop strings ended it on the API side."""
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return None
@@ -259,7 +263,9 @@ class LLMEngine:
                 for j, seq in enumerate(seqs)]
 
     def _postprocess(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        """Finish what is done, free it, and collect every sequence's new output."""
+        """Finish what is done, free it, and collect every sequence's new token ids. No text:
+        the API server's OutputProcessor detokenizes the deltas and applies stop strings (a
+        request that one ends comes back here as an abort)."""
         outs = []
         for seq in seqs:
             if seq.request_id not in self.seqs:

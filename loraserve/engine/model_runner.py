@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import KVCache, PagedAttention
+from .decode_graphs import Padded
 from .sequence import Sequence
 
 
@@ -22,6 +23,7 @@ class StepInputs:
     attn: PagedAttention
     token_slots: list[int]                    # [T] adapter slot per token, -1 = base only
     rows: dict[int, tuple[int, int, int]]     # id(seq) -> (first hidden row, first position, end position)
+    padded: Padded | None = None              # the same decode step padded to a compiled bucket
 
 
 @dataclass(slots=True)
@@ -37,18 +39,27 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.lora = None  # set by the engine when multi-LoRA is on (loraserve.lora.LoRAState)
+        self.graphs = None  # DecodeGraphs when the decode step is compiled (engine.decode_graphs)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> StepResult:
         """One forward. A prefill step computes `seq.num_scheduled` tokens of each sequence from
         `num_cached` on (a whole prompt, or a chunk of a long one); a decode step computes each
         sequence's last token. Logits come back for every sequence's last computed row, in the
-        caller's order; the engine samples only those whose tokens are all computed."""
+        caller's order; the engine samples only those whose tokens are all computed. A decode
+        step that fits a compiled bucket runs through `graphs`, with the same results."""
+        if not is_prefill and self.graphs is not None:
+            bucket = self.graphs.bucket(len(seqs), max(len(s) for s in seqs))
+            if bucket is not None:
+                inputs = self.prepare(seqs, is_prefill, bucket)
+                return self.logits(seqs, inputs, self.graphs.forward(inputs.padded), is_prefill)
         inputs = self.prepare(seqs, is_prefill)
         hidden = self.forward(inputs)
         return self.logits(seqs, inputs, hidden, is_prefill)
 
-    def prepare(self, seqs: list[Sequence], is_prefill: bool) -> StepInputs:
+    def prepare(self, seqs: list[Sequence], is_prefill: bool,
+                bucket: tuple[int, int] | None = None) -> StepInputs:
+        """The step's inputs in model order; with a decode `bucket`, also padded to it."""
         batch = self._order(seqs)
         ids, positions, starts, ends, slots, rows = [], [], [], [], [], {}
         for seq in batch:
@@ -65,7 +76,12 @@ class ModelRunner:
             starts.append(start)
             ends.append(end)
         dev = self.device
-        attn = PagedAttention.build(self.cache, [s.block_table for s in batch], starts, ends, dev)
+        tables = [s.block_table for s in batch]
+        if bucket is not None:
+            padded = self.graphs.pad(ids, positions, slots, tables, ends, bucket)
+            return StepInputs(batch, padded.token_ids, padded.positions, padded.attn, slots, rows,
+                              padded)
+        attn = PagedAttention.build(self.cache, tables, starts, ends, dev)
         return StepInputs(batch, torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                           attn, slots, rows)
 

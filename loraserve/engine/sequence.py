@@ -1,4 +1,5 @@
-"""A request's state inside the engine. Plain Python: no tensors but its own RNG."""
+"""A request's state inside the engine. Plain Python: no tensors but its own RNG, and no text:
+detokenization and stop strings belong to the API server's `OutputProcessor`."""
 from __future__ import annotations
 
 import enum
@@ -39,9 +40,6 @@ class Sequence:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_emitted: int = 0                   # output tokens already handed to the caller
-    text: str = ""                         # detokenized output so far (stop strings cut)
-    num_text_emitted: int = 0
-    detok: object | None = None            # the tokenizer's incremental detokenizer
     adapter_record: object | None = None   # catalog RevisionRecord of adapter_key (to page it in)
     tenant: str = ""                       # whose request: the unit of fair share
     tenant_weight: float = 1.0             # the tenant's share relative to others (> 0)

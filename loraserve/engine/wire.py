@@ -9,6 +9,12 @@ kind:
     ["add", request, record_json | None]     ["out", [delta, ...]]         (one per step)
     ["abort", request_id]                    ["snap", snapshot]            (when published)
     ["call", call_id, name, args]            ["ret", call_id, value, error | None]
+
+A delta is a list (`output_to_wire`): request id, token ids (a list of ints), text, logprobs,
+prompt logprobs, finish reason, prompt and output token counts, adapter revision, error. From
+the core its text is always "" (one byte): the API server's `OutputProcessor` detokenizes the
+token ids and applies stop strings; the same layout carries finished text deltas between Ray
+Serve replicas and their ingress.
 """
 from __future__ import annotations
 

@@ -83,7 +83,9 @@ class LoRAState:
         """y += LoRA(x) for one target module. On the torch backend the plan is built by the
         first layer of each kind (`plan_key`: kind, or (kind, layer) for MoE) and reused."""
         A, B, table, ranks = weights
-        if self.backend != "torch":
+        if self.backend != "torch" or torch.compiler.is_compiling():
+            # a compiled step calls the registered op, which plans for itself on the torch
+            # backend: the plan cache is host-side Python state a graph cannot hold
             kernels.add_lora(y, x, A, B, table, ranks, meta, backend=self.backend)
             return
         self.plans.add(plan_key, y, x, A, B, table, ranks, meta)

@@ -29,11 +29,12 @@ class CountingCatalog:
     def resolve(self, adapter_id, revision=None):
         return self.catalog.resolve(adapter_id, revision)
 
-    def read_blob(self, record):
+    def read_blobs(self, records):
         with self.lock:
-            self.reads[record.ref] = self.reads.get(record.ref, 0) + 1
+            for record in records:
+                self.reads[record.ref] = self.reads.get(record.ref, 0) + 1
         assert self.gate.wait(WAIT)
-        return self.catalog.read_blob(record)
+        return self.catalog.read_blobs(records)
 
 
 @pytest.fixture
@@ -201,18 +202,19 @@ def test_closed_pager_refuses_fetches(catalog):
 def test_non_finite_revision_is_refused_at_page_in(catalog, pager) -> None:
     """A blob changed behind the validators' back (NaN in a tensor, checksum still right) is
     refused once, by the page-in, and never reaches the CPU cache; other revisions page in."""
-    real_read = catalog.catalog.read_blob
+    real_read = catalog.catalog.read_blobs
 
-    def nan_read(record):
-        blob = real_read(record)
-        if record.adapter_id != "acme/a1":
-            return blob
+    def with_nan(blob):
         weights = load_revision(blob)
         name = next(iter(weights.tensors))
         weights.tensors[name] = torch.full_like(weights.tensors[name], float("nan"))
-        return save_revision(weights)
+        return bytearray(save_revision(weights))
 
-    catalog.catalog.read_blob = nan_read
+    def nan_read(records):
+        return [with_nan(blob) if record.adapter_id == "acme/a1" else blob
+                for record, blob in zip(records, real_read(records))]
+
+    catalog.catalog.read_blobs = nan_read
     bad, good = pager.resolve("acme/a1"), pager.resolve("acme/a2")
     with pytest.raises(CorruptBlob, match="NaN or Inf"):
         pager.fetch(bad).result(WAIT)

@@ -22,6 +22,7 @@ from loraserve.engine.config import EngineConfig
 from loraserve.engine.core_client import CoreClient
 from loraserve.engine.types import EngineError, GenerateRequest, SamplingParams
 from loraserve.server import build_app
+from loraserve.tokenizer import Tokenizer
 
 from server.live import LiveServer
 
@@ -131,3 +132,46 @@ def test_http_stream_gets_an_error_event_not_a_torn_connection(cfg) -> None:
         assert http.get("/ready").status_code == 200
         metrics = http.get("/metrics").text
         assert "loraserve_engine_core_restarts 1.0" in metrics and "loraserve_engine_ready 1.0" in metrics
+
+
+async def _texts(engine, reqs: list[GenerateRequest]) -> tuple[list, object]:
+    """Each request's (text, finish reason, tokens); then, once the engine is idle, its snapshot."""
+    async def one(req):
+        outs = [out async for out in engine.generate(req)]
+        return "".join(o.text for o in outs), outs[-1].finish_reason, [t for o in outs for t in o.token_ids]
+    try:
+        got = await asyncio.gather(*(one(r) for r in reqs))
+        for _ in range(1000):  # the stop string's abort reaches the engine
+            if engine.snapshot.running == 0 and engine.snapshot.waiting == 0:
+                break
+            await asyncio.sleep(0.01)
+        return got, engine.snapshot
+    finally:
+        await engine.shutdown()
+
+
+def test_core_process_stop_string_and_normal_request_finish_together(cfg) -> None:
+    """A stop string, now matched in the API process, ends its request (finish "stop", text cut
+    before it) and aborts it in the core; a normal request in the same batches runs to its
+    length. Both hostings give the same answers, and the core ends idle with its KV freed."""
+    tok = Tokenizer.from_dir(cfg.model_dir)
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Who are you?"}]))
+    greedy = dict(temperature=0.0, ignore_eos=True)
+
+    def reqs() -> list[GenerateRequest]:
+        long = cfg.max_model_len - len(prompt)  # would run to the end of the context without it
+        return [GenerateRequest("stop", prompt, SamplingParams(max_tokens=long, stop=["pirate"], **greedy),
+                                "demo/pirate"),
+                GenerateRequest("free", prompt, SamplingParams(max_tokens=12, **greedy), "demo/robot"),
+                GenerateRequest("quiet", prompt, SamplingParams(max_tokens=long, stop=[" be a"], **greedy),
+                                "demo/pirate", stream=False)]
+
+    local, _ = asyncio.run(_texts(AsyncEngine.from_config(cfg), reqs()))
+    remote, snap = asyncio.run(_texts(CoreClient(cfg), reqs()))
+    assert remote == local
+    (stop_text, stop_reason, stop_ids), (free_text, free_reason, free_ids), quiet = remote
+    assert (stop_text, stop_reason) == ("Arr, I be a ", "stop")
+    assert tok.decode(stop_ids).startswith("Arr, I be a pirat")  # up to the token that completed it
+    assert (free_text, free_reason, len(free_ids)) == ("Beep boop. I", "length", 12)  # byte tokens
+    assert quiet[:2] == ("Arr, I", "stop")
+    assert snap.running == 0 and snap.waiting == 0 and snap.kv_usage == 0

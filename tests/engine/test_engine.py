@@ -6,6 +6,7 @@ import torch
 
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.llm_engine import LLMEngine
+from loraserve.engine.output_processor import OutputProcessor
 from loraserve.engine.types import GenerateRequest, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -114,13 +115,21 @@ def test_stop_strings_and_stop_ids(demo_dense):
     assert cut == free[: free.index(stop_id) + 1]
     text = eng.tokenizer.decode(free)
     stop = text[3:5]
-    seq = eng.add_request(GenerateRequest("s", prompt, SamplingParams(
-        max_tokens=10, temperature=0.0, ignore_eos=True, stop=[stop])))
-    pieces = []
+    # stop strings are the API side's: its OutputProcessor turns the core's token deltas into
+    # text and has the core abort the request when one matches
+    req = GenerateRequest("s", prompt, SamplingParams(max_tokens=10, temperature=0.0,
+                                                      ignore_eos=True, stop=[stop]))
+    proc = OutputProcessor(eng.tokenizer)
+    proc.add(req)
+    seq = eng.add_request(req)
+    outs = []
     while eng.has_work():
-        pieces += [o.text for o in eng.step()]
-    assert seq.finish_reason == "stop"
-    assert "".join(pieces) == text[: text.index(stop)]
+        ready, ended = proc.process(eng.step())
+        outs += ready
+        for rid in ended:
+            eng.abort(rid)
+    assert outs[-1].finish_reason == "stop" and seq.finish_reason == "abort"
+    assert "".join(o.text for o in outs) == text[: text.index(stop)]
 
 
 def test_default_kv_cache_holds_a_full_batch_when_lengths_are_not_block_multiples(demo_dense):

@@ -11,6 +11,8 @@ from loraserve.engine.frontend import EngineFrontend
 from loraserve.engine.snapshot import EngineSnapshot
 from loraserve.engine.types import GenerateRequest, RequestOutput, SamplingParams
 from loraserve.engine.warm_refs import WarmRefs
+from loraserve.model.tiny import byte_level_tokenizer
+from loraserve.tokenizer import Tokenizer
 
 
 def test_warm_refs_expire_and_stay_bounded(monkeypatch):
@@ -32,7 +34,7 @@ class Frontend(EngineFrontend):
     """Answers every request with one token; records the thread and the revision of each resolve."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(Tokenizer(byte_level_tokenizer(), [], None))  # detokenizes its deltas
         self.cfg = SimpleNamespace(max_batch_size=8, max_waiting=8)
         self.model_name, self.max_model_len, self.vocab_size = "base", 64, 100
         self.resolves: list[tuple[str, bool]] = []

@@ -29,14 +29,14 @@ def _copy_catalog(dense_set, tmp_path):
 def test_a_miss_parks_its_request_and_resident_ones_keep_decoding(dense_set, tmp_path):
     eng = _engine(dense_set.base, _copy_catalog(dense_set, tmp_path), max_gpu_adapters=4)
     gate = threading.Event()
-    real_read = eng.adapters.catalog.read_blob
+    real_read = eng.adapters.catalog.read_blobs
 
-    def slow_read(record):
+    def slow_read(records):
         gate.wait(30)
-        return real_read(record)
+        return real_read(records)
 
     eng.generate([[5, 6, 7]], GREEDY, ["t/qv-r4"])  # t/qv-r4 now resident
-    eng.adapters.catalog.read_blob = slow_read
+    eng.adapters.catalog.read_blobs = slow_read
     missing = eng.add_request(GenerateRequest("miss", [5, 6, 7], GREEDY, "t/all-r8-rslora"))
     resident = eng.add_request(GenerateRequest("hit", [8, 9], GREEDY, "t/qv-r4"))
     base = eng.add_request(GenerateRequest("base", [10, 11], GREEDY, None))

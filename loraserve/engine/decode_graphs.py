@@ -1,0 +1,220 @@
+"""The decode step, compiled: the batch and its context padded to fixed shapes (buckets), each
+bucket run by a captured CUDA graph (CUDA) or a `torch.compile` graph (CPU).
+
+An eager decode step of a small model is mostly dispatch: on the H200 the demo base spends
+4.1-4.4 ms a step whatever the batch, and its 28 LoRA calls add 2.5-6.6 ms of launches
+(bench/RESULTS.md). A graph replays all of it at once. Graphs need fixed shapes, so a step of B
+sequences whose longest context is C runs in the smallest bucket (B', C') with B' >= B and
+C' >= C: pad rows are base-only tokens that write their K/V into a scratch block no sequence owns
+and attend to that one slot; pad context positions are masked. Rows of real sequences see exactly
+what the eager step computes, and their results are read back from the first B rows.
+
+Every bucket has two graphs, one with the LoRA pass and one without (a step where no sequence has
+an adapter skips LoRA entirely, as the eager path does). LoRA metadata lives in fixed buffers
+(`LoRAMeta.empty`) that each step rebuilds in place; the adapter pool's tensors are fixed for its
+life, and loads and evictions write into them, so a graph always reads the current adapters.
+
+Prefill, steps larger than the largest bucket and MoE bases (data-dependent expert routing) run
+eagerly. Graphs are made at start-up (`warm_up`); a bucket first met later is made then.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from loraserve.kernels import LoRAMeta
+
+from .attention import KVCache, PagedAttention
+
+log = logging.getLogger(__name__)
+
+MIN_CONTEXT_BUCKET = 64
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then every multiple of 16, and max_batch itself: at most 15 padded rows."""
+    sizes = {s for s in (1, 2, 4, 8) if s < max_batch} | set(range(16, max_batch, 16)) | {max_batch}
+    return tuple(sorted(sizes))
+
+
+def context_buckets(max_len: int, block_size: int) -> tuple[int, ...]:
+    """Powers of two from 64 up to max_len rounded up to whole blocks: a padded context is never
+    more than twice the real one, and the count stays logarithmic."""
+    top = -(-max_len // block_size) * block_size
+    sizes, c = [], -(-MIN_CONTEXT_BUCKET // block_size) * block_size
+    while c < top:
+        sizes.append(c)
+        c *= 2
+    return tuple(sizes) + (top,)
+
+
+@dataclass(slots=True)
+class Padded:
+    """One decode step padded to a bucket: what the model reads, plus the real batch size."""
+
+    token_ids: torch.Tensor   # [B'] int64
+    positions: torch.Tensor   # [B'] int64
+    attn: PagedAttention      # shape (B', 1, C')
+    slots: list[int]          # [B'] adapter slot per row, -1 for base-only and pad rows
+    batch: int                # B: rows 0..B-1 are real sequences
+
+
+class _Graph:
+    """One captured CUDA graph: its static inputs, its LoRA meta buffers and its output."""
+
+    def __init__(self, ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention,
+                 meta: LoRAMeta | None):
+        self.ids, self.positions, self.attn, self.meta = ids, positions, attn, meta
+        self.graph = torch.cuda.CUDAGraph()
+        self.out: torch.Tensor | None = None
+
+
+class DecodeGraphs:
+    """Compiled decode steps over (batch, context) buckets; see the module doc.
+
+    `model` is the runner's model (LoRA wrappers attached, if any), `lora` its `LoRAState` or
+    None. The KV cache must have one block beyond those the block manager hands out:
+    `scratch_block`, where pad rows write.
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: KVCache, device: torch.device, lora,
+                 scratch_block: int, batch_sizes: tuple[int, ...], context_sizes: tuple[int, ...]):
+        self.model, self.cache, self.device, self.lora = model, cache, device, lora
+        self.scratch_slot = scratch_block * cache.block_size
+        self.batch_sizes, self.context_sizes = batch_sizes, context_sizes
+        self.kind = "cuda-graph" if device.type == "cuda" else "inductor"
+        self.startup_seconds = 0.0
+        self.steps = 0  # decode steps run through a graph
+        self._graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self._pool = None
+        self._compiled = None
+        if self.kind == "inductor":
+            # one graph per bucket and LoRA on/off; dynamo would stop recompiling at 8
+            limit = 2 * len(batch_sizes) * len(context_sizes) + 8
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
+            torch._dynamo.config.accumulated_cache_size_limit = max(
+                torch._dynamo.config.accumulated_cache_size_limit, limit)
+            # the batch and context axes are marked dynamic on each call (`_mark_dynamic`), the
+            # rest (weights, the cache, head counts) stays static: one graph serves every bucket
+            self._compiled = torch.compile(self._forward, dynamic=None)
+
+    # -- buckets -----------------------------------------------------------------------------------
+    def bucket(self, batch: int, context: int) -> tuple[int, int] | None:
+        """The smallest (B', C') holding `batch` sequences of at most `context` positions."""
+        b = next((s for s in self.batch_sizes if s >= batch), None)
+        c = next((s for s in self.context_sizes if s >= context), None)
+        return None if b is None or c is None else (b, c)
+
+    def pad(self, ids: list[int], positions: list[int], slots: list[int],
+            block_tables: list[list[int]], ends: list[int], bucket: tuple[int, int]) -> Padded:
+        """A decode step's inputs padded to `bucket` (one new token per sequence)."""
+        b, c = bucket
+        n = b - len(ids)
+        scratch_block = self.scratch_slot // self.cache.block_size
+        tables = block_tables + [[scratch_block]] * n
+        starts = [e - 1 for e in ends] + [0] * n
+        attn = PagedAttention.build(self.cache, tables, starts, ends + [1] * n, self.device, context=c)
+        dev = self.device
+        return Padded(torch.tensor(ids + [0] * n, device=dev),
+                      torch.tensor(positions + [0] * n, device=dev), attn, slots + [-1] * n, len(ids))
+
+    # -- running -----------------------------------------------------------------------------------
+    def forward(self, step: Padded) -> torch.Tensor:
+        """Hidden states [B', H] of the padded step (rows >= step.batch are padding)."""
+        has_lora = self.lora is not None and max(step.slots) >= 0
+        self.steps += 1
+        if self.kind == "inductor":
+            if self.lora is not None:
+                self.lora.set_slots(step.slots)
+            _mark_dynamic(step, self.lora.meta if has_lora else None)
+            return self._compiled(step.token_ids, step.positions, step.attn)
+        key = (step.token_ids.numel(), step.attn.shape[2], has_lora)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(*key)
+        graph.ids.copy_(step.token_ids)
+        graph.positions.copy_(step.positions)
+        for name in ("slot_mapping", "kv_index", "mask"):
+            getattr(graph.attn, name).copy_(getattr(step.attn, name))
+        if graph.meta is not None:
+            slots = torch.tensor(step.slots, dtype=torch.int32, device=self.device)
+            LoRAMeta.build(slots, max_segments=graph.meta.max_segments, out=graph.meta)
+        graph.graph.replay()
+        return graph.out
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
+        return self.model(ids, positions, attn)
+
+    # -- making graphs -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Make every bucket's graphs now (largest first, so CUDA graphs share one memory pool);
+        returns the seconds it took, also kept as `startup_seconds`."""
+        start = time.perf_counter()
+        lora_modes = (False, True) if self.lora is not None else (False,)
+        for b in reversed(self.batch_sizes):
+            for c in reversed(self.context_sizes):
+                for has_lora in lora_modes:
+                    if self.kind == "cuda-graph":
+                        self._capture(b, c, has_lora)
+                    else:
+                        self.forward(self._dummy(b, c, has_lora))
+        self.startup_seconds = time.perf_counter() - start
+        log.info("decode step compiled (%s) for %d batch x %d context buckets in %.1f s",
+                 self.kind, len(self.batch_sizes), len(self.context_sizes), self.startup_seconds)
+        return self.startup_seconds
+
+    def _dummy(self, b: int, c: int, has_lora: bool) -> Padded:
+        """A step of pad rows only (they write the scratch block alone); with LoRA, row 0 is
+        tagged slot 0, whose rank is 0 on every target while no adapter is loaded there, and
+        whose loaded adapter only changes row 0's discarded output."""
+        step = self.pad([], [], [], [], [], (b, c))
+        if has_lora:
+            step.slots[0] = 0
+        return step
+
+    def _capture(self, b: int, c: int, has_lora: bool) -> _Graph:
+        """Capture one bucket's CUDA graph over static inputs; later steps copy into them."""
+        step = self._dummy(b, c, has_lora)
+        meta = None
+        if has_lora:
+            meta = LoRAMeta.empty(b, min(b, self.lora.max_slots), self.device)
+            LoRAMeta.build(torch.tensor(step.slots, dtype=torch.int32, device=self.device),
+                           max_segments=meta.max_segments, out=meta)
+        graph = _Graph(step.token_ids, step.positions, step.attn, meta)
+        lora, saved = self.lora, (self.lora.meta if self.lora is not None else None)
+        try:
+            if lora is not None:
+                lora.meta = meta
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up launches (Triton compiles, cuBLAS handles)
+                for _ in range(2):
+                    self._forward(graph.ids, graph.positions, graph.attn)
+            torch.cuda.current_stream().wait_stream(stream)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph.graph, pool=self._pool):
+                graph.out = self._forward(graph.ids, graph.positions, graph.attn)
+        finally:
+            if lora is not None:
+                lora.meta = saved
+        self._graphs[(b, c, has_lora)] = graph
+        return graph
+
+
+def _mark_dynamic(step: Padded, meta: LoRAMeta | None) -> None:
+    """Tell torch.compile which axes vary between buckets: rows (batch) and context positions;
+    with LoRA, the meta's token and segment axes, which follow the batch."""
+    attn = step.attn
+    mark = torch._dynamo.maybe_mark_dynamic
+    for t in (step.token_ids, step.positions, attn.slot_mapping, attn.q_index, attn.q_valid_pos,
+              attn.kv_index, attn.mask):
+        mark(t, 0)
+    mark(attn.mask, 3)
+    if meta is not None:
+        for t in meta.tensors()[:-1]:  # all but num_segments ([1])
+            mark(t, 0)

@@ -1,0 +1,273 @@
+"""Batched page-ins: many cold revisions read in one catalog call (one LMDB read transaction per
+shard) and decoded into views of one copy must give exactly what single page-ins give, keep each
+revision's failure its own, and keep the pager's single-flight."""
+import dataclasses
+import json
+import threading
+from concurrent.futures import wait
+
+import pytest
+import torch
+from adapter_fakes import FINGERPRINT, make_weights, tiny_specs
+
+from loraserve.catalog.errors import BaseMismatch, CorruptBlob, ShardUnavailable
+from loraserve.catalog.layout import load_revision, save_revision
+from loraserve.catalog.safetensors_header import PREFIX
+from loraserve.catalog.store import Catalog
+from loraserve.adapters.cpu_cache import CpuCache
+from loraserve.adapters.pager import Pager, record_key
+
+from server.adapter_files import restore, truncate
+
+SPECS = tiny_specs()
+WAIT = 30  # generous bound on waits so a broken pager fails instead of hanging
+COUNT = 12
+
+
+class BatchRecorder:
+    """The real catalog, recording the refs of every `read_blobs` call; calls wait at `gate`
+    while it is clear (`entered` says the first has begun), so fetches made meanwhile queue up."""
+
+    def __init__(self, catalog: Catalog):
+        self.catalog = catalog
+        self.batches: list[list[str]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self.lock = threading.Lock()
+
+    def resolve(self, adapter_id, revision=None):
+        return self.catalog.resolve(adapter_id, revision)
+
+    def read_blobs(self, records):
+        with self.lock:
+            self.batches.append([r.ref for r in records])
+        self.entered.set()
+        assert self.gate.wait(WAIT)
+        return self.catalog.read_blobs(records)
+
+
+def expected(i: int) -> object:
+    dtype = torch.bfloat16 if i % 3 == 2 else torch.float32
+    return make_weights(SPECS, 1 + i % 4, seed=100 + i, dtype=dtype)
+
+
+@pytest.fixture
+def catalog(tmp_path):
+    cat = Catalog.create(tmp_path / "catalog", shards=3)  # few shards: batches share transactions
+    for i in range(COUNT):
+        cat.put_revision(f"acme/b{i}", save_revision(expected(i)))
+    yield cat
+    cat.close()
+
+
+def corrupt(catalog: Catalog, record) -> None:
+    """Flip one byte of the stored blob's data (its record and checksum stay)."""
+    shard = catalog.shard(catalog.shard_index(record.adapter_id))
+
+    def flip(txn, dbs):
+        blob = bytearray(txn.get(record.ref.encode(), db=dbs.blob))
+        blob[-3] ^= 0xFF
+        txn.put(record.ref.encode(), bytes(blob), db=dbs.blob)
+
+    shard.write(flip)
+
+
+def queue_behind_first(pager: Pager, recorder: BatchRecorder, records: list) -> list:
+    """Fetch records[0], hold its read, fetch the rest (they queue), release: the rest come in
+    one batch. Returns the futures in record order."""
+    recorder.gate.clear()
+    futures = [pager.fetch(records[0])]
+    assert recorder.entered.wait(WAIT)
+    futures += [pager.fetch(r) for r in records[1:]]
+    recorder.gate.set()
+    return futures
+
+
+def test_read_blobs_equals_read_blob_and_fails_per_entry(catalog, tmp_path):
+    records = [catalog.resolve(f"acme/b{i}") for i in range(COUNT)]
+    corrupt(catalog, records[4])
+    missing = dataclasses.replace(records[5], revision="r9")
+    truncated = dataclasses.replace(records[6], size=records[6].size + 1)
+    asked = records + [missing, truncated]
+    out = catalog.read_blobs(asked)
+    assert len(out) == len(asked)
+    for i, (record, got) in enumerate(zip(asked, out)):
+        if i in (4, COUNT, COUNT + 1):
+            with pytest.raises(CorruptBlob, match={4: "checksum", COUNT: "missing", COUNT + 1: "truncated"}[i]):
+                catalog.read_blob(record)
+            assert isinstance(got, CorruptBlob) and record.ref in str(got)
+        else:
+            assert isinstance(got, bytearray) and got == catalog.read_blob(record)
+
+
+def test_read_blobs_an_unavailable_shard_fails_only_its_records(catalog):
+    records = [catalog.resolve(f"acme/b{i}") for i in range(COUNT)]
+    assert all(isinstance(b, bytearray) for b in catalog.read_blobs(records))  # every env mapped
+    down = catalog.shard_index(records[0].adapter_id)
+    data = catalog.path / f"shard-{down:03d}" / "data.mdb"
+    old = truncate(data, 8192)
+    try:
+        out = catalog.read_blobs(records)
+    finally:
+        restore(data, old)
+    for record, got in zip(records, out):
+        if catalog.shard_index(record.adapter_id) == down:
+            assert isinstance(got, ShardUnavailable) and got.shards == [down]
+        else:
+            assert got == catalog.read_blob(record)
+
+
+@pytest.mark.parametrize("batch", [16, 4])
+def test_batched_page_in_yields_the_tensors_of_single_page_ins(catalog, batch):
+    records = [catalog.resolve(f"acme/b{i}") for i in range(COUNT)]
+    recorder = BatchRecorder(catalog)
+    with Pager(recorder, CpuCache(1 << 24), FINGERPRINT, workers=1, batch=batch) as batched, \
+            Pager(catalog, CpuCache(1 << 24), FINGERPRINT, workers=1, batch=1) as single:
+        together = [f.result(WAIT) for f in queue_behind_first(batched, recorder, records)]
+        alone = [single.fetch(r).result(WAIT) for r in records]  # one at a time: batches of one
+    assert [len(b) for b in recorder.batches] == [1] + [batch] * ((COUNT - 1) // batch) + \
+        ([(COUNT - 1) % batch] if (COUNT - 1) % batch else [])
+    for i, (record, a, b) in enumerate(zip(records, together, alone)):
+        reference = load_revision(catalog.read_blob(record))  # the plain, unbatched decode
+        for weights in (a, b, reference):
+            assert (weights.rank, weights.targets, weights.dtype) == (expected(i).rank, expected(i).targets,
+                                                                       expected(i).dtype)
+            assert weights.tensors.keys() == expected(i).tensors.keys()
+            assert all(torch.equal(weights.tensors[n], t) for n, t in expected(i).tensors.items())
+            assert all(t.is_contiguous() for t in weights.tensors.values())
+    assert batched.stats.disk_reads == COUNT and batched.stats.load_errors == 0
+
+
+def test_a_bad_revision_in_a_batch_fails_only_its_own_future(catalog):
+    records = [catalog.resolve(f"acme/b{i}") for i in range(COUNT)]
+    corrupt(catalog, records[3])
+    catalog.put_revision("acme/foreign", save_revision(make_weights(SPECS, 2, fingerprint="fp-other")))
+    foreign = dataclasses.replace(catalog.resolve("acme/foreign"), base_fingerprint=FINGERPRINT)
+    nan = make_weights(SPECS, 2, seed=7)
+    nan.tensors[next(iter(nan.tensors))][0, 0] = float("inf")
+    catalog.put_revision("acme/inf", save_revision(nan))
+    gone = dataclasses.replace(records[5], revision="r9")
+    asked = [records[0], *records[1:3], records[3], foreign, records[4], catalog.resolve("acme/inf"), gone,
+             *records[5:]]
+    bad = {records[3].ref: (CorruptBlob, "checksum"), foreign.ref: (BaseMismatch, "fp-other"),
+           "acme/inf@r1": (CorruptBlob, "NaN or Inf"), gone.ref: (CorruptBlob, "missing")}
+    recorder = BatchRecorder(catalog)
+    with Pager(recorder, CpuCache(1 << 24), FINGERPRINT, workers=1, batch=32) as pager:
+        futures = queue_behind_first(pager, recorder, asked)
+        for record, future in zip(asked, futures):
+            if record.ref in bad:
+                error, match = bad[record.ref]
+                with pytest.raises(error, match=match):
+                    future.result(WAIT)
+                assert record_key(record) not in pager.cpu_cache
+            else:
+                assert future.result(WAIT).rank == record.rank
+                assert record_key(record) in pager.cpu_cache
+        assert len(recorder.batches) == 2 and set(recorder.batches[1]) >= {records[3].ref, gone.ref}
+        stats = pager.stats
+        assert (stats.disk_reads, stats.load_errors, stats.in_flight) == (len(asked), len(bad), 0)
+
+
+def test_single_flight_holds_under_batching(catalog):
+    records = [catalog.resolve(f"acme/b{i}") for i in range(4)]
+    recorder = BatchRecorder(catalog)
+    with Pager(recorder, CpuCache(1 << 24), FINGERPRINT, workers=2, batch=16) as pager:
+        recorder.gate.clear()
+        first = pager.fetch(records[0])
+        assert recorder.entered.wait(WAIT)
+        asks = [records[i % 4] for i in range(32)]  # eight fetches of each, from eight threads
+        futures = [None] * len(asks)
+        barrier = threading.Barrier(8)
+
+        def ask(t):
+            barrier.wait(WAIT)
+            for i in range(t, len(asks), 8):
+                futures[i] = pager.fetch(asks[i])
+
+        threads = [threading.Thread(target=ask, args=(t,)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT)
+        assert pager.stats.in_flight == 4
+        recorder.gate.set()
+        results = {record_key(r): f.result(WAIT) for r, f in zip(asks, futures)}
+        assert all(f.result(WAIT) is results[record_key(r)] for r, f in zip(asks, futures))
+        assert first.result(WAIT) is results[record_key(records[0])]
+        reads = [ref for batch in recorder.batches for ref in batch]
+        assert sorted(reads) == sorted(r.ref for r in records)  # one read per revision, no more
+        stats = pager.stats
+        assert (stats.fetches, stats.disk_reads, stats.singleflight_joins) == (33, 4, 29)
+        assert stats.in_flight == 0
+        assert all(pager.fetch(r).done() for r in records) and pager.stats.cpu_hits == 4
+
+
+def test_close_cancels_queued_loads_and_the_batch_setting_is_checked(catalog):
+    records = [catalog.resolve(f"acme/b{i}") for i in range(3)]
+    recorder = BatchRecorder(catalog)
+    pager = Pager(recorder, CpuCache(1 << 24), FINGERPRINT, workers=1, batch=1)
+    recorder.gate.clear()
+    running = pager.fetch(records[0])
+    assert recorder.entered.wait(WAIT)
+    queued = [pager.fetch(r) for r in records[1:]]
+    closer = threading.Thread(target=pager.close)
+    closer.start()
+    wait(queued, WAIT)  # close() cancels what is queued, then waits for the running batch
+    assert all(f.cancelled() for f in queued) and not running.done()
+    recorder.gate.set()
+    closer.join(WAIT)
+    assert running.result(WAIT).rank == records[0].rank
+    assert pager.stats.in_flight == 0 and len(recorder.batches) == 1
+    with pytest.raises(ValueError, match="batch"):
+        Pager(catalog, CpuCache(1), FINGERPRINT, batch=0)
+
+
+def _reheadered(blob: bytes, edit) -> bytearray:
+    """`blob` with its safetensors header JSON changed by `edit(header)` (data kept)."""
+    (n,) = PREFIX.unpack(blob[:PREFIX.size])
+    header = json.loads(blob[PREFIX.size:PREFIX.size + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-(PREFIX.size + len(text)) % 8)
+    return bytearray(PREFIX.pack(len(text)) + text + blob[PREFIX.size + n:])
+
+
+def _first_two(header):
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+    return header[names[0]], header[names[1]]
+
+
+def _shift(header, delta):
+    _, second = _first_two(header)
+    second["data_offsets"] = [second["data_offsets"][0] + delta, second["data_offsets"][1] + delta]
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda h: _shift(h, 4), "gap or overlap"),
+    (lambda h: _shift(h, -4), "gap or overlap"),
+    (lambda h: _first_two(h)[0].update(shape=[9, 9]), "bytes for shape"),
+    (lambda h: _first_two(h)[0].update(dtype="F16"), "differs from adapter dtype"),
+    (lambda h: _first_two(h)[0].update(dtype="I8"), "differs from adapter dtype"),
+    (lambda h: _first_two(h)[0].update(shape=[True, 8]), "non-negative integers"),
+    (lambda h: _first_two(h)[0].pop("shape"), "malformed"),
+])
+def test_decoding_refuses_a_malformed_header(edit, match):
+    """The page-in decoder (tensors as views of one copy) checks what safetensors would."""
+    blob = save_revision(expected(0))
+    with pytest.raises(CorruptBlob, match=match):
+        load_revision(_reheadered(blob, edit), what="adapter acme/x@r1")
+    with pytest.raises(CorruptBlob, match="bytes after the last tensor"):
+        load_revision(blob + b"\0" * 4)
+
+
+def test_decoded_tensors_share_the_one_buffer_and_check_finiteness_once():
+    weights = expected(1)
+    buf = bytearray(save_revision(weights))
+    decoded = load_revision(buf, finite=True)
+    assert all(torch.equal(decoded.tensors[n], t) for n, t in weights.tensors.items())
+    first = next(iter(decoded.tensors.values()))
+    first[0, 0] = float("nan")  # written through the view: it is buf's memory, not a copy
+    with pytest.raises(CorruptBlob, match=rf"adapter acme/x@r1: tensor {next(iter(decoded.tensors))} holds NaN"):
+        load_revision(buf, what="adapter acme/x@r1", finite=True)
+    assert torch.isnan(load_revision(buf).tensors[next(iter(decoded.tensors))][0, 0])  # unchecked

@@ -1,0 +1,114 @@
+"""The compiled decode step (engine.decode_graphs) gives what the eager step gives: the same greedy
+tokens and logprobs within 1e-5, for base-only batches and batches mixing adapters (LoRA on every
+target kind, lm_head included), and PEFT's greedy continuations.
+
+On this CPU the graphs are torch.compile (inductor) graphs with dynamic batch and context axes;
+on CUDA the same buckets are CUDA graphs (scripts/gpu_check.sh runs this module there).
+Buckets are kept few: each graph takes seconds to compile here.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from loraserve.engine.build import build_engine
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.decode_graphs import batch_buckets, context_buckets
+from loraserve.engine.types import GenerateRequest, SamplingParams
+
+from .test_peft_parity import TOKENS, _peft_reference, _prompts
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MIXED = ["t/qv-r4", None, "t/all-r8-rslora", "t/o-head-r2"]
+
+
+def _engine(aset, compile: str, catalog):
+    return build_engine(EngineConfig(
+        model_dir=str(aset.base), catalog_dir=str(catalog), device=DEVICE, dtype="float32",
+        max_model_len=96, max_batch_size=6, max_gpu_adapters=8, max_lora_rank=16,
+        compile=compile, compile_batch_sizes=[2, 4]))
+
+
+@pytest.fixture(scope="module")
+def engines(dense_set, tmp_path_factory):
+    """(eager, compiled) engines over the same base and a copy each of one catalog (LMDB opens
+    an environment once per process)."""
+    copy = tmp_path_factory.mktemp("compiled") / "catalog"
+    shutil.copytree(dense_set.catalog, copy)
+    return _engine(dense_set, "off", dense_set.catalog), _engine(dense_set, "on", copy)
+
+
+def _greedy(eng, adapters, prompts, tokens=TOKENS + 4):
+    seqs = [eng.add_request(GenerateRequest(f"c{i}-{id(prompts)}", p, SamplingParams(
+        max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=2), a))
+        for i, (a, p) in enumerate(zip(adapters, prompts))]
+    while eng.has_work():
+        eng.step()
+    return [(s.output_ids, s.output_logprobs) for s in seqs]
+
+
+def _assert_same(eager, compiled):
+    for (ids_e, lps_e), (ids_c, lps_c) in zip(eager, compiled):
+        assert ids_c == ids_e
+        for a, b in zip(lps_e, lps_c):
+            assert a.token_id == b.token_id
+            assert abs(a.logprob - b.logprob) <= 1e-5, (a, b)
+            assert list(a.top) == list(b.top)
+            assert all(abs(a.top[t] - b.top[t]) <= 1e-5 for t in a.top)
+
+
+@pytest.mark.parametrize("adapters", [[None] * 3, MIXED], ids=["base", "mixed"])
+def test_compiled_decode_equals_eager(engines, adapters):
+    eager, compiled = engines
+    graphs = compiled.runner.graphs
+    assert graphs is not None and eager.runner.graphs is None
+    prompts = _prompts(eager.vocab_size, len(adapters), seed=7)
+    before = graphs.steps
+    want = _greedy(eager, adapters, prompts)
+    got = _greedy(compiled, adapters, prompts)
+    assert graphs.steps - before >= TOKENS  # the decode steps did run through the graphs
+    _assert_same(want, got)
+
+
+def test_compiled_decode_matches_peft(engines, dense_set):
+    _, compiled = engines
+    prompts = _prompts(compiled.vocab_size, len(MIXED), seed=1)
+    results = _greedy(compiled, MIXED, prompts, tokens=TOKENS)
+    for adapter, prompt, (ids, _) in zip(MIXED, prompts, results):
+        assert ids == _peft_reference(dense_set, adapter, prompt)[1], adapter
+
+
+def test_batches_past_the_largest_bucket_run_eagerly(engines):
+    """Five sequences (the largest bucket is 4, the batch 6) decode eagerly, and equal the eager engine;
+    contexts past the last context bucket have no bucket either."""
+    eager, compiled = engines
+    graphs = compiled.runner.graphs
+    assert graphs.bucket(5, 10) is None and graphs.bucket(4, graphs.context_sizes[-1] + 1) is None
+    assert graphs.bucket(3, 65) == (4, graphs.context_sizes[1])
+    adapters = MIXED + ["t/qv-r4"]
+    prompts = _prompts(eager.vocab_size, len(adapters), seed=9)
+    before = graphs.steps
+    got = _greedy(compiled, adapters, prompts)
+    assert graphs.steps == before
+    _assert_same(_greedy(eager, adapters, prompts), got)
+
+
+def test_buckets():
+    assert batch_buckets(64) == (1, 2, 4, 8, 16, 32, 48, 64)
+    assert batch_buckets(5) == (1, 2, 4, 5)
+    assert batch_buckets(1) == (1,)
+    assert context_buckets(2048, 16) == (64, 128, 256, 512, 1024, 2048)
+    assert context_buckets(100, 16) == (64, 112)
+    assert context_buckets(40, 16) == (48,)
+
+
+def test_no_compile_and_moe_stay_eager(moe_set):
+    from loraserve.engine.build import compiles
+
+    eng = build_engine(EngineConfig(model_dir=str(moe_set.base), device="cpu", compile="on",
+                                    max_model_len=64, max_batch_size=2))
+    assert eng.runner.graphs is None and not compiles(eng.cfg, eng)
+    with pytest.raises(ValueError, match="compile must be"):
+        EngineConfig(model_dir="x", compile="sometimes")
