@@ -61,28 +61,80 @@ def make_adapters(base: Path, root: Path, n: int, ranks: list[int]) -> tuple[Pat
 
 def engine_decode(base: Path, catalog: Path, ids: list[str], batch: int, tokens: int,
                   distinct: list[int], device: str = "auto", repeats: int = 3, max_rank: int = 16,
-                  strategies: tuple[str, ...] = ("auto",)) -> list[tuple[str, float, float]]:
-    import sys
+                  strategies: tuple[str, ...] = ("auto",), compile: str = "auto"
+                  ) -> list[tuple[str, float, float]]:
+    """Best-of-`repeats` (tokens/s, ms/step) per case: base only, then each adapter count."""
+    eng = _engine(base, catalog, batch, tokens, distinct, device, max_rank, compile)
+    return _run_cases({compile: eng}, ids, batch, tokens, distinct, repeats, strategies)[compile]
+
+
+def _engine(base: Path, catalog: Path, batch: int, tokens: int, distinct: list[int], device: str,
+            max_rank: int, compile: str):
+    from loraserve.engine.build import build_engine
+    from loraserve.engine.config import EngineConfig
+
+    t0 = time.perf_counter()
+    eng = build_engine(EngineConfig(model_dir=str(base), catalog_dir=str(catalog), max_batch_size=batch,
+                                    device=device, max_model_len=64 + tokens,
+                                    max_gpu_adapters=max(distinct), max_lora_rank=max_rank,
+                                    compile=compile, compile_batch_sizes=[batch]))
+    if eng.runner.graphs is not None:
+        print(f"# --compile {compile}: {eng.runner.graphs.kind} graphs made in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+    return eng
+
+
+def _run_cases(engines: dict, ids: list[str], batch: int, tokens: int, distinct: list[int],
+               repeats: int, strategies: tuple[str, ...]) -> dict[str, list[tuple[str, float, float]]]:
     sys.path.insert(0, str(Path(__file__).parent))
     from decode import measure
-    from loraserve.engine.config import EngineConfig
-    from loraserve.engine.build import build_engine
 
-    eng = build_engine(EngineConfig(model_dir=str(base), catalog_dir=str(catalog), max_batch_size=batch, device=device,
-                                    max_model_len=64 + tokens, max_gpu_adapters=max(distinct), max_lora_rank=max_rank))
-    measure(eng, 2, 16, 4, [ids[0], None])  # warm-up
+    for eng in engines.values():
+        measure(eng, 2, 16, 4, [ids[0], None])  # warm-up
     cases = [("base only", None, "auto")] + [
         (f"{d} adapters" + (f", {s}" if strategies != ("auto",) else ""), [ids[i % d] for i in range(batch)], s)
         for s in strategies for d in distinct]
-    best: dict[str, tuple[float, float]] = {}
+    best: dict[tuple[str, str], tuple[float, float]] = {}
     for _ in range(repeats):  # interleaved, best of N: the machine's noise hits every case alike
         for name, adapters, strategy in cases:
-            if strategies != ("auto",):
-                use_plans(eng, strategy)
-            tps, ms = measure(eng, batch, 16, tokens, adapters)
-            if tps > best.get(name, (0.0, 0.0))[0]:
-                best[name] = (tps, ms)
-    return [(name, *best[name]) for name, _, _ in cases]
+            for mode, eng in engines.items():
+                if strategies != ("auto",):
+                    use_plans(eng, strategy)
+                tps, ms = measure(eng, batch, 16, tokens, adapters)
+                if tps > best.get((mode, name), (0.0, 0.0))[0]:
+                    best[(mode, name)] = (tps, ms)
+    return {mode: [(name, *best[(mode, name)]) for name, _, _ in cases] for mode in engines}
+
+
+def compare_compile(base: Path, catalog: Path, ids: list[str], batch: int, tokens: int,
+                    distinct: list[int], device: str, max_rank: int) -> None:
+    """Eager and compiled engines side by side: greedy outputs first (they must be equal), then
+    the interleaved timings and their ratio."""
+    import shutil
+
+    from loraserve.engine.types import GenerateRequest, SamplingParams
+
+    copy = catalog.parent / "catalog-compiled"  # LMDB opens an environment once per process
+    shutil.copytree(catalog, copy)
+    engines = {"off": _engine(base, catalog, batch, tokens, distinct, device, max_rank, "off"),
+               "on": _engine(base, copy, batch, tokens, distinct, device, max_rank, "on")}
+    d = max(distinct)
+    outs = {}
+    for mode, eng in engines.items():
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        seqs = [eng.add_request(GenerateRequest(f"eq-{i}", [3 + i, 5, 7, 11 + i], params,
+                                                ids[i % d] if i % 4 else None)) for i in range(batch)]
+        while eng.has_work():
+            eng.step()
+        outs[mode] = [s.output_ids for s in seqs]
+    same = sum(a == b for a, b in zip(outs["off"], outs["on"]))
+    print(f"greedy outputs equal, eager vs compiled: {same}/{batch} sequences "
+          f"({d} adapters and base-only mixed, {tokens} tokens)", flush=True)
+    rows = _run_cases(engines, ids, batch, tokens, distinct, 3, ("auto",))
+    print(f"engine decode, batch {batch}, all 7 targets, {tokens} tokens, best of 3 interleaved runs")
+    print(f"{'batch':>12} {'eager tok/s':>12} {'compiled tok/s':>15} {'compiled/eager':>15}")
+    for (name, e, _), (_, c, _) in zip(rows["off"], rows["on"]):
+        print(f"{name:>12} {e:>12.1f} {c:>15.1f} {c / e:>14.2f}x")
 
 
 def use_plans(eng, strategy: str) -> None:
@@ -171,14 +223,20 @@ def main() -> None:
     ap.add_argument("--strategies", default="auto", help="torch-backend plans to run the engine cases with")
     ap.add_argument("--no-peft", action="store_true")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--compile", default="auto", choices=["auto", "on", "off", "both"],
+                    help="the engine's --compile; both: eager against compiled, outputs checked equal")
     args = ap.parse_args()
     base = Path(base_or_demo(args.model))
     distinct = [int(d) for d in args.distinct.split(",")]
     ranks = [int(r) for r in args.rank.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         catalog, ids, dirs = make_adapters(base, Path(tmp), max(distinct), ranks)
+        if args.compile == "both":
+            compare_compile(base, catalog, ids, args.batch, args.tokens, distinct, args.device, max(ranks))
+            return
         rows = engine_decode(base, catalog, ids, args.batch, args.tokens, distinct, args.device,
-                             max_rank=max(ranks), strategies=tuple(args.strategies.split(",")))
+                             max_rank=max(ranks), strategies=tuple(args.strategies.split(",")),
+                             compile=args.compile)
         print(f"engine decode, batch {args.batch}, rank {args.rank}, all 7 targets, {args.tokens} tokens, "
               "best of 3 interleaved runs")
         w = max(12, *(len(name) for name, _, _ in rows))

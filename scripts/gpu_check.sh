@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check for one CUDA machine (built for an H200): kernel tests on CUDA, then the kernel
 # benchmark, then a summary table. Needs torch + triton already installed; no network; never
-# installs torch. Runs from any directory; about 3-5 minutes (hard limits below keep it < 9.5).
+# installs torch. Runs from any directory; about 3-6 minutes (hard limits below keep it < 10).
 #   bash scripts/gpu_check.sh              # logs land in ${GPU_CHECK_OUT:-$OUT or /tmp}/gpu_check
 # On the device machine: first `bash scripts/gpu_bundle.sh` here, then carry
 # [".gpu_bundle", ".loraserve", ".whl"] (test packages, the demo base, wheels) with the run.
@@ -61,7 +61,7 @@ status_tests="not run"
 if "$PY" -c "import pytest" 2>/dev/null; then
   # --confcutdir: only tests/kernels' own conftest (the root one imports the whole server).
   # -P and --import-mode=append: the linked package above, not the bare source folder in the cwd.
-  timeout 200 "$PY" -P -m pytest -q -p no:cacheprovider --import-mode=append --confcutdir=tests/kernels tests/kernels \
+  timeout 120 "$PY" -P -m pytest -q -p no:cacheprovider --import-mode=append --confcutdir=tests/kernels tests/kernels \
     2>&1 | tee "$LOG/kernel_tests.txt"
   rc=${PIPESTATUS[0]}
   status_tests="$(tail -n 1 "$LOG/kernel_tests.txt") (rc=$rc)"
@@ -75,11 +75,17 @@ status_bench="rc=${PIPESTATUS[0]}"
 # ---- decode benchmarks (engine on CUDA; need safetensors, tokenizers, jinja2, lmdb, xxhash) ----
 status_decode="not run (missing python packages)"
 if "$PY" -c "import safetensors, tokenizers, jinja2, lmdb, xxhash, numpy" 2>/dev/null; then
-  timeout 90 "$PY" bench/decode.py --device cuda --tokens 64 2>&1 | tee "$LOG/bench_decode.txt"
+  # eager against the compiled decode step (CUDA graphs), interleaved; LoRA: outputs checked first
+  timeout 120 "$PY" bench/decode.py --device cuda --tokens 64 --compile both 2>&1 | tee "$LOG/bench_decode.txt"
   status_decode="base rc=${PIPESTATUS[0]}"
   if "$PY" -c "import peft, transformers" 2>/dev/null; then
-    timeout 120 "$PY" bench/lora_decode.py --device cuda --no-peft 2>&1 | tee "$LOG/bench_lora_decode.txt"
+    timeout 150 "$PY" bench/lora_decode.py --device cuda --no-peft --compile both 2>&1 | tee "$LOG/bench_lora_decode.txt"
     status_decode="$status_decode, lora rc=${PIPESTATUS[0]}"
+    if "$PY" -c "import pytest" 2>/dev/null; then  # compiled == eager, and == PEFT, on CUDA
+      timeout 150 "$PY" -P -m pytest -q -p no:cacheprovider --import-mode=append \
+        tests/lora/test_compiled_decode.py 2>&1 | tee "$LOG/compiled_decode_tests.txt"
+      status_decode="$status_decode, compiled-decode tests: $(tail -n 1 "$LOG/compiled_decode_tests.txt")"
+    fi
   fi
 fi
 # ---- end decode benchmark ----
@@ -99,5 +105,5 @@ echo "kernel bench : $status_bench"
 echo "decode bench : $status_decode"
 echo "moe loading  : $status_moe"
 grep -E '^#|^ *[0-9T-]' "$LOG/bench_kernels.txt" || true
-cat "$LOG"/bench_decode.txt "$LOG"/bench_lora_decode.txt 2>/dev/null | grep -E 'tok/s|^ +[0-9]|adapters|base only' || true
+cat "$LOG"/bench_decode.txt "$LOG"/bench_lora_decode.txt 2>/dev/null | grep -E 'tok/s|^ +[0-9]|adapters|base only|^#|equal' || true
 tail -n 4 "$LOG/bench_moe_load.txt" 2>/dev/null || true

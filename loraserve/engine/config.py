@@ -76,8 +76,8 @@ class EngineConfig:
                 "clean error (503, or an error event in a stream)"})
     compile: str = field(default="auto", metadata={
         "help": "compile the decode step over batch and context buckets, at start-up: auto (CUDA "
-                "graphs on CUDA; eager on CPU, where inductor measured no faster) | on (also "
-                "torch.compile on CPU) | off. Prefill, MoE bases and batches past the largest "
+                "graphs on CUDA, eager on CPU) | on (also torch.compile on CPU, for steps "
+                "without LoRA tokens) | off. Prefill, MoE bases and batches past the largest "
                 "bucket run eagerly"})
     compile_batch_sizes: list[int] | None = field(default=None, metadata={
         "help": "batch buckets of the compiled decode step (repeatable)",

@@ -14,6 +14,11 @@ an adapter skips LoRA entirely, as the eager path does). LoRA metadata lives in 
 (`LoRAMeta.empty`) that each step rebuilds in place; the adapter pool's tensors are fixed for its
 life, and loads and evictions write into them, so a graph always reads the current adapters.
 
+On the CPU the LoRA graphs are off by default (`lora_graphs`): inside a compiled graph the torch
+LoRA backend cannot keep its per-step plans (host-side state), so each of the 28+ LoRA calls of a
+step re-plans behind the custom-op dispatcher, and a compiled LoRA step measured 3x slower than the
+eager one, whose plans are built once per step (bench/RESULTS.md). Base-only steps gain 1.3-1.4x.
+
 Prefill, steps larger than the largest bucket and MoE bases (data-dependent expert routing) run
 eagerly. Graphs are made at start-up (`warm_up`); a bucket first met later is made then.
 """
@@ -81,8 +86,12 @@ class DecodeGraphs:
     """
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, device: torch.device, lora,
-                 scratch_block: int, batch_sizes: tuple[int, ...], context_sizes: tuple[int, ...]):
+                 scratch_block: int, batch_sizes: tuple[int, ...], context_sizes: tuple[int, ...],
+                 lora_graphs: bool | None = None):
         self.model, self.cache, self.device, self.lora = model, cache, device, lora
+        # steps with LoRA tokens through graphs too: on CUDA by default, on the CPU on request
+        self.lora_graphs = lora is not None and (device.type == "cuda" if lora_graphs is None
+                                                 else lora_graphs)
         self.scratch_slot = scratch_block * cache.block_size
         self.batch_sizes, self.context_sizes = batch_sizes, context_sizes
         self.kind = "cuda-graph" if device.type == "cuda" else "inductor"
@@ -102,8 +111,11 @@ class DecodeGraphs:
             self._compiled = torch.compile(self._forward, dynamic=None)
 
     # -- buckets -----------------------------------------------------------------------------------
-    def bucket(self, batch: int, context: int) -> tuple[int, int] | None:
-        """The smallest (B', C') holding `batch` sequences of at most `context` positions."""
+    def bucket(self, batch: int, context: int, has_lora: bool = False) -> tuple[int, int] | None:
+        """The smallest (B', C') holding `batch` sequences of at most `context` positions; None
+        when none does, or the step has LoRA tokens and LoRA graphs are off."""
+        if has_lora and not self.lora_graphs:
+            return None
         b = next((s for s in self.batch_sizes if s >= batch), None)
         c = next((s for s in self.context_sizes if s >= context), None)
         return None if b is None or c is None else (b, c)
@@ -154,7 +166,7 @@ class DecodeGraphs:
         """Make every bucket's graphs now (largest first, so CUDA graphs share one memory pool);
         returns the seconds it took, also kept as `startup_seconds`."""
         start = time.perf_counter()
-        lora_modes = (False, True) if self.lora is not None else (False,)
+        lora_modes = (False, True) if self.lora_graphs else (False,)
         for b in reversed(self.batch_sizes):
             for c in reversed(self.context_sizes):
                 for has_lora in lora_modes:

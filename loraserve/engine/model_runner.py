@@ -49,7 +49,8 @@ class ModelRunner:
         caller's order; the engine samples only those whose tokens are all computed. A decode
         step that fits a compiled bucket runs through `graphs`, with the same results."""
         if not is_prefill and self.graphs is not None:
-            bucket = self.graphs.bucket(len(seqs), max(len(s) for s in seqs))
+            bucket = self.graphs.bucket(len(seqs), max(len(s) for s in seqs),
+                                        any(s.slot >= 0 for s in seqs))
             if bucket is not None:
                 inputs = self.prepare(seqs, is_prefill, bucket)
                 return self.logits(seqs, inputs, self.graphs.forward(inputs.padded), is_prefill)

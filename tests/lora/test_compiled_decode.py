@@ -3,7 +3,7 @@ tokens and logprobs within 1e-5, for base-only batches and batches mixing adapte
 target kind, lm_head included), and PEFT's greedy continuations.
 
 On this CPU the graphs are torch.compile (inductor) graphs with dynamic batch and context axes;
-on CUDA the same buckets are CUDA graphs (scripts/gpu_check.sh runs this module there).
+on CUDA the same buckets are CUDA graphs.
 Buckets are kept few: each graph takes seconds to compile here.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from loraserve.engine.build import build_engine
 from loraserve.engine.config import EngineConfig
-from loraserve.engine.decode_graphs import batch_buckets, context_buckets
+from loraserve.engine.decode_graphs import DecodeGraphs, batch_buckets, context_buckets
 from loraserve.engine.types import GenerateRequest, SamplingParams
 
 from .test_peft_parity import TOKENS, _peft_reference, _prompts
@@ -34,10 +34,17 @@ def _engine(aset, compile: str, catalog):
 @pytest.fixture(scope="module")
 def engines(dense_set, tmp_path_factory):
     """(eager, compiled) engines over the same base and a copy each of one catalog (LMDB opens
-    an environment once per process)."""
+    an environment once per process). The compiled one runs LoRA steps through graphs too,
+    which the CPU leaves eager by default (see engine.decode_graphs)."""
     copy = tmp_path_factory.mktemp("compiled") / "catalog"
     shutil.copytree(dense_set.catalog, copy)
-    return _engine(dense_set, "off", dense_set.catalog), _engine(dense_set, "on", copy)
+    compiled = _engine(dense_set, "off", copy)
+    graphs = DecodeGraphs(compiled.model, compiled.cache, compiled.device, compiled.runner.lora,
+                          compiled.scratch_block, (2, 4), context_buckets(compiled.max_model_len, 16),
+                          lora_graphs=True)
+    graphs.warm_up()
+    compiled.runner.graphs = graphs
+    return _engine(dense_set, "off", dense_set.catalog), compiled
 
 
 def _greedy(eng, adapters, prompts, tokens=TOKENS + 4):
@@ -104,11 +111,22 @@ def test_buckets():
     assert context_buckets(40, 16) == (48,)
 
 
-def test_no_compile_and_moe_stay_eager(moe_set):
+def test_what_compiles_by_default(engines, moe_set):
+    """auto: CUDA graphs on CUDA (LoRA steps included), eager on the CPU; on: the CPU compiles
+    base-only steps; MoE bases never compile; off is off."""
     from loraserve.engine.build import compiles
 
+    eager, _ = engines
     eng = build_engine(EngineConfig(model_dir=str(moe_set.base), device="cpu", compile="on",
                                     max_model_len=64, max_batch_size=2))
     assert eng.runner.graphs is None and not compiles(eng.cfg, eng)
+    assert compiles(EngineConfig(model_dir="x", compile="on"), eager)
+    assert not compiles(EngineConfig(model_dir="x", compile="off"), eager)
+    assert compiles(EngineConfig(model_dir="x"), eager) == (eager.device.type == "cuda")
+    default = DecodeGraphs(eager.model, eager.cache, eager.device, eager.runner.lora,
+                           eager.scratch_block, (4,), (64,))
+    assert default.lora_graphs == (eager.device.type == "cuda")
+    assert default.bucket(3, 10, has_lora=True) == ((4, 64) if default.lora_graphs else None)
+    assert default.bucket(3, 10) == (4, 64)
     with pytest.raises(ValueError, match="compile must be"):
         EngineConfig(model_dir="x", compile="sometimes")
