@@ -1,6 +1,6 @@
 """The hot path: 1-token requests on one resident adapter next to a bare endpoint, one run.
 
-    python bench/hot_path.py [--rounds 3] [--duration 5] [--stack asyncio,h11] [--baseline DIR]
+    python bench/hot_path.py [--rounds 3] [--duration 5] [--stack asyncio,h11] [--baseline DIR ...]
                              [--profile DIR] [--out FILE] [-- extra `loraserve serve` arguments]
 
 Servers, each in its own process on 127.0.0.1 (free ports), all up for the whole run:
@@ -11,7 +11,8 @@ Servers, each in its own process on 127.0.0.1 (free ports), all up for the whole
   loraserve  `loraserve serve` on the demo base and catalog (engine core in its own process), the
              adapter demo/pirate made resident by a warm-up
   baseline   with --baseline DIR, also `loraserve serve` from DIR (e.g. `git archive HEAD` unpacked)
-             to compare server changes side by side (same catalog, same generator)
+             to compare server changes side by side (same catalog, same generator); repeat
+             --baseline for several trees (targets "baseline:<dir name>", e.g. one per change)
 
 Sections (measurements interleaved round by round, so noise hits every target alike):
   1 generator ceiling: `loraserve loadtest` (streamed, as by default) with --client raw / httpx /
@@ -158,20 +159,7 @@ class Server:
         raise RuntimeError(f"{name} did not come up")
 
     def pids(self) -> dict[str, int]:
-        """{"api": pid, "core": pid of the engine-core child, if any}."""
-        out = {"api": self.proc.pid}
-        try:
-            kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-        except OSError:
-            kids = []
-        for kid in kids:
-            try:
-                cmd = Path(f"/proc/{kid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"spawn_main" in cmd:
-                out["core"] = int(kid)
-        return out
+        return server_pids(self.proc.pid)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -179,6 +167,23 @@ class Server:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def server_pids(pid: int) -> dict[str, int]:
+    """{"api": pid, "core": pid of its engine-core child, if any}."""
+    out = {"api": pid}
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        kids = []
+    for kid in kids:
+        try:
+            cmd = Path(f"/proc/{kid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmd:
+            out["core"] = int(kid)
+    return out
 
 
 def cpu_seconds(pid: int) -> float:
@@ -386,6 +391,19 @@ def print_tables(ceil_rows, hot_rows, prof, targets) -> None:
             print(f"- {t}: c16 throughput {ratios['req_per_s_c16'] or 0:.2f}x bare, wrk c64 "
                   f"{ratios['req_per_s_wrk_c64'] or 0:.2f}x bare, single-request p50 "
                   f"{ratios['p50_ms_c1'] or 0:.2f}x bare")
+        for t in targets:
+            if not t.startswith("baseline"):
+                continue
+            print(f"\nloraserve / {t}, per round (median; the rounds in brackets):\n")
+            for k, _ in keys:
+                rr = []
+                for r in range(max(x["round"] for x in hot_rows) + 1):
+                    a = next((x for x in hot_rows if x["round"] == r and x["target"] == "loraserve"), None)
+                    b = next((x for x in hot_rows if x["round"] == r and x["target"] == t), None)
+                    if a and b and a[k] and b[k]:
+                        rr.append(a[k] / b[k])
+                if rr:
+                    print(f"- {k}: {med(rr):.2f} ({', '.join(f'{x:.2f}' for x in rr)})")
     if prof:
         print(f"\n### Profile under 16-connection load ({prof['req_per_s']:.0f} req/s while sampled)\n")
         for k in ("api", "core"):
@@ -413,7 +431,8 @@ def main() -> None:
     ap.add_argument("--skip-hot", action="store_true")
     ap.add_argument("--clients", default="raw,httpx,wrk", help="generator-ceiling clients")
     ap.add_argument("--profile", metavar="DIR", help="also profile loraserve under load with py-spy")
-    ap.add_argument("--baseline", metavar="DIR", help="also serve loraserve from this source tree")
+    ap.add_argument("--baseline", metavar="DIR", action="append", default=[],
+                    help="also serve loraserve from this source tree (repeatable)")
     ap.add_argument("--out", metavar="FILE", help="write every measurement as JSON")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -445,27 +464,30 @@ def main() -> None:
             servers[f"loraserve[{tag}]"] = Server(f"loraserve[{tag}]", [
                 sys.executable, str(HERE), "serve-variant", "--stack", args.stack, "--", *cmd[3:]], "/health")
             targets += [f"bare[{tag}]", f"loraserve[{tag}]"]
-        if args.baseline:
-            base = Path(args.baseline).resolve()
-            servers["baseline"] = Server("baseline", cmd, "/health", env={"PYTHONPATH": str(base)}, cwd=str(base))
-            targets.append("baseline")
+        baselines = []
+        for tree in args.baseline:
+            base = Path(tree).resolve()
+            name = "baseline" if len(args.baseline) == 1 else f"baseline:{base.name}"
+            servers[name] = Server(name, cmd, "/health", env={"PYTHONPATH": str(base)}, cwd=str(base))
+            targets.append(name)
+            baselines.append(name)
         for t in targets[1:]:  # warm-up: the adapter resident, the code paths hot
             load(servers[t], client="raw", concurrency=4, duration=2, stream=False, adapter=ADAPTER)
         load(servers["bare"], client="raw", concurrency=4, duration=1, stream=False)
         ceil_rows = [] if args.skip_ceiling else ceiling(servers, args.rounds, args.duration, clients)
         hot_rows = [] if args.skip_hot else hot_path(servers, targets, args.rounds, args.duration, use_wrk)
         prof = profile(servers["loraserve"], Path(args.profile), max(args.duration, 8)) if args.profile else None
-        prof_base = profile(servers["baseline"], Path(args.profile) / "baseline", max(args.duration, 8)) \
-            if args.profile and args.baseline else None
+        prof_bases = {name: profile(servers[name], Path(args.profile) / name.replace(":", "-"),
+                                    max(args.duration, 8)) for name in baselines} if args.profile else {}
     finally:
         for s in servers.values():
             s.stop()
     print_tables(ceil_rows, hot_rows, prof, targets)
-    for name, pr in (("loraserve", prof), ("baseline", prof_base)):
+    for name, pr in (("loraserve", prof), *prof_bases.items()):
         if pr is None:
             continue
-        if name == "baseline":
-            print("\n## baseline (--baseline DIR), profiled the same way")
+        if name != "loraserve":
+            print(f"\n## {name} (--baseline DIR), profiled the same way")
             print_tables([], [], pr, targets)
         for k in ("api", "core"):
             if k in pr:
@@ -474,7 +496,7 @@ def main() -> None:
                     print(f"  {n:6d}  {frame[:140]}")
     if args.out:
         Path(args.out).write_text(json.dumps({"ceiling": ceil_rows, "hot": hot_rows, "profile": prof,
-                                              "profile_baseline": prof_base}, indent=1))
+                                              "profile_baselines": prof_bases}, indent=1))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python bench/lora_residency.py cliff --catalog DIR [--model DIR] [--slots 8] [--rate 20] [--duration 30]
     python bench/lora_residency.py sweep --catalog DIR [--model DIR] [--adapters 100000] [--concurrency 64]
+                                         [--source DIR] [--profile DIR [--profile-seconds 10]]
 
 cliff: TTFT when the working set fits the device pool (all resident after a warm-up) against a
        working set 10x the pool's slots (every request likely a miss), same open-loop rate.
@@ -12,6 +13,11 @@ The catalog must be built for the same base (e.g. `loraserve catalog materialize
 Each measured run also writes `loraserve loadtest`'s report (report.html: throughput, latency and
 TTFT CDFs, tier hit rates, page-ins, resident adapters and server memory over time; summary.json)
 under --report DIR (default .loraserve/reports/residency-<mode>).
+
+--source DIR serves from another source tree (e.g. `git archive` of the commit before a change,
+as bench/hot_path.py's --baseline), so two runs of one session compare code on the same catalog.
+--profile DIR samples the API process and the engine core with py-spy while the sweep runs (raw
+stacks in DIR) and prints where their CPU goes, by bench/hot_path.py's categories.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from _common import base_or_demo  # bench/_common.py, beside this script
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -39,10 +46,15 @@ from loraserve.catalog.store import Catalog
 from loraserve.loadtest import LoadTestConfig, run_loadtest
 
 
-def start_server(model: str, catalog: str, port: int, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "loraserve.cli", "serve", "--model", model, "--catalog", catalog,
-           "--port", str(port), "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd)
+def start_server(model: str, catalog: str, port: int, *extra: str, source: str | None = None
+                 ) -> subprocess.Popen:
+    """`loraserve serve` on port; from the source tree `source` when given (else this one)."""
+    cmd = [sys.executable, "-m", "loraserve.cli", "serve", "--model", str(Path(model).resolve()),
+           "--catalog", str(Path(catalog).resolve()), "--port", str(port), "--log-level", "warning", *extra]
+    env = None
+    if source is not None:
+        env = {**os.environ, "PYTHONPATH": str(Path(source).resolve())}
+    proc = subprocess.Popen(cmd, env=env, cwd=source)
     deadline = time.time() + 300
     while time.time() < deadline:
         try:
@@ -107,11 +119,47 @@ def cliff(args, model: str) -> None:
     print(f"reports: {resident['report_html']}, {missing['report_html']}")
 
 
+def start_profile(proc: subprocess.Popen, out: Path, seconds: float) -> dict[str, subprocess.Popen]:
+    """py-spy on the API process and the engine core for `seconds` (raw stacks under out)."""
+    from hot_path import server_pids  # bench/hot_path.py, beside this script
+    pyspy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    out.mkdir(parents=True, exist_ok=True)
+    return {k: subprocess.Popen([pyspy, "record", "-p", str(p), "-d", str(int(seconds)), "-r", "250",
+                                 "--nonblocking", "-f", "raw", "-o", str(out / f"{k}.txt")],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for k, p in server_pids(proc.pid).items()}
+
+
+def print_profile(out: Path) -> None:
+    """Share of each process's samples by bench/hot_path.py's categories, and its top frames."""
+    from hot_path import CATEGORIES, CORE_CATEGORIES, categorize, top_self  # beside this script
+    for k in ("api", "core"):
+        path = out / f"{k}.txt"
+        if not path.exists():
+            continue
+        counts, total = categorize(path, CORE_CATEGORIES + CATEGORIES if k == "core" else CATEGORIES)
+        idle = counts.pop(CATEGORIES[0][0], 0)
+        busy = max(total - idle, 1)
+        print(f"\nprofile {k}: {busy} busy samples (of {total})\n| where | share |\n|---|---:|")
+        for name, n in counts.most_common(14):
+            print(f"| {name} | {100 * n / busy:.1f}% |")
+        print(f"top self frames ({k}):")
+        for frame, n in top_self(path):
+            print(f"  {n:6d}  {frame[:140]}")
+
+
 def sweep(args, model: str) -> None:
     url = f"http://127.0.0.1:{args.port}"
     ids = adapter_ids(args.catalog, args.adapters)
-    proc = start_server(model, args.catalog, args.port, "--max-gpu-adapters", "64", "--cpu-cache-mb", "256")
+    proc = start_server(model, args.catalog, args.port, "--max-gpu-adapters", "64", "--cpu-cache-mb", "256",
+                        source=args.source)
     samples, stop = [], threading.Event()
+    profilers: dict[str, subprocess.Popen] = {}
+    if args.profile:  # a moment in, so the samples are of the steady state
+        timer = threading.Timer(2.0, lambda: profilers.update(
+            start_profile(proc, Path(args.profile), args.profile_seconds)))
+        timer.daemon = True
+        timer.start()
 
     def monitor():
         while not stop.is_set():
@@ -130,6 +178,8 @@ def sweep(args, model: str) -> None:
     finally:
         stop.set()
         thread.join(5)
+        for p in profilers.values():
+            p.wait(60)
         proc.terminate()
         proc.wait(30)
     gpu = max(s[2].get("loraserve_adapter_resident[gpu]", 0) for s in samples)
@@ -144,6 +194,8 @@ def sweep(args, model: str) -> None:
         print(f"server RSS {name} MiB: first 10% avg {sum(xs[:tenth]) / tenth:.0f}, "
               f"last 10% avg {sum(xs[-tenth:]) / tenth:.0f}, max {max(xs):.0f}")
     print(f"report: {rep['report_html']}")
+    if profilers:
+        print_profile(Path(args.profile))
 
 
 def main() -> None:
@@ -158,6 +210,9 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=100_000)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--duration-cap", type=float, default=7200.0, help="sweep: stop after this many seconds")
+    ap.add_argument("--source", metavar="DIR", help="sweep: serve from this source tree (A/B runs)")
+    ap.add_argument("--profile", metavar="DIR", help="sweep: py-spy the server's processes (raw stacks here)")
+    ap.add_argument("--profile-seconds", type=float, default=10.0)
     ap.add_argument("--report", metavar="DIR", default=None,
                     help="loadtest reports go here (default .loraserve/reports/residency-<mode>)")
     args = ap.parse_args()

@@ -198,6 +198,17 @@ class Shard:
             self._env.set_mapsize(0)
             return self._env.begin(write=write, buffers=not write)
 
+    def generation(self) -> int | None:
+        """The id of the last write transaction committed to this shard, by any process (LMDB's
+        `last_txnid`, from the meta page); None while the env is not open. Health-checked
+        first, like a read: ShardUnavailable when the shard's files are damaged. A read txn
+        begun after this call sees at least this generation (`txn.id()`)."""
+        env = self._env
+        if env is None:
+            return None
+        self._check()
+        return env.info()["last_txnid"]
+
     def read(self, fn: Callable[[lmdb.Transaction, Dbs], T], default: T = None) -> T:
         """Run `fn(txn, dbs)` in a read txn (buffers are zero-copy views valid inside `fn`);
         `default` when the shard was never written. ShardUnavailable when its files are damaged."""

@@ -10,13 +10,18 @@ processes) see committed state only and never block writers.
 A shard whose files are damaged or gone raises ShardUnavailable (503) for its own adapters only;
 a listing, which needs every shard, fails with it rather than answer partially.
 `degraded_shards()` says which shards are unavailable without touching any LMDB page.
+
+`resolve` results are cached per shard write generation (`ResolveCache`): every request names
+an adapter, and a hot one is resolved thousands of times a second between writes.
 """
 from __future__ import annotations
 
 import functools
 import json
 import os
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -66,6 +71,47 @@ def read_catalog_meta(path: str | Path) -> dict:
     return meta
 
 
+class ResolveCache:
+    """`Catalog.resolve` answers, each tagged with the write generation of the shard it was read
+    from: the id of the last LMDB write transaction committed to that shard (by any process)
+    when it was read. An answer is served again only while that id has not moved, so any write
+    to the shard (a new revision, promote, rollback, tag, a sync's deletes, here or in another
+    process) makes its cached answers stale at once: a reader never sees a revision the
+    catalog no longer serves. A hit costs the shard's health check and a read of its meta
+    page, no transaction and no record decoding (~2.5x cheaper than a read; bench/RESULTS.md).
+
+    Bounded LRU of `capacity` answers; thread-safe. Records are shared between callers, as the
+    catalog never changes a revision record once written: treat them as read-only.
+    """
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._answers: OrderedDict[tuple[str, str | None], tuple[int, RevisionRecord]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, str | None], generation: int) -> RevisionRecord | None:
+        with self._lock:
+            hit = self._answers.get(key)
+            if hit is None or hit[0] != generation:
+                return None
+            self._answers.move_to_end(key)
+            return hit[1]
+
+    def put(self, key: tuple[str, str | None], generation: int, record: RevisionRecord) -> None:
+        with self._lock:
+            self._answers[key] = (generation, record)
+            self._answers.move_to_end(key)
+            if len(self._answers) > self.capacity:
+                self._answers.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._answers.clear()
+
+    def __len__(self) -> int:
+        return len(self._answers)
+
+
 class Catalog:
     """Sharded adapter store. Thread-safe for reads; writes to one shard serialize in LMDB."""
 
@@ -76,6 +122,7 @@ class Catalog:
         opts = options or ShardOptions(readonly=readonly)
         self._shards = [Shard(self.path, i, opts) for i in range(self.shards)]
         self._checked_at = float("-inf")  # monotonic time of the last full health check
+        self.resolved = ResolveCache()
 
     @classmethod
     def create(cls, path: str | Path, shards: int = 100, options: ShardOptions | None = None) -> Catalog:
@@ -114,9 +161,19 @@ class Catalog:
         return found
 
     def resolve(self, adapter_id: str, revision: str | None = None) -> RevisionRecord:
-        """Revision record of `revision` (a revision id or tag), or of the promoted one when None."""
+        """Revision record of `revision` (a revision id or tag), or of the promoted one when None.
+
+        Served from `resolved` while the shard has seen no write since it was read there (see
+        ResolveCache); the shard's health is checked either way."""
         if revision is not None:
             validate_revision(revision)
+        shard = self._shard_for(adapter_id)
+        key = (adapter_id, revision)
+        generation = shard.generation()
+        if generation is not None:
+            cached = self.resolved.get(key, generation)
+            if cached is not None:
+                return cached
 
         def lookup(txn, dbs):
             policy = read_policy(txn, dbs, adapter_id)
@@ -128,12 +185,14 @@ class Catalog:
             rev = rev if rev in policy.revisions else policy.tags.get(rev)
             if rev is None:
                 raise RevisionNotFound(f"adapter {adapter_id!r} has no revision or tag {revision!r}")
-            return read_revision(txn, dbs, adapter_id, rev)
+            return txn.id(), read_revision(txn, dbs, adapter_id, rev)
 
-        found = self._shard_for(adapter_id).read(lookup)
+        found = shard.read(lookup)
         if found is None:
             raise AdapterNotFound(f"adapter {adapter_id!r} not found")
-        return found
+        read_at, record = found
+        self.resolved.put(key, read_at, record)
+        return record
 
     def read_blob(self, record: RevisionRecord) -> bytes:
         """The revision's blob, verified against `record.size` and `record.checksum` before the copy out."""
@@ -269,6 +328,7 @@ class Catalog:
             s.sync()
 
     def close(self) -> None:
+        self.resolved.clear()
         for s in self._shards:
             s.close()
 

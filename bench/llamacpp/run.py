@@ -193,10 +193,10 @@ class LoraServe(Server):
     name = "loraserve"
 
     def __init__(self, model_dir: Path, catalog: Path, threads: int, n_adapters: int, batch: int,
-                 max_len: int):
+                 max_len: int, extra: list[str] = ()):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.cmd = [str(ROOT / ".venv" / "bin" / "loraserve"), "serve",
+        self.cmd = [str(ROOT / ".venv" / "bin" / "loraserve"), "serve", *extra,
                     "--model", str(model_dir / "hf"), "--catalog", str(catalog),
                     "--served-model-name", "base", "--host", "127.0.0.1", "--port", str(port),
                     "--device", "cpu", "--dtype", "float32", "--torch-threads", str(threads),
@@ -318,6 +318,8 @@ def main() -> None:
     ap.add_argument("--time-mismatched", action="store_true", help="time mixes with mismatches too")
     ap.add_argument("--logs", type=Path, default=None, help="server logs (default: MODEL_DIR/logs)")
     ap.add_argument("--json", type=Path, default=None, help="write all timings here")
+    ap.add_argument("--loraserve-args", default="",
+                    help="more `loraserve serve` options, e.g. '--compile on'")
     args = ap.parse_args()
 
     model_dir = args.model_dir.resolve()
@@ -346,7 +348,8 @@ def main() -> None:
           f"{args.batch} requests x {args.tokens} new tokens, reps {args.reps}")
     results: dict = {}
     for threads in [int(t) for t in args.threads.split(",")]:
-        servers = [LoraServe(model_dir, catalog, threads, n_adapters, args.batch, max_len),
+        servers = [LoraServe(model_dir, catalog, threads, n_adapters, args.batch, max_len,
+                             args.loraserve_args.split()),
                    LlamaCpp(args.llama_server, model_dir, threads, n_adapters, args.batch, max_len,
                             args.llama_flash_attn)]
         for s in servers:

@@ -109,7 +109,7 @@ class AsyncEngine(EngineFrontend):
         return self.engine.resolve_adapter(ref)
 
     def _submit(self, req: GenerateRequest, record) -> None:
-        self._cmds.put(("add", self.engine.make_sequence(req, record)))
+        self._cmds.put(("add", (self.engine.make_sequence(req, record), req.stream)))
 
     def _abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
@@ -144,7 +144,7 @@ class AsyncEngine(EngineFrontend):
         kind, arg = cmd
         loop = self._loop_state
         if kind == "add":
-            return loop.add(arg)
+            return loop.add(*arg)
         if kind == "abort":
             loop.abort(arg)
         elif kind == "call":

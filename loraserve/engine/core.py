@@ -1,12 +1,20 @@
 """The engine core in its own process: scheduler, adapter tiers and model runner behind ZeroMQ.
 
 API servers (`CoreClient`, one or several) talk to the core over one ROUTER socket with msgpack
-messages (`loraserve.engine.wire`): requests and aborts in, per-step token-id deltas and engine
-snapshots out. The core's main thread owns the `LLMEngine` and runs the `EngineLoop` between
-polls of the socket; pager threads wake it through a pipe when a page-in lands. The HTTP event
+messages (`loraserve.engine.wire`): batches of requests, aborts and calls in; one message per
+step out to each client, carrying that client's token-id deltas and, when it changed, the
+engine snapshot. The core's main thread owns the `LLMEngine` and runs the `EngineLoop` between
+polls of the socket; pager threads wake it through a pipe when page-ins land. The HTTP event
 loop, tokenization, detokenization and stop strings stay in the API server's process, so the two
 no longer share one GIL, and a crash of the core is survivable: the API server answers what was
 in flight with a clean error and starts a new core.
+
+Messages are few on purpose: every ZeroMQ send wakes the I/O threads of both processes, which on
+a small, busy machine costs more than building the message (bench/RESULTS.md, the hot path).
+So a step's outputs and the snapshot travel together, and while the engine steps without a
+pause the snapshot goes out at most every `SNAPSHOT_EVERY_S` (it goes out at once when the engine
+idles or an operator call returns, so what a caller reads after a call or a finished request is
+current).
 """
 from __future__ import annotations
 
@@ -14,7 +22,7 @@ import logging
 import os
 import queue
 import signal
-from collections import defaultdict
+import time
 
 import zmq
 
@@ -30,6 +38,7 @@ from .wire import error_to_wire, output_to_wire, pack, request_from_wire, snapsh
 log = logging.getLogger(__name__)
 _IDLE_POLL_MS = 1000    # idle: wake at least this often to check that the parent lives
 _WAITING_POLL_MS = 50   # queued work that could not run: look again this often
+SNAPSHOT_EVERY_S = 0.02  # while stepping without a pause, publish the snapshot at most this often
 
 
 def run_core(cfg: EngineConfig, address: str, parent_pid: int) -> None:
@@ -59,7 +68,8 @@ class EngineCore:
         self.clients: set[bytes] = set()
         self.owner: dict[str, bytes] = {}  # request id -> the client that sent it
         self.returns: queue.SimpleQueue = queue.SimpleQueue()  # (client, call id, value, error)
-        self._snapshot = None
+        self._snapshot = None  # the last snapshot sent (None: send the next one whatever it is)
+        self._snapshot_sent_at = float("-inf")
         self._running = True
 
     def _wake(self) -> None:
@@ -88,9 +98,8 @@ class EngineCore:
                     break
                 outs.extend(self._handle(frames[0], unpack(frames[-1])))
             outs.extend(self.loop.step())
-            self._send_outputs(outs)
+            self._send_step(outs)
             self._send_returns()
-            self._send_snapshot()
 
     def _parent_alive(self) -> bool:
         return self.parent_pid is None or os.getppid() == self.parent_pid
@@ -113,6 +122,11 @@ class EngineCore:
     # -- messages in ----------------------------------------------------------------------------
     def _handle(self, client: bytes, msg: list) -> list[RequestOutput]:
         kind = msg[0]
+        if kind == "batch":  # the commands one event-loop turn of an API server queued, in order
+            outs: list[RequestOutput] = []
+            for command in msg[1]:
+                outs.extend(self._handle(client, command))
+            return outs
         if kind == "hello":
             self.clients.add(client)
             self._send(client, ["ready", self._info()])
@@ -133,7 +147,7 @@ class EngineCore:
         record = RevisionRecord.from_json(record_json) if record_json is not None else None
         seq = self.engine.make_sequence(req, record)
         self.owner[req.request_id] = client
-        return self.loop.add(seq)
+        return self.loop.add(seq, req.stream)
 
     def _info(self) -> dict:
         mgr = self.engine.adapters
@@ -178,15 +192,37 @@ class EngineCore:
     def _send(self, client: bytes, msg: list) -> None:
         self.sock.send_multipart([client, pack(msg)])
 
-    def _send_outputs(self, outs: list[RequestOutput]) -> None:
-        by_client: dict[bytes, list] = defaultdict(list)
+    def _send_step(self, outs: list[RequestOutput]) -> None:
+        """One ["step", deltas, snapshot | None] message per client that has deltas, or to every
+        client when the snapshot is due (`_due_snapshot`)."""
+        by_client: dict[bytes, list] = {}
         for out in outs:
             last = out.finish_reason is not None or out.error is not None
             client = self.owner.pop(out.request_id, None) if last else self.owner.get(out.request_id)
             if client is not None:
-                by_client[client].append(output_to_wire(out))
-        for client, wire_outs in by_client.items():
-            self._send(client, ["out", wire_outs])
+                by_client.setdefault(client, []).append(output_to_wire(out))
+        snap = self._due_snapshot()
+        if snap is None:
+            for client, wire_outs in by_client.items():
+                self._send(client, ["step", wire_outs, None])
+            return
+        for client in self.clients | by_client.keys():
+            self._send(client, ["step", by_client.get(client, []), snap])
+
+    def _due_snapshot(self) -> dict | None:
+        """The engine's snapshot in wire form if it changed since the last one sent and is due:
+        at once when the engine idles or a call's return is about to go out (it follows this
+        message, so the caller then reads a snapshot taken after its call), else when the last
+        one is SNAPSHOT_EVERY_S old; None otherwise."""
+        snap = self.engine.snapshot
+        if snap is self._snapshot:
+            return None
+        now = time.monotonic()
+        if (self.loop.busy and self.returns.empty()
+                and now - self._snapshot_sent_at < SNAPSHOT_EVERY_S):
+            return None
+        self._snapshot, self._snapshot_sent_at = snap, now
+        return snapshot_to_wire(snap)
 
     def _send_returns(self) -> None:
         while True:
@@ -195,13 +231,3 @@ class EngineCore:
             except queue.Empty:
                 return
             self._send(client, ["ret", call_id, value, None if err is None else error_to_wire(err)])
-
-    def _send_snapshot(self) -> None:
-        snap = self.engine.snapshot
-        if snap is self._snapshot:
-            return
-        self._snapshot = snap
-        msg = pack(["snap", snapshot_to_wire(snap)])
-        for client in self.clients:
-            self.sock.send_multipart([client, msg])
-

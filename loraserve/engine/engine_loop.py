@@ -1,11 +1,16 @@
 """What the engine's owner thread does between steps, wherever that thread lives.
 
 `EngineLoop` applies commands (add, abort, call) and runs steps, returning the token-id deltas to
-hand over; every step's deltas go out, whatever the request (merging a non-streamed request's
-deltas, like their text and stop strings, is the API side's `OutputProcessor`: a stop string can
-end a request only once its text is known there). `AsyncEngine` runs it on a thread of the API
-process; the engine-core process (`loraserve.engine.core`) runs it on its main thread behind a
-ZeroMQ socket. Either way it is the only code that touches the `LLMEngine`.
+hand over. `AsyncEngine` runs it on a thread of the API process; the engine-core process
+(`loraserve.engine.core`) runs it on its main thread behind a ZeroMQ socket. Either way it is
+the only code that touches the `LLMEngine`.
+
+A non-streamed request without stop strings is *quiet*: its first delta goes out at once (errors
+and time to first token surface as early as ever), the rest are merged here and go out when it
+ends. Nothing on the API side needs them sooner, and a delta per step per request would wake the
+API process every step, stealing CPU from the engine's intra-op threads (on 2 cores, loraserve's
+decode fell 15-20% against llama.cpp with per-step deltas; bench/RESULTS.md). A request with stop
+strings sends every step's delta: the API side's `OutputProcessor` must see its text to end it.
 """
 from __future__ import annotations
 
@@ -19,18 +24,26 @@ from .types import RequestOutput
 log = logging.getLogger(__name__)
 
 
+_FIRST = object()  # a quiet request whose first delta is not out yet
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        # quiet requests -> _FIRST, None (nothing held) or the merged deltas since the first
+        self._quiet: dict[str, object] = {}
 
-    def add(self, seq: Sequence) -> list[RequestOutput]:
+    def add(self, seq: Sequence, stream: bool = True) -> list[RequestOutput]:
         try:
             self.engine.add_sequence(seq)
         except Exception as exc:  # e.g. a duplicate request id: that request alone fails
             return [self.engine.output.error(seq, exc)]
+        if not stream and not seq.params.stop:
+            self._quiet[seq.request_id] = _FIRST
         return []
 
     def abort(self, request_id: str) -> None:
+        self._quiet.pop(request_id, None)
         self.engine.abort(request_id)  # nobody listens any more: its final delta is dropped
 
     def call(self, fn: Callable[[LLMEngine], object]) -> object:
@@ -44,7 +57,28 @@ class EngineLoop:
     def step(self) -> list[RequestOutput]:
         eng = self.engine
         try:
-            return eng.step()
+            outs = eng.step()
         except Exception as exc:  # a bug outside any one sequence: fail what is running, go on
             log.exception("engine step failed")
-            return eng.fail_all(exc)
+            outs = eng.fail_all(exc)
+        return self._coalesce(outs) if self._quiet else outs
+
+    def _coalesce(self, outs: list[RequestOutput]) -> list[RequestOutput]:
+        """Quiet requests: pass the first delta, hold and merge the rest until the last."""
+        sent = []
+        for out in outs:
+            rid = out.request_id
+            if rid not in self._quiet:
+                sent.append(out)
+                continue
+            held = self._quiet[rid]
+            last = out.finish_reason is not None or out.error is not None
+            if held is _FIRST or last:
+                sent.append(out if held is _FIRST or held is None else held.merged(out))
+            else:
+                out = out if held is None else held.merged(out)
+            if last:
+                del self._quiet[rid]
+            else:
+                self._quiet[rid] = None if held is _FIRST else out
+        return sent

@@ -71,9 +71,10 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter: str | None = None  # catalog model ref "tenant/name[@rev]"; None = base only
-    # False: the caller reads the answer whole (a non-streamed HTTP request), so AsyncEngine hands
-    # over the first delta (errors and TTFT surface as early as ever) and then one merged delta at
-    # the end, not one per step: the event loop is not woken per token per request.
+    # False: the caller reads the answer whole (a non-streamed HTTP request): it gets the first
+    # delta (errors and TTFT surface as early as ever), then one merged delta at the end, not one
+    # per step, so the event loop is not woken per token per request (EngineLoop merges in the
+    # core when the request has no stop strings, the OutputProcessor otherwise).
     stream: bool = True
     # Fair share: the scheduler admits waiting sequences round-robin across tenants, `weight`
     # turns per round. Empty tenant: the adapter's tenant, or "" for the base model.

@@ -6,9 +6,14 @@ kind:
 
     API server -> core                       core -> API server
     ["hello"]                                ["ready", info]               (reply to hello)
-    ["add", request, record_json | None]     ["out", [delta, ...]]         (one per step)
-    ["abort", request_id]                    ["snap", snapshot]            (when published)
-    ["call", call_id, name, args]            ["ret", call_id, value, error | None]
+    ["add", request, record_json | None]     ["step", [delta, ...], snapshot | None]
+    ["abort", request_id]                    ["ret", call_id, value, error | None]
+    ["call", call_id, name, args]
+    ["batch", [command, ...]]                (the commands above, in order: one send for many)
+
+A "step" message carries one engine step's deltas for that API server and, when it is due, the
+engine snapshot (see `core`): one send per step and server, however many requests the step
+served.
 
 A delta is a list (`output_to_wire`): request id, token ids (a list of ints), text, logprobs,
 prompt logprobs, finish reason, prompt and output token counts, adapter revision, error. From

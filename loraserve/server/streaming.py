@@ -72,12 +72,17 @@ class ShutdownDeadline:
             self._ends.discard(end)
 
     async def run(self, work: Awaitable[T]) -> T:
-        """Await `work`; shutting_down() if the deadline passes first (`work` is cancelled)."""
+        """Await `work`; shutting_down() if the deadline passes first (`work` is cancelled).
+
+        `work` runs in the calling task, which the deadline cancels: no task of its own per
+        request (bench/RESULTS.md counts the per-request asyncio objects among the hot path's
+        largest costs). A cancellation from elsewhere still propagates as it is.
+        """
         if self.passed:
             if inspect.iscoroutine(work):
                 work.close()
             raise shutting_down()
-        task = asyncio.ensure_future(work)
+        task = asyncio.current_task()
         ended = False
 
         def end() -> None:
@@ -87,11 +92,14 @@ class ShutdownDeadline:
 
         with self.watch(end):
             try:
-                return await task
+                result = await work
             except asyncio.CancelledError:
-                if ended and task.cancelled():
+                if ended and task.uncancel() == 0:  # ours alone: the deadline passed
                     raise shutting_down() from None
                 raise
+        if ended:  # the deadline passed as `work` finished, and `work` absorbed the cancel
+            task.uncancel()
+        return result
 
 
 @dataclass(slots=True)
@@ -162,6 +170,10 @@ async def merge(streams: Sequence[PrimedStream], deadline: ShutdownDeadline | No
 
     Closing this generator (client gone) cancels the pumps and closes every engine iterator.
     """
+    if len(streams) == 1:  # the common case (one prompt, n=1): read in place, see _merge_one
+        async for pair in _merge_one(streams[0], deadline):
+            yield pair
+        return
     queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
     watch = contextlib.nullcontext() if deadline is None else \
         deadline.watch(lambda: queue.put_nowait((-1, None, shutting_down())))
@@ -194,3 +206,48 @@ async def merge(streams: Sequence[PrimedStream], deadline: ShutdownDeadline | No
         with anyio.CancelScope(shield=True):
             await asyncio.gather(*tasks, return_exceptions=True)
         await close_all([s.iterator for s in streams])
+
+
+async def _merge_one(stream: PrimedStream, deadline: ShutdownDeadline | None,
+                     ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """`merge` of one stream without a pump task and queue: two task switches per delta fewer.
+
+    The deadline cancels the reading task only while it waits here for the engine; passing
+    while the task is elsewhere (a streamed chunk being written), it ends the stream before the
+    next read. Either way the reader gets shutting_down(), as from `merge`.
+    """
+    task = asyncio.current_task()
+    ended = cancelled = reading = False
+
+    def end() -> None:
+        nonlocal ended, cancelled
+        ended = True
+        if reading and not cancelled:
+            cancelled = True
+            task.cancel()
+
+    watch = contextlib.nullcontext() if deadline is None else deadline.watch(end)
+    try:
+        with watch:
+            if stream.first is None:
+                return
+            if ended:
+                raise shutting_down()
+            yield 0, stream.first
+            while True:
+                if ended:
+                    raise shutting_down()
+                reading = True
+                try:
+                    out = await stream.iterator.__anext__()
+                except StopAsyncIteration:
+                    return
+                except asyncio.CancelledError:
+                    if cancelled and task.uncancel() == 0:  # ours alone: the deadline passed
+                        raise shutting_down() from None
+                    raise
+                finally:
+                    reading = False
+                yield 0, out
+    finally:
+        await close_all([stream.iterator])
