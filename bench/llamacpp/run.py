@@ -193,10 +193,10 @@ class LoraServe(Server):
     name = "loraserve"
 
     def __init__(self, model_dir: Path, catalog: Path, threads: int, n_adapters: int, batch: int,
-                 max_len: int, extra: list[str] = ()):
+                 max_len: int, extra: list[str] = (), binary: Path | None = None):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.cmd = [str(ROOT / ".venv" / "bin" / "loraserve"), "serve", *extra,
+        self.cmd = [str(binary or ROOT / ".venv" / "bin" / "loraserve"), "serve", *extra,
                     "--model", str(model_dir / "hf"), "--catalog", str(catalog),
                     "--served-model-name", "base", "--host", "127.0.0.1", "--port", str(port),
                     "--device", "cpu", "--dtype", "float32", "--torch-threads", str(threads),
@@ -320,6 +320,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="write all timings here")
     ap.add_argument("--loraserve-args", default="",
                     help="more `loraserve serve` options, e.g. '--compile on'")
+    ap.add_argument("--loraserve-bin", type=Path, default=None,
+                    help="the `loraserve` executable (default: this checkout's .venv), e.g. a "
+                         "wrapper running an older commit, for a before/after run")
     args = ap.parse_args()
 
     model_dir = args.model_dir.resolve()
@@ -349,7 +352,7 @@ def main() -> None:
     results: dict = {}
     for threads in [int(t) for t in args.threads.split(",")]:
         servers = [LoraServe(model_dir, catalog, threads, n_adapters, args.batch, max_len,
-                             args.loraserve_args.split()),
+                             args.loraserve_args.split(), args.loraserve_bin),
                    LlamaCpp(args.llama_server, model_dir, threads, n_adapters, args.batch, max_len,
                             args.llama_flash_attn)]
         for s in servers:

@@ -83,7 +83,8 @@ class EngineConfig:
         "help": "batch buckets of the compiled decode step (repeatable)",
         "default": "1, 2, 4, 8, every multiple of 16 below max-batch-size, and max-batch-size"})
     torch_threads: int | None = field(default=None, metadata={
-        "help": "CPU intra-op threads", "default": "all cores but one, left to the server"})
+        "help": "CPU intra-op threads",
+        "default": "every core in the engine-core process; all but one with --single-process"})
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -1,30 +1,32 @@
-"""The engine core in its own process: scheduler, adapter tiers and model runner behind ZeroMQ.
+"""The engine core in its own process: scheduler, adapter tiers and model runner behind a socket.
 
-API servers (`CoreClient`, one or several) talk to the core over one ROUTER socket with msgpack
-messages (`loraserve.engine.wire`): batches of requests, aborts and calls in; one message per
-step out to each client, carrying that client's token-id deltas and, when it changed, the
-engine snapshot. The core's main thread owns the `LLMEngine` and runs the `EngineLoop` between
-polls of the socket; pager threads wake it through a pipe when page-ins land. The HTTP event
-loop, tokenization, detokenization and stop strings stay in the API server's process, so the two
-no longer share one GIL, and a crash of the core is survivable: the API server answers what was
-in flight with a clean error and starts a new core.
+The API server (`CoreClient`) starts the core with one end of a Unix socket pair and talks to it
+with msgpack messages (`loraserve.engine.wire`): batches of requests, aborts and calls in; one
+message per step out, carrying the step's token-id deltas and, when it changed, the engine
+snapshot. The core's main thread owns the `LLMEngine` and runs the `EngineLoop` between polls of
+the socket; pager threads wake it through a pipe when page-ins land. The HTTP event loop,
+tokenization, detokenization and stop strings stay in the API server's process, so the two no
+longer share one GIL, and a crash of the core is survivable: the API server answers what was in
+flight with a clean error and starts a new core.
 
-Messages are few on purpose: every ZeroMQ send wakes the I/O threads of both processes, which on
-a small, busy machine costs more than building the message (bench/RESULTS.md, the hot path).
-So a step's outputs and the snapshot travel together, and while the engine steps without a
-pause the snapshot goes out at most every `SNAPSHOT_EVERY_S` (it goes out at once when the engine
-idles or an operator call returns, so what a caller reads after a call or a finished request is
-current).
+Crossings are few and cheap on purpose. A plain socket read and written by the two loops
+themselves has no I/O thread in between (ZeroMQ, used before, woke an I/O thread on each side
+per message: on 2 busy cores each wake-up could cost a scheduler slice, and `Socket.send` was
+the API process's top frame; bench/RESULTS.md, the hot path). A step's outputs and the snapshot
+travel together, and while the engine steps without a pause the snapshot goes out at most
+every `SNAPSHOT_EVERY_S` (at once when the engine idles or an operator call returns, so what a
+caller reads after a call or a finished request is current).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
+import select
 import signal
+import socket
 import time
-
-import zmq
 
 from loraserve.catalog.records import RevisionRecord
 
@@ -33,19 +35,25 @@ from .config import EngineConfig
 from .engine_loop import EngineLoop
 from .llm_engine import LLMEngine
 from .types import RequestOutput
-from .wire import error_to_wire, output_to_wire, pack, request_from_wire, snapshot_to_wire, unpack
+from .wire import (error_to_wire, output_to_wire, pack, request_from_wire, snapshot_to_wire,
+                   unpacker)
 
 log = logging.getLogger(__name__)
 _IDLE_POLL_MS = 1000    # idle: wake at least this often to check that the parent lives
+_RECV_BYTES = 1 << 16
 _WAITING_POLL_MS = 50   # queued work that could not run: look again this often
 SNAPSHOT_EVERY_S = 0.02  # while stepping without a pause, publish the snapshot at most this often
 
 
-def run_core(cfg: EngineConfig, address: str, parent_pid: int) -> None:
-    """Process entry point: build the engine, serve `address` until the parent goes away."""
+def run_core(cfg: EngineConfig, conn: socket.socket, parent_pid: int) -> None:
+    """Process entry point: build the engine, serve `conn` until the parent goes away."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s core %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server decides when the core stops
-    core = EngineCore(build_engine(cfg), address, parent_pid)
+    if cfg.torch_threads is None:
+        # the API server has its own process and idles while the engine decodes: every core to
+        # the model (H 512 on 2 cores: 1.6x the tokens/s of 1 thread; bench/RESULTS.md)
+        cfg = dataclasses.replace(cfg, torch_threads=os.cpu_count() or 1)
+    core = EngineCore(build_engine(cfg), conn, parent_pid)
     try:
         core.serve()
     finally:
@@ -53,21 +61,25 @@ def run_core(cfg: EngineConfig, address: str, parent_pid: int) -> None:
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine, address: str, parent_pid: int | None = None):
+    """Serves one API server over `conn` (a connected stream socket) until it says stop, closes
+    the socket, or (with parent_pid) stops being this process's parent."""
+
+    def __init__(self, engine: LLMEngine, conn: socket.socket, parent_pid: int | None = None):
         self.engine = engine
         self.loop = EngineLoop(engine)
         self.parent_pid = parent_pid
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(address)
+        self.conn = conn
+        conn.setblocking(False)
+        self._messages = unpacker()
+        self._unsent = bytearray()  # what the socket did not take yet (sent when writable)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        self._poll = select.poll()
+        self._poll.register(conn, select.POLLIN)
+        self._poll.register(self._wake_r, select.POLLIN)
         engine.set_notify(self._wake)
-        self.clients: set[bytes] = set()
-        self.owner: dict[str, bytes] = {}  # request id -> the client that sent it
-        self.returns: queue.SimpleQueue = queue.SimpleQueue()  # (client, call id, value, error)
+        self.returns: queue.SimpleQueue = queue.SimpleQueue()  # (call id, value, error)
         self._snapshot = None  # the last snapshot sent (None: send the next one whatever it is)
         self._snapshot_sent_at = float("-inf")
         self._running = True
@@ -81,22 +93,17 @@ class EngineCore:
 
     # -- the loop -------------------------------------------------------------------------------
     def serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
         while self._running and self._parent_alive():
             timeout = 0 if self.loop.busy else (_WAITING_POLL_MS if self.engine.scheduler.has_work
                                                 else _IDLE_POLL_MS)
-            events = dict(poller.poll(timeout))
-            if self._wake_r in events:
-                self._drain_wakes()
+            for fd, events in self._poll.poll(timeout):
+                if fd == self._wake_r:
+                    self._drain_wakes()
+                elif events & select.POLLOUT:
+                    self._write(b"")
             outs: list[RequestOutput] = []
-            while True:
-                try:
-                    frames = self.sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                outs.extend(self._handle(frames[0], unpack(frames[-1])))
+            for msg in self._receive():
+                outs.extend(self._handle(msg))
             outs.extend(self.loop.step())
             self._send_step(outs)
             self._send_returns()
@@ -111,42 +118,53 @@ class EngineCore:
         except BlockingIOError:
             pass
 
+    def _receive(self) -> list[list]:
+        """The messages the socket holds now (none when it is empty); its end stops serving."""
+        while True:
+            try:
+                data = self.conn.recv(_RECV_BYTES)
+            except BlockingIOError:
+                break
+            except ConnectionError:
+                data = b""
+            if not data:  # the API server closed its end: nobody to serve
+                self._running = False
+                break
+            self._messages.feed(data)
+        return list(self._messages)
+
     def close(self) -> None:
         if self.engine.adapters is not None:
             self.engine.adapters.close()
-        self.sock.close(0)
-        self.ctx.term()
+        self.conn.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
     # -- messages in ----------------------------------------------------------------------------
-    def _handle(self, client: bytes, msg: list) -> list[RequestOutput]:
+    def _handle(self, msg: list) -> list[RequestOutput]:
         kind = msg[0]
-        if kind == "batch":  # the commands one event-loop turn of an API server queued, in order
+        if kind == "batch":  # the commands one turn of the API server's event loop queued, in order
             outs: list[RequestOutput] = []
             for command in msg[1]:
-                outs.extend(self._handle(client, command))
+                outs.extend(self._handle(command))
             return outs
         if kind == "hello":
-            self.clients.add(client)
-            self._send(client, ["ready", self._info()])
-            self._snapshot = None  # the newcomer gets the next snapshot too
+            self._send(["ready", self._info()])
+            self._snapshot = None  # the next snapshot goes out whatever it is
         elif kind == "add":
-            return self._add(client, msg[1], msg[2])
+            return self._add(msg[1], msg[2])
         elif kind == "abort":
-            self.owner.pop(msg[1], None)
             self.loop.abort(msg[1])
         elif kind == "call":
-            self._call(client, msg[1], msg[2], msg[3])
+            self._call(msg[1], msg[2], msg[3])
         elif kind == "stop":
             self._running = False
         return []
 
-    def _add(self, client: bytes, wire_req: dict, record_json: bytes | None) -> list[RequestOutput]:
+    def _add(self, wire_req: dict, record_json: bytes | None) -> list[RequestOutput]:
         req = request_from_wire(wire_req)
         record = RevisionRecord.from_json(record_json) if record_json is not None else None
         seq = self.engine.make_sequence(req, record)
-        self.owner[req.request_id] = client
         return self.loop.add(seq, req.stream)
 
     def _info(self) -> dict:
@@ -158,29 +176,29 @@ class EngineCore:
                 "kinds": list(mgr.pool.limits.kinds) if mgr is not None else []}
 
     # -- calls: operator commands ---------------------------------------------------------------
-    def _call(self, client: bytes, call_id: int, name: str, args: list) -> None:
+    def _call(self, call_id: int, name: str, args: list) -> None:
         mgr = self.engine.adapters
         try:
             if name == "unload_adapter":
-                self._return(client, call_id, self.engine.unload_adapter(args[0]))
+                self._return(call_id, self.engine.unload_adapter(args[0]))
             elif name == "residency":
-                self._return(client, call_id, [self._residency(tuple(k)) for k in args[0]])
+                self._return(call_id, [self._residency(tuple(k)) for k in args[0]])
             elif name == "warm":  # page into the CPU tier without blocking the loop
                 rec = RevisionRecord.from_json(args[0])
                 fut = mgr.pager.fetch(rec)
-                fut.add_done_callback(lambda f: self._finish_warm(client, call_id, f))
+                fut.add_done_callback(lambda f: self._finish_warm(call_id, f))
             else:
                 raise ValueError(f"unknown engine call {name!r}")
         except Exception as exc:
-            self.returns.put((client, call_id, None, exc))
+            self.returns.put((call_id, None, exc))
 
-    def _finish_warm(self, client: bytes, call_id: int, fut) -> None:
+    def _finish_warm(self, call_id: int, fut) -> None:
         """Pager thread."""
-        self.returns.put((client, call_id, None, fut.exception()))
+        self.returns.put((call_id, None, fut.exception()))
         self._wake()
 
-    def _return(self, client: bytes, call_id: int, value) -> None:
-        self.returns.put((client, call_id, value, None))
+    def _return(self, call_id: int, value) -> None:
+        self.returns.put((call_id, value, None))
 
     def _residency(self, key: tuple[str, str]) -> str:
         mgr = self.engine.adapters
@@ -189,25 +207,33 @@ class EngineCore:
         return "cpu" if mgr is not None and key in mgr.cpu_cache else "disk"
 
     # -- messages out ---------------------------------------------------------------------------
-    def _send(self, client: bytes, msg: list) -> None:
-        self.sock.send_multipart([client, pack(msg)])
+    def _send(self, msg: list) -> None:
+        self._write(pack(msg))
+
+    def _write(self, data: bytes) -> None:
+        """Send data after anything still unsent; what the socket does not take now waits for it
+        to be writable (the poll then watches for that)."""
+        if self._unsent or not data:
+            self._unsent += data
+            data, self._unsent = bytes(self._unsent), bytearray()
+        if not data:
+            return
+        try:
+            sent = self.conn.send(data)
+        except BlockingIOError:
+            sent = 0
+        except ConnectionError:  # the API server is gone: nobody to serve
+            self._running = False
+            return
+        self._unsent += data[sent:]
+        self._poll.modify(self.conn, select.POLLIN | (select.POLLOUT if self._unsent else 0))
 
     def _send_step(self, outs: list[RequestOutput]) -> None:
-        """One ["step", deltas, snapshot | None] message per client that has deltas, or to every
-        client when the snapshot is due (`_due_snapshot`)."""
-        by_client: dict[bytes, list] = {}
-        for out in outs:
-            last = out.finish_reason is not None or out.error is not None
-            client = self.owner.pop(out.request_id, None) if last else self.owner.get(out.request_id)
-            if client is not None:
-                by_client.setdefault(client, []).append(output_to_wire(out))
+        """One ["step", deltas, snapshot | None] message, when there are deltas or the snapshot
+        is due (`_due_snapshot`)."""
         snap = self._due_snapshot()
-        if snap is None:
-            for client, wire_outs in by_client.items():
-                self._send(client, ["step", wire_outs, None])
-            return
-        for client in self.clients | by_client.keys():
-            self._send(client, ["step", by_client.get(client, []), snap])
+        if outs or snap is not None:
+            self._send(["step", [output_to_wire(out) for out in outs], snap])
 
     def _due_snapshot(self) -> dict | None:
         """The engine's snapshot in wire form if it changed since the last one sent and is due:
@@ -227,7 +253,7 @@ class EngineCore:
     def _send_returns(self) -> None:
         while True:
             try:
-                client, call_id, value, err = self.returns.get_nowait()
+                call_id, value, err = self.returns.get_nowait()
             except queue.Empty:
                 return
-            self._send(client, ["ret", call_id, value, None if err is None else error_to_wire(err)])
+            self._send(["ret", call_id, value, None if err is None else error_to_wire(err)])
