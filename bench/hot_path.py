@@ -275,7 +275,7 @@ CATEGORIES = [
     ("detokenization (TokenRenderer, decode)", ("logprobs.py", "detokeniz", "decode (")),
     ("request validation (pydantic)", ("pydantic", "protocol.py", "_validate", "request_params_to_args")),
     ("adapter resolve (catalog read, thread hop)", ("catalog/", "resolve", "to_thread", "concurrent/futures")),
-    ("ZeroMQ + msgpack (engine round trip, API side)", ("zmq/", "wire.py", "msgpack", "core_client.py")),
+    ("engine IPC + msgpack (socket or ZeroMQ, API side)", ("zmq/", "wire.py", "msgpack", "core_client.py")),
     ("metrics (prometheus_client)", ("prometheus_client", "RequestClock", "metrics.py")),
     ("HTTP response write (uvicorn -> socket)", ("RequestResponseCycle.send",)),
     ("HTTP parsing (uvicorn/httptools/h11)", ("uvicorn/protocols/http", "h11/", "httptools")),
@@ -289,7 +289,7 @@ CORE_CATEGORIES = [
     ("sampling", ("sampler.py",)),
     ("scheduler + block manager", ("scheduler.py", "block_manager.py")),
     ("adapter tiers (pool, pager)", ("adapters/",)),
-    ("ZeroMQ + msgpack (engine round trip, core side)", ("zmq/", "wire.py", "msgpack", "core.py")),
+    ("engine IPC + msgpack (socket or ZeroMQ, core side)", ("zmq/", "wire.py", "msgpack", "core.py")),
     ("engine loop + outputs", ("engine_loop.py", "llm_engine.py", "output.py", "sequence.py")),
 ]
 

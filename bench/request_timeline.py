@@ -5,8 +5,8 @@
 Starts `loraserve serve` (demo base and catalog; engine core in its own process) with a
 sitecustomize hook that timestamps (time.perf_counter: CLOCK_MONOTONIC, one clock for both
 processes) the entry and exit of the functions a request passes through: the HTTP handler
-(`_answer`), the endpoint (`serve`), `CoreClient._submit` (ZeroMQ send), `EngineCore._add`,
-`EngineLoop.step` (the model), `EngineCore._send_outputs` and `CoreClient._deliver`. Then it sends
+(`_answer`), the endpoint (`serve`), `CoreClient._submit` (queued for the core), `CoreClient._flush` (sent), `EngineCore._add`,
+`EngineLoop.step` (the model), `EngineCore._send_step` and `CoreClient._deliver`. Then it sends
 non-streamed 1-token completions one at a time, first on the base model, then on a resident
 adapter, and prints the median time of each mark from the request's arrival in the handler.
 `--source DIR` serves the loraserve found in DIR instead (e.g. `git archive HEAD` unpacked, with
@@ -39,8 +39,9 @@ signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
 TARGETS = {
     "loraserve.server.app": [(None, "_answer")],
     "loraserve.server.endpoint": [(None, "serve")],
-    "loraserve.engine.core_client": [("CoreClient", "_submit"), ("CoreClient", "_deliver")],
-    "loraserve.engine.core": [("EngineCore", "_add"), ("EngineCore", "_send_outputs")],
+    "loraserve.engine.core_client": [("CoreClient", "_submit"), ("CoreClient", "_flush"),
+                                     ("CoreClient", "_deliver")],
+    "loraserve.engine.core": [("EngineCore", "_add"), ("EngineCore", "_send_step")],
     "loraserve.engine.engine_loop": [("EngineLoop", "step")],
 }
 def _wrap(mod, cls, name):
@@ -84,7 +85,8 @@ sys.meta_path.insert(0, _Finder())
 '''
 
 MARKS = [("serve>", "endpoint starts (body parsed, validated)"),
-         ("CoreClient._submit>", "sent to the engine core (tokenized, adapter resolved)"),
+         ("CoreClient._submit>", "queued for the engine core (tokenized, adapter resolved)"),
+         ("CoreClient._flush<", "sent to the engine core (end of the event-loop turn)"),
          ("EngineCore._add>", "the core has it"),
          ("EngineLoop.step>", "engine step starts"),
          ("EngineLoop.step<", "engine step ends (the model ran)"),

@@ -83,8 +83,9 @@ class EngineConfig:
         "help": "batch buckets of the compiled decode step (repeatable)",
         "default": "1, 2, 4, 8, every multiple of 16 below max-batch-size, and max-batch-size"})
     torch_threads: int | None = field(default=None, metadata={
-        "help": "CPU intra-op threads",
-        "default": "every core in the engine-core process; all but one with --single-process"})
+        "help": "CPU intra-op threads (more pay off for large matrices only: a second thread made "
+                "the demo base's 1-token requests 2.5x slower, an H 512 base's batches 1.6x faster)",
+        "default": "all cores but one"})
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -19,7 +19,6 @@ caller reads after a call or a finished request is current).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import queue
@@ -49,10 +48,6 @@ def run_core(cfg: EngineConfig, conn: socket.socket, parent_pid: int) -> None:
     """Process entry point: build the engine, serve `conn` until the parent goes away."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s core %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server decides when the core stops
-    if cfg.torch_threads is None:
-        # the API server has its own process and idles while the engine decodes: every core to
-        # the model (H 512 on 2 cores: 1.6x the tokens/s of 1 thread; bench/RESULTS.md)
-        cfg = dataclasses.replace(cfg, torch_threads=os.cpu_count() or 1)
     core = EngineCore(build_engine(cfg), conn, parent_pid)
     try:
         core.serve()
@@ -213,7 +208,8 @@ class EngineCore:
     def _write(self, data: bytes) -> None:
         """Send data after anything still unsent; what the socket does not take now waits for it
         to be writable (the poll then watches for that)."""
-        if self._unsent or not data:
+        waited = bool(self._unsent)
+        if waited:
             self._unsent += data
             data, self._unsent = bytes(self._unsent), bytearray()
         if not data:
@@ -226,7 +222,8 @@ class EngineCore:
             self._running = False
             return
         self._unsent += data[sent:]
-        self._poll.modify(self.conn, select.POLLIN | (select.POLLOUT if self._unsent else 0))
+        if bool(self._unsent) != waited:
+            self._poll.modify(self.conn, select.POLLIN | (select.POLLOUT if self._unsent else 0))
 
     def _send_step(self, outs: list[RequestOutput]) -> None:
         """One ["step", deltas, snapshot | None] message, when there are deltas or the snapshot

@@ -1,18 +1,16 @@
 """The API server's side of an engine-core process (`loraserve.engine.core`).
 
 `CoreClient` is an `EngineFrontend`: the server uses it exactly as it uses `AsyncEngine`. It
-starts the core process, speaks to it over a ZeroMQ DEALER socket (msgpack, see `wire`), and
+starts the core process, speaks to it over a Unix socket pair (msgpack, see `wire`), and
 keeps what the server reads locally: the tokenizer, the model's sizes, the catalog (listings,
 imports, resolving a request's adapter) and the latest snapshot the core published. The core
 sends token-id deltas; their text and stop strings are worked out here (`EngineFrontend`'s
 `OutputProcessor`), and a request a stop string ends is aborted in the core.
 
-The socket is a plain (blocking-API) ZeroMQ socket driven by the event loop itself: its FD is
-watched with `add_reader` and read until empty on each wake-up, and the commands one turn of
-the loop queues (requests, aborts, calls) leave as one message at the end of that turn. Per
-message, zmq.asyncio costs a future and a task wake-up on each side; one message per turn
-instead of one per request also spares the I/O threads of both processes a wake-up per request
-(bench/RESULTS.md, the hot path).
+The core gets one end of a Unix socket pair; this end is an asyncio transport on the server's
+event loop (no I/O thread in between: see `core`), and the commands one turn of the loop queues
+(requests, aborts, calls) leave as one message at the end of that turn, so under load one write
+carries many requests.
 
 If the core dies, every request in flight ends with one clean 503 error (a streamed response
 gets its error event; nothing is torn), `ready` turns false, a new core is started, and
@@ -25,11 +23,7 @@ import itertools
 import logging
 import multiprocessing
 import os
-import shutil
-import tempfile
-from pathlib import Path
-
-import zmq
+import socket
 
 from loraserve.catalog.store import Catalog
 
@@ -44,7 +38,7 @@ from .frontend import EngineFrontend, resolve_with
 from .snapshot import EngineSnapshot
 from .types import EngineError, GenerateRequest
 from .wire import (error_from_wire, output_from_wire, pack, request_to_wire, snapshot_from_wire,
-                   unpack)
+                   unpacker)
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +69,24 @@ class RemoteAdapters:
         self.catalog.close()
 
 
+class _CoreConnection(asyncio.Protocol):
+    """This process's end of the socket pair: every complete message to `on_message`."""
+
+    def __init__(self, on_message):
+        self.on_message = on_message
+        self._messages = unpacker()
+
+    def data_received(self, data: bytes) -> None:
+        self._messages.feed(data)
+        for msg in self._messages:
+            self.on_message(msg)
+
+
 class CoreClient(EngineFrontend):
     def __init__(self, cfg: EngineConfig, *, start_timeout_s: float = 300.0):
+        mc = ModelConfig.from_dir(cfg.model_dir)  # first: an unsupported model says so in one line
         super().__init__(Tokenizer.from_dir(cfg.model_dir))
         self.cfg = cfg
-        mc = ModelConfig.from_dir(cfg.model_dir)
         self.model_name = cfg.served_model_name or cfg.model_dir.rstrip("/").split("/")[-1]
         self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings)
         self.vocab_size = mc.vocab_size
@@ -87,13 +94,9 @@ class CoreClient(EngineFrontend):
         self.start_timeout_s = start_timeout_s
         self.restarts = 0
         self._snapshot = EngineSnapshot()
-        self._dir = tempfile.mkdtemp(prefix="loraserve-core-")
-        self._incarnation = itertools.count()
         self._call_ids = itertools.count()
         self._calls: dict[int, asyncio.Future] = {}
-        self._ctx: zmq.Context | None = None
-        self._sock: zmq.Socket | None = None  # the current core's socket (None: no core)
-        self._fd = -1                          # its FD, watched by the event loop
+        self._transport: asyncio.Transport | None = None  # to the current core (None: no core)
         self._outbox: list[list] = []          # commands queued this loop turn (see _command)
         self._hello: asyncio.Future | None = None  # the current core's handshake answer
         self._serving = False                  # the current core has answered its handshake
@@ -134,7 +137,6 @@ class CoreClient(EngineFrontend):
             raise EngineError("the server is shutting down", status=503, code="engine_unavailable")
         if self._starting is None:
             self._loop = asyncio.get_running_loop()
-            self._ctx = self._ctx or zmq.Context()
             self._starting = asyncio.ensure_future(self._launch())
         try:
             await asyncio.wait_for(asyncio.shield(self._starting), self.start_timeout_s)
@@ -153,35 +155,33 @@ class CoreClient(EngineFrontend):
         if self._starting is not None and not self._starting.done():
             self._starting.cancel()
         await self._stop_core()
-        if self._ctx is not None:
-            self._ctx.term()
         if self.adapter_manager is not None:
             self.adapter_manager.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
     async def _launch(self) -> None:
-        """Start a core process, connect, handshake; from then on its messages are read as they
-        come (`_drain`)."""
-        address = f"ipc://{Path(self._dir) / f'core-{next(self._incarnation)}.sock'}"
-        proc = multiprocessing.get_context("spawn").Process(
-            target=run_core, args=(self.cfg, address, os.getpid()), name="loraserve-core", daemon=True)
-        proc.start()
+        """Start a core process on one end of a new socket pair, handshake on the other; from
+        then on its messages are handled as they arrive (`_dispatch`)."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._transport, _ = await self._loop.create_unix_connection(
+                lambda: _CoreConnection(self._dispatch), sock=mine)
+            proc = multiprocessing.get_context("spawn").Process(
+                target=run_core, args=(self.cfg, theirs, os.getpid()), name="loraserve-core",
+                daemon=True)
+            proc.start()  # the child inherits `theirs`
+        except BaseException:
+            mine.close()
+            self._close_transport()
+            raise
+        finally:
+            theirs.close()
         self._proc = proc
         self._loop.add_reader(proc.sentinel, self._core_died, proc)
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        # unbounded queues: what is in flight is bounded already (EngineFrontend._admit), and a
-        # send then never blocks nor fails (a connecting DEALER queues until the core binds)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.connect(address)
-        self._sock, self._fd = sock, sock.getsockopt(zmq.FD)
         self._hello = self._loop.create_future()
-        self._loop.add_reader(self._fd, self._drain, sock)
-        self._send(sock, ["hello"])
+        self._send(["hello"])
         self._handshake(await self._hello)
         self._serving = True
-        log.info("engine core %d ready at %s", proc.pid, address)
+        log.info("engine core %d ready", proc.pid)
 
     def _handshake(self, info: dict) -> None:
         mgr = self.adapter_manager
@@ -190,28 +190,27 @@ class CoreClient(EngineFrontend):
             mgr.pool = PoolLimits(info["max_rank"], tuple(info["kinds"]))
 
     async def _stop_core(self) -> None:
-        proc, sock = self._proc, self._sock
+        proc = self._proc
         if proc is not None:
             self._loop.remove_reader(proc.sentinel)
-            if sock is not None and proc.is_alive():
+            if self._transport is not None and proc.is_alive():
                 self._flush()
-                self._send(sock, ["stop"])
+                self._send(["stop"])
             await asyncio.to_thread(proc.join, 10)
             if proc.is_alive():
                 proc.kill()
                 await asyncio.to_thread(proc.join, 5)
-        self._close_socket()
+        self._close_transport()
         self._proc = None
 
-    def _close_socket(self) -> None:
-        """Stop reading the current core's socket and close it; commands not sent are dropped
-        (their requests and calls are failed by whoever closes it, or were never accepted)."""
+    def _close_transport(self) -> None:
+        """Close this end of the current core's socket; commands not sent are dropped (their
+        requests and calls are failed by whoever closes it, or were never accepted)."""
         self._serving = False
         self._outbox.clear()
-        if self._sock is not None:
-            self._loop.remove_reader(self._fd)
-            self._sock.close(0)
-        self._sock, self._fd = None, -1
+        if self._transport is not None:
+            self._transport.abort()
+        self._transport = None
 
     def _core_died(self, proc) -> None:
         """Event loop: the core process ended unasked. Fail what was in flight, start another."""
@@ -227,7 +226,7 @@ class CoreClient(EngineFrontend):
             if not fut.done():
                 fut.set_exception(err)
         self._calls.clear()
-        self._close_socket()
+        self._close_transport()
         self._proc = None
         if self._starting is not None and not self._starting.done():
             self._starting.cancel()  # it died before its handshake: let start() report that
@@ -235,17 +234,8 @@ class CoreClient(EngineFrontend):
         self._starting = asyncio.ensure_future(self._launch())
 
     # -- messages -------------------------------------------------------------------------------
-    def _drain(self, sock: zmq.Socket) -> None:
-        """Event loop: handle every message waiting on sock. Its FD signals edges (new messages
-        may have arrived), not levels, so it is read until empty each time."""
-        while sock is self._sock:
-            try:
-                data = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._dispatch(unpack(data))
-
     def _dispatch(self, msg: list) -> None:
+        """Event loop: one message from the core."""
         kind = msg[0]
         if kind == "step":  # one engine step: this server's deltas, and the snapshot if sent
             if msg[2] is not None:
@@ -272,16 +262,13 @@ class CoreClient(EngineFrontend):
 
     def _flush(self) -> None:
         """Event loop: send the queued commands as one ["batch", commands] message."""
-        if not self._outbox or self._sock is None:
+        if not self._outbox or self._transport is None:
             return
         commands, self._outbox = self._outbox, []
-        self._send(self._sock, commands[0] if len(commands) == 1 else ["batch", commands])
+        self._send(commands[0] if len(commands) == 1 else ["batch", commands])
 
-    def _send(self, sock: zmq.Socket, msg: list) -> None:
-        sock.send(pack(msg), zmq.NOBLOCK)
-        # a send may take in what the core sent meanwhile without the FD signalling it again
-        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._loop.call_soon(self._drain, sock)
+    def _send(self, msg: list) -> None:
+        self._transport.write(pack(msg))  # buffered by the transport if the socket is full
 
     async def call(self, name: str, args: list):
         """Run a named engine call in the core between steps; its result or error."""
@@ -301,10 +288,10 @@ class CoreClient(EngineFrontend):
         return resolve_with(self.adapter_manager, ref)
 
     def _submit(self, req: GenerateRequest, record) -> None:
-        if self._sock is None:
+        if self._transport is None:
             raise EngineError("the engine core is restarting; retry", status=503, code="engine_unavailable")
         self._command(["add", request_to_wire(req), None if record is None else record.to_json()])
 
     def _abort(self, request_id: str) -> None:
-        if self._sock is not None:
+        if self._transport is not None:
             self._command(["abort", request_id])

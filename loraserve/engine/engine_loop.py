@@ -2,7 +2,7 @@
 
 `EngineLoop` applies commands (add, abort, call) and runs steps, returning the token-id deltas to
 hand over. `AsyncEngine` runs it on a thread of the API process; the engine-core process
-(`loraserve.engine.core`) runs it on its main thread behind a ZeroMQ socket. Either way it is
+(`loraserve.engine.core`) runs it on its main thread behind a Unix socket. Either way it is
 the only code that touches the `LLMEngine`.
 
 A non-streamed request without stop strings is *quiet*: its first delta goes out at once (errors

@@ -5,7 +5,7 @@ the queue bound (per-tenant share), resolves its adapter, submits it to wherever
 turns the engine's token-id deltas into text deltas (`OutputProcessor`: detokenization, stop
 strings, merging a non-streamed request's deltas) and hands each to the request's
 asyncio.Queue. Subclasses say how a request reaches the engine (`_submit`, `_abort`):
-`AsyncEngine` over a thread, `CoreClient` over ZeroMQ to an engine-core process; the output
+`AsyncEngine` over a thread, `CoreClient` over a Unix socket to an engine-core process; the output
 path is this class's, so both give the same outputs.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The engine core's wire format: msgpack messages between API servers and the core process.
+"""The engine core's wire format: msgpack messages between the API server and the core process.
 
 Requests and per-step output deltas travel as plain msgpack values (lists, dicts, ints,
 strings, bytes), never pickled Python objects. Every message is a list whose first item is its
@@ -11,9 +11,10 @@ kind:
     ["call", call_id, name, args]
     ["batch", [command, ...]]                (the commands above, in order: one send for many)
 
-A "step" message carries one engine step's deltas for that API server and, when it is due, the
-engine snapshot (see `core`): one send per step and server, however many requests the step
-served.
+A "step" message carries one engine step's deltas and, when it is due, the engine snapshot
+(see `core`): one send per step, however many requests the step served. Messages travel back
+to back over a stream socket: a msgpack value delimits itself, so `unpacker()` splits the
+stream into messages with no framing of ours.
 
 A delta is a list (`output_to_wire`): request id, token ids (a list of ints), text, logprobs,
 prompt logprobs, finish reason, prompt and output token counts, adapter revision, error. From
@@ -41,6 +42,12 @@ def pack(message: list) -> bytes:
 
 def unpack(data: bytes) -> list:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def unpacker() -> msgpack.Unpacker:
+    """Feed it the bytes of a stream of packed messages as they arrive; iterate it for the
+    messages complete so far (a partial one stays buffered until the rest arrives)."""
+    return msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=1 << 30)
 
 
 def request_to_wire(req: GenerateRequest) -> dict:

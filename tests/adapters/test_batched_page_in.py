@@ -3,8 +3,11 @@ shard) and decoded into views of one copy must give exactly what single page-ins
 revision's failure its own, and keep the pager's single-flight."""
 import dataclasses
 import json
+import queue
 import threading
+import time
 from concurrent.futures import wait
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from loraserve.catalog.layout import load_revision, save_revision
 from loraserve.catalog.safetensors_header import PREFIX
 from loraserve.catalog.store import Catalog
 from loraserve.adapters.cpu_cache import CpuCache
+from loraserve.adapters.manager import AdapterManager, PageIns
 from loraserve.adapters.pager import Pager, record_key
 
 from server.adapter_files import restore, truncate
@@ -271,3 +275,70 @@ def test_decoded_tensors_share_the_one_buffer_and_check_finiteness_once():
     with pytest.raises(CorruptBlob, match=rf"adapter acme/x@r1: tensor {next(iter(decoded.tensors))} holds NaN"):
         load_revision(buf, what="adapter acme/x@r1", finite=True)
     assert torch.isnan(load_revision(buf).tensors[next(iter(decoded.tensors))][0, 0])  # unchecked
+
+
+def test_a_batch_of_page_ins_wakes_the_engine_thread_once(catalog):
+    """The manager hands finished page-ins to the engine thread through `PageIns`: a batch of
+    them wakes it once, not once each; after it has drained the queue, the next one wakes it
+    again."""
+    records = [catalog.resolve(f"acme/b{i}") for i in range(COUNT)]
+    recorder = BatchRecorder(catalog)
+    with Pager(recorder, CpuCache(1 << 24), FINGERPRINT, workers=1, batch=32) as pager:
+        pool = SimpleNamespace(config=SimpleNamespace(max_slots=4))  # fetch() uses no pool
+        manager = AdapterManager(catalog, pool, pager.cpu_cache, pager, FINGERPRINT)
+        wakes = []
+        manager.notify = lambda: wakes.append(len(manager.page_ins))
+        recorder.gate.clear()
+        manager.fetch(records[0])
+        assert recorder.entered.wait(WAIT)
+        for record in records[1:]:
+            manager.fetch(record)  # queued behind the first: the second batch
+        recorder.gate.set()
+        deadline = time.monotonic() + WAIT
+        while len(manager.page_ins) < COUNT and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert recorder.batches == [[records[0].ref], [r.ref for r in records[1:]]]
+        assert wakes == [1]  # the first page-in woke it; the other 11 found it still to drain
+        landed = []
+        with pytest.raises(queue.Empty):
+            while True:
+                landed.append(manager.page_ins.get_nowait())
+        assert sorted(key for key, _, _ in landed) == sorted(record_key(r) for r in records)
+        assert all(err is None for _, _, err in landed)
+        for key, weights, _ in landed:
+            manager.settle(key, weights)
+        manager.fetch(records[0])  # a CPU hit lands at once, and wakes the drained thread
+        assert wakes == [1, 1]
+
+
+def test_page_ins_lose_no_wake_up_between_threads():
+    """Producers racing a consumer that drains whenever woken: every item is taken, and the
+    consumer is never left asleep with items queued."""
+    page_ins, woken, taken = PageIns(), threading.Event(), []
+    producers, per = 4, 2000
+
+    def produce(p: int) -> None:
+        for i in range(per):
+            if page_ins.put((p, i)):
+                woken.set()
+
+    def consume() -> None:
+        while len(taken) < producers * per:
+            assert woken.wait(WAIT), f"asleep with {len(page_ins)} items queued"
+            woken.clear()
+            while True:
+                try:
+                    taken.append(page_ins.get_nowait())
+                except queue.Empty:
+                    break
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    threads = [threading.Thread(target=produce, args=(p,)) for p in range(producers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    consumer.join(WAIT)
+    assert not consumer.is_alive()
+    assert sorted(taken) == sorted((p, i) for p in range(producers) for i in range(per))
