@@ -342,3 +342,20 @@ def test_page_ins_lose_no_wake_up_between_threads():
     consumer.join(WAIT)
     assert not consumer.is_alive()
     assert sorted(taken) == sorted((p, i) for p in range(producers) for i in range(per))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_the_finiteness_check_reads_exponent_bits_of_every_serving_dtype(dtype, bad):
+    """The page-in's finiteness check (numpy, on the raw bits: no torch op and so no OpenMP team
+    on a pager thread) catches NaN and +-Inf in every serving dtype, names the tensor, and
+    passes the largest finite values and subnormals."""
+    weights = make_weights(SPECS, 2, seed=7, dtype=dtype)
+    names = list(weights.tensors)
+    edge = weights.tensors[names[0]]
+    edge.view(-1)[0] = torch.finfo(dtype).max
+    edge.view(-1)[1] = torch.finfo(dtype).tiny / 4  # subnormal
+    assert load_revision(bytearray(save_revision(weights)), finite=True).tensors[names[0]].isfinite().all()
+    weights.tensors[names[-1]].view(-1)[-1] = bad
+    with pytest.raises(CorruptBlob, match=rf"tensor {names[-1]} holds NaN or Inf"):
+        load_revision(bytearray(save_revision(weights)), finite=True)
