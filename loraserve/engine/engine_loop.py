@@ -8,9 +8,9 @@ the only code that touches the `LLMEngine`.
 A non-streamed request without stop strings is *quiet*: its first delta goes out at once (errors
 and time to first token surface as early as ever), the rest are merged here and go out when it
 ends. Nothing on the API side needs them sooner, and a delta per step per request would wake the
-API process every step, stealing CPU from the engine's intra-op threads (on 2 cores, loraserve's
-decode fell 15-20% against llama.cpp with per-step deltas; bench/RESULTS.md). A request with stop
-strings sends every step's delta: the API side's `OutputProcessor` must see its text to end it.
+API process every step, taking CPU from the engine's intra-op threads on a small machine. A
+request with stop strings sends every step's delta: the API side's `OutputProcessor` must see
+its text to end it.
 """
 from __future__ import annotations
 
