@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 # torch.Generator.manual_seed takes any integer in [-2**63, 2**64)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_TOKENS_LIMIT = 2**31 - 1
+# stop strings are searched after every token of the request, on the API server's event loop
+# (OutputProcessor), so their number and length are bounded: OpenAI takes up to 4
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
 
 
 class EngineError(Exception):
@@ -31,7 +35,8 @@ class SamplingParams:
 
     Every field has an explicit range, checked here (the API's 400s) so that nothing out of range
     reaches a batch: seed in [-2**63, 2**64), finite temperature and top_p, non-empty stop
-    strings. top_k's upper bound (the vocabulary) is the engine's check."""
+    strings (at most MAX_STOP_STRINGS, each at most MAX_STOP_CHARS long). top_k's upper bound
+    (the vocabulary) is the engine's check."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -57,6 +62,9 @@ class SamplingParams:
             raise EngineError("seed must be an integer in [-2**63, 2**64)", param="seed")
         if any(not s for s in self.stop):
             raise EngineError("stop strings must not be empty", param="stop")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise EngineError(f"at most {MAX_STOP_STRINGS} stop strings of at most "
+                              f"{MAX_STOP_CHARS} characters each", param="stop")
         if any(not 0 <= t < 2**31 for t in self.stop_token_ids):
             raise EngineError("stop_token_ids must be token ids >= 0", param="stop_token_ids")
         for name in ("logprobs", "prompt_logprobs"):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import threading
-import time
 
 from loraserve.catalog.errors import CorruptBlob
 from loraserve.catalog.layout import load_revision, save_revision
@@ -14,6 +13,8 @@ from loraserve.catalog.store import Catalog
 from loraserve.engine.build import build_engine
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.types import GenerateRequest, SamplingParams
+
+from .driving import drive
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 COLD = [f"t/cold{i}" for i in range(6)]
@@ -68,24 +69,8 @@ def _serve(cat_dir, base, gate: threading.Event | None = None):
 
     eng.adapters.catalog.read_blobs = recorded_read
     try:
-        reqs = _requests(eng.vocab_size)
-        tokens = {r.request_id: [] for r in reqs}
-        errors = {r.request_id: None for r in reqs}
-        for r in reqs:
-            eng.add_request(r)
-        if gate is not None:
-            gate.set()
-        for _ in range(2000):
-            if not eng.has_work():
-                break
-            for out in eng.step():
-                tokens[out.request_id] += out.token_ids
-                if out.error is not None:
-                    errors[out.request_id] = out.error
-            if not eng.scheduler.has_work:
-                time.sleep(0.001)  # parked on a page-in: let the pager run
-        assert not eng.has_work() and not eng.seqs
-        return {rid: (tokens[rid], errors[rid]) for rid in tokens}, batches, eng.adapters.pager.stats
+        got = drive(eng, _requests(eng.vocab_size), after_add=gate.set if gate is not None else None)
+        return got, batches, eng.adapters.pager.stats
     finally:
         eng.adapters.close()
 

@@ -14,6 +14,8 @@ from loraserve.engine.build import build_engine
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.types import EngineError, GenerateRequest, SamplingParams
 
+from .driving import drive
+
 POISON = "r2"
 ADAPTERS = ["t/qv-r4", None, "t/all-r8-rslora", "t/qv-r4", "t/o-head-r2", None]
 
@@ -33,23 +35,6 @@ def _requests(vocab: int) -> list[GenerateRequest]:
         prompt = [(7 * i + 3 * j) % vocab for j in range(4 + i)]
         reqs.append(GenerateRequest(f"r{i}", prompt, params, adapter))
     return reqs
-
-
-def _drive(eng, reqs) -> dict[str, tuple]:
-    """Run to completion; request id -> (token ids, error or None)."""
-    tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
-    errors: dict[str, Exception | None] = {r.request_id: None for r in reqs}
-    for r in reqs:
-        eng.add_request(r)
-    for _ in range(500):
-        if not eng.has_work():
-            break
-        for out in eng.step():
-            tokens[out.request_id] += out.token_ids
-            if out.error is not None:
-                errors[out.request_id] = out.error
-    assert not eng.has_work() and not eng.seqs
-    return {rid: (tokens[rid], errors[rid]) for rid in tokens}
 
 
 def _poisoned(items) -> bool:
@@ -91,11 +76,11 @@ def _inject(monkeypatch, eng, stage: str) -> None:
 @pytest.mark.parametrize("stage", ["prepare", "forward", "logits", "set_prompt_logprobs", "sample",
                                    "append", "delta"])
 def test_fault_in_one_sequence_fails_only_it(dense_set, monkeypatch, stage) -> None:
-    clean = _drive(_engine(dense_set), _requests(1000))
+    clean = drive(_engine(dense_set), _requests(1000))
     assert all(err is None and len(toks) == 5 for toks, err in clean.values())
     eng = _engine(dense_set)
     _inject(monkeypatch, eng, stage)
-    got = _drive(eng, _requests(1000))
+    got = drive(eng, _requests(1000))
     tokens, err = got[POISON]
     assert isinstance(err, EngineError) and err.status == 500 and POISON in str(err)
     for rid, result in got.items():
@@ -104,7 +89,7 @@ def test_fault_in_one_sequence_fails_only_it(dense_set, monkeypatch, stage) -> N
     assert eng.blocks.num_free == eng.blocks.num_blocks  # the failed sequence freed its KV blocks
     assert all(eng.adapters.pool.entry(k).refcount == 0 for k in eng.adapters.pool.resident())
     # and the engine goes on serving
-    again = _drive(eng, [GenerateRequest("after", [1, 2, 3], SamplingParams(max_tokens=2), "t/qv-r4")])
+    again = drive(eng, [GenerateRequest("after", [1, 2, 3], SamplingParams(max_tokens=2), "t/qv-r4")])
     assert again["after"][1] is None and len(again["after"][0]) == 2
 
 
