@@ -96,6 +96,11 @@ def test_another_tenants_adapter_is_exactly_an_absent_one(http) -> None:
         assert hidden.text.replace("secret", "nope") == absent.text
     assert http.get("/v1/adapters/t/qv-r4", headers=as_("t-user")).status_code == 200
     assert http.get("/v1/adapters/b/secret", headers=as_("root")).status_code == 200
+    # b's sample above left b/secret in the catalog's resolve cache: a hit changes nothing for
+    # t (the 404 above), and both tenants are still served
+    assert sample(http, "t-user", "b/secret").status_code == 404
+    assert sample(http, "b-user", "b/secret").status_code == 200
+    assert sample(http, "t-user", "t/qv-r4").status_code == 200
 
 
 def test_listings_show_only_the_keys_tenants(live, http) -> None:
