@@ -33,6 +33,7 @@ from _common import base_or_demo  # bench/_common.py, beside this script
 import argparse
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -80,6 +81,8 @@ def scrape(url: str) -> dict[str, float]:
         m = re.match(r'(loraserve_adapter_resident(?:_bytes)?)\{tier="(\w+)"\} ([\d.e+]+)', line)
         if m:
             out[f"{m.group(1)}[{m.group(2)}]"] = float(m.group(3))
+        elif line.startswith("loraserve_engine_core_rss_bytes "):
+            out["loraserve_engine_core_rss_bytes"] = float(line.split()[1])
     return out
 
 
@@ -152,7 +155,7 @@ def sweep(args, model: str) -> None:
     url = f"http://127.0.0.1:{args.port}"
     ids = adapter_ids(args.catalog, args.adapters)
     proc = start_server(model, args.catalog, args.port, "--max-gpu-adapters", "64", "--cpu-cache-mb", "256",
-                        source=args.source)
+                        *shlex.split(args.serve_args), source=args.source)
     samples, stop = [], threading.Event()
     profilers: dict[str, subprocess.Popen] = {}
     if args.profile:  # a moment in, so the samples are of the steady state
@@ -162,9 +165,14 @@ def sweep(args, model: str) -> None:
         timer.start()
 
     def monitor():
+        core_pid = None
         while not stop.is_set():
             try:
-                samples.append((time.time(), rss_mb(proc.pid), scrape(url)))
+                if core_pid is None:
+                    from hot_path import server_pids  # bench/hot_path.py, beside this script
+                    core_pid = server_pids(proc.pid).get("core")
+                core = rss_mb(core_pid) if core_pid else (0.0, 0.0)
+                samples.append((time.time(), rss_mb(proc.pid), scrape(url), core))
             except (httpx.HTTPError, OSError):
                 pass
             stop.wait(1.0)
@@ -186,13 +194,23 @@ def sweep(args, model: str) -> None:
     cpu_bytes = max(s[2].get("loraserve_adapter_resident_bytes[cpu]", 0) for s in samples)
     anon, files = [s[1][0] for s in samples], [s[1][1] for s in samples]
     tenth = max(len(anon) // 10, 1)
-    print(f"sweep: {len(ids)} distinct adapters, closed loop x{args.concurrency}, --max-gpu-adapters 64 --cpu-cache-mb 256")
+    print(f"sweep: {len(ids)} distinct adapters, closed loop x{args.concurrency}, --max-gpu-adapters 64 --cpu-cache-mb 256"
+          f" {args.serve_args}".rstrip())
     print(f"ok={rep['ok']} errors={rep['errors']} {rep['error_kinds'] or ''} duration={rep['wall_s']:.1f}s "
           f"req/s={rep['req_per_s']:.1f}")
-    print(f"max resident gpu adapters={gpu:.0f} (bound 64); max cpu cache bytes={cpu_bytes / 2**20:.1f} MiB (bound 256)")
+    extra = shlex.split(args.serve_args)  # later flags win: the bounds the server really had
+    bound = lambda flag, default: extra[len(extra) - 1 - extra[::-1].index(flag) + 1] if flag in extra else default
+    print(f"max resident gpu adapters={gpu:.0f} (bound {bound('--max-gpu-adapters', '64')}); "
+          f"max cpu cache bytes={cpu_bytes / 2**20:.1f} MiB (bound {bound('--cpu-cache-mb', '256')})")
     for name, xs in (("anonymous", anon), ("file-backed (LMDB maps)", files)):
         print(f"server RSS {name} MiB: first 10% avg {sum(xs[:tenth]) / tenth:.0f}, "
               f"last 10% avg {sum(xs[-tenth:]) / tenth:.0f}, max {max(xs):.0f}")
+    core_anon, core_files = [s[3][0] for s in samples], [s[3][1] for s in samples]
+    at = lambda xs, q: xs[min(int(q * len(xs)), len(xs) - 1)]
+    print("RSS MiB at 10% / 90% of the run (anonymous; file-backed = LMDB pages in the page cache): "
+          f"API process {at(anon, 0.1):.0f} / {at(anon, 0.9):.0f} (files {at(files, 0.1):.0f} / {at(files, 0.9):.0f}), "
+          f"engine core {at(core_anon, 0.1):.0f} / {at(core_anon, 0.9):.0f} "
+          f"(files {at(core_files, 0.1):.0f} / {at(core_files, 0.9):.0f})")
     print(f"report: {rep['report_html']}")
     if profilers:
         print_profile(Path(args.profile))
@@ -210,6 +228,8 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=100_000)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--duration-cap", type=float, default=7200.0, help="sweep: stop after this many seconds")
+    ap.add_argument("--serve-args", default="", metavar="ARGS",
+                    help="sweep: more `loraserve serve` arguments, e.g. '--pager-workers 1'")
     ap.add_argument("--source", metavar="DIR", help="sweep: serve from this source tree (A/B runs)")
     ap.add_argument("--profile", metavar="DIR", help="sweep: py-spy the server's processes (raw stacks here)")
     ap.add_argument("--profile-seconds", type=float, default=10.0)

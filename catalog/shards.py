@@ -79,6 +79,9 @@ class Shard:
         self._psize = 0
         self._ident: tuple[int, int] | None = None  # (st_dev, st_ino) of the data file the env maps
         self._lock = threading.Lock()
+        # the checked paths as strings, made once: a health check runs before every read
+        self._data_path = str(self.data_file)
+        self._anchor_path = str(self.anchor)
 
     @property
     def data_file(self) -> Path:
@@ -104,41 +107,48 @@ class Shard:
         Never reads a data page: stats of the files, and of an open env only its meta page,
         once the file is known to hold it.
         """
+        return self._diagnose()[0]
+
+    def _diagnose(self) -> tuple[str | None, int]:
+        """(`diagnose()`'s verdict, the meta page's last_txnid as the check read it; 0 when it
+        did not read it)."""
         env = self._env
-        if not self.anchor.exists():
+        txnid = 0
+        if not os.path.exists(self._anchor_path):
             fault = f"{CATALOG_META} is missing (catalog directory removed?)"
         elif env is None:
             fault = unopened_fault(self.data_file)
         else:
-            fault = self._mapped_fault(env)
+            fault, txnid = self._mapped_fault(env)
         if fault != self.fault:
             if fault:
                 log.warning("catalog shard %d (%s) unavailable: %s", self.index, self.path, fault)
             else:
                 log.info("catalog shard %d (%s) serves again", self.index, self.path)
         self.fault = fault
-        return fault
+        return fault, txnid
 
-    def _mapped_fault(self, env: lmdb.Environment) -> str | None:
+    def _mapped_fault(self, env: lmdb.Environment) -> tuple[str | None, int]:
         try:
-            st = os.stat(self.data_file)
+            st = os.stat(self._data_path)
         except FileNotFoundError:
-            return f"{DATA_FILE} was removed while in use"
+            return f"{DATA_FILE} was removed while in use", 0
         except OSError as e:
-            return f"{DATA_FILE} cannot be checked: {e.strerror}"
+            return f"{DATA_FILE} cannot be checked: {e.strerror}", 0
         if (st.st_dev, st.st_ino) != self._ident:
-            return f"{DATA_FILE} was replaced while in use (restart to serve the new file)"
+            return f"{DATA_FILE} was replaced while in use (restart to serve the new file)", 0
         if st.st_size < 2 * self._psize:  # the meta pages themselves are gone: do not read them
-            return size_fault(st.st_size, self._psize, 1)
-        last = env.info()["last_pgno"]
+            return size_fault(st.st_size, self._psize, 1), 0
+        info = env.info()
+        last = info["last_pgno"]
         if size_fault(st.st_size, self._psize, last) is None:
-            return None
+            return None, info["last_txnid"]
         # another process may have committed (grown the file) between the stat and the meta
         # read: only a size taken after the meta read can prove truncation
         try:
-            return size_fault(os.stat(self.data_file).st_size, self._psize, last)
+            return size_fault(os.stat(self._data_path).st_size, self._psize, last), info["last_txnid"]
         except OSError:
-            return f"{DATA_FILE} was removed while in use"
+            return f"{DATA_FILE} was removed while in use", 0
 
     def _check(self) -> None:
         if (fault := self.diagnose()) is not None:
@@ -203,18 +213,24 @@ class Shard:
         `last_txnid`, from the meta page); None while the env is not open. Health-checked
         first, like a read: ShardUnavailable when the shard's files are damaged. A read txn
         begun after this call sees at least this generation (`txn.id()`)."""
-        env = self._env
-        if env is None:
+        if self._env is None:
             return None
-        self._check()
-        return env.info()["last_txnid"]
+        fault, txnid = self._diagnose()  # the check reads the meta page: its txnid is the answer
+        if fault is not None:
+            raise self.unavailable(fault)
+        return txnid
 
-    def read(self, fn: Callable[[lmdb.Transaction, Dbs], T], default: T = None) -> T:
+    def read(self, fn: Callable[[lmdb.Transaction, Dbs], T], default: T = None, *,
+             checked: bool = False) -> T:
         """Run `fn(txn, dbs)` in a read txn (buffers are zero-copy views valid inside `fn`);
-        `default` when the shard was never written. ShardUnavailable when its files are damaged."""
-        if not self._open(create=False):
+        `default` when the shard was never written. ShardUnavailable when its files are damaged.
+        `checked`: the caller has just health-checked the open shard (`generation()`), so the
+        check is not made twice in a row (each is two stats and a meta read: on a cold resolve
+        they cost more than the lookup itself)."""
+        if not (checked and self._env is not None) and not self._open(create=False):
             return default
-        self._check()  # a truncation after this point (a narrow race) still faults
+        if not checked:
+            self._check()  # a truncation after this point (a narrow race) still faults
         with self._begin(write=False) as txn:
             return fn(txn, self._dbs)
 

@@ -187,7 +187,7 @@ class Catalog:
                 raise RevisionNotFound(f"adapter {adapter_id!r} has no revision or tag {revision!r}")
             return txn.id(), read_revision(txn, dbs, adapter_id, rev)
 
-        found = shard.read(lookup)
+        found = shard.read(lookup, checked=generation is not None)  # generation() just checked it
         if found is None:
             raise AdapterNotFound(f"adapter {adapter_id!r} not found")
         read_at, record = found

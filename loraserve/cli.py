@@ -65,6 +65,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     option("pinned_adapters", flag="--pin", metavar="ID", help="keep this adapter resident (repeatable)")
     option("adapter_root")
     option("max_adapter_mb")
+    option("pager_workers")
     option("pager_batch")
     option("compile", choices=["auto", "on", "off"])
     p.add_argument("--no-compile", dest="compile", action="store_const", const="off",

@@ -138,6 +138,9 @@ class CoreClient(EngineFrontend):
         if self._starting is None:
             self._loop = asyncio.get_running_loop()
             self._starting = asyncio.ensure_future(self._launch())
+        started = self._starting
+        if started.done() and not started.cancelled() and started.exception() is None:
+            return  # running: no await, which under load would cost a turn of the event loop
         try:
             await asyncio.wait_for(asyncio.shield(self._starting), self.start_timeout_s)
         except asyncio.TimeoutError:

@@ -11,6 +11,7 @@ path is this class's, so both give the same outputs.
 from __future__ import annotations
 
 import asyncio
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
@@ -50,7 +51,7 @@ class EngineFrontend(ABC):
         # max_waiting; past it a request is refused (429) instead of queued forever.
         self._in_flight = 0
         self._tenant_in_flight: dict[str, int] = {}
-        self._warm = WarmRefs()  # adapter refs resolved moments ago: resolved again inline
+        self._warm = WarmRefs()  # whether a ref is resolved inline or on a thread
 
     # -- hosting (subclasses) --------------------------------------------------------------------
     @abstractmethod
@@ -129,10 +130,15 @@ class EngineFrontend(ABC):
                 self._abort(req.request_id)
 
     async def _resolve_adapter(self, ref: str):
-        """`_resolve(ref)`: on the event loop when ref was resolved moments ago (its catalog pages
-        are cached: the read is cheaper than a thread hop), else on a worker thread."""
-        if self._warm.is_warm(ref):
-            record = self._resolve(ref)
+        """`_resolve(ref)`, on the event loop unless recent reads were slow (`WarmRefs`: a
+        memory-mapped catalog read costs less than the thread hop around it), else on a worker
+        thread."""
+        if self._warm.inline(ref):
+            started = time.perf_counter()
+            try:
+                record = self._resolve(ref)
+            finally:
+                self._warm.timed(time.perf_counter() - started)
         else:
             record = await asyncio.to_thread(self._resolve, ref)
         self._warm.touch(ref)

@@ -1,12 +1,21 @@
-"""Which adapter references were resolved a moment ago, so the next resolve may run inline.
+"""Where a request's adapter reference is resolved: on the event loop, or on a worker thread.
 
-A request's adapter is resolved by a catalog read (LMDB), on a worker thread because a cold read
-may wait on the disk. Handing the read to a thread and back costs more than the read when its
-pages are in memory: two thread wake-ups and a GIL hand-off, ~0.3 ms of a 1-token request's
-latency and ~12% of the API process's CPU under load (bench/hot_path.py's profile). A reference
-resolved within the last `ttl_s` seconds read pages that are almost surely still cached, so it is
-resolved on the event loop. The catalog is read every time either way (nothing is cached but
-the fact that a read was recent): a promote or rollback is seen at once.
+A ref is resolved by a catalog read (LMDB through a memory map). When its pages are in memory the
+read takes tens of microseconds (~30 µs for a never-seen adapter of a 1,000,000-revision
+catalog, two B-tree lookups and the shard's health check), while handing it to a thread and back
+costs two thread wake-ups and GIL hand-offs: ~0.3 ms of an idle request's latency, and 3-27 ms
+under a cold sweep's load, where every hand-off waits behind a busy event loop (bench/RESULTS.md,
+"The cold path at namespace scale"). So refs are resolved inline, with two exceptions that keep
+a disk from stalling the loop:
+
+- reads have been slow: an inline read that took longer than `slow_s` (pages came from the disk,
+  not the page cache) sends the refs not resolved within the last `ttl_s` seconds to a worker
+  thread for the next `backoff_s` seconds;
+- `inline_cold=False` sends them there always (the pre-measurement behaviour).
+
+A ref resolved within the last `ttl_s` seconds read pages that are almost surely still cached:
+it is resolved inline either way. The catalog is read every time (nothing is cached here but
+the fact that a read was recent or slow): a promote or rollback is seen at once.
 """
 from __future__ import annotations
 
@@ -15,14 +24,30 @@ from collections import OrderedDict
 
 
 class WarmRefs:
-    def __init__(self, ttl_s: float = 5.0, capacity: int = 4096):
+    def __init__(self, ttl_s: float = 5.0, capacity: int = 4096, *, inline_cold: bool = True,
+                 slow_s: float = 0.002, backoff_s: float = 10.0):
         self.ttl_s = ttl_s
         self.capacity = capacity
+        self.inline_cold = inline_cold
+        self.slow_s = slow_s
+        self.backoff_s = backoff_s
         self._seen: OrderedDict[str, float] = OrderedDict()
+        self._slow_until = float("-inf")  # cold refs go to a thread until then
 
     def is_warm(self, ref: str) -> bool:
         at = self._seen.get(ref)
         return at is not None and time.monotonic() - at < self.ttl_s
+
+    def inline(self, ref: str) -> bool:
+        """Whether to resolve `ref` on the event loop now."""
+        if self.is_warm(ref):
+            return True
+        return self.inline_cold and time.monotonic() >= self._slow_until
+
+    def timed(self, seconds: float) -> None:
+        """An inline resolve took `seconds`: past `slow_s`, cold refs go to a thread for a while."""
+        if seconds > self.slow_s:
+            self._slow_until = time.monotonic() + self.backoff_s
 
     def touch(self, ref: str) -> None:
         """`ref` was just resolved (successfully)."""

@@ -1,9 +1,11 @@
-"""Adapter refs resolved moments ago are resolved again on the event loop (no thread hop); the
-catalog is still read every time, so what a ref names is never stale."""
+"""Adapter refs are resolved on the event loop (no thread hop) unless recent reads were slow;
+refs resolved moments ago always are. The catalog is still read every time, so what a ref names
+is never stale."""
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from types import SimpleNamespace
 
 from loraserve.engine import warm_refs
@@ -63,6 +65,7 @@ class Frontend(EngineFrontend):
 
 def test_second_resolve_of_a_ref_runs_inline_and_reads_the_catalog_again():
     fe = Frontend()
+    fe._warm = WarmRefs(inline_cold=False)  # cold refs on a thread: only warm ones inline
 
     async def one(i: int, ref: str) -> list[RequestOutput]:
         req = GenerateRequest(f"r{i}", [1, 2], SamplingParams(max_tokens=1), adapter=ref)
@@ -86,3 +89,57 @@ def test_second_resolve_of_a_ref_runs_inline_and_reads_the_catalog_again():
     assert [o.adapter_revision for o in first + second] == ["r1", "r2"]
     assert fe.resolves == [("r1", False), ("r2", True), ("r2", False), ("r2", False)]
     assert fe._in_flight == 0
+
+
+def _one(fe, i: int, ref: str) -> list[RequestOutput]:
+    async def go():
+        req = GenerateRequest(f"r{i}", [1, 2], SamplingParams(max_tokens=1), adapter=ref)
+        return [o async for o in fe.generate(req)]
+    return asyncio.run(go())
+
+
+def test_cold_refs_resolve_inline_until_a_read_is_slow(monkeypatch):
+    """By default a never-seen ref is read on the event loop; one read slower than `slow_s` (the
+    disk, not the page cache) sends cold refs to a thread for `backoff_s`, warm refs stay inline,
+    and after the back-off cold refs are inline again. Every answer names the current revision."""
+    now = [1000.0]
+    monkeypatch.setattr(warm_refs.time, "monotonic", lambda: now[0])
+    fe = Frontend()
+    fe._warm = WarmRefs(ttl_s=5.0, slow_s=0.002, backoff_s=10.0)
+    assert _one(fe, 0, "acme/a")[0].adapter_revision == "r1"
+    assert fe.resolves[-1] == ("r1", True)  # cold, inline
+    slow = fe._resolve
+
+    def slow_resolve(ref):  # the read's duration is measured by perf_counter, not the clock above
+        time.sleep(0.005)
+        return slow(ref)
+
+    fe._resolve = slow_resolve
+    _one(fe, 1, "acme/b")  # inline, and slow: cold refs go to a thread now
+    assert fe.resolves[-1] == ("r1", True)
+    fe._resolve = slow
+    fe.revision = "r2"
+    assert _one(fe, 2, "acme/c")[0].adapter_revision == "r2"
+    assert fe.resolves[-1] == ("r2", False)  # cold, on a thread
+    _one(fe, 3, "acme/a")
+    assert fe.resolves[-1] == ("r2", True)   # warm: inline whatever the back-off
+    now[0] += 10.1                           # back-off over (and every ref's warmth expired)
+    _one(fe, 4, "acme/d")
+    assert fe.resolves[-1] == ("r2", True)
+    assert fe._in_flight == 0
+
+
+def test_a_slow_read_backs_off_for_a_while(monkeypatch):
+    now = [50.0]
+    monkeypatch.setattr(warm_refs.time, "monotonic", lambda: now[0])
+    refs = WarmRefs(slow_s=0.002, backoff_s=10.0)
+    assert refs.inline("a/x")
+    refs.timed(0.001)
+    assert refs.inline("a/x")
+    refs.timed(0.003)
+    assert not refs.inline("a/x")
+    refs.touch("a/y")
+    assert refs.inline("a/y") and not refs.inline("a/x")
+    now[0] += 10.0
+    assert refs.inline("a/x")
+    assert not WarmRefs(inline_cold=False).inline("a/x")
