@@ -211,3 +211,29 @@ def test_watchdog_fallback_ends_an_orphan(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_listing_pages_merge_the_shards_exactly(dense_base, tmp_path):
+    """`Catalog.list` reads about `limit` records per page (a merge of the shards' key ranges,
+    re-asking a shard only while it could still hold a key of the page): every page size, prefix
+    and `after` gives exactly the brute-force answer: all ids sorted, filtered, sliced."""
+    Catalog.create(tmp_path / "cat", shards=7).close()
+    assert materialize(cfg(tmp_path / "cat", dense_base, 300, rank=1, workers=1, prefix="p/a")).ok
+    assert materialize(cfg(tmp_path / "cat", dense_base, 40, rank=1, workers=1, prefix="q/b")).ok
+    with Catalog.open(tmp_path / "cat", readonly=True) as cat:
+        every = sorted(p.adapter_id for p in cat.list(limit=10_000))
+        assert len(every) == 340
+        for prefix in ("", "p/", "q/", "p/a00001", "zz"):
+            want = [i for i in every if i.startswith(prefix)]
+            for limit in (1, 3, 7, 50, 339, 400):
+                got, after = [], None
+                while True:
+                    page = [p.adapter_id for p in cat.list(prefix, limit=limit, after=after)]
+                    assert len(page) <= limit
+                    got += page
+                    if len(page) < limit:
+                        break
+                    after = page[-1]
+                assert got == want, (prefix, limit)
+        assert cat.list(limit=0) == []
+        assert [p.adapter_id for p in cat.list(limit=2, after="p/a0000298")] == ["p/a0000299", "q/b0000000"]
