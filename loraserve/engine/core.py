@@ -29,6 +29,7 @@ import time
 
 from loraserve.catalog.records import RevisionRecord
 
+from ..heap import settle_heap
 from .build import build_engine
 from .config import EngineConfig
 from .engine_loop import EngineLoop
@@ -49,6 +50,7 @@ def run_core(cfg: EngineConfig, conn: socket.socket, parent_pid: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s core %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server decides when the core stops
     core = EngineCore(build_engine(cfg), conn, parent_pid)
+    settle_heap()  # the engine is built: freeze its heap, collect less often (loraserve.heap)
     try:
         core.serve()
     finally:

@@ -20,6 +20,7 @@ from loraserve.server.chat import create_chat_completion
 from loraserve.server.completions import create_completion
 from loraserve.server.errors import APIError, as_api_error, clip, install_error_handlers
 from loraserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from loraserve.heap import settle_heap
 from loraserve.server.middleware import BodyLimitMiddleware, RequestCountMiddleware
 from loraserve.server.names import canonical_model
 from loraserve.server.process_metrics import CoreMemoryCollector
@@ -266,4 +267,5 @@ def run_server(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
     `api_key` defaults to $LORASERVE_API_KEY."""
     app = build_app(engine, api_key=resolve_api_key(api_key), max_n=max_n, keys=keys,
                     metrics_key=metrics_key, audit_log=audit_log)
+    settle_heap()  # start-up is over: freeze its heap, collect less often (loraserve.heap)
     draining_server(app, host=host, port=port, log_level=log_level).run()
