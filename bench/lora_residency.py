@@ -81,8 +81,6 @@ def scrape(url: str) -> dict[str, float]:
         m = re.match(r'(loraserve_adapter_resident(?:_bytes)?)\{tier="(\w+)"\} ([\d.e+]+)', line)
         if m:
             out[f"{m.group(1)}[{m.group(2)}]"] = float(m.group(3))
-        elif line.startswith("loraserve_engine_core_rss_bytes "):
-            out["loraserve_engine_core_rss_bytes"] = float(line.split()[1])
     return out
 
 
@@ -154,8 +152,8 @@ def print_profile(out: Path) -> None:
 def sweep(args, model: str) -> None:
     url = f"http://127.0.0.1:{args.port}"
     ids = adapter_ids(args.catalog, args.adapters)
-    proc = start_server(model, args.catalog, args.port, "--max-gpu-adapters", "64", "--cpu-cache-mb", "256",
-                        *shlex.split(args.serve_args), source=args.source)
+    serve_args = ["--max-gpu-adapters", "64", "--cpu-cache-mb", "256", *shlex.split(args.serve_args)]
+    proc = start_server(model, args.catalog, args.port, *serve_args, source=args.source)
     samples, stop = [], threading.Event()
     profilers: dict[str, subprocess.Popen] = {}
     if args.profile:  # a moment in, so the samples are of the steady state
@@ -194,14 +192,12 @@ def sweep(args, model: str) -> None:
     cpu_bytes = max(s[2].get("loraserve_adapter_resident_bytes[cpu]", 0) for s in samples)
     anon, files = [s[1][0] for s in samples], [s[1][1] for s in samples]
     tenth = max(len(anon) // 10, 1)
-    print(f"sweep: {len(ids)} distinct adapters, closed loop x{args.concurrency}, --max-gpu-adapters 64 --cpu-cache-mb 256"
-          f" {args.serve_args}".rstrip())
+    print(f"sweep: {len(ids)} distinct adapters, closed loop x{args.concurrency}, {shlex.join(serve_args)}")
     print(f"ok={rep['ok']} errors={rep['errors']} {rep['error_kinds'] or ''} duration={rep['wall_s']:.1f}s "
           f"req/s={rep['req_per_s']:.1f}")
-    extra = shlex.split(args.serve_args)  # later flags win: the bounds the server really had
-    bound = lambda flag, default: extra[len(extra) - 1 - extra[::-1].index(flag) + 1] if flag in extra else default
-    print(f"max resident gpu adapters={gpu:.0f} (bound {bound('--max-gpu-adapters', '64')}); "
-          f"max cpu cache bytes={cpu_bytes / 2**20:.1f} MiB (bound {bound('--cpu-cache-mb', '256')})")
+    bound = lambda flag: [v for f, v in zip(serve_args, serve_args[1:]) if f == flag][-1]  # the last one wins
+    print(f"max resident gpu adapters={gpu:.0f} (bound {bound('--max-gpu-adapters')}); "
+          f"max cpu cache bytes={cpu_bytes / 2**20:.1f} MiB (bound {bound('--cpu-cache-mb')})")
     for name, xs in (("anonymous", anon), ("file-backed (LMDB maps)", files)):
         print(f"server RSS {name} MiB: first 10% avg {sum(xs[:tenth]) / tenth:.0f}, "
               f"last 10% avg {sum(xs[-tenth:]) / tenth:.0f}, max {max(xs):.0f}")

@@ -281,21 +281,9 @@ class Catalog:
             for i in more:
                 want[i] = min(limit, 2 * want[i])
                 nxt = got[i][-1][0] + b"\0"
-                extra = self._every_shard_of([i], lambda s: s.read(scan(nxt, want[i]), default=[]), "listing")
+                extra = self._every_shard(lambda s: s.read(scan(nxt, want[i]), default=[]), "listing", [i])
                 got[i] = got[i] + extra
                 tail[i] = len(extra) == want[i]
-
-    def _every_shard_of(self, indices: list[int], fn, what: str) -> list:
-        """`_every_shard` over the shards `indices` only."""
-        out = []
-        for i in indices:
-            try:
-                out.extend(fn(self._shards[i]))
-            except ShardUnavailable:
-                reason = self._shards[i].fault or "damaged"
-                raise ShardUnavailable(f"catalog {what} needs every shard; unavailable: {i} "
-                                       f"(shard {i}: {reason})", [i]) from None
-        return out
 
     def stats(self) -> dict:
         """Totals `{"adapters", "revisions", "shards", "bytes", "disk_bytes"}` plus `per_shard` rows."""
@@ -303,10 +291,11 @@ class Catalog:
         total = {k: sum(p[k] for p in per) for k in ("adapters", "revisions", "bytes", "disk_bytes")}
         return {**total, "shards": self.shards, "per_shard": per}
 
-    def _every_shard(self, fn, what: str) -> list:
-        """Concatenated `fn(shard)` over all shards; one ShardUnavailable naming every unavailable shard."""
+    def _every_shard(self, fn, what: str, indices: list[int] | None = None) -> list:
+        """Concatenated `fn(shard)` over all shards (or those of `indices`); one ShardUnavailable
+        naming every unavailable shard."""
         out, down = [], []
-        for s in self._shards:
+        for s in self._shards if indices is None else [self._shards[i] for i in indices]:
             try:
                 out.extend(fn(s))
             except ShardUnavailable:
