@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from loraserve.kernels import LoRAMeta
+from loraserve.model.prepack import unpack_linears
 
 from .attention import KVCache, PagedAttention
 
@@ -101,6 +102,7 @@ class DecodeGraphs:
         self._pool = None
         self._compiled = None
         if self.kind == "inductor":
+            unpack_linears(model)  # inductor lowers plain GEMMs, not oneDNN's packed weights
             # one graph per bucket and LoRA on/off; dynamo would stop recompiling at 8
             limit = 2 * len(batch_sizes) * len(context_sizes) + 8
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)

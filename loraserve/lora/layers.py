@@ -98,12 +98,10 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base, self.kind, self.layer, self.state = base, kind, layer, state
         self.weights = state.tensors(kind, layer)
-        # a plain nn.Linear is called as F.linear: two Python frames fewer on the hot path
-        self._linear = type(base) is nn.Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = self.base
-        y = F.linear(x, base.weight, base.bias) if self._linear else base(x)
+        base = self.base  # a plain nn.Linear is called as F.linear: two Python frames fewer
+        y = F.linear(x, base.weight, base.bias) if type(base) is nn.Linear else base(x)
         st = self.state
         if st.meta is None:
             return y

@@ -1,0 +1,83 @@
+"""Base weights packed for oneDNN (loraserve.model.prepack) give what `F.linear` gives, to float32
+rounding: the module alone, a whole model against transformers, and the engine with and without."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraserve.model import load_model
+from loraserve.model.prepack import PackedLinear, can_prepack, prepack_linears, unpack_linears
+
+
+def test_prepack_applies_to_float32_on_the_cpu_only():
+    assert can_prepack(torch.device("cpu"), torch.float32)  # the pinned torch has oneDNN
+    assert not can_prepack(torch.device("cpu"), torch.bfloat16)
+    assert not can_prepack(torch.device("cuda"), torch.float32)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear_for_any_row_count(bias):
+    torch.manual_seed(0)
+    plain = nn.Linear(48, 80, bias=bias)
+    packed = PackedLinear(plain, batch_hint=32)
+    for rows in (1, 7, 32, 100):
+        x = torch.randn(rows, 48)
+        torch.testing.assert_close(packed(x), F.linear(x, plain.weight, plain.bias), rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, 5, 48)  # leading axes pass through
+    torch.testing.assert_close(packed(x), plain(x), rtol=1e-5, atol=1e-5)
+    x = torch.randn(48, 6).t()  # a non-contiguous input
+    torch.testing.assert_close(packed(x), plain(x), rtol=1e-5, atol=1e-5)
+    assert torch.equal(packed.weight, plain.weight.detach())  # unpacking is exact
+    assert packed.in_features == 48 and packed.out_features == 80
+
+
+@pytest.mark.parametrize("arch,tie", [("qwen3", False), ("qwen3", True), ("qwen3_moe", False)])
+def test_packed_model_matches_transformers(arch, tie, tmp_path, make_hf):
+    ref = make_hf(arch, tie=tie)
+    ref.save_pretrained(tmp_path)
+    ours = load_model(tmp_path)
+    n_linear = sum(type(m) is nn.Linear for m in ours.modules())
+    assert prepack_linears(ours, batch_hint=8) == n_linear > 0
+    assert not any(type(m) is nn.Linear for m in ours.modules())
+    if tie:  # the embedding keeps its own plain weight; the head is a packed copy of it
+        assert torch.equal(ours.lm_head.weight, ours.model.embed_tokens.weight)
+
+    ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        lp = ours.compute_logits(ours(ids, torch.arange(len(ids)))).log_softmax(-1)
+        lp_hf = ref(ids[None]).logits[0].float().log_softmax(-1)
+    assert (lp - lp_hf).abs().max().item() <= 1e-4
+    assert torch.equal(lp.argmax(-1), lp_hf.argmax(-1))
+
+    assert unpack_linears(ours) == n_linear  # back to plain modules with the same weights
+    assert not any(isinstance(m, PackedLinear) for m in ours.modules())
+    with torch.no_grad():
+        again = ours.compute_logits(ours(ids, torch.arange(len(ids)))).log_softmax(-1)
+    assert (again - lp_hf).abs().max().item() <= 1e-4
+
+
+def test_engine_packs_by_default_and_gives_the_unpacked_tokens(demo_dense):
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.llm_engine import LLMEngine
+    from loraserve.engine.types import GenerateRequest, SamplingParams
+
+    def run(**kw):
+        eng = LLMEngine(EngineConfig(model_dir=str(demo_dense), device="cpu", dtype="float32",
+                                     max_model_len=128, **kw))
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+        g = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(3, eng.vocab_size - 3, (n,), generator=g).tolist() for n in (5, 19, 2, 33)]
+        seqs = [eng.add_request(GenerateRequest(f"r{i}", p, params)) for i, p in enumerate(prompts)]
+        while eng.has_work():
+            eng.step()
+        return eng, [(s.output_ids, [t.logprob for t in s.output_logprobs]) for s in seqs]
+
+    packed, got = run()
+    plain, want = run(weight_prepack=False)
+    assert isinstance(packed.model.model.layers[0].mlp.down_proj, PackedLinear)
+    assert type(plain.model.model.layers[0].mlp.down_proj) is nn.Linear
+    for (ids, lps), (ids_ref, lps_ref) in zip(got, want):
+        assert ids == ids_ref
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(lps_ref), rtol=0, atol=1e-5)
