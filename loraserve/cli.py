@@ -71,7 +71,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile", dest="compile", action="store_const", const="off",
                    help="run the decode step eagerly (the same as --compile off)")
     option("compile_batch_sizes", flag="--compile-batch-size", metavar="N")
-    option("weight_prepack", flag="--no-weight-prepack")
+    option("weight_prepack", choices=["auto", "on", "off"])
     option("torch_threads")
     option("max_request_bytes")
     option("max_seqs_per_request")

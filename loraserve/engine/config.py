@@ -82,11 +82,12 @@ class EngineConfig:
     compile_batch_sizes: list[int] | None = field(default=None, metadata={
         "help": "batch buckets of the compiled decode step (repeatable)",
         "default": "1, 2, 4, 8, every multiple of 16 below max-batch-size, and max-batch-size"})
-    weight_prepack: bool = field(default=True, metadata={
+    weight_prepack: str = field(default="auto", metadata={
         "help": "CPU, float32: hold the base's linear weights in oneDNN's blocked layout, packed "
-                "once at start-up instead of on every GEMM (decode steps 1.2-1.3x faster on the "
-                "H 512 bench model); off = plain F.linear. With compile on, the compiled "
-                "step unpacks them: inductor lowers its own GEMMs"})
+                "once at start-up instead of on every GEMM (batch-32 decode steps 1.3x faster on "
+                "an H 512 base): auto (when they outgrow the last-level cache, where packing "
+                "pays) | on | off. A decode step compiled on the CPU unpacks them: inductor lowers "
+                "its own GEMMs"})
     torch_threads: int | None = field(default=None, metadata={
         "help": "CPU intra-op threads (more pay off for large matrices only: a second thread made "
                 "the demo base's 1-token requests 2.5x slower, an H 512 base's batches 1.6x faster)",
@@ -97,6 +98,8 @@ class EngineConfig:
             raise ValueError(f"device must be auto|cpu|cuda, got {self.device!r}")
         if self.dtype not in ("auto", *SERVING_DTYPES):
             raise ValueError(f"dtype must be auto|{'|'.join(SERVING_DTYPES)}, got {self.dtype!r}")
+        if self.weight_prepack not in ("auto", "on", "off"):
+            raise ValueError(f"weight_prepack must be auto|on|off, got {self.weight_prepack!r}")
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"compile must be auto|on|off, got {self.compile!r}")
         if self.compile_batch_sizes is not None and (

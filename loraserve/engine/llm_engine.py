@@ -16,7 +16,7 @@ import torch
 
 from ..model.config import ModelConfig
 from ..model.loader import load_model, resolve_dtype
-from ..model.prepack import can_prepack, prepack_linears
+from ..model.prepack import can_prepack, prepack_linears, worth_prepacking
 from ..tokenizer import Tokenizer
 from .attention import KVCache
 from .block_manager import BlockManager
@@ -68,7 +68,8 @@ class LLMEngine:
         self.model_config = mc
         self.dtype = resolve_dtype(cfg.dtype, mc, self.device)
         self.model = load_model(cfg.model_dir, dtype=self.dtype, device=self.device).eval()
-        if cfg.weight_prepack and can_prepack(self.device, self.dtype):
+        if cfg.weight_prepack != "off" and can_prepack(self.device, self.dtype) and (
+                cfg.weight_prepack == "on" or worth_prepacking(self.model)):
             prepack_linears(self.model, batch_hint=cfg.max_batch_size)  # before LoRA wraps them
         self.tokenizer = Tokenizer.from_dir(cfg.model_dir)
         self.model_name = cfg.served_model_name or cfg.model_dir.rstrip("/").split("/")[-1]

@@ -11,17 +11,52 @@ a batch-32 decode step 1.3x faster, prefill unchanged (bench/RESULTS.md).
 Results equal `F.linear`'s to float32 rounding (the two GEMMs sum in different orders), the way
 two BLAS builds would. The packed copy replaces the plain weight, so memory does not grow, except
 for a tied `lm_head`, whose embedding keeps its own plain copy.
+
+It pays only where the weights stream from memory. oneDNN spends ~12 µs more than `F.linear`
+per call on small matrices, which a base whose linear weights fit in the last-level cache (the
+3 MB demo base) never earns back: its 1-token requests took 1.26x the engine CPU packed.
+`worth_prepacking` packs a base whose linear weights outgrow that cache (bench/RESULTS.md).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import Tensor, nn
+
+DEFAULT_LLC_BYTES = 32 * 2**20  # when sysfs names no cache
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `prepack_linears` applies: float32 weights on a CPU with oneDNN."""
     return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def last_level_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The largest data cache the kernel reports for cpu0 (the LLC), else DEFAULT_LLC_BYTES."""
+    sizes = []
+    for index in sysfs.glob("index*"):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=DEFAULT_LLC_BYTES)
+
+
+def linear_weight_bytes(model: nn.Module) -> int:
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) is nn.Linear)
+
+
+def worth_prepacking(model: nn.Module, cache_bytes: int | None = None) -> bool:
+    """Whether the plain linear weights outgrow the last-level cache (module doc)."""
+    return linear_weight_bytes(model) > (cache_bytes or last_level_cache_bytes())
 
 
 class PackedLinear(nn.Module):

@@ -17,6 +17,7 @@ from loraserve.engine.build import build_engine
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.decode_graphs import DecodeGraphs, batch_buckets, context_buckets
 from loraserve.engine.types import GenerateRequest, SamplingParams
+from loraserve.model.prepack import PackedLinear
 
 from .test_peft_parity import TOKENS, _peft_reference, _prompts
 
@@ -24,26 +25,28 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MIXED = ["t/qv-r4", None, "t/all-r8-rslora", "t/o-head-r2"]
 
 
-def _engine(aset, compile: str, catalog):
+def _engine(aset, compile: str, catalog, **kw):
     return build_engine(EngineConfig(
         model_dir=str(aset.base), catalog_dir=str(catalog), device=DEVICE, dtype="float32",
         max_model_len=96, max_batch_size=6, max_gpu_adapters=8, max_lora_rank=16,
-        compile=compile, compile_batch_sizes=[2, 4]))
+        compile=compile, compile_batch_sizes=[2, 4], **kw))
 
 
 @pytest.fixture(scope="module")
 def engines(dense_set, tmp_path_factory):
     """(eager, compiled) engines over the same base and a copy each of one catalog (LMDB opens
     an environment once per process). The compiled one runs LoRA steps through graphs too,
-    which the CPU leaves eager by default (see engine.decode_graphs)."""
+    which the CPU leaves eager by default (see engine.decode_graphs). Its base weights start
+    packed for oneDNN, which the graphs undo: inductor lowers plain GEMMs."""
     copy = tmp_path_factory.mktemp("compiled") / "catalog"
     shutil.copytree(dense_set.catalog, copy)
-    compiled = _engine(dense_set, "off", copy)
+    compiled = _engine(dense_set, "off", copy, weight_prepack="on")
     graphs = DecodeGraphs(compiled.model, compiled.cache, compiled.device, compiled.runner.lora,
                           compiled.scratch_block, (2, 4), context_buckets(compiled.max_model_len, 16),
                           lora_graphs=True)
     graphs.warm_up()
     compiled.runner.graphs = graphs
+    assert not any(isinstance(m, PackedLinear) for m in compiled.model.modules())
     return _engine(dense_set, "off", dense_set.catalog), compiled
 
 

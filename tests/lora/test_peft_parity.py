@@ -9,6 +9,7 @@ import torch
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.types import GenerateRequest, SamplingParams
 from loraserve.engine.build import build_engine
+from loraserve.model.prepack import PackedLinear
 
 TOKENS = 6
 
@@ -67,6 +68,18 @@ def test_dense_adapters_mixed_batch_match_peft(dense_set, backend):
     eng = _engine(dense_set, backend)
     adapters = ["t/qv-r4", None, "t/all-r8-rslora", "t/o-head-r2", "t/qv-r4"]
     _check(dense_set, eng, adapters, seed=1)
+
+
+@pytest.mark.parametrize("base", ["dense_set", "moe_set"])
+def test_packed_base_weights_mixed_batch_match_peft(base, request):
+    """The base's linear weights in oneDNN's layout (loraserve.model.prepack), under the LoRA
+    wrappers: a mixed batch still equals transformers + PEFT."""
+    aset = request.getfixturevalue(base)
+    eng = _engine(aset, "torch", weight_prepack="on")
+    assert isinstance(eng.model.model.layers[0].self_attn.q_proj.base, PackedLinear)
+    adapters = ["t/qv-r4", None, "t/all-r8-rslora", "t/o-head-r2"] if base == "dense_set" else \
+        ["t/moe-r4", None, "t/moe-r4"]
+    _check(aset, eng, adapters, seed=6)
 
 
 @pytest.mark.parametrize("adapter", ["t/qv-r4", "t/all-r8-rslora", "t/o-head-r2"])

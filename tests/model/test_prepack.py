@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraserve.model import load_model
-from loraserve.model.prepack import PackedLinear, can_prepack, prepack_linears, unpack_linears
+from loraserve.model.prepack import (DEFAULT_LLC_BYTES, PackedLinear, can_prepack,
+                                     last_level_cache_bytes, linear_weight_bytes, prepack_linears,
+                                     unpack_linears, worth_prepacking)
 
 
 def test_prepack_applies_to_float32_on_the_cpu_only():
@@ -58,26 +60,49 @@ def test_packed_model_matches_transformers(arch, tie, tmp_path, make_hf):
     assert (again - lp_hf).abs().max().item() <= 1e-4
 
 
-def test_engine_packs_by_default_and_gives_the_unpacked_tokens(demo_dense):
+def test_auto_packs_a_base_whose_linear_weights_outgrow_the_last_level_cache(tmp_path, make_hf):
+    for index, (level, kind, size) in enumerate([(1, "Data", "32K"), (1, "Instruction", "32K"),
+                                                 (2, "Unified", "1024K"), (3, "Unified", "32768K")]):
+        d = tmp_path / "cache" / f"index{index}"
+        d.mkdir(parents=True)
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    assert last_level_cache_bytes(tmp_path / "cache") == 32 * 2**20
+    assert last_level_cache_bytes(tmp_path / "none") == DEFAULT_LLC_BYTES
+    model = make_hf("qwen3").eval()
+    ours_dir = tmp_path / "m"
+    model.save_pretrained(ours_dir)
+    ours = load_model(ours_dir)
+    size = linear_weight_bytes(ours)
+    assert size == sum(m.weight.numel() * 4 for m in ours.modules() if type(m) is nn.Linear) > 0
+    assert worth_prepacking(ours, cache_bytes=size - 1) and not worth_prepacking(ours, cache_bytes=size)
+
+
+def test_engine_packed_gives_the_unpacked_tokens(demo_dense):
     from loraserve.engine.config import EngineConfig
     from loraserve.engine.llm_engine import LLMEngine
     from loraserve.engine.types import GenerateRequest, SamplingParams
 
-    def run(**kw):
+    def run(prepack: str):
         eng = LLMEngine(EngineConfig(model_dir=str(demo_dense), device="cpu", dtype="float32",
-                                     max_model_len=128, **kw))
+                                     max_model_len=128, weight_prepack=prepack))
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
         g = torch.Generator().manual_seed(5)
         prompts = [torch.randint(3, eng.vocab_size - 3, (n,), generator=g).tolist() for n in (5, 19, 2, 33)]
         seqs = [eng.add_request(GenerateRequest(f"r{i}", p, params)) for i, p in enumerate(prompts)]
         while eng.has_work():
             eng.step()
-        return eng, [(s.output_ids, [t.logprob for t in s.output_logprobs]) for s in seqs]
+        layer = eng.model.model.layers[0].mlp.down_proj
+        return layer, [(s.output_ids, [t.logprob for t in s.output_logprobs]) for s in seqs]
 
-    packed, got = run()
-    plain, want = run(weight_prepack=False)
-    assert isinstance(packed.model.model.layers[0].mlp.down_proj, PackedLinear)
-    assert type(plain.model.model.layers[0].mlp.down_proj) is nn.Linear
+    packed, got = run("on")
+    plain, want = run("off")
+    assert isinstance(packed, PackedLinear) and type(plain) is nn.Linear
     for (ids, lps), (ids_ref, lps_ref) in zip(got, want):
         assert ids == ids_ref
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(lps_ref), rtol=0, atol=1e-5)
+    auto, _ = run("auto")  # the demo base fits in any last-level cache: packing would not pay
+    assert type(auto) is nn.Linear
+    with pytest.raises(ValueError, match="weight_prepack must be"):
+        EngineConfig(model_dir="x", weight_prepack="yes")
