@@ -137,10 +137,17 @@ class AdapterPool:
         self.B_rows: dict[str, dict[int, torch.Tensor]] = {}  # kind -> layer -> [P, H_out] | [P, E, H_out]
         self.row_table: dict[str, torch.Tensor] = {}  # kind -> [A, R_max] int32
         self.ranks: dict[str, torch.Tensor] = {}  # kind -> [A] int32, 0 = no LoRA on kind
+        # one tensor per kind and side, [layers, P, ...]; the per-layer tensors the kernels read
+        # are views of it, so a page-in writes every layer of a kind in one copy (`_copy_in`)
+        self._A_all: dict[str, torch.Tensor] = {}
+        self._B_all: dict[str, torch.Tensor] = {}
         for kind, s in self.specs.items():
             plane = (s.experts,) if s.experts else ()
-            self.A_rows[kind] = {l: torch.zeros(p, *plane, s.h_in, dtype=cfg.dtype, device=device) for l in s.layers}
-            self.B_rows[kind] = {l: torch.zeros(p, *plane, s.h_out, dtype=cfg.dtype, device=device) for l in s.layers}
+            a_all = torch.zeros(len(s.layers), p, *plane, s.h_in, dtype=cfg.dtype, device=device)
+            b_all = torch.zeros(len(s.layers), p, *plane, s.h_out, dtype=cfg.dtype, device=device)
+            self._A_all[kind], self._B_all[kind] = a_all, b_all
+            self.A_rows[kind] = {l: a_all[i] for i, l in enumerate(s.layers)}
+            self.B_rows[kind] = {l: b_all[i] for i, l in enumerate(s.layers)}
             self.row_table[kind] = torch.zeros(cfg.max_slots, cfg.max_rank, dtype=torch.int32, device=device)
             self.ranks[kind] = torch.zeros(cfg.max_slots, dtype=torch.int32, device=device)
 
@@ -311,23 +318,38 @@ class AdapterPool:
         self._stats.evictions += 1
 
     def _copy_in(self, slot: int, rows: dict[str, list[int]], plan: LoadPlan) -> None:
-        """One index_copy_ per blob tensor; layers the adapter skips get zero rows."""
+        """Per kind, the adapter's layers stacked into the pool's row layout and written with one
+        index_copy_ per side (a 28-layer base: 2 copies per kind, not 56); layers the adapter
+        skips get zero rows."""
         dev, dtype = self.config.device, self.config.dtype
         self.version += 1
         for kind, kind_rows in rows.items():
             idx = torch.tensor(kind_rows, dtype=torch.int64, device=dev)  # [r]
             moe = self.specs[kind].experts > 0
-            for layer in self.specs[kind].layers:
-                pair = plan.tensors.get((kind, layer))
-                if pair is None:
-                    self.A_rows[kind][layer].index_fill_(0, idx, 0)
-                    self.B_rows[kind][layer].index_fill_(0, idx, 0)
-                    continue
-                a, b = pair  # [r, in] / [out, r]; MoE [E, r, in] / [E, out, r]
-                a_rows = a.transpose(0, 1) if moe else a  # [r, (E,) in]
-                b_rows = b.permute(2, 0, 1) if moe else b.t()  # [r, (E,) out]
-                self.A_rows[kind][layer].index_copy_(0, idx, a_rows.to(dev, dtype, non_blocking=True))
-                self.B_rows[kind][layer].index_copy_(0, idx, b_rows.to(dev, dtype, non_blocking=True))
+            layers = self.specs[kind].layers
+            pairs = [plan.tensors.get((kind, layer)) for layer in layers]
+            # [r, in] / [out, r] -> rows [r, in] / [r, out]; MoE [E, r, in] / [E, out, r] -> [r, E, ...]
+            a_rows = [None if p is None else (p[0].transpose(0, 1) if moe else p[0]) for p in pairs]
+            b_rows = [None if p is None else (p[1].permute(2, 0, 1) if moe else p[1].t()) for p in pairs]
+            if all(a is not None for a in a_rows):
+                a_all = torch.stack(a_rows).to(dev, dtype, non_blocking=True)  # [L, r, (E,) in]
+                b_all = torch.stack(b_rows).to(dev, dtype, non_blocking=True)  # [L, r, (E,) out]
+                lo = kind_rows[0]
+                if kind_rows == list(range(lo, lo + len(kind_rows))):  # the usual case: a plain
+                    self._A_all[kind][:, lo:lo + len(kind_rows)].copy_(a_all)  # slice copy, ~3x
+                    self._B_all[kind][:, lo:lo + len(kind_rows)].copy_(b_all)  # index_copy_'s speed
+                else:
+                    self._A_all[kind].index_copy_(1, idx, a_all)
+                    self._B_all[kind].index_copy_(1, idx, b_all)
+            else:
+                for layer, a, b in zip(layers, a_rows, b_rows):
+                    A, B = self.A_rows[kind][layer], self.B_rows[kind][layer]
+                    if a is None:
+                        A.index_fill_(0, idx, 0)
+                        B.index_fill_(0, idx, 0)
+                    else:
+                        A.index_copy_(0, idx, a.to(dev, dtype, non_blocking=True))
+                        B.index_copy_(0, idx, b.to(dev, dtype, non_blocking=True))
             self.row_table[kind][slot, : plan.rank] = idx.to(torch.int32)
             self.ranks[kind][slot] = plan.rank
 
