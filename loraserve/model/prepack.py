@@ -10,7 +10,8 @@ a batch-32 decode step 1.3x faster, prefill unchanged (bench/RESULTS.md).
 
 Results equal `F.linear`'s to float32 rounding (the two GEMMs sum in different orders), the way
 two BLAS builds would. The packed copy replaces the plain weight, so memory does not grow, except
-for a tied `lm_head`, whose embedding keeps its own plain copy.
+for a tied `lm_head`, whose embedding keeps its own plain copy (and the rest of the model moves
+out of the checkpoint's file mapping into memory of its own, so the old pages go).
 
 It pays only where the weights stream from memory. oneDNN spends ~12 µs more than `F.linear`
 per call on small matrices, which a base whose linear weights fit in the last-level cache (the
@@ -90,7 +91,22 @@ def prepack_linears(model: nn.Module, batch_hint: int) -> int:
              for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child, batch_hint))
+    if swaps:
+        _own_the_rest(model)
     return len(swaps)
+
+
+@torch.no_grad()
+def _own_the_rest(model: nn.Module) -> None:
+    """Copy the tensors left plain (embedding, norms, experts) into memory of their own. The
+    loader's tensors are views of the checkpoint's file mapping, which stays mapped while any of
+    them lives, and packing has just read every page of it: without this the process would hold
+    the old weights' pages as well as the packed copies (H 512 base: 441 against 345 MiB RSS)."""
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            param.data = param.data.clone()
+        for name, buf in list(module.named_buffers(recurse=False)):
+            setattr(module, name, buf.clone())
 
 
 def unpack_linears(model: nn.Module) -> int:

@@ -41,7 +41,12 @@ def test_packed_model_matches_transformers(arch, tie, tmp_path, make_hf):
     ref.save_pretrained(tmp_path)
     ours = load_model(tmp_path)
     n_linear = sum(type(m) is nn.Linear for m in ours.modules())
+    embedding = ours.model.embed_tokens.weight
+    before = embedding.detach().clone(), embedding.data_ptr()
     assert prepack_linears(ours, batch_hint=8) == n_linear > 0
+    # the tensors left plain now own their memory (the checkpoint's mapping can go), same values
+    assert ours.model.embed_tokens.weight is embedding and embedding.data_ptr() != before[1]
+    assert torch.equal(embedding, before[0])
     assert not any(type(m) is nn.Linear for m in ours.modules())
     if tie:  # the embedding keeps its own plain weight; the head is a packed copy of it
         assert torch.equal(ours.lm_head.weight, ours.model.embed_tokens.weight)
