@@ -70,4 +70,4 @@ def test_serve_help_shows_each_default() -> None:
     out = " ".join(_run("serve", "--help").stdout.split())  # unwrapped
     assert ("--max-gpu-adapters MAX_GPU_ADAPTERS adapters resident in the device pool at once "
             "(default: 32)") in out
-    assert "(default: 512)" in out and "(default: all cores but one)" in out
+    assert "(default: 512)" in out and "else all cores but one)" in out

@@ -16,7 +16,7 @@ out of the checkpoint's file mapping into memory of its own, so the old pages go
 It pays only where the weights stream from memory. oneDNN spends ~12 µs more than `F.linear`
 per call on small matrices, which a base whose linear weights fit in the last-level cache (the
 3 MB demo base) never earns back: its 1-token requests took 1.26x the engine CPU packed.
-`worth_prepacking` packs a base whose linear weights outgrow that cache (bench/RESULTS.md).
+`outgrows_last_level_cache` says which base to pack: one whose linear weights outgrow that cache (bench/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -55,8 +55,9 @@ def linear_weight_bytes(model: nn.Module) -> int:
     return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) is nn.Linear)
 
 
-def worth_prepacking(model: nn.Module, cache_bytes: int | None = None) -> bool:
-    """Whether the plain linear weights outgrow the last-level cache (module doc)."""
+def outgrows_last_level_cache(model: nn.Module, cache_bytes: int | None = None) -> bool:
+    """Whether the plain linear weights outgrow the last-level cache: then every GEMM streams its
+    weight from memory, packing pays (module doc) and so does a second thread."""
     return linear_weight_bytes(model) > (cache_bytes or last_level_cache_bytes())
 
 

@@ -10,7 +10,7 @@ from torch import nn
 from loraserve.model import load_model
 from loraserve.model.prepack import (DEFAULT_LLC_BYTES, PackedLinear, can_prepack,
                                      last_level_cache_bytes, linear_weight_bytes, prepack_linears,
-                                     unpack_linears, worth_prepacking)
+                                     outgrows_last_level_cache, unpack_linears)
 
 
 def test_prepack_applies_to_float32_on_the_cpu_only():
@@ -81,7 +81,14 @@ def test_auto_packs_a_base_whose_linear_weights_outgrow_the_last_level_cache(tmp
     ours = load_model(ours_dir)
     size = linear_weight_bytes(ours)
     assert size == sum(m.weight.numel() * 4 for m in ours.modules() if type(m) is nn.Linear) > 0
-    assert worth_prepacking(ours, cache_bytes=size - 1) and not worth_prepacking(ours, cache_bytes=size)
+    assert outgrows_last_level_cache(ours, cache_bytes=size - 1) and not outgrows_last_level_cache(ours, cache_bytes=size)
+
+
+def test_default_threads_follow_the_same_rule():
+    from loraserve.engine.llm_engine import default_torch_threads
+    assert default_torch_threads(True, 2) == 2 and default_torch_threads(True, 16) == 16
+    assert default_torch_threads(False, 2) == 1 and default_torch_threads(False, 16) == 15
+    assert default_torch_threads(False, 1) == 1
 
 
 def test_engine_packed_gives_the_unpacked_tokens(demo_dense):
