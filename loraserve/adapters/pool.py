@@ -319,8 +319,8 @@ class AdapterPool:
 
     def _copy_in(self, slot: int, rows: dict[str, list[int]], plan: LoadPlan) -> None:
         """Per kind, the adapter's layers stacked into the pool's row layout and written with one
-        index_copy_ per side (a 28-layer base: 2 copies per kind, not 56); layers the adapter
-        skips get zero rows."""
+        copy per side (a 28-layer base: 2 copies per kind, not 56); when it skips a layer of a
+        kind, that kind goes layer by layer and the skipped layers get zero rows."""
         dev, dtype = self.config.device, self.config.dtype
         self.version += 1
         for kind, kind_rows in rows.items():

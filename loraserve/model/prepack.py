@@ -16,7 +16,8 @@ out of the checkpoint's file mapping into memory of its own, so the old pages go
 It pays only where the weights stream from memory. oneDNN spends ~12 µs more than `F.linear`
 per call on small matrices, which a base whose linear weights fit in the last-level cache (the
 3 MB demo base) never earns back: its 1-token requests took 1.26x the engine CPU packed.
-`outgrows_last_level_cache` says which base to pack: one whose linear weights outgrow that cache (bench/RESULTS.md).
+`outgrows_last_level_cache` says which base to pack: one whose linear weights outgrow that
+cache (bench/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def last_level_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cach
 
 
 def linear_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's plain `nn.Linear` weights (a tied head counts again: it is packed too)."""
     return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) is nn.Linear)
 
 
