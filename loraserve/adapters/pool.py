@@ -139,6 +139,7 @@ class AdapterPool:
         self.ranks: dict[str, torch.Tensor] = {}  # kind -> [A] int32, 0 = no LoRA on kind
         # one tensor per kind and side, [layers, P, ...]; the per-layer tensors the kernels read
         # are views of it, so a page-in writes every layer of a kind in one copy (`_copy_in`)
+        self._on_cpu = torch.device(device).type == "cpu"
         self._A_all: dict[str, torch.Tensor] = {}
         self._B_all: dict[str, torch.Tensor] = {}
         for kind, s in self.specs.items():
@@ -332,8 +333,7 @@ class AdapterPool:
             a_rows = [None if p is None else (p[0].transpose(0, 1) if moe else p[0]) for p in pairs]
             b_rows = [None if p is None else (p[1].permute(2, 0, 1) if moe else p[1].t()) for p in pairs]
             if all(a is not None for a in a_rows):
-                a_all = torch.stack(a_rows).to(dev, dtype, non_blocking=True)  # [L, r, (E,) in]
-                b_all = torch.stack(b_rows).to(dev, dtype, non_blocking=True)  # [L, r, (E,) out]
+                a_all, b_all = self._stacked(a_rows), self._stacked(b_rows)  # [L, r, (E,) in|out]
                 lo = kind_rows[0]
                 if kind_rows == list(range(lo, lo + len(kind_rows))):  # the usual case: a plain
                     self._A_all[kind][:, lo:lo + len(kind_rows)].copy_(a_all)  # slice copy, ~3x
@@ -352,6 +352,15 @@ class AdapterPool:
                         B.index_copy_(0, idx, b.to(dev, dtype, non_blocking=True))
             self.row_table[kind][slot, : plan.rank] = idx.to(torch.int32)
             self.ranks[kind][slot] = plan.rank
+
+    def _stacked(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """parts stacked on the pool's device, in its dtype. Off the CPU each goes over first:
+        from the pinned CPU cache those copies stay asynchronous, a stacked host copy would not."""
+        dev, dtype = self.config.device, self.config.dtype
+        if self._on_cpu:
+            stacked = torch.stack(parts)
+            return stacked if stacked.dtype == dtype else stacked.to(dtype)
+        return torch.stack([p.to(dev, dtype, non_blocking=True) for p in parts])
 
     # ---- testing aid ---------------------------------------------------------------------------
 
