@@ -91,8 +91,8 @@ class EngineConfig:
     torch_threads: int | None = field(default=None, metadata={
         "help": "CPU intra-op threads (more pay off for large matrices only: a second thread made "
                 "the demo base's 1-token requests 2.5x slower, an H 512 base's batches 1.6x faster)",
-        "default": "every core for a base whose linear weights outgrow the last-level cache, "
-                   "else all cores but one"})
+        "default": "every usable core (the affinity mask, at most OMP_NUM_THREADS) for a base "
+                   "whose linear weights outgrow the last-level cache, else all cores but one"})
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

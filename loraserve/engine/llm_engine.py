@@ -57,6 +57,14 @@ def _num_kv_blocks(cfg: EngineConfig, mc, dtype: torch.dtype) -> int:
     return blocks
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask), at most OMP_NUM_THREADS when that is
+    set: Ray sets it to an actor's CPU reservation, so engine replicas do not each take every core."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return max(1, min(cpus, int(omp)) if omp.isdigit() and int(omp) > 0 else cpus)
+
+
 def default_torch_threads(big_base: bool, cpus: int) -> int:
     """Intra-op threads without --torch-threads: every core for a base whose weights outgrow the
     last-level cache (its GEMMs scale: an H 512 base's batches ran 1.6x faster on 2 threads than
@@ -75,7 +83,7 @@ class LLMEngine:
         self.model = load_model(cfg.model_dir, dtype=self.dtype, device=self.device).eval()
         big = self.device.type == "cpu" and outgrows_last_level_cache(self.model)
         if self.device.type == "cpu":
-            torch.set_num_threads(cfg.torch_threads or default_torch_threads(big, os.cpu_count() or 2))
+            torch.set_num_threads(cfg.torch_threads or default_torch_threads(big, usable_cpus()))
         packed = cfg.weight_prepack != "off" and can_prepack(self.device, self.dtype) and (
             cfg.weight_prepack == "on" or big)
         if packed:

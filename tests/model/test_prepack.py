@@ -2,6 +2,8 @@
 rounding: the module alone, a whole model against transformers, and the engine with and without."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,8 +86,17 @@ def test_auto_packs_a_base_whose_linear_weights_outgrow_the_last_level_cache(tmp
     assert outgrows_last_level_cache(ours, cache_bytes=size - 1) and not outgrows_last_level_cache(ours, cache_bytes=size)
 
 
-def test_default_threads_follow_the_same_rule():
-    from loraserve.engine.llm_engine import default_torch_threads
+def test_default_threads_follow_the_same_rule(monkeypatch):
+    from loraserve.engine.llm_engine import default_torch_threads, usable_cpus
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    mask = len(os.sched_getaffinity(0))
+    assert usable_cpus() == mask
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what Ray sets for a 1-CPU replica
+    assert usable_cpus() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "999")
+    assert usable_cpus() == mask
+    monkeypatch.setenv("OMP_NUM_THREADS", "not a number")
+    assert usable_cpus() == mask
     assert default_torch_threads(True, 2) == 2 and default_torch_threads(True, 16) == 16
     assert default_torch_threads(False, 2) == 1 and default_torch_threads(False, 16) == 15
     assert default_torch_threads(False, 1) == 1
