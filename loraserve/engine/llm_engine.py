@@ -81,14 +81,13 @@ class LLMEngine:
         self.model_config = mc
         self.dtype = resolve_dtype(cfg.dtype, mc, self.device)
         self.model = load_model(cfg.model_dir, dtype=self.dtype, device=self.device).eval()
-        big = self.device.type == "cpu" and outgrows_last_level_cache(self.model)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu":  # threads and weight layout follow the base's size
+            big = outgrows_last_level_cache(self.model)
             torch.set_num_threads(cfg.torch_threads or default_torch_threads(big, usable_cpus()))
-        packed = cfg.weight_prepack != "off" and can_prepack(self.device, self.dtype) and (
-            cfg.weight_prepack == "on" or big)
-        if packed:
-            prepack_linears(self.model, batch_hint=cfg.max_batch_size)  # before LoRA wraps them
-        if self.device.type == "cpu":
+            packed = can_prepack(self.device, self.dtype) and (
+                cfg.weight_prepack == "on" or (cfg.weight_prepack == "auto" and big))
+            if packed:
+                prepack_linears(self.model, batch_hint=cfg.max_batch_size)  # before LoRA wraps them
             log.info("CPU engine: %d intra-op threads, base weights %s", torch.get_num_threads(),
                      "packed for oneDNN" if packed else "plain")
         self.tokenizer = Tokenizer.from_dir(cfg.model_dir)
