@@ -10,6 +10,7 @@ install alike), and run import-linter's contracts from pyproject.toml over the b
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -60,9 +61,18 @@ def _run(args: list[str], *, cwd: Path, path: list[Path]) -> subprocess.Complete
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
+    """Built from a private copy of the sources: setuptools writes build/ and *.egg-info into the
+    tree it builds, and under xdist both workers may build at once (each runs this module-scoped
+    fixture), so two builds in the repository itself would delete each other's files."""
     out = tmp_path_factory.mktemp("wheel")
+    src = tmp_path_factory.mktemp("src")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, src / name)
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for folder in ("loraserve", "kernels", "catalog"):
+        shutil.copytree(REPO / folder, src / folder, ignore=skip)
     proc = subprocess.run([PY, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                           "-w", str(out), str(REPO)], capture_output=True, text=True, timeout=300)
+                           "-w", str(out), str(src)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     (whl,) = out.glob("loraserve-*.whl")
     return whl
