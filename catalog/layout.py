@@ -7,9 +7,12 @@ both check the layout so a blob that loads is one the engine can use as is: ever
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
+import orjson
 import safetensors.torch
 import torch
 
@@ -107,28 +110,102 @@ def load_revision(blob: bytes | bytearray | memoryview, *, what: str = "adapter 
     and the finiteness check one reduction over it rather than a few small ops per tensor (a
     page-in of a small adapter is dominated by such per-op overhead). The data is read as
     little-endian, the byte order of every host loraserve runs on.
+
+    The checks of the tensor table and of the serving layout (`check_layout`) depend only on the
+    table, the dtype, the rank and the targets, and a namespace of a million revisions holds a
+    handful of such layouts (one per rank and target set): each is checked in full once, kept in
+    a small cache keyed by exactly those inputs, and reused for every later blob with the same
+    table (`_LAYOUTS`). What differs per blob (its length, its values) is checked every time.
     """
     buf = blob if isinstance(blob, bytearray) else bytearray(blob)
     entries, raw_meta, start = read_header(buf, what)
     meta = check_adapter_meta(raw_meta, what)
     try:
-        dtype = torch_dtype(meta["dtype"])
-        flat, tensors = _tensor_views(buf, entries, start, meta["dtype"])
+        key = (orjson.dumps(entries), meta["dtype"], meta["rank"], tuple(meta["targets"]))
+    except TypeError:  # a table orjson cannot write back (e.g. an integer past 64 bits): no key
+        key = None
+    layout = _LAYOUTS.get(key) if key is not None else None
+    try:
+        if layout is None or len(buf) - start != layout.data_bytes:
+            flat, tensors = _tensor_views(buf, entries, start, meta["dtype"])
+            weights = AdapterWeights(base_fingerprint=meta["base_fingerprint"], rank=meta["rank"],
+                                     targets=meta["targets"], dtype=torch_dtype(meta["dtype"]),
+                                     tensors=tensors, source=meta["source"])
+            if key is not None:
+                _LAYOUTS.put(key, _Layout.of(flat, tensors, len(buf) - start))
+        else:
+            flat, tensors = layout.views(buf, start)
+            weights = _checked_weights(meta, layout.dtype, tensors)
         if finite and not _all_finite(buf, start, meta["dtype"]):
             base = flat.storage_offset()
             bad = next(n for n, t in tensors.items() if not _all_finite(
                 buf, start, meta["dtype"], t.storage_offset() - base, t.numel()))
             raise ValueError(f"tensor {bad} holds NaN or Inf; it is not served")
-        return AdapterWeights(
-            base_fingerprint=meta["base_fingerprint"],
-            rank=meta["rank"],
-            targets=meta["targets"],
-            dtype=dtype,
-            tensors=tensors,
-            source=meta["source"],
-        )
+        return weights
     except (ValueError, RuntimeError) as e:
         raise CorruptBlob(f"{what}: {e}") from None
+
+
+def _checked_weights(meta: dict, dtype: torch.dtype, tensors: dict[str, torch.Tensor]) -> AdapterWeights:
+    """AdapterWeights whose layout a `_Layout` has already checked (`check_layout` is skipped)."""
+    weights = object.__new__(AdapterWeights)
+    weights.base_fingerprint, weights.rank = meta["base_fingerprint"], meta["rank"]
+    weights.targets, weights.dtype, weights.tensors = meta["targets"], dtype, tensors
+    weights.source = meta["source"]
+    return weights
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """A tensor table that passed every check: each tensor's name, shape, strides and element
+    offset in the data region, the region's byte length and dtype."""
+
+    dtype: torch.dtype
+    data_bytes: int
+    tensors: tuple[tuple[str, tuple[int, ...], tuple[int, ...], int], ...]
+
+    @classmethod
+    def of(cls, flat: torch.Tensor, tensors: dict[str, torch.Tensor], data_bytes: int) -> _Layout:
+        base = flat.storage_offset()
+        return cls(flat.dtype, data_bytes, tuple(
+            (name, tuple(t.shape), t.stride(), t.storage_offset() - base) for name, t in tensors.items()))
+
+    def views(self, buf: bytearray, start: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The flat data region of `buf` and its tensors, as `_tensor_views` makes them."""
+        flat = torch.frombuffer(buf, dtype=self.dtype, offset=start)
+        base = flat.storage_offset()
+        return flat, {name: flat.as_strided(shape, strides, base + offset)
+                      for name, shape, strides, offset in self.tensors}
+
+
+class _LayoutCache:
+    """The checked layouts, least recently used out beyond `capacity`; safe across threads (pager
+    workers decode at once): a lookup and an insert are each one dict operation under a lock."""
+
+    def __init__(self, capacity: int = 256):
+        self.capacity = capacity
+        self._items: OrderedDict[tuple, _Layout] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple) -> _Layout | None:
+        with self._lock:
+            layout = self._items.get(key)
+            if layout is not None:
+                self._items.move_to_end(key)
+            return layout
+
+    def put(self, key: tuple, layout: _Layout) -> None:
+        with self._lock:
+            self._items[key] = layout
+            self._items.move_to_end(key)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+_LAYOUTS = _LayoutCache()
 
 
 def _tensor_views(buf: bytearray, entries: dict, start: int,

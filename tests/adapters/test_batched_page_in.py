@@ -277,6 +277,48 @@ def test_decoded_tensors_share_the_one_buffer_and_check_finiteness_once():
     assert torch.isnan(load_revision(buf).tensors[next(iter(decoded.tensors))][0, 0])  # unchecked
 
 
+def test_a_checked_layout_is_reused_and_decodes_what_the_full_check_decodes(monkeypatch):
+    """The tensor table of a blob is checked in full once; later blobs with the same table, dtype,
+    rank and targets reuse that check (`layout._LAYOUTS`) and decode to the same tensors, views
+    of their own buffer. What differs per blob is still checked on the reused path: its length,
+    its values, and metadata that the table's check depended on."""
+    from loraserve.catalog import layout
+    monkeypatch.setattr(layout, "_LAYOUTS", layout._LayoutCache())
+    def want_of(i):
+        return make_weights(SPECS, 2, seed=100 + i)
+    blobs = [bytearray(save_revision(want_of(i))) for i in range(4)]
+    full = load_revision(bytes(blobs[0]), finite=True)  # the one full check: the layout is kept
+    assert len(layout._LAYOUTS) == 1
+    for i, buf in enumerate(blobs):
+        reused = load_revision(buf, finite=True)
+        want = want_of(i)
+        assert list(reused.tensors) == list(full.tensors)
+        for name, t in reused.tensors.items():
+            assert torch.equal(t, want.tensors[name]) and t.stride() == full.tensors[name].stride()
+            assert t.untyped_storage().data_ptr() == reused.tensors[name].untyped_storage().data_ptr()
+        assert (reused.rank, reused.targets, reused.dtype, reused.base_fingerprint, reused.source) == (
+            want.rank, want.targets, want.dtype, want.base_fingerprint, want.source)
+        assert reused.nbytes == want.nbytes
+    assert len(layout._LAYOUTS) == 1  # one table, one entry
+    next(iter(load_revision(blobs[2]).tensors.values()))[0, 0] = float("inf")
+    with pytest.raises(CorruptBlob, match="holds NaN or Inf"):
+        load_revision(blobs[2], finite=True)
+    with pytest.raises(CorruptBlob, match="bytes after the last tensor"):
+        load_revision(blobs[1] + b"\0" * 4)
+
+    def meta(**changes):
+        return lambda h: h["__metadata__"].update(changes)
+    with pytest.raises(CorruptBlob, match="rank"):  # same table, another rank: checked afresh
+        load_revision(_reheadered(bytes(blobs[3]), meta(rank="3")))
+    fewer = ",".join(want_of(0).targets[1:])
+    with pytest.raises(CorruptBlob, match="targets"):  # same table, fewer targets
+        load_revision(_reheadered(bytes(blobs[3]), meta(targets=fewer)))
+    monkeypatch.setattr(layout, "_LAYOUTS", layout._LayoutCache(capacity=2))  # bounded: least recently used out
+    for r in (1, 2, 3):
+        load_revision(save_revision(make_weights(SPECS, r, seed=r)))
+    assert len(layout._LAYOUTS) == 2
+
+
 def test_a_batch_of_page_ins_wakes_the_engine_thread_once(catalog):
     """The manager hands finished page-ins to the engine thread through `PageIns`: a batch of
     them wakes it once, not once each; after it has drained the queue, the next one wakes it
