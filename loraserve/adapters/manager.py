@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from typing import Callable
@@ -130,10 +131,29 @@ class AdapterManager:
     def warm(self, ref: str) -> AdapterKey:
         """Resolve ref and page it into the CPU tier now (blocking; pager and cache only)."""
         rec = self.resolve(ref)
-        self.pager.fetch(rec).result()
+        self.pager.wait(self.pager.fetch(rec))
         return rec.adapter_id, rec.revision
 
+    def decode_on_engine_thread(self) -> None:
+        """Pager workers only read; the engine thread decodes what they read when it calls
+        `finish_reads` between steps (`Pager.decode_on_owner`). A read batch wakes it through
+        `notify`, looked up through a weak reference: the pager holding the manager strongly
+        would make a cycle, and an engine nobody uses any more would keep its catalog open
+        until the garbage collector ran."""
+        me = weakref.ref(self)
+
+        def wake() -> None:
+            manager = me()
+            if manager is not None:
+                manager.notify()
+        self.pager.decode_on_owner(wake)
+
     # -- engine thread ---------------------------------------------------------------------------
+    def finish_reads(self) -> None:
+        """Decode the blobs the pager has read for this thread (`Pager.decode_on_owner`); their
+        results land on `page_ins` before this returns."""
+        self.pager.finish_reads()
+
     def is_ready(self, key: AdapterKey) -> bool:
         """Whether key can be admitted without a page-in."""
         return key in self.pool or key in self._staged or key in self.cpu_cache
@@ -194,7 +214,7 @@ class AdapterManager:
         """Load ref now and keep it resident (--pin)."""
         rec = self.resolve(ref)
         key = (rec.adapter_id, rec.revision)
-        self.pool.load(key, self.pager.fetch(rec).result())
+        self.pool.load(key, self.pager.wait(self.pager.fetch(rec)))
         self.pool.pin(key)
         return key
 

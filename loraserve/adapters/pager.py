@@ -17,6 +17,14 @@ thread hand-off, shard health check, transaction — once per batch instead of o
 batch forms only from what is already queued: no load waits for others to arrive. Each revision's
 checks are its own: a blob that is missing, fails its checksum, was exported for another base or
 holds NaN fails that revision's future only, and the rest of the batch is cached as usual.
+
+Where the decode runs. By default a worker decodes what it read. An engine instead calls
+`decode_on_owner(wake)`: workers then only read (the part that waits on the disk) and queue the
+blobs, `wake()` tells the owner, and the owner's thread decodes them in `finish_reads()` between
+its steps. The decode is Python, and Python on a second thread of a busy process is paid several
+times: every time the engine thread's torch ops let go of the GIL, the worker takes it and the
+engine thread waits for it back. Measured on the cold sweep, the engine process spent about 20%
+more CPU per request with the decode on a worker (bench/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -24,7 +32,9 @@ import dataclasses
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from loraserve.catalog.errors import BaseMismatch
 from loraserve.catalog.ids import parse_model_ref
@@ -81,6 +91,8 @@ class Pager:
         self._queue: deque[_Load] = deque()  # loads no drain task has taken yet, oldest first
         self._draining = 0  # drain tasks submitted and not finished
         self._inflight: dict[AdapterKey, Future] = {}  # queued or loading, by key
+        self._owner_wake: Callable[[], None] | None = None  # set: the owner decodes (finish_reads)
+        self._read: deque[tuple[float, list[tuple[_Load, bytearray | Exception]]]] = deque()
         self._stats = PagerStats()
         self.page_in_seconds = page_in_histogram()
         self._closed = False
@@ -129,9 +141,39 @@ class Pager:
         with self._lock:
             return dataclasses.replace(self._stats, in_flight=len(self._inflight))
 
+    def decode_on_owner(self, wake: Callable[[], None]) -> None:
+        """From now on workers only read blobs; `wake()` (called on a worker) says some are read,
+        and the owner decodes and caches them by calling `finish_reads()` (see module doc)."""
+        self._owner_wake = wake
+
+    def finish_reads(self) -> int:
+        """Decode, check and cache the blobs read since the last call, completing their futures
+        (their callbacks run here); returns how many loads finished. Any thread may call it
+        (each read batch is finished once); with `decode_on_owner` the owner calls it between
+        steps, else there is never anything to finish."""
+        finished = 0
+        while True:
+            with self._lock:
+                if not self._read:
+                    return finished
+                start, batch = self._read.popleft()
+            self._complete(start, batch)
+            finished += len(batch)
+
+    def wait(self, future: Future):
+        """`future.result()` for a fetch of this pager: a caller that would block on it (warm,
+        pin) finishes read batches meanwhile, so it also works on the owner's own thread."""
+        while self._owner_wake is not None:
+            try:
+                return future.result(timeout=0.005)
+            except FutureTimeout:
+                self.finish_reads()
+        return future.result()
+
     def close(self) -> None:
         """Stop the workers once their current batches are done; loads not yet started are
-        cancelled (their futures say so, and `concurrent.futures.wait` sees them done)."""
+        cancelled (their futures say so, and `concurrent.futures.wait` sees them done); blobs
+        read for the owner and not yet decoded are decoded here, so no future is left hanging."""
         with self._lock:
             self._closed = True
             cancelled = list(self._queue)
@@ -142,6 +184,7 @@ class Pager:
             if load.future.cancel():
                 load.future.set_running_or_notify_cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self.finish_reads()
 
     def __enter__(self) -> Pager:
         return self
@@ -160,8 +203,10 @@ class Pager:
             self._load_batch(loads)
 
     def _load_batch(self, loads: list[_Load]) -> None:
-        """Blobs -> weights -> checks -> CPU cache for one batch; every load's future completes,
-        with its weights or with its own error, even if the batch as a whole breaks."""
+        """Blobs -> weights -> checks -> CPU cache for one batch (worker thread); with
+        `decode_on_owner` the part after the read is queued for `finish_reads`. Every load's
+        future completes, with its weights or with its own error, even if the batch as a whole
+        breaks."""
         start = time.perf_counter()
         running = []
         for load in loads:
@@ -179,7 +224,23 @@ class Pager:
                 except BaseMismatch as exc:
                     self._finish(load, start, error=exc)
             blobs = self.catalog.read_blobs([load.record for load in readable]) if readable else []
-            for load, blob in zip(readable, blobs, strict=True):
+            batch = list(zip(readable, blobs, strict=True))
+        except Exception as exc:  # read_blobs itself failed (or a bug): the rest fail with it
+            for load in [load for load in running if not load.future.done()]:
+                self._finish(load, start, error=exc)
+            return
+        wake = self._owner_wake
+        if wake is None:
+            self._complete(start, batch)
+            return
+        with self._lock:
+            self._read.append((start, batch))
+        wake()
+
+    def _complete(self, start: float, batch: list[tuple[_Load, bytearray | Exception]]) -> None:
+        """Decode, check and cache each read blob of a batch; each load completes on its own."""
+        try:
+            for load, blob in batch:
                 try:
                     if isinstance(blob, Exception):
                         raise blob
@@ -189,8 +250,8 @@ class Pager:
                     self._finish(load, start, error=exc)
                 else:
                     self._finish(load, start, weights=weights)
-        except Exception as exc:  # read_blobs itself failed (or a bug): the rest fail with it
-            for load in [load for load in running if not load.future.done()]:
+        except Exception as exc:  # a bug outside one load: the rest fail with it
+            for load in [load for load, _ in batch if not load.future.done()]:
                 self._finish(load, start, error=exc)
 
     def _decode(self, record: RevisionRecord, blob: bytearray):

@@ -75,6 +75,7 @@ def _enable_lora(engine: LLMEngine, cfg: EngineConfig) -> None:
     cpu_cache = CpuCache(cfg.cpu_cache_mb * 2**20, pin_memory=engine.device.type == "cuda")
     pager = Pager(catalog, cpu_cache, fingerprint, workers=cfg.pager_workers, batch=cfg.pager_batch)
     manager = AdapterManager(catalog, pool, cpu_cache, pager, fingerprint)
+    manager.decode_on_engine_thread()
     state = LoRAState(pool, kernels.resolve_backend(cfg.lora_backend, engine.device), engine.device)
     attach_lora(engine.model, state, kinds)
     engine.enable_lora(manager, state)

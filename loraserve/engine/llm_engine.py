@@ -211,8 +211,11 @@ class LLMEngine:
         return outs
 
     def _drain_page_ins(self) -> list[RequestOutput]:
-        """Adapters that finished paging in: stage them and unpark their sequences, or fail them."""
+        """Adapters that finished paging in: stage them and unpark their sequences, or fail them.
+        Blobs the pager read for this thread are decoded first (AdapterManager.finish_reads)."""
         outs = []
+        if self.adapters is not None:
+            self.adapters.finish_reads()
         while self.adapters is not None:
             try:
                 key, weights, err = self.adapters.page_ins.get_nowait()

@@ -143,7 +143,8 @@ def test_batched_page_in_yields_the_tensors_of_single_page_ins(catalog, batch):
     assert batched.stats.disk_reads == COUNT and batched.stats.load_errors == 0
 
 
-def test_a_bad_revision_in_a_batch_fails_only_its_own_future(catalog):
+@pytest.mark.parametrize("owner_decodes", [False, True], ids=["worker-decodes", "owner-decodes"])
+def test_a_bad_revision_in_a_batch_fails_only_its_own_future(catalog, owner_decodes):
     records = [catalog.resolve(f"acme/b{i}") for i in range(COUNT)]
     corrupt(catalog, records[3])
     catalog.put_revision("acme/foreign", save_revision(make_weights(SPECS, 2, fingerprint="fp-other")))
@@ -158,19 +159,56 @@ def test_a_bad_revision_in_a_batch_fails_only_its_own_future(catalog):
            "acme/inf@r1": (CorruptBlob, "NaN or Inf"), gone.ref: (CorruptBlob, "missing")}
     recorder = BatchRecorder(catalog)
     with Pager(recorder, CpuCache(1 << 24), FINGERPRINT, workers=1, batch=32) as pager:
+        if owner_decodes:
+            pager.decode_on_owner(lambda: None)
         futures = queue_behind_first(pager, recorder, asked)
         for record, future in zip(asked, futures):
             if record.ref in bad:
                 error, match = bad[record.ref]
                 with pytest.raises(error, match=match):
-                    future.result(WAIT)
+                    pager.wait(future)
                 assert record_key(record) not in pager.cpu_cache
             else:
-                assert future.result(WAIT).rank == record.rank
+                assert pager.wait(future).rank == record.rank
                 assert record_key(record) in pager.cpu_cache
         assert len(recorder.batches) == 2 and set(recorder.batches[1]) >= {records[3].ref, gone.ref}
         stats = pager.stats
         assert (stats.disk_reads, stats.load_errors, stats.in_flight) == (len(asked), len(bad), 0)
+
+
+def test_the_owner_decodes_what_the_workers_read(catalog):
+    """`decode_on_owner`: a worker reads a batch and wakes the owner; nothing is decoded, cached
+    or completed until the owner calls `finish_reads`, which completes every load of the batch
+    on the owner's thread (their callbacks run there) with the tensors a worker would decode."""
+    records = [catalog.resolve(f"acme/b{i}") for i in range(COUNT)]
+    recorder = BatchRecorder(catalog)
+    woken = threading.Semaphore(0)
+    with Pager(recorder, CpuCache(1 << 24), FINGERPRINT, workers=1, batch=32) as pager:
+        pager.decode_on_owner(woken.release)
+        futures = queue_behind_first(pager, recorder, records)
+        callback_threads = []
+        for f in futures:
+            f.add_done_callback(lambda _: callback_threads.append(threading.current_thread()))
+        assert woken.acquire(timeout=WAIT) and woken.acquire(timeout=WAIT)  # both batches read
+        assert not any(f.done() for f in futures) and len(pager.cpu_cache) == 0
+        assert pager.finish_reads() == COUNT and pager.finish_reads() == 0
+        assert callback_threads == [threading.current_thread()] * COUNT
+        for i, (record, f) in enumerate(zip(records, futures)):
+            weights = f.result(0)
+            assert all(torch.equal(weights.tensors[n], t) for n, t in expected(i).tensors.items())
+            assert record_key(record) in pager.cpu_cache
+        assert pager.stats.in_flight == 0
+
+        # a blocking wait on the owner's own thread finishes the read itself (warm, pin)
+        catalog.put_revision("acme/late", save_revision(expected(0)))
+        late = pager.wait(pager.fetch(catalog.resolve("acme/late")))
+        assert all(torch.equal(late.tensors[n], t) for n, t in expected(0).tensors.items())
+
+        # close() decodes what was read and not yet finished: no future is left hanging
+        catalog.put_revision("acme/last", save_revision(expected(1)))
+        last = pager.fetch(catalog.resolve("acme/last"))
+        assert woken.acquire(timeout=WAIT) and woken.acquire(timeout=WAIT) and not last.done()
+    assert last.result(0).rank == expected(1).rank
 
 
 def test_single_flight_holds_under_batching(catalog):
