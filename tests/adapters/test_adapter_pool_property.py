@@ -3,7 +3,9 @@
 Hypothesis drives load / acquire / release / evict / pin / unpin with random ranks (some above
 max_rank) and random target sets, against a pool whose byte bound leaves fewer rows than
 `max_slots * max_rank`, so both slot pressure and per-kind row pressure occur. A shadow model
-(refcounts, pins, ranks per kind) predicts exactly when a load must raise PoolFull.
+(refcounts, pins, ranks per kind) predicts exactly when a load must raise PoolFull. A twin pool
+that always takes the full eviction search (no O(1) fast path for the least recently used idle
+adapter) gets the same operations and must end every step holding the same adapters.
 """
 import torch
 from adapter_fakes import make_weights, read_back, tiny_specs
@@ -19,11 +21,19 @@ MAX_SLOTS, MAX_RANK, ROWS = 3, 4, 7
 KEYS = [(f"t/a{i}", "r1") for i in range(6)]
 
 
+class SearchingPool(AdapterPool):
+    """The pool with its eviction fast path off: every load that needs room searches in full."""
+
+    def _make_room(self, key, plan) -> None:
+        self._search_room(key, plan)
+
+
 class PoolWorkload(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         per_row = AdapterPool(SPECS, PoolConfig(max_slots=1, max_rank=1)).bytes_capacity
         self.pool = AdapterPool(SPECS, PoolConfig(MAX_SLOTS, MAX_RANK, max_bytes=ROWS * per_row + 5))
+        self.twin = SearchingPool(SPECS, PoolConfig(MAX_SLOTS, MAX_RANK, max_bytes=ROWS * per_row + 5))
         self.held: list[tuple[tuple[str, str], int]] = []  # (key, slot) per running sequence
         self.pinned: set[tuple[str, str]] = set()
         self.shape: dict[tuple[str, str], tuple[int, set[str]]] = {}  # key -> (rank, kinds)
@@ -46,6 +56,7 @@ class PoolWorkload(RuleBasedStateMachine):
         weights = make_weights(SPECS, rank, sorted(kinds), seed=seed)
         if key in self.pool:
             assert self.pool.load(key, weights) == self.pool.slot_of(key)
+            self.twin.load(key, weights)
             return
         before = set(self.pool.resident())
         if rank > MAX_RANK:
@@ -54,6 +65,10 @@ class PoolWorkload(RuleBasedStateMachine):
                 raise AssertionError("rank above max_rank was accepted")
             except ValueError:
                 return
+        try:
+            self.twin.load(key, weights)
+        except PoolFull:
+            pass
         try:
             slot = self.pool.load(key, weights)
         except PoolFull:
@@ -71,18 +86,21 @@ class PoolWorkload(RuleBasedStateMachine):
     def acquire(self, data):
         key = data.draw(st.sampled_from(self.pool.resident()))
         self.held.append((key, self.pool.acquire(key)))
+        self.twin.acquire(key)
 
     @precondition(lambda self: self.held)
     @rule(data=st.data())
     def release(self, data):
         key, slot = self.held.pop(data.draw(st.integers(0, len(self.held) - 1)))
         self.pool.release(slot)
+        self.twin.release(self.twin.slot_of(key))
 
     @rule(i=st.integers(0, len(KEYS) - 1))
     def evict(self, i):
         key = KEYS[i]
         expected = key in self.pool and key not in self._busy()
         assert self.pool.evict(key) == expected
+        assert self.twin.evict(key) == expected
 
     @precondition(lambda self: self.pool.resident())
     @rule(data=st.data(), pin=st.booleans())
@@ -90,14 +108,17 @@ class PoolWorkload(RuleBasedStateMachine):
         key = data.draw(st.sampled_from(self.pool.resident()))
         if pin:
             self.pool.pin(key)
+            self.twin.pin(key)
             self.pinned.add(key)
         else:
             self.pool.unpin(key)
+            self.twin.unpin(key)
             self.pinned.discard(key)
 
     @invariant()
     def bounds_hold_and_busy_adapters_stay(self):
         self.pool.check_invariants()
+        assert sorted(self.pool.resident()) == sorted(self.twin.resident()), "the fast path evicted otherwise"
         stats = self.pool.stats
         assert stats.resident_adapters <= MAX_SLOTS
         assert stats.bytes_used <= stats.bytes_capacity <= self.pool.config.max_bytes
