@@ -207,6 +207,8 @@ def sweep(args, model: str) -> None:
           f"API process {at(anon, 0.1):.0f} / {at(anon, 0.9):.0f} (files {at(files, 0.1):.0f} / {at(files, 0.9):.0f}), "
           f"engine core {at(core_anon, 0.1):.0f} / {at(core_anon, 0.9):.0f} "
           f"(files {at(core_files, 0.1):.0f} / {at(core_files, 0.9):.0f})")
+    print("engine core anonymous RSS MiB at each tenth of the run: "
+          + " ".join(f"{at(core_anon, q / 10):.0f}" for q in range(1, 10)))
     print(f"report: {rep['report_html']}")
     if profilers:
         print_profile(Path(args.profile))
