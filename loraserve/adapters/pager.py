@@ -152,13 +152,14 @@ class Pager:
         (each read batch is finished once); with `decode_on_owner` the owner calls it between
         steps, else there is never anything to finish."""
         finished = 0
-        while True:
+        while self._read:  # unlocked peek: a step with nothing read takes no lock
             with self._lock:
                 if not self._read:
                     return finished
                 start, batch = self._read.popleft()
             self._complete(start, batch)
             finished += len(batch)
+        return finished
 
     def wait(self, future: Future):
         """`future.result()` for a fetch of this pager: a caller that would block on it (warm,

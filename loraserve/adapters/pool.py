@@ -335,12 +335,7 @@ class AdapterPool:
         self._free_slots.append(entry.slot)
         for kind, rows in entry.rows.items():
             self._free_rows[kind].extend(reversed(rows))
-            if self._on_cpu:
-                self._ranks_np[kind][entry.slot] = 0
-                self._table_np[kind][entry.slot] = 0
-            else:
-                self.ranks[kind][entry.slot] = 0
-                self.row_table[kind][entry.slot].zero_()
+            self._set_rows(kind, entry.slot, [])
         self._stats.evictions += 1
 
     def _copy_in(self, slot: int, rows: dict[str, list[int]], plan: LoadPlan) -> None:
@@ -378,12 +373,20 @@ class AdapterPool:
                     else:
                         A.index_copy_(0, idx, a.to(dev, dtype, non_blocking=True))
                         B.index_copy_(0, idx, b.to(dev, dtype, non_blocking=True))
-            if self._on_cpu:
-                self._table_np[kind][slot, : plan.rank] = kind_rows
-                self._ranks_np[kind][slot] = plan.rank
-            else:
-                self.row_table[kind][slot, : plan.rank] = idx.to(torch.int32)
-                self.ranks[kind][slot] = plan.rank
+            self._set_rows(kind, slot, kind_rows, idx)
+
+    def _set_rows(self, kind: str, slot: int, rows: list[int], idx: torch.Tensor | None = None) -> None:
+        """Slot `slot` owns `rows` of `kind` (none: it holds no LoRA there). On the CPU through the
+        numpy views; elsewhere `idx` is `rows` as a device tensor when there are any."""
+        if self._on_cpu:
+            self._table_np[kind][slot] = 0
+            self._table_np[kind][slot, : len(rows)] = rows
+            self._ranks_np[kind][slot] = len(rows)
+        else:
+            self.row_table[kind][slot].zero_()
+            if rows:
+                self.row_table[kind][slot, : len(rows)] = idx.to(torch.int32)
+            self.ranks[kind][slot] = len(rows)
 
     def _stacked(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """parts stacked on the pool's device, in its dtype. Off the CPU each goes over first:
