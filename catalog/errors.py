@@ -60,6 +60,11 @@ class NonFiniteWeights(ExportError):
     """An adapter tensor holds NaN or Inf (as given, or after scaling); the message names the tensor."""
 
 
+class FactorsTooLarge(ExportError):
+    """An adapter's LoRA factors can scale an activation past what its dtype holds (`bounds`):
+    finite, yet able to overflow; the message names the target and the bound."""
+
+
 class SourceForbidden(CatalogError):
     """An adapter file resolves outside the allowed root (the message never says whether it exists)."""
 

@@ -1,8 +1,8 @@
 """Put trained adapters into a catalog: a PEFT directory, or a blob made by `loraserve export`.
 
 Everything is checked before anything is written: the export (shapes against the base, finite
-values), then the caller's `admit(rank, targets)` (e.g. the serving pool's limits), and only
-then one catalog transaction. A refused import leaves the catalog as it was.
+values, factors that cannot overflow the serving dtype: `bounds`), then the caller's
+`admit(rank, targets)` (e.g. the serving pool's limits), and only then one catalog transaction. A refused import leaves the catalog as it was.
 """
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Callable
 
 from .base import BaseInfo
+from .bounds import check_servable
+from .dtypes import dtype_name
 from .errors import BaseMismatch, ExportError
 from .export import check_finite, export_peft
 from .format import read_adapter_meta
@@ -47,6 +49,7 @@ def adapter_blob(source: str | Path | AdapterSource, base: BaseInfo, dtype: str 
             if path not in base.modules:
                 raise ExportError(f"{source}: {name} targets {path!r}, which the base does not have")
         check_finite(weights.tensors, f" in {source}")
+        check_servable(weights.tensors, dtype_name(weights.dtype), what=f" in {source}")
         return blob
     raise ExportError(f"{source}: no such PEFT directory or adapter file")
 

@@ -16,6 +16,7 @@ import orjson
 import safetensors.torch
 import torch
 
+from .bounds import GainPlan, as_float32, check_servable, gain_limit
 from .dtypes import DTYPES_BY_NAME, dtype_name, name_of_code, torch_dtype
 from .errors import CorruptBlob
 from .format import FORMAT, canonical_blob, check_adapter_meta, read_header
@@ -88,17 +89,25 @@ class AdapterWeights:
         }
 
 
-def save_revision(weights: AdapterWeights) -> bytes:
-    """Serialize to one safetensors blob (tensors made contiguous); equal weights give equal bytes."""
+def save_revision(weights: AdapterWeights, *, check: bool = True) -> bytes:
+    """Serialize to one safetensors blob (tensors made contiguous); equal weights give equal bytes.
+
+    Every writer's way to a blob, so it refuses what no engine may serve (`bounds.check_servable`:
+    NaN, Inf, or factors that can overflow the dtype). `check=False` only for tests that need such
+    a blob to prove the other entries refuse it."""
     check_layout(weights)
+    if check:
+        check_servable(weights.tensors, dtype_name(weights.dtype))
     tensors = {k: v.contiguous() for k, v in weights.tensors.items()}
     return canonical_blob(safetensors.torch.save(tensors, metadata=weights.meta))
 
 
 def load_revision(blob: bytes | bytearray | memoryview, *, what: str = "adapter blob",
-                  finite: bool = False) -> AdapterWeights:
+                  finite: bool = False, compute_dtype: str | None = None) -> AdapterWeights:
     """Parse a revision blob (safetensors only, never pickle); CorruptBlob (naming `what`) if it
-    is malformed, or with `finite` if a value is NaN or Inf.
+    is malformed, or with `finite` if a value is NaN or Inf; with `finite`, also FactorsTooLarge
+    (400) if its factors can overflow its dtype or `compute_dtype` (`bounds`: the check export and
+    import make, here on the flat data region in a few numpy calls, `bounds.GainPlan`).
 
     Every tensor is a view into one writable buffer, so a blob is copied at most once: a
     `bytearray` is used as it is (the caller hands it over: the tensors share its memory; this is
@@ -131,19 +140,36 @@ def load_revision(blob: bytes | bytearray | memoryview, *, what: str = "adapter 
             weights = AdapterWeights(base_fingerprint=meta["base_fingerprint"], rank=meta["rank"],
                                      targets=meta["targets"], dtype=torch_dtype(meta["dtype"]),
                                      tensors=tensors, source=meta["source"])
+            layout = _Layout.of(flat, tensors, len(buf) - start)
             if key is not None:
-                _LAYOUTS.put(key, _Layout.of(flat, tensors, len(buf) - start))
+                _LAYOUTS.put(key, layout)
         else:
             flat, tensors = layout.views(buf, start)
             weights = _checked_weights(meta, layout.dtype, tensors)
-        if finite and not _all_finite(buf, start, meta["dtype"]):
-            base = flat.storage_offset()
-            bad = next(n for n, t in tensors.items() if not _all_finite(
-                buf, start, meta["dtype"], t.storage_offset() - base, t.numel()))
-            raise ValueError(f"tensor {bad} holds NaN or Inf; it is not served")
+        if finite:
+            _check_values(buf, start, meta["dtype"], flat, tensors, layout.gains, compute_dtype, what)
         return weights
     except (ValueError, RuntimeError) as e:
         raise CorruptBlob(f"{what}: {e}") from None
+
+
+def _check_values(buf: bytearray, start: int, dtype: str, flat: torch.Tensor, tensors: dict,
+                  plan: GainPlan, compute_dtype: str | None, what: str) -> None:
+    """The page-in's value check: the gain over the whole data region at once; only a blob that
+    fails it pays for finding the tensor (NaN/Inf: ValueError, a corrupt blob) or the target
+    (finite but too large: FactorsTooLarge) to name."""
+    int_type = _EXPONENT_BITS[dtype][0]
+    raw = np.frombuffer(buf, dtype=np.float32 if dtype == "float32" else int_type, offset=start)
+    if dtype == "float16":
+        raw = raw.view(np.float16)
+    if plan.gain(as_float32(raw, dtype)) <= gain_limit(dtype, compute_dtype or dtype):
+        return
+    if not _all_finite(buf, start, dtype):
+        base = flat.storage_offset()
+        bad = next(n for n, t in tensors.items() if not _all_finite(
+            buf, start, dtype, t.storage_offset() - base, t.numel()))
+        raise ValueError(f"tensor {bad} holds NaN or Inf; it is not served")
+    check_servable(tensors, dtype, compute_dtype, f" ({what})")
 
 
 def _checked_weights(meta: dict, dtype: torch.dtype, tensors: dict[str, torch.Tensor]) -> AdapterWeights:
@@ -163,12 +189,14 @@ class _Layout:
     dtype: torch.dtype
     data_bytes: int
     tensors: tuple[tuple[str, tuple[int, ...], tuple[int, ...], int], ...]
+    gains: GainPlan  # the table's value check (`bounds.GainPlan`), planned once with the rest
 
     @classmethod
     def of(cls, flat: torch.Tensor, tensors: dict[str, torch.Tensor], data_bytes: int) -> _Layout:
         base = flat.storage_offset()
-        return cls(flat.dtype, data_bytes, tuple(
-            (name, tuple(t.shape), t.stride(), t.storage_offset() - base) for name, t in tensors.items()))
+        table = tuple((name, tuple(t.shape), t.stride(), t.storage_offset() - base)
+                      for name, t in tensors.items())
+        return cls(flat.dtype, data_bytes, table, GainPlan([(n, s, o) for n, s, _, o in table]))
 
     def views(self, buf: bytearray, start: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The flat data region of `buf` and its tensors, as `_tensor_views` makes them."""

@@ -1,7 +1,8 @@
 """`loraserve catalog audit`: sample adapters over every shard and check each one end to end.
 
 Per sampled adapter (its promoted revision): the blob is read through the checksum
-(`Catalog.read_blob`), the record's and the blob's base fingerprints must equal the base's,
+(`Catalog.read_blob`), the record's and the blob's base fingerprints must equal the base's, its
+factors must pass the check every entry makes (`catalog.bounds`: finite, unable to overflow),
 and every target is run through the engine's own LoRA path (the adapter paged into an
 `AdapterPool` by the engine's loader, then the engine's `LoRALinear` / `LoRAExpertLinear` wrappers
 around the base weight, torch backend) on random inputs, compared with `x @ (W + B·A)^T` computed
@@ -16,6 +17,8 @@ from pathlib import Path
 import torch
 
 from loraserve.catalog.base import BaseInfo
+from loraserve.catalog.bounds import check_servable
+from loraserve.catalog.dtypes import dtype_name
 from loraserve.catalog.baseweights import load_module_weight
 from loraserve.catalog.errors import CatalogError
 from loraserve.catalog.targets import EXPERT_KINDS, module_path, parse_module_path, parse_tensor_name, tensor_names
@@ -153,6 +156,8 @@ class Auditor:
             record = catalog.resolve(adapter_id)
             weights = load_revision(catalog.read_blob(record))
             _check_fingerprint(record, weights.base_fingerprint, self.base.fingerprint)
+            # the check every entry makes (export, import, runtime load, page-in): one rule
+            check_servable(weights.tensors, dtype_name(weights.dtype), what=f" ({record.ref})")
             err = 0.0
             modules = adapter_modules(weights)
             unknown = [module_path(*m) for m in modules if module_path(*m) not in self.base.modules]

@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future
 from typing import Callable
 
@@ -31,6 +31,17 @@ from .pool import AdapterPool, PoolFull, PoolLimits
 from .weights import AdapterKey
 
 log = logging.getLogger(__name__)
+
+
+MAX_QUARANTINED = 4096
+
+
+class RevisionQuarantined(RuntimeError):
+    """A revision whose numbers went non-finite in this engine: failed, never admitted again."""
+
+    status = 500
+    code = "revision_quarantined"
+    param = "model"
 
 
 class AdapterNotServable(ValueError):
@@ -117,6 +128,10 @@ class AdapterManager:
         self._fetching: dict[AdapterKey, RevisionRecord] = {}  # engine thread only: page-ins asked
         self.page_ins = PageIns()  # (key, weights, error) of finished loads
         self.notify: Callable[[], None] = lambda: None  # wakes the engine thread (set by its owner)
+        # engine thread only: revisions whose numbers went non-finite in a step -> why; never
+        # admitted again by this engine (bounded: the oldest are forgotten, and the page-in's
+        # factor check refuses most such revisions before they run at all)
+        self.quarantined: OrderedDict[AdapterKey, str] = OrderedDict()
 
     # -- any thread: catalog reads ---------------------------------------------------------------
     def resolve(self, ref: str) -> RevisionRecord:
@@ -231,6 +246,27 @@ class AdapterManager:
         for key in [k for k in self._staged if k[0] == adapter_id]:
             del self._staged[key]
         return evicted
+
+    def quarantine(self, key: AdapterKey, why: str) -> None:
+        """Never admit revision `key` again: its weights leave the staged set, the CPU tier and,
+        once no running sequence holds it, the device pool (an in-use entry is dropped by the
+        pool when its last sequence ends; `is_ready` and admission check the quarantine first)."""
+        if key in self.quarantined:
+            return
+        log.error("adapter %s@%s quarantined: %s", key[0], key[1], why)
+        self.quarantined[key] = why
+        while len(self.quarantined) > MAX_QUARANTINED:
+            self.quarantined.popitem(last=False)
+        self._staged.pop(key, None)
+        self.cpu_cache.discard(key)
+        self.pool.unpin(key)
+        self.pool.evict(key)
+
+    def check_servable(self, key: AdapterKey) -> None:
+        """RevisionQuarantined (500) if key is quarantined."""
+        why = self.quarantined.get(key)
+        if why is not None:
+            raise RevisionQuarantined(f"adapter {key[0]}@{key[1]} is quarantined and not served: {why}")
 
     def close(self) -> None:
         """Stop the pager, then close the catalog (the manager owns both)."""

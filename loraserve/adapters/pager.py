@@ -74,7 +74,7 @@ class Pager:
     """
 
     def __init__(self, catalog, cpu_cache: CpuCache, base_fingerprint: str, *, workers: int = 4,
-                 batch: int = 16):
+                 batch: int = 16, compute_dtype: str | None = None):
         if workers < 1:
             raise ValueError(f"pager workers must be >= 1, got {workers}")
         if batch < 1:
@@ -84,6 +84,7 @@ class Pager:
         self.catalog = catalog
         self.cpu_cache = cpu_cache
         self.base_fingerprint = base_fingerprint
+        self.compute_dtype = compute_dtype  # the engine's dtype: factors must not overflow it either
         self.workers = workers
         self.batch = batch
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loraserve-pager")
@@ -256,11 +257,13 @@ class Pager:
                 self._finish(load, start, error=exc)
 
     def _decode(self, record: RevisionRecord, blob: bytearray):
-        """A verified blob -> weights whose tensors share its memory, checked for this base and
-        for finite values (BaseMismatch / CorruptBlob). Every entry (export, import, runtime load)
-        refuses NaN/Inf already; the check here catches a blob changed behind their back, once per
-        page-in, before the weights can reach the CPU cache or the device pool."""
-        weights = load_revision(blob, what=f"adapter {record.ref}", finite=True)
+        """A verified blob -> weights whose tensors share its memory, checked for this base, for
+        finite values and for factors that cannot overflow the engine's dtype (BaseMismatch /
+        CorruptBlob / FactorsTooLarge: `catalog.bounds`). Every entry (export, import, runtime
+        load) makes the same check; the one here catches a revision stored before it existed or
+        changed behind their back, once per page-in, before it can reach the CPU cache or the pool."""
+        weights = load_revision(blob, what=f"adapter {record.ref}", finite=True,
+                                compute_dtype=self.compute_dtype)
         self._check_base(record.ref, weights.base_fingerprint)
         return weights
 

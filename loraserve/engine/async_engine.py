@@ -61,7 +61,10 @@ class AsyncEngine(EngineFrontend):
         return self.engine.snapshot
 
     def residency(self, key: tuple[str, str]) -> str:
-        """Where a revision is: gpu (device pool), cpu (CPU cache) or disk."""
+        """Where a revision is: gpu (device pool), cpu (CPU cache) or disk; or quarantined
+        (its numbers went non-finite: never served again by this engine)."""
+        if self.engine.snapshot.quarantine_reason(key) is not None:
+            return "quarantined"
         if key in self.engine.snapshot.resident:
             return "gpu"
         mgr = self.engine.adapters

@@ -12,15 +12,35 @@ import torch.nn.functional as F
 
 
 class KVCache:
-    """k, v: [L, num_blocks * block_size, Hkv, D] each (blocks flattened into token slots)."""
+    """k, v: [L, (num_blocks + 1) * block_size, Hkv, D] each (blocks flattened into token slots).
+
+    The block after the `num_blocks` the caller hands out is the *null block*: zeros, never
+    written. Every padded or masked context position reads it (`null_slot`), never a slot of a
+    real block. A mask keeps such positions out of the softmax, but SDPA still multiplies their
+    V by a zero weight, and 0 * Inf is NaN: had padding read a real block, a sequence that wrote
+    Inf into its K/V (an adapter with huge factors) would turn its batch neighbours' outputs to
+    NaN, and go on doing so from the cache after it ended. With the null block, a sequence reads
+    only its own slots and zeros.
+    """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device):
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        shape = (num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads  # a plain int: static even where cache dims are symbolic
+        self.null_block = num_blocks
+        self.null_slot = num_blocks * block_size
+
+    def scrub(self, blocks: list[int]) -> None:
+        """Zero `blocks` in every layer: a failed sequence's K/V never meet a later owner."""
+        if not blocks:
+            return
+        bs = self.block_size
+        slots = (torch.tensor(blocks)[:, None] * bs + torch.arange(bs)).flatten().to(self.k.device)
+        self.k.index_fill_(1, slots, 0)
+        self.v.index_fill_(1, slots, 0)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -41,7 +61,7 @@ class PagedAttention:
     slot_mapping: torch.Tensor   # [N] int64: cache slot each new token's K/V goes to
     q_index: torch.Tensor        # [B * Q] int64: flattened token row of each padded query (pads -> 0)
     q_valid_pos: torch.Tensor    # [N] int64: position in the [B * Q] padded queries of token row n
-    kv_index: torch.Tensor       # [B * C] int64: cache slot of each context position (pads -> 0)
+    kv_index: torch.Tensor       # [B * C] int64: cache slot of each context position (pads -> null)
     mask: torch.Tensor           # [B, 1, Q, C] bool: True = may attend
     shape: tuple[int, int, int]  # B, Q, C
     single_query: bool           # Q == 1: every sequence brings one token (decode)
@@ -97,10 +117,12 @@ class PagedAttention:
                 raise ValueError(f"context {context} is shorter than the step's longest ({C})")
             C = context
         width = max(max(len(t) for t in block_tables), -(-C // bs))
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])   # [B, blocks]
+        null = cache.null_block
+        tables = torch.tensor([t + [null] * (width - len(t)) for t in block_tables])  # [B, blocks]
         pos = torch.arange(C)
         kv_index = tables[:, pos // bs] * bs + pos % bs                               # [B, C]
-        kv_index = kv_index.masked_fill(pos[None, :] >= end_t[:, None], 0)
+        # positions past a sequence's end read the null block (zeros), never a real block
+        kv_index = kv_index.masked_fill(pos[None, :] >= end_t[:, None], cache.null_slot)
         qi = torch.arange(Q)
         q_valid = qi[None, :] < q_len[:, None]                                        # [B, Q]
         row0 = torch.cumsum(q_len, 0) - q_len

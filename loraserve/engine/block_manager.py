@@ -104,6 +104,18 @@ class BlockManager:
         seq.num_cached = 0
         seq.num_registered = 0
 
+    def discard(self, seq: Sequence) -> list[int]:
+        """Free seq's blocks as `free` does, but first take every one of them out of the prefix
+        cache, so no later sequence finds what seq wrote (a sequence whose numbers went
+        non-finite). Returns the blocks now referenced by nobody, for the caller to scrub."""
+        for block in seq.block_table:
+            key = self._key_of.pop(block, None)
+            if key is not None:
+                del self._block_of[key]
+        orphans = [block for block in seq.block_table if self._refs[block] == 1]
+        self.free(seq)
+        return orphans
+
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:
         """Assert the books balance against the live sequences `seqs` (tests): every block is
         exactly one of free, idle (cached, unreferenced) or referenced, with the right count."""

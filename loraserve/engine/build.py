@@ -73,7 +73,8 @@ def _enable_lora(engine: LLMEngine, cfg: EngineConfig) -> None:
     catalog = Catalog.open(cfg.catalog_dir, readonly=cfg.catalog_readonly)
     fingerprint = base_fingerprint(cfg.model_dir)
     cpu_cache = CpuCache(cfg.cpu_cache_mb * 2**20, pin_memory=engine.device.type == "cuda")
-    pager = Pager(catalog, cpu_cache, fingerprint, workers=cfg.pager_workers, batch=cfg.pager_batch)
+    pager = Pager(catalog, cpu_cache, fingerprint, workers=cfg.pager_workers, batch=cfg.pager_batch,
+                  compute_dtype=str(engine.dtype).removeprefix("torch."))
     manager = AdapterManager(catalog, pool, cpu_cache, pager, fingerprint)
     manager.decode_on_engine_thread()
     state = LoRAState(pool, kernels.resolve_backend(cfg.lora_backend, engine.device), engine.device)

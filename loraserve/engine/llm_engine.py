@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from ..adapters.manager import RevisionQuarantined
 from ..model.config import ModelConfig
 from ..model.loader import load_model, resolve_dtype
 from ..model.prepack import can_prepack, outgrows_last_level_cache, prepack_linears
@@ -143,8 +144,10 @@ class LLMEngine:
     def add_sequence(self, seq: Sequence) -> None:
         if seq.request_id in self.seqs:
             raise EngineError(f"duplicate request id {seq.request_id!r}")
-        self.seqs[seq.request_id] = seq
         key = seq.adapter_key
+        if key is not None:
+            self.adapters.check_servable(key)  # a quarantined revision: this request fails alone
+        self.seqs[seq.request_id] = seq
         if key is None or self.adapters.is_ready(key):
             self.scheduler.add(seq)
             return
@@ -203,6 +206,7 @@ class LLMEngine:
         self.last_batch_size = len(seqs)
         if seqs:
             seqs, result = self._run(seqs, is_prefill, outs)
+            seqs, result = self._screen(seqs, result, outs)
             if seqs:
                 self._advance(seqs, result, outs)
                 self._sample(seqs, result, outs)
@@ -252,6 +256,47 @@ class LLMEngine:
         prompt = {**lres.prompt_logits, **{len(left) + b: v for b, v in rres.prompt_logits.items()}}
         return left + right, StepResult(is_prefill, torch.cat([lres.last_logits, rres.last_logits]),
                                         prompt)
+
+    def _screen(self, seqs: list[Sequence], result: StepResult,
+                outs: list[RequestOutput]) -> tuple[list[Sequence], StepResult]:
+        """Numbers never cross sequences, and a sequence whose numbers went NaN or Inf this step
+        fails here, alone, before anything samples from them (`_fail_non_finite`). Padding reads
+        only the KV cache's null block (`attention.KVCache`), so a sequence's logits are non-finite
+        only through its own weights, tokens or K/V. One reduction of the step's logits to a sum
+        per row and one host sync: a NaN or Inf anywhere in a row makes its sum so."""
+        if not seqs:
+            return seqs, result
+        bad = set(torch.nonzero(~torch.isfinite(result.last_logits.sum(dim=-1))).flatten().tolist())
+        bad |= {b for b, v in result.prompt_logits.items() if not bool(torch.isfinite(v.sum()))}
+        if not bad:
+            return seqs, result
+        keep = [i for i in range(len(seqs)) if i not in bad]
+        for i in sorted(bad):
+            self._fail_non_finite(seqs[i], outs)
+        prompt = {j: result.prompt_logits[i] for j, i in enumerate(keep) if i in result.prompt_logits}
+        return [seqs[i] for i in keep], StepResult(result.is_prefill, result.last_logits[keep], prompt)
+
+    def _fail_non_finite(self, seq: Sequence, outs: list[RequestOutput]) -> None:
+        """End seq, whose logits went non-finite: the KV blocks it wrote leave the prefix cache
+        and are zeroed before anyone else can own them, and its revision is quarantined (never
+        admitted again by this engine; the snapshot and `/v1/adapters/{id}` show it): requests
+        for it not yet admitted fail now rather than wait for ever."""
+        key = seq.adapter_key
+        what = f"adapter {key[0]}@{key[1]}" if key is not None else "the base model"
+        log.error("request %s: non-finite logits on %s", seq.request_id, what)
+        self.cache.scrub(self.blocks.discard(seq))
+        why = ""
+        if key is not None:
+            self.adapters.quarantine(key, f"non-finite logits in request {seq.request_id}")
+            why = "; the revision is quarantined and no longer served"
+        outs.append(self._fail(seq, EngineError(
+            f"the model's output went non-finite (NaN or Inf) on {what}{why}",
+            status=500, code="non_finite_output", param="model" if key is not None else None)))
+        if key is None:
+            return
+        for other in [s for s in self.seqs.values() if s.adapter_key == key and s.slot < 0]:
+            outs.append(self._fail(other, RevisionQuarantined(
+                f"adapter {key[0]}@{key[1]} is quarantined and not served: {self.adapters.quarantined[key]}")))
 
     def _advance(self, seqs: list[Sequence], result: StepResult, outs: list[RequestOutput]) -> None:
         """The step's tokens are in the KV cache: move each sequence on and record its blocks."""
@@ -352,6 +397,8 @@ class LLMEngine:
             page_in_samples=tuple((x.name, x.labels, x.value) for m in mgr.pager.page_in_seconds.collect()
                                   for x in m.samples) if mgr is not None else (),
             max_lora=pool.config.max_slots if pool is not None else 0, num_kv_blocks=b.num_blocks,
+            quarantined=tuple((aid, rev, why) for (aid, rev), why in mgr.quarantined.items())
+            if mgr is not None else (),
             published=now)
 
     def stats(self) -> dict:

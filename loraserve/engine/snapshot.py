@@ -33,6 +33,7 @@ class EngineSnapshot:
     page_in_samples: tuple = ()           # (name, labels, value) of the page-in histogram
     max_lora: int = 0                     # device pool slots
     num_kv_blocks: int = 0                # KV cache blocks (vllm:cache_config_info)
+    quarantined: tuple[tuple[str, str, str], ...] = ()  # (adapter_id, revision, why): never served again
     published: float = 0.0                # time.monotonic() of publication
 
     def stats(self) -> dict:
@@ -40,6 +41,10 @@ class EngineSnapshot:
         return {"running": self.running, "waiting": self.waiting, "parked": self.parked,
                 "batch_size": self.batch_size, "kv_usage": self.kv_usage,
                 "preemptions": self.preemptions, "prefix_cache_hit_rate": self.prefix_cache_hit_rate}
+
+    def quarantine_reason(self, key: AdapterKey) -> str | None:
+        """Why revision `key` is quarantined (its numbers went non-finite), None if it is not."""
+        return next((why for aid, rev, why in self.quarantined if (aid, rev) == key), None)
 
     def resident_ids(self) -> list[str]:
         return sorted({aid for aid, _ in self.resident})

@@ -21,10 +21,22 @@ prompt logprobs, finish reason, prompt and output token counts, adapter revision
 the core its text is always "" (one byte): the API server's `OutputProcessor` detokenizes the
 token ids and applies stop strings; the same layout carries finished text deltas between Ray
 Serve replicas and their ingress.
+
+The heartbeat does not travel on the socket: it is two `time.monotonic()` readings the core
+writes into a small array shared with the API server (`heartbeat_slots`; both processes read the
+same monotonic clock: a Unix socket pair puts them on one host). `ALIVE` is written every
+heartbeat interval by a thread of the core (the process runs: not stopped, not starved of the
+GIL); `PROGRESS` by the core's loop itself at the start of each turn, and `LOOP_WAITING` while
+the loop blocks waiting for a command (waiting is not being stuck, however long it lasts). The API
+server reads them when it likes, so a beat is never queued behind step messages nor read late,
+and a long step that the beat thread sees running is told apart from a stopped process
+(`CoreClient`'s supervisor: /ready 503 when ALIVE goes stale, the core stalled when neither
+slot has moved for the engine timeout).
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import msgpack
 
@@ -34,6 +46,17 @@ from .snapshot import EngineSnapshot
 from .types import EngineError, GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+ALIVE, PROGRESS = 0, 1  # the heartbeat slots (see above)
+LOOP_WAITING = -1.0     # PROGRESS while the core's loop waits for a command
+
+
+def heartbeat_slots(ctx):
+    """A new pair of heartbeat slots in memory shared with a process `ctx` (a multiprocessing
+    context) starts: doubles, both set to now."""
+    slots = ctx.RawArray("d", 2)
+    slots[ALIVE] = slots[PROGRESS] = time.monotonic()
+    return slots
 
 
 def pack(message: list) -> bytes:
@@ -114,6 +137,7 @@ def snapshot_to_wire(s: EngineSnapshot) -> dict:
     d["cpu_cache"] = None if s.cpu_cache is None else dataclasses.asdict(s.cpu_cache)
     d["pager"] = None if s.pager is None else dataclasses.asdict(s.pager)
     d["page_in_samples"] = [list(x) for x in s.page_in_samples]
+    d["quarantined"] = [list(x) for x in s.quarantined]
     return d
 
 
@@ -127,4 +151,5 @@ def snapshot_from_wire(d: dict, pool_stats, cache_stats, pager_stats) -> EngineS
     d["cpu_cache"] = None if d["cpu_cache"] is None else cache_stats(**d["cpu_cache"])
     d["pager"] = None if d["pager"] is None else pager_stats(**d["pager"])
     d["page_in_samples"] = tuple(tuple(x) for x in d["page_in_samples"])
+    d["quarantined"] = tuple(tuple(x) for x in d.get("quarantined", ()))
     return EngineSnapshot(**d)

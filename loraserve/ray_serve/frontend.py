@@ -127,6 +127,8 @@ class RayEngineFrontend:
     def residency(self, key: tuple[str, str]) -> str:
         """Blocking: gpu when a replica holds the revision in its device pool; else what the
         replica Serve routes the adapter to says (cpu or disk)."""
+        if any(s.quarantine_reason(key) is not None for s in self.board.live().values()):
+            return "quarantined"
         if any(key in s.resident for s in self.board.live().values()):
             return "gpu"
         handle = self.replicas.options(multiplexed_model_id=key[0])

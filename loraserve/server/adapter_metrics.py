@@ -9,7 +9,7 @@ Names (stable; `loraserve loadtest` scrapes the hit counters):
   loraserve_adapter_evictions_total{tier}, loraserve_adapter_resident{tier},
   loraserve_adapter_resident_bytes{tier}, loraserve_adapter_capacity_bytes{tier},
   loraserve_adapter_disk_reads_total, loraserve_adapter_page_in_seconds{source} (histogram),
-  loraserve_parked_requests, loraserve_catalog_shards_degraded.
+  loraserve_parked_requests, loraserve_adapter_quarantined, loraserve_catalog_shards_degraded.
 vLLM's `vllm:lora_requests_info`, which gateways route by, is router_metrics.py's (every engine).
 Behind a facade over several engine replicas (Ray Serve) every series but the catalog's carries
 a `replica` label.
@@ -53,12 +53,17 @@ class AdapterCollector(Collector):
                                     labels=extra)
         parked = GaugeMetricFamily("loraserve_parked_requests", "Requests waiting for their adapter to page in",
                                    labels=extra)
+        quarantined = GaugeMetricFamily(
+            "loraserve_adapter_quarantined", "Adapter revisions quarantined: their numbers went non-finite "
+            "in a step, so the engine never serves them again", labels=extra)
         for labels, snap in snaps:
             reads.add_metric(list(labels.values()), snap.pager.disk_reads)
             parked.add_metric(list(labels.values()), snap.parked)
+            quarantined.add_metric(list(labels.values()), len(snap.quarantined))
         yield reads
         yield _page_in_histogram(snaps)
         yield parked
+        yield quarantined
 
 
 def _tiers(snap) -> dict[str, tuple]:

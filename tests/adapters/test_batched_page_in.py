@@ -13,7 +13,7 @@ import pytest
 import torch
 from adapter_fakes import FINGERPRINT, make_weights, tiny_specs
 
-from loraserve.catalog.errors import BaseMismatch, CorruptBlob, ShardUnavailable
+from loraserve.catalog.errors import BaseMismatch, CorruptBlob, FactorsTooLarge, ShardUnavailable
 from loraserve.catalog.layout import load_revision, save_revision
 from loraserve.catalog.safetensors_header import PREFIX
 from loraserve.catalog.store import Catalog
@@ -151,7 +151,7 @@ def test_a_bad_revision_in_a_batch_fails_only_its_own_future(catalog, owner_deco
     foreign = dataclasses.replace(catalog.resolve("acme/foreign"), base_fingerprint=FINGERPRINT)
     nan = make_weights(SPECS, 2, seed=7)
     nan.tensors[next(iter(nan.tensors))][0, 0] = float("inf")
-    catalog.put_revision("acme/inf", save_revision(nan))
+    catalog.put_revision("acme/inf", save_revision(nan, check=False))
     gone = dataclasses.replace(records[5], revision="r9")
     asked = [records[0], *records[1:3], records[3], foreign, records[4], catalog.resolve("acme/inf"), gone,
              *records[5:]]
@@ -429,13 +429,17 @@ def test_page_ins_lose_no_wake_up_between_threads():
 def test_the_finiteness_check_reads_exponent_bits_of_every_serving_dtype(dtype, bad):
     """The page-in's finiteness check (numpy, on the raw bits: no torch op and so no OpenMP team
     on a pager thread) catches NaN and +-Inf in every serving dtype, names the tensor, and
-    passes the largest finite values and subnormals."""
+    passes subnormals; the dtype's largest finite value is finite, but a factor holding it can
+    overflow (`catalog.bounds`): refused too, naming the target."""
     weights = make_weights(SPECS, 2, seed=7, dtype=dtype)
     names = list(weights.tensors)
     edge = weights.tensors[names[0]]
-    edge.view(-1)[0] = torch.finfo(dtype).max
     edge.view(-1)[1] = torch.finfo(dtype).tiny / 4  # subnormal
     assert load_revision(bytearray(save_revision(weights)), finite=True).tensors[names[0]].isfinite().all()
+    edge.view(-1)[0] = torch.finfo(dtype).max
+    with pytest.raises(FactorsTooLarge, match=names[0].rpartition(".")[0]):
+        load_revision(bytearray(save_revision(weights, check=False)), finite=True)
+    edge.view(-1)[0] = 0
     weights.tensors[names[-1]].view(-1)[-1] = bad
     with pytest.raises(CorruptBlob, match=rf"tensor {names[-1]} holds NaN or Inf"):
-        load_revision(bytearray(save_revision(weights)), finite=True)
+        load_revision(bytearray(save_revision(weights, check=False)), finite=True)

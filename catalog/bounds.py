@@ -1,0 +1,141 @@
+"""What an adapter's factors can do to the numbers they touch: the one check every entry makes.
+
+A LoRA target adds `B @ (A @ x)` to a module's output. Over any input, the largest value that
+delta can take is bounded by the factors' infinity norms (largest absolute row sum):
+
+    max|B A x| <= gain * max|x|,   gain = ||B||_inf * ||A||_inf
+
+(per expert for packed MoE factors; the adapter's gain is the largest of its targets'). NaN or
+Inf in a factor makes the gain NaN or Inf, so one number answers both "is it finite" and "can it
+overflow". A revision is servable in a compute dtype when its gain stays under that dtype's
+limit (`GAIN_LIMITS`):
+
+- float32 and bfloat16 (8 exponent bits): an input of 1e4, beyond any hidden-state outlier of
+  the model families served, times a gain of 1e15 stays below 1e19, whose square (RMSNorm squares
+  the residual stream) still fits in float32 summed over any hidden size up to 3e18.
+- float16: an input of 64 times a gain of 1e3 stays a factor of two below float16's largest value.
+
+Ordinary adapters have gains of 0.01-100; `catalog audit` used to find the rest (`error inf`)
+only after they were served. Export and import (`save_revision`, every writer's path), a runtime
+load, and every page-in (`layout.load_revision(..., compute_dtype=...)`) run this same check, so
+a revision refused at one entry is refused at all of them.
+
+numpy, not torch: page-ins decode on the engine thread between steps and pager threads must not
+start OpenMP teams of their own (see `layout._all_finite`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import FactorsTooLarge, NonFiniteWeights
+from .targets import module_path, parse_tensor_name, tensor_names
+
+GAIN_LIMITS = {"float32": 1e15, "bfloat16": 1e15, "float16": 1e3}
+
+
+def gain_limit(*dtypes: str) -> float:
+    """The limit for factors stored in one dtype and computed in another: the narrower's."""
+    return min(GAIN_LIMITS[d] for d in dtypes)
+
+
+def as_float32(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values of an array holding `dtype` (bfloat16 arrives as its raw uint16 bits)."""
+    if dtype == "bfloat16":
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    return values.astype(np.float32, copy=False)
+
+
+def tensor_array(t) -> tuple[np.ndarray, str]:
+    """A torch tensor as a numpy array numpy can read (bfloat16 as its bits) and its dtype name."""
+    name = str(t.dtype).removeprefix("torch.")
+    t = t.detach().cpu().contiguous()
+    if name == "bfloat16":
+        import torch  # the catalog's torch-free modules import this one; torch only when asked
+
+        return t.view(torch.int16).numpy().view(np.uint16), name
+    return t.numpy(), name
+
+
+def pair_gain(a: np.ndarray, b: np.ndarray) -> float:
+    """Gain of one target: A [.., r, in], B [.., out, r] as float32 arrays (a leading expert axis
+    or none). float64 sums: a gain past float32's range is still a finite number to report."""
+    ga = np.abs(a).sum(axis=-1, dtype=np.float64).max(axis=-1)
+    gb = np.abs(b).sum(axis=-1, dtype=np.float64).max(axis=-1)
+    return float(np.max(ga * gb))
+
+
+def target_gains(tensors: dict) -> dict[str, float]:
+    """module path -> gain, for serving-layout tensors (torch tensors, name -> factor)."""
+    gains = {}
+    for name in tensors:
+        kind, layer, is_a = parse_tensor_name(name)
+        if not is_a:
+            continue
+        a_name, b_name = tensor_names(kind, layer)
+        (a, dtype), (b, _) = tensor_array(tensors[a_name]), tensor_array(tensors[b_name])
+        gains[module_path(kind, layer)] = pair_gain(as_float32(a, dtype), as_float32(b, dtype))
+    return gains
+
+
+def check_gain(path: str, gain: float, limit: float, dtype: str, what: str = "") -> None:
+    """NonFiniteWeights for a NaN/Inf gain, FactorsTooLarge for one over `limit`; both name `path`."""
+    if gain <= limit:
+        return
+    if not np.isfinite(gain):
+        raise NonFiniteWeights(f"{path}: factors hold NaN or Inf values{what}; non-finite weights are never served")
+    raise FactorsTooLarge(
+        f"{path}: the LoRA factors can scale an activation by {gain:.3g} (||B||*||A||), beyond the "
+        f"{limit:.0g} that {dtype} serving allows{what}; such a revision can overflow and is never served")
+
+
+def check_servable(tensors: dict, dtype: str, compute_dtype: str | None = None, what: str = "") -> None:
+    """Refuse serving-layout `tensors` (stored in `dtype`) whose factors can overflow `dtype` or
+    the engine's `compute_dtype`: NonFiniteWeights / FactorsTooLarge (400) naming the target."""
+    limit = gain_limit(dtype, compute_dtype or dtype)
+    shown = compute_dtype if compute_dtype and GAIN_LIMITS[compute_dtype] < GAIN_LIMITS[dtype] else dtype
+    for path, gain in target_gains(tensors).items():
+        check_gain(path, gain, limit, shown, what)
+
+
+class GainPlan:
+    """The gain check of one tensor table, on the blob's flat data region in a few numpy calls.
+
+    A page-in sees a handful of tensor tables across a million revisions (`layout._LAYOUTS`), and
+    one per-tensor numpy call costs more than a small adapter's whole decode: so the row
+    boundaries of every factor, the (tensor, expert) groups of rows and the A/B pairing are worked
+    out once per table, and a blob's check is |x| once, one `add.reduceat` for every row sum, one
+    `maximum.reduceat` for every group's largest row, and one product. `gain(flat)` equals the
+    largest of `target_gains` (a property test holds them to it)."""
+
+    __slots__ = ("row_starts", "group_starts", "a_groups", "b_groups")
+
+    def __init__(self, tensors: list[tuple[str, tuple[int, ...], int]]) -> None:
+        """`tensors`: (name, shape, element offset in the flat region), tiling it exactly."""
+        rows, groups, first_group = [], [], {}
+        n_rows_seen = n_groups_seen = 0
+        for name, shape, offset in sorted(tensors, key=lambda t: t[2]):
+            width, per_group = shape[-1], shape[-2]  # a row's values; rows of one (expert's) factor
+            n_rows = int(np.prod(shape[:-1]))
+            first_group[name] = n_groups_seen
+            groups.append(n_rows_seen + np.arange(n_rows // per_group, dtype=np.intp) * per_group)
+            rows.append(offset + np.arange(n_rows, dtype=np.intp) * width)
+            n_rows_seen += n_rows
+            n_groups_seen += n_rows // per_group
+        a_groups, b_groups = [], []
+        for name, shape, _ in tensors:
+            kind, layer, is_a = parse_tensor_name(name)
+            if is_a:
+                b_name = tensor_names(kind, layer)[1]
+                count = int(np.prod(shape[:-2]))  # experts (1 for a dense target)
+                a_groups.extend(range(first_group[name], first_group[name] + count))
+                b_groups.extend(range(first_group[b_name], first_group[b_name] + count))
+        self.row_starts = np.concatenate(rows)
+        self.group_starts = np.concatenate(groups)
+        self.a_groups = np.asarray(a_groups, dtype=np.intp)
+        self.b_groups = np.asarray(b_groups, dtype=np.intp)
+
+    def gain(self, flat: np.ndarray) -> float:
+        """The adapter's gain from its flat data region (float32 values, in offset order)."""
+        row_sums = np.add.reduceat(np.abs(flat), self.row_starts, dtype=np.float64)
+        group_max = np.maximum.reduceat(row_sums, self.group_starts)
+        return float(np.max(group_max[self.a_groups] * group_max[self.b_groups]))
