@@ -6,12 +6,19 @@ A shard env (`shard-NNN/`) holds four named dbs: `policy` (adapter_id -> PolicyR
 fills the map is aborted by LMDB (nothing half-written), the map doubles and the same
 transaction function runs again, so write functions must compute everything inside the txn.
 A shard with damaged or missing files raises ShardUnavailable; the other shards are unaffected.
+
+Growing the map (`set_mapsize`) remaps the file, which LMDB leaves undefined while any txn of
+the process is open: a zero-copy buffer another thread reads would point into the old mapping.
+So every txn (and every read of the meta page through the map) holds the shard's `MapLock`
+shared side for its life, and a growth takes the exclusive side.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple, TypeVar
@@ -53,6 +60,70 @@ class ShardOptions:
             raise ValueError("need 1 MiB <= initial_map_size <= max_map_size")
 
 
+class MapLock:
+    """Readers-writer lock of one env's memory map: txns share it, `set_mapsize` excludes them.
+
+    Writer-preferring (a waiting growth stops new txns, so readers cannot starve it), and
+    re-entrant on the shared side for a thread that holds it already (a nested read must not
+    wait behind a growth that waits for that very thread). A thread holding the shared side
+    may not take the exclusive one (RuntimeError, instead of a deadlock).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0  # shared holds, all threads
+        self._growing = False
+        self._waiting = 0  # threads waiting for the exclusive side
+        self._mine = threading.local()  # this thread's shared holds
+
+    def acquire_shared(self) -> None:
+        mine = getattr(self._mine, "n", 0)
+        with self._cond:
+            if not mine:
+                while self._growing or self._waiting:
+                    self._cond.wait()
+            self._readers += 1
+        self._mine.n = mine + 1
+
+    def release_shared(self) -> None:
+        self._mine.n -= 1
+        with self._cond:
+            self._readers -= 1
+            if not self._readers and self._waiting:
+                self._cond.notify_all()
+
+    def acquire_exclusive(self) -> None:
+        if getattr(self._mine, "n", 0):
+            raise RuntimeError("this thread holds the shared side of the map lock")
+        with self._cond:
+            self._waiting += 1
+            while self._growing or self._readers:
+                self._cond.wait()
+            self._waiting -= 1
+            self._growing = True
+
+    def release_exclusive(self) -> None:
+        with self._cond:
+            self._growing = False
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        self.acquire_shared()
+        try:
+            yield
+        finally:
+            self.release_shared()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        self.acquire_exclusive()
+        try:
+            yield
+        finally:
+            self.release_exclusive()
+
+
 class Dbs(NamedTuple):
     policy: object
     revision: object
@@ -79,6 +150,7 @@ class Shard:
         self._psize = 0
         self._ident: tuple[int, int] | None = None  # (st_dev, st_ino) of the data file the env maps
         self._lock = threading.Lock()
+        self._map = MapLock()  # txns share the mapping; set_mapsize and close exclude them
         # the checked paths as strings, made once: a health check runs before every read
         self._data_path = str(self.data_file)
         self._anchor_path = str(self.anchor)
@@ -139,7 +211,8 @@ class Shard:
             return f"{DATA_FILE} was replaced while in use (restart to serve the new file)", 0
         if st.st_size < 2 * self._psize:  # the meta pages themselves are gone: do not read them
             return size_fault(st.st_size, self._psize, 1), 0
-        info = env.info()
+        with self._map.shared():  # the meta page is read through the map
+            info = env.info()
         last = info["last_pgno"]
         if size_fault(st.st_size, self._psize, last) is None:
             return None, info["last_txnid"]
@@ -201,12 +274,26 @@ class Shard:
         self._env, self._dbs, self._psize, self._ident = env, dbs, psize, (st.st_dev, st.st_ino)
         return True
 
-    def _begin(self, write: bool) -> lmdb.Transaction:
+    @contextlib.contextmanager
+    def _txn(self, write: bool) -> Iterator[lmdb.Transaction]:
+        """A txn (committed when the block ends normally, else aborted) with the map's shared
+        side held for its life, so no thread of this process remaps the file under it."""
+        self._map.acquire_shared()
         try:
-            return self._env.begin(write=write, buffers=not write)
-        except lmdb.MapResizedError:  # another process grew the map: adopt its size
-            self._env.set_mapsize(0)
-            return self._env.begin(write=write, buffers=not write)
+            try:
+                txn = self._env.begin(write=write, buffers=not write)
+            except lmdb.MapResizedError:  # another process grew the map: adopt its size
+                self._map.release_shared()
+                try:
+                    with self._map.exclusive():
+                        self._env.set_mapsize(0)
+                finally:
+                    self._map.acquire_shared()
+                txn = self._env.begin(write=write, buffers=not write)
+            with txn:
+                yield txn
+        finally:
+            self._map.release_shared()
 
     def generation(self) -> int | None:
         """The id of the last write transaction committed to this shard, by any process (LMDB's
@@ -231,8 +318,11 @@ class Shard:
             return default
         if not checked:
             self._check()  # a truncation after this point (a narrow race) still faults
-        with self._begin(write=False) as txn:
-            return fn(txn, self._dbs)
+        try:
+            with self._txn(write=False) as txn:
+                return fn(txn, self._dbs)
+        except lmdb.Error as e:  # a damaged page LMDB noticed (MDB_CORRUPTED, page not found, ...)
+            raise self._failed("read failed", e) from e
 
     def write(self, fn: Callable[[lmdb.Transaction, Dbs], T], reserve: int = 0) -> T:
         """Run `fn(txn, dbs)` in one write txn and commit; on a full map grow it and run `fn` again.
@@ -248,33 +338,43 @@ class Shard:
             self._ensure_room(reserve)
         while True:
             try:
-                with self._begin(write=True) as txn:
+                with self._txn(write=True) as txn:
                     return fn(txn, self._dbs)
             except lmdb.MapFullError:
                 self._grow()
-            except lmdb.DiskError as e:
-                raise CatalogError(f"{self.path}: disk error, transaction not committed: {e}") from None
+            except lmdb.Error as e:  # the OS refused the write (disk full, EIO, immutable file, ...)
+                raise self._failed("write refused, transaction not committed", e) from e
+
+    def _failed(self, what: str, error: lmdb.Error) -> ShardUnavailable:
+        """The 503 of an LMDB failure on this shard; after a panic (LMDB marks the env unusable
+        once a meta page write failed) the env is closed, so the next use opens it afresh."""
+        if isinstance(error, lmdb.PanicError):
+            with contextlib.suppress(RuntimeError):  # a nested read holds the map: a later use closes it
+                self.close()
+        return self.unavailable(f"{what}: {error}")
 
     def _ensure_room(self, nbytes: int) -> None:
-        info, psize = self._env.info(), self._env.stat()["psize"]
-        need = (info["last_pgno"] + 1) * psize + 2 * nbytes + MiB  # copy-on-write may touch pages twice
-        size = info["map_size"]
-        while size < need and size < self.options.max_map_size:
-            size = min(size * 2, self.options.max_map_size)
-        if size != info["map_size"]:
-            self._env.set_mapsize(size)
+        with self._map.exclusive():
+            info, psize = self._env.info(), self._env.stat()["psize"]
+            need = (info["last_pgno"] + 1) * psize + 2 * nbytes + MiB  # copy-on-write may touch pages twice
+            size = info["map_size"]
+            while size < need and size < self.options.max_map_size:
+                size = min(size * 2, self.options.max_map_size)
+            if size != info["map_size"]:
+                self._env.set_mapsize(size)
 
     def _grow(self) -> None:
-        size = self._env.info()["map_size"]
-        if size >= self.options.max_map_size:
-            raise CatalogError(
-                f"{self.path}: LMDB map full at {size} bytes (max {self.options.max_map_size}); "
-                "the transaction was rolled back and nothing was lost"
-            )
-        try:
-            self._env.set_mapsize(min(size * 2, self.options.max_map_size))
-        except lmdb.Error as e:
-            raise CatalogError(f"{self.path}: cannot grow LMDB map beyond {size} bytes: {e}") from None
+        with self._map.exclusive():
+            size = self._env.info()["map_size"]
+            if size >= self.options.max_map_size:
+                raise CatalogError(
+                    f"{self.path}: LMDB map full at {size} bytes (max {self.options.max_map_size}); "
+                    "the transaction was rolled back and nothing was lost"
+                )
+            try:
+                self._env.set_mapsize(min(size * 2, self.options.max_map_size))
+            except lmdb.Error as e:
+                raise CatalogError(f"{self.path}: cannot grow LMDB map beyond {size} bytes: {e}") from None
 
     def stats(self) -> dict:
         """Entry counts, logical blob bytes and on-disk bytes of this shard."""
@@ -299,7 +399,7 @@ class Shard:
             self._env.sync(True)
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock, self._map.exclusive():
             if self._env is not None:
                 self._env.close()
                 self._env, self._dbs, self._ident = None, None, None
