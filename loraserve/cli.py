@@ -37,6 +37,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="run the engine on a thread of the API server's process (debugging) instead "
                         "of in its own engine-core process")
     p.add_argument("--log-level", default="info")
+    from .server.connections import add_arguments as add_connection_bounds
+    add_connection_bounds(p)
     from .ray_serve.config import add_arguments as add_scale_out  # no Ray import
     add_scale_out(p)
     p.set_defaults(func=_serve)
@@ -125,6 +127,10 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .ray_serve.config import from_args as scale_out
     scale = scale_out(args)  # None: one engine; bad --replicas values stop here
+    from .server.connections import from_args as connection_bounds, plan_connections
+    connections = connection_bounds(args)  # bad values, or a cap over RLIMIT_NOFILE, stop here
+    if scale is None:
+        plan_connections(connections)
     if args.keys:
         from .keys import load_keys
         load_keys(args.keys)  # a bad keys file stops here, before the model loads
@@ -144,7 +150,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     engine = AsyncEngine.from_config(cfg) if args.single_process else CoreClient(cfg)
     run_server(engine, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level.lower(),
-               keys=args.keys, metrics_key=args.metrics_key, audit_log=args.audit_log)
+               keys=args.keys, metrics_key=args.metrics_key, audit_log=args.audit_log,
+               connections=connections)
     return 0
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
@@ -18,6 +19,8 @@ from loraserve.server.adapter_routes import adapter_router, catalog_cards, readi
 from loraserve.server.admin_routes import install_tenancy
 from loraserve.server.chat import create_chat_completion
 from loraserve.server.completions import create_completion
+from loraserve.server.connections import (ConnectionCollector, ConnectionLimits,
+                                          plan_connections, protocol_class)
 from loraserve.server.errors import APIError, as_api_error, clip, install_error_handlers
 from loraserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from loraserve.heap import settle_heap
@@ -248,24 +251,43 @@ class DrainingServer(uvicorn.Server):
             timer.cancel()
 
 
-def draining_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000,
-                    **config: Any) -> DrainingServer:
-    """A DrainingServer for an app from build_app; `config` goes to uvicorn.Config."""
+def draining_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *,
+                    connections: ConnectionLimits | None = None, **config: Any) -> DrainingServer:
+    """A DrainingServer for an app from build_app; `config` goes to uvicorn.Config.
+
+    HTTP is uvicorn's httptools protocol with the connection bounds of `connections` (header
+    size, count and deadline, body deadline, keep-alive, the connection cap: server/connections.py;
+    default: ConnectionLimits()); the cap and the listen backlog are fitted under RLIMIT_NOFILE
+    here (ValueError when an explicit cap cannot fit)."""
     ctx: ServerContext = app.state.ctx
-    # keep-alive well above clients' idle expiry (httpx: 5 s), so a reused connection is not
-    # closed under a request in flight (a ReadError on the client)
-    config.setdefault("timeout_keep_alive", 30)
-    return DrainingServer(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=
-                                         ctx.shutdown_timeout + DRAIN_FLUSH_S, **config), ctx)
+    limits = connections or ConnectionLimits()
+    plan = plan_connections(limits, config.pop("backlog", 2048))
+    protocol = protocol_class(limits, plan)
+    collector = getattr(app.state, "connection_collector", None)
+    if collector is None:  # one per app, however many servers serve it
+        collector = app.state.connection_collector = ConnectionCollector()
+        ctx.metrics.register(collector)
+    collector.guard = protocol.guard
+    config.setdefault("http", protocol)
+    # the keep-alive deadline is the protocol's (limits.keep_alive_timeout); uvicorn's own timer
+    # is not armed by it
+    config.setdefault("timeout_keep_alive", max(1, math.ceil(limits.keep_alive_timeout)))
+    return DrainingServer(uvicorn.Config(app, host=host, port=port, backlog=plan.backlog,
+                                         timeout_graceful_shutdown=ctx.shutdown_timeout
+                                         + DRAIN_FLUSH_S, **config), ctx)
 
 
 def run_server(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, *, max_n: int = 16, log_level: str = "info",
                keys: str | os.PathLike | None = None, metrics_key: str | None = None,
-               audit_log: str | os.PathLike | None = None) -> None:
+               audit_log: str | os.PathLike | None = None,
+               connections: ConnectionLimits | None = None) -> None:
     """Serve `engine` with uvicorn until interrupted (draining on SIGTERM, see DrainingServer).
-    `api_key` defaults to $LORASERVE_API_KEY."""
+    `api_key` defaults to $LORASERVE_API_KEY; `connections` bounds the HTTP connections
+    (default: ConnectionLimits(), `loraserve serve`'s defaults)."""
     app = build_app(engine, api_key=resolve_api_key(api_key), max_n=max_n, keys=keys,
                     metrics_key=metrics_key, audit_log=audit_log)
+    server = draining_server(app, host=host, port=port, log_level=log_level,
+                             connections=connections)
     settle_heap()  # start-up is over: freeze its heap, collect less often (loraserve.heap)
-    draining_server(app, host=host, port=port, log_level=log_level).run()
+    server.run()
