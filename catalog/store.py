@@ -13,6 +13,9 @@ a listing, which needs every shard, fails with it rather than answer partially.
 
 `resolve` results are cached per shard write generation (`ResolveCache`): every request names
 an adapter, and a hot one is resolved thousands of times a second between writes.
+
+Every transaction body is a module-level function (bound with `functools.partial`), so it can
+be pickled: an `IsolatedCatalog` (module `isolated`) runs the same bodies in its shard hosts.
 """
 from __future__ import annotations
 
@@ -59,6 +62,52 @@ def _verified(txn, dbs, record: RevisionRecord) -> memoryview:
     if blob_checksum(view) != record.checksum:
         raise CorruptBlob(f"{record.ref}: checksum mismatch, blob is corrupt")
     return view
+
+
+def _blob_bytes(txn, dbs, record: RevisionRecord) -> bytes:
+    return bytes(_verified(txn, dbs, record))
+
+
+def verified_blobs(txn, dbs, records: Sequence[RevisionRecord]) -> list[memoryview | CorruptBlob]:
+    """`_verified` of each record, or its CorruptBlob (the views are valid inside `txn` only)."""
+    out: list[memoryview | CorruptBlob] = []
+    for record in records:
+        try:
+            out.append(_verified(txn, dbs, record))
+        except CorruptBlob as e:
+            out.append(e)
+    return out
+
+
+def _copied_blobs(txn, dbs, records: Sequence[RevisionRecord]) -> list[bytearray | CorruptBlob]:
+    return [v if isinstance(v, CorruptBlob) else bytearray(v) for v in verified_blobs(txn, dbs, records)]
+
+
+def lookup_revision(txn, dbs, adapter_id: str, revision: str | None) -> tuple[int, RevisionRecord]:
+    """(the txn's id, the revision record `revision` names: a revision id, a tag or, when None,
+    the promoted one); AdapterNotFound / RevisionNotFound."""
+    policy = read_policy(txn, dbs, adapter_id)
+    if policy is None:
+        raise AdapterNotFound(f"adapter {adapter_id!r} not found")
+    rev = revision if revision is not None else policy.promoted
+    if rev is None:
+        raise RevisionNotFound(f"adapter {adapter_id!r} has no promoted revision")
+    rev = rev if rev in policy.revisions else policy.tags.get(rev)
+    if rev is None:
+        raise RevisionNotFound(f"adapter {adapter_id!r} has no revision or tag {revision!r}")
+    return txn.id(), read_revision(txn, dbs, adapter_id, rev)
+
+
+def _scan_policies(txn, dbs, first: bytes, count: int, prefix: bytes) -> list[tuple[bytes, bytes]]:
+    """Up to `count` (id, policy JSON) pairs from key `first` on, while ids start with `prefix`."""
+    out = []
+    cur = txn.cursor(db=dbs.policy)
+    if cur.set_range(first):
+        for k, v in cur:
+            if len(out) >= count or not bytes(k).startswith(prefix):
+                break
+            out.append((bytes(k), bytes(v)))
+    return out
 
 
 def read_catalog_meta(path: str | Path) -> dict:
@@ -156,7 +205,7 @@ class Catalog:
     # -- reads ---------------------------------------------------------------------------
     def policy(self, adapter_id: str) -> PolicyRecord:
         """The adapter's policy record; AdapterNotFound if there is none."""
-        found = self._shard_for(adapter_id).read(lambda txn, dbs: read_policy(txn, dbs, adapter_id))
+        found = self._shard_for(adapter_id).read(functools.partial(read_policy, adapter_id=adapter_id))
         if found is None:
             raise AdapterNotFound(f"adapter {adapter_id!r} not found")
         return found
@@ -176,18 +225,7 @@ class Catalog:
             if cached is not None:
                 return cached
 
-        def lookup(txn, dbs):
-            policy = read_policy(txn, dbs, adapter_id)
-            if policy is None:
-                raise AdapterNotFound(f"adapter {adapter_id!r} not found")
-            rev = revision if revision is not None else policy.promoted
-            if rev is None:
-                raise RevisionNotFound(f"adapter {adapter_id!r} has no promoted revision")
-            rev = rev if rev in policy.revisions else policy.tags.get(rev)
-            if rev is None:
-                raise RevisionNotFound(f"adapter {adapter_id!r} has no revision or tag {revision!r}")
-            return txn.id(), read_revision(txn, dbs, adapter_id, rev)
-
+        lookup = functools.partial(lookup_revision, adapter_id=adapter_id, revision=revision)
         found = shard.read(lookup, checked=generation is not None)  # generation() just checked it
         if found is None:
             raise AdapterNotFound(f"adapter {adapter_id!r} not found")
@@ -197,7 +235,7 @@ class Catalog:
 
     def read_blob(self, record: RevisionRecord) -> bytes:
         """The revision's blob, verified against `record.size` and `record.checksum` before the copy out."""
-        blob = self._shard_for(record.adapter_id).read(lambda txn, dbs: bytes(_verified(txn, dbs, record)))
+        blob = self._shard_for(record.adapter_id).read(functools.partial(_blob_bytes, record=record))
         if blob is None:
             raise CorruptBlob(f"{record.ref}: shard missing")
         return blob
@@ -220,24 +258,19 @@ class Catalog:
             except CatalogError as e:
                 out[i] = e
 
-        def fetch(txn, dbs, positions):
-            for i in positions:
-                try:
-                    out[i] = bytearray(_verified(txn, dbs, records[i]))
-                except CorruptBlob as e:
-                    out[i] = e
-            return True
-
         for index, positions in by_shard.items():
             try:
-                if self._shards[index].read(functools.partial(fetch, positions=positions)) is None:
-                    for i in positions:
-                        out[i] = CorruptBlob(f"{records[i].ref}: shard missing")
-            except Exception as e:  # the shard's unread records fail with it; other shards go on
-                for i in positions:
-                    if out[i] is None:
-                        out[i] = e
+                blobs = self._shard_blobs(index, [records[i] for i in positions])
+            except Exception as e:  # the shard's records fail with it; other shards go on
+                blobs = [e] * len(positions)
+            for n, i in enumerate(positions):
+                out[i] = CorruptBlob(f"{records[i].ref}: shard missing") if blobs is None else blobs[n]
         return out
+
+    def _shard_blobs(self, index: int, records: list[RevisionRecord]) -> list[bytearray | Exception] | None:
+        """The verified blobs (or CorruptBlob) of records of shard `index`, in one read txn;
+        None when the shard was never written."""
+        return self._shards[index].read(functools.partial(_copied_blobs, records=records))
 
     def list(self, prefix: str = "", limit: int = 100, after: str | None = None) -> list[PolicyRecord]:
         """Policy records whose id starts with `prefix`, in id order, after id `after`, at most `limit`.
@@ -254,17 +287,8 @@ class Catalog:
         start = max(prefix, after + "\0") if after is not None else prefix
         pfx = prefix.encode()
 
-        def scan(first: bytes, count: int):
-            def fn(txn, dbs):
-                out = []
-                cur = txn.cursor(db=dbs.policy)
-                if cur.set_range(first):
-                    for k, v in cur:
-                        if len(out) >= count or not bytes(k).startswith(pfx):
-                            break
-                        out.append((bytes(k), bytes(v)))
-                return out
-            return fn
+        def scan(first: bytes, count: int) -> functools.partial:
+            return functools.partial(_scan_policies, first=first, count=count, prefix=pfx)
 
         asked = min(limit, 2 * -(-limit // len(self._shards)) + 8)
         rows = self._every_shard(lambda s: [(s.index, s.read(scan(start.encode(), asked), default=[]))],
@@ -329,7 +353,8 @@ class Catalog:
             validate_revision(revision)
         now = time.time()
         return self._shard_for(adapter_id).write(
-            lambda txn, dbs: put_revision_in_txn(txn, dbs, adapter_id, blob, revision, promote, source, now),
+            functools.partial(put_revision_in_txn, adapter_id=adapter_id, blob=blob, revision=revision,
+                              promote=promote, source=source, now=now),
             reserve=len(blob),
         )
 
@@ -337,19 +362,21 @@ class Catalog:
         """Make `revision` (id or tag) the served one; the old one becomes `previous`."""
         validate_revision(revision)
         now = time.time()
-        return self._shard_for(adapter_id).write(lambda txn, dbs: promote_in_txn(txn, dbs, adapter_id, revision, now))
+        return self._shard_for(adapter_id).write(
+            functools.partial(promote_in_txn, adapter_id=adapter_id, revision=revision, now=now))
 
     def rollback(self, adapter_id: str) -> PolicyRecord:
         """Promote `previous` again (the rolled-back revision becomes `previous`)."""
         now = time.time()
-        return self._shard_for(adapter_id).write(lambda txn, dbs: rollback_in_txn(txn, dbs, adapter_id, now))
+        return self._shard_for(adapter_id).write(functools.partial(rollback_in_txn, adapter_id=adapter_id, now=now))
 
     def tag(self, adapter_id: str, tag: str, revision: str) -> PolicyRecord:
         """Point tag `tag` at `revision`; a tag resolves like a revision id."""
         validate_revision(tag, "tag")
         validate_revision(revision)
         now = time.time()
-        return self._shard_for(adapter_id).write(lambda txn, dbs: tag_in_txn(txn, dbs, adapter_id, tag, revision, now))
+        return self._shard_for(adapter_id).write(
+            functools.partial(tag_in_txn, adapter_id=adapter_id, tag=tag, revision=revision, now=now))
 
     def sync(self) -> None:
         for s in self._shards:
