@@ -1,18 +1,37 @@
-"""Continuous batching with adapter-aware admission. Plain Python state machine, no tensors.
+"""Continuous batching with adapter-aware admission and fair share in tokens. Plain Python state
+machine, no tensors.
 
 Each step is either a prefill step (admit waiting sequences, up to the token and batch budgets;
 a prompt longer than what is left of the token budget is prefilled in chunks over several steps)
 or a decode step (one token for every running sequence whose prompt is done). Sequences whose adapter is still paging
 in from disk are *parked* outside the waiting queue, so they never block the queue; when their
 adapter arrives they rejoin it in arrival order.
+
+Fair share (several tenants with work): each tenant has a virtual time, the tokens computed for
+it so far (prefill tokens when scheduled, one per decode token) over its weight. The tenant
+furthest behind is served first, within a step and between steps:
+
+- a prefill step fills its token budget in virtual-time order (deficit round robin in tokens:
+  each turn goes to the tenant with the least virtual time, its prompts in arrival order, a
+  prompt it is prefilling first), and while another tenant has work, no tenant takes more than
+  its weighted share of the step's `max_batched_tokens`: a long prompt is chunked at that share,
+  so another tenant's short requests are admitted in every step;
+- a decode step goes first when a tenant with sequences ready to decode is behind every tenant
+  with prompts to prefill, so a light tenant's tokens do not wait behind another's long
+  prefills; at most `decode_run` such steps run in a row (by default the steps a full batch
+  needs to decode `max_batched_tokens` tokens), then the prompts get a step.
+
+A tenant that was idle starts at the least virtual time of those with work (idling earns no
+credit), and no tenant falls more than one step budget behind another (a lag earned long ago
+buys no long monopoly). With one tenant, none of this applies: arrival order, prefill first.
 """
 from __future__ import annotations
 
 import bisect
 import heapq
+import math
 import time
 from collections import deque
-from collections.abc import Iterator
 from typing import Protocol
 
 from .block_manager import BlockManager
@@ -39,23 +58,33 @@ class AdapterGate(Protocol):
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, *, max_batch_size: int, max_batched_tokens: int,
-                 gate: AdapterGate | None = None, starve_s: float = 0.5):
+                 gate: AdapterGate | None = None, starve_s: float = 0.5,
+                 decode_run: int | None = None):
         self.blocks = blocks
         self.max_batch_size = max_batch_size
         self.max_batched_tokens = max_batched_tokens
         self.gate = gate
         self.starve_s = starve_s
+        # decode steps that may go ahead of other tenants' prompts in a row: as many as a full
+        # batch needs to decode one step budget of tokens
+        self.decode_run = decode_run or max(1, math.ceil(max_batched_tokens / max_batch_size))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.parked: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self._chunking = False  # the last prefill step left a prompt half done
-        self._vtime: dict[str, float] = {}  # tenant -> admissions / weight (fair share)
+        self._vtime: dict[str, float] = {}   # tenant -> tokens computed for it / its weight
+        self._weight: dict[str, float] = {}  # tenant -> weight of its latest sequence
+        self._active: dict[str, int] = {}    # tenant -> its sequences waiting or running
+        self._queued: dict[str, int] = {}    # tenant -> its sequences waiting
+        self._decode_run = 0  # decode steps since the last prefill step
 
     # -- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
+        self._joined(seq)
+        self._queue(seq, +1)
 
     def park(self, seq: Sequence) -> None:
         seq.status = SeqStatus.PARKED
@@ -68,13 +97,21 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         arrivals = [s.arrival for s in self.waiting]
         self.waiting.insert(bisect.bisect_right(arrivals, seq.arrival), seq)
+        self._joined(seq)
+        self._queue(seq, +1)
 
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence wherever it is (finished or aborted) and free what it holds."""
+        queued = True
         if seq in self.running:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+            self._queue(seq, -1)
+        else:
+            queued = False
+        if queued:
+            self._left(seq)
         self.parked.pop(seq.request_id, None)
         self.blocks.free(seq)
         self._release_adapter(seq)
@@ -90,22 +127,33 @@ class Scheduler:
 
         Prefill goes first, except right after a step that left a prompt half done (chunked
         prefill): then the running sequences decode one token first, so a long prompt costs
-        them one chunk of latency at a time, not the whole prompt."""
-        if not (self._chunking and any(q.num_pending == 1 for q in self.running)):
-            batch = self._schedule_prefill()
+        them one chunk of latency at a time, not the whole prompt. With several tenants, also
+        when a tenant ready to decode is behind every tenant with prompts (module doc)."""
+        fair = len(self._active) > 1
+        if fair:
+            self._bound_lag()
+        decode_first = self._chunking and any(q.num_pending == 1 for q in self.running)
+        ahead = fair and not decode_first and self._decoder_behind()
+        if not (decode_first or ahead):
+            batch = self._schedule_prefill_fair() if fair else self._schedule_prefill()
             if batch:
-                return batch, True
+                self._decode_run = 0
+                return self._charged(batch, True), True
         batch = self._schedule_decode()
         self._chunking = False
         if batch:
-            return batch, False
-        batch = self._schedule_prefill()  # every running sequence was mid-prefill
-        return batch, bool(batch)
+            self._decode_run += 1
+            return self._charged(batch, False), False
+        batch = self._schedule_prefill_fair() if fair else self._schedule_prefill()
+        if batch:  # every running sequence was mid-prefill
+            self._decode_run = 0
+        return self._charged(batch, True), bool(batch)
 
     def _schedule_prefill(self) -> list[Sequence]:
-        """Continue prompts already being prefilled, then admit waiting sequences, within
-        `max_batched_tokens`; the last prompt that does not fit gets a chunk of what is left.
-        A sequence that wants prompt logprobs is never chunked (it may run alone over budget)."""
+        """One tenant: continue prompts already being prefilled, then admit waiting sequences
+        in arrival order, within `max_batched_tokens`; the last prompt that does not fit gets
+        a chunk of what is left. A sequence that wants prompt logprobs is never chunked (it may
+        run alone over budget)."""
         batch: list[Sequence] = []
         budget = self.max_batched_tokens
         for seq in self.running:  # admitted earlier, prompt not done
@@ -113,30 +161,16 @@ class Scheduler:
                 seq.num_scheduled = min(seq.num_pending, budget)
                 budget -= seq.num_scheduled
                 batch.append(seq)
-        starving: Sequence | None = None
+        starving: list[Sequence] = []
         admitted: list[Sequence] = []
-        for seq in self._admission_order():
+        for seq in list(self.waiting):
             if len(self.running) + len(admitted) >= self.max_batch_size or budget <= 0:
                 break
-            whole = seq.wants_prompt_logprobs
-            if whole and len(seq) - seq.num_cached > budget and batch:
-                break  # keep arrival order: it runs alone in a later step
-            if not self.blocks.can_allocate(seq):
-                break  # keep arrival order for memory: later, smaller requests do not jump ahead
-            if seq.adapter_key is not None:
-                if starving is not None and not self.gate.is_resident(seq.adapter_key):
-                    continue  # an older request starves for room: admit only resident adapters
-                slot = self.gate.try_acquire(seq.adapter_key, seq.adapter_record)
-                if slot is None:
-                    if time.monotonic() - seq.arrival > self.starve_s:
-                        starving = starving or seq
-                    continue
-                seq.slot = slot
-            self.blocks.allocate(seq)  # may find a cached prefix and advance num_cached
-            self.waiting.remove(seq)
-            self._charge(seq)
-            seq.status = SeqStatus.RUNNING
-            seq.num_scheduled = seq.num_pending if whole else min(seq.num_pending, budget)
+            verdict = self._admit(seq, budget, bool(batch), starving)
+            if verdict == "stop":
+                break
+            if verdict == "skip":
+                continue
             budget -= seq.num_scheduled
             batch.append(seq)
             admitted.append(seq)
@@ -144,39 +178,89 @@ class Scheduler:
         self._chunking = any(q.num_scheduled < q.num_pending for q in batch)
         return batch
 
-    def _admission_order(self) -> Iterator[Sequence]:
-        """Waiting sequences in the order admission considers them.
-
-        One tenant: arrival order (preempted sequences first). Several: fair share by stride
-        scheduling. Each tenant's own queue keeps its order; the next candidate comes from the
-        tenant with the least service so far (admissions / weight, its virtual time), so a tenant
-        with thousands queued delays another's request by at most one round. A tenant that was
-        idle starts at the least virtual time of those waiting: idling earns no credit.
-        """
+    def _schedule_prefill_fair(self) -> list[Sequence]:
+        """Several tenants: the step's token budget in virtual-time order (module doc). Each
+        tenant's own candidates keep their order: its prompts being prefilled, then its waiting
+        sequences in queue order; a tenant whose turn ends in a chunk (its share or the budget
+        ran out) is done for this step."""
         queues: dict[str, deque[Sequence]] = {}
+        for seq in self.running:
+            if seq.num_pending > 1:
+                queues.setdefault(seq.tenant, deque()).append(seq)
         for seq in self.waiting:
             queues.setdefault(seq.tenant, deque()).append(seq)
-        if len(queues) <= 1:
-            self._vtime = {t: v for t, v in self._vtime.items() if t in queues}
-            yield from list(self.waiting)
-            return
-        known = [self._vtime[t] for t in queues if t in self._vtime]
-        floor = min(known, default=0.0)
-        self._vtime = {t: max(self._vtime.get(t, floor), floor) for t in queues}
+        if not queues:
+            return []
+        total = sum(self._weight[t] for t in self._active)
+        share = {t: max(1, int(self.max_batched_tokens * self._weight[t] / total))
+                 for t in queues}
         heap = [(self._vtime[t], q[0].arrival, t) for t, q in queues.items()]
         heapq.heapify(heap)
-        while heap:
+        batch: list[Sequence] = []
+        budget = self.max_batched_tokens
+        starving: list[Sequence] = []
+        admitted: list[Sequence] = []
+        full = False
+        while heap and budget > 0:
             vt, _, tenant = heapq.heappop(heap)
             q = queues[tenant]
             seq = q.popleft()
-            yield seq
-            if q:
-                heapq.heappush(heap, (vt + 1.0 / seq.tenant_weight, q[0].arrival, tenant))
+            room = min(budget, share[tenant])
+            if seq.status is SeqStatus.RUNNING:  # its prompt, a chunk at a time
+                seq.num_scheduled = min(seq.num_pending, room)
+            else:
+                # a tenant's prompts being prefilled come before its waiting sequences, so a
+                # tenant that reaches one it cannot admit has nothing more in this step
+                if full or len(self.running) + len(admitted) >= self.max_batch_size:
+                    full = True  # no more admissions; other tenants' prompts still go on
+                    continue
+                verdict = self._admit(seq, room, bool(batch), starving)
+                if verdict == "stop":  # out of KV blocks: admit nothing more, keep order
+                    full = True
+                    continue
+                if verdict == "later":  # prompt logprobs: it and its tenant's later ones wait
+                    continue
+                if verdict == "skip":
+                    if q:
+                        heapq.heappush(heap, (vt, q[0].arrival, tenant))
+                    continue
+                admitted.append(seq)
+            budget -= seq.num_scheduled
+            share[tenant] -= seq.num_scheduled
+            batch.append(seq)
+            vt += seq.num_scheduled / seq.tenant_weight
+            if q and seq.num_scheduled == seq.num_pending and share[tenant] > 0:
+                heapq.heappush(heap, (vt, q[0].arrival, tenant))
+        self.running.extend(admitted)
+        self._chunking = any(q.num_scheduled < q.num_pending for q in batch)
+        return batch
 
-    def _charge(self, seq: Sequence) -> None:
-        """seq was admitted: its tenant has had one more turn."""
-        if seq.tenant in self._vtime:
-            self._vtime[seq.tenant] += 1.0 / seq.tenant_weight
+    def _admit(self, seq: Sequence, budget: int, batch_open: bool,
+               starving: list[Sequence]) -> str:
+        """Try to admit waiting `seq` with `budget` tokens left: "ok" (it is running now, its
+        `num_scheduled` set), "skip" (its adapter has no slot now: try the next one), "later"
+        (it wants prompt logprobs and does not fit: a later step) or "stop" (out of KV
+        blocks, or a prompt-logprobs sequence keeps arrival order: admit nothing more)."""
+        whole = seq.wants_prompt_logprobs
+        if whole and len(seq) - seq.num_cached > budget and batch_open:
+            return "later" if len(self._active) > 1 else "stop"  # it runs alone later
+        if not self.blocks.can_allocate(seq):
+            return "stop"  # keep arrival order for memory: later, smaller requests do not jump ahead
+        if seq.adapter_key is not None:
+            if starving and not self.gate.is_resident(seq.adapter_key):
+                return "skip"  # an older request starves for room: admit only resident adapters
+            slot = self.gate.try_acquire(seq.adapter_key, seq.adapter_record)
+            if slot is None:
+                if time.monotonic() - seq.arrival > self.starve_s and not starving:
+                    starving.append(seq)
+                return "skip"
+            seq.slot = slot
+        self.blocks.allocate(seq)  # may find a cached prefix and advance num_cached
+        self.waiting.remove(seq)
+        self._queue(seq, -1)
+        seq.status = SeqStatus.RUNNING
+        seq.num_scheduled = seq.num_pending if whole else min(seq.num_pending, budget)
+        return "ok"
 
     def _schedule_decode(self) -> list[Sequence]:
         batch: list[Sequence] = []
@@ -200,9 +284,74 @@ class Scheduler:
         self._release_adapter(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
+        self._queue(seq, +1)
         self.num_preemptions += 1
 
     def _release_adapter(self, seq: Sequence) -> None:
         if seq.slot >= 0 and self.gate is not None:
             self.gate.release(seq.slot)
         seq.slot = -1
+
+    # -- fair share -------------------------------------------------------------------------
+    def _joined(self, seq: Sequence) -> None:
+        """seq is waiting now: its tenant has work (again). A tenant that had none starts at
+        the least virtual time of the tenants with work, or its own if that is later."""
+        tenant = seq.tenant
+        self._weight[tenant] = seq.tenant_weight
+        count = self._active.get(tenant, 0)
+        if count == 0:
+            others = [self._vtime[t] for t in self._active]
+            floor = min(others, default=0.0)
+            self._vtime[tenant] = max(self._vtime.get(tenant, floor), floor)
+        self._active[tenant] = count + 1
+
+    def _queue(self, seq: Sequence, change: int) -> None:
+        """Count seq's joining (+1) or leaving (-1) the waiting queue."""
+        left = self._queued.get(seq.tenant, 0) + change
+        if left > 0:
+            self._queued[seq.tenant] = left
+        else:
+            self._queued.pop(seq.tenant, None)
+
+    def _left(self, seq: Sequence) -> None:
+        """seq left the waiting queue and the running list for good."""
+        tenant = seq.tenant
+        count = self._active.get(tenant, 0) - 1
+        if count > 0:
+            self._active[tenant] = count
+            return
+        self._active.pop(tenant, None)
+        if not self._active:  # the engine is idle: nobody owes anybody
+            self._vtime.clear()
+            self._weight.clear()
+
+    def _bound_lag(self) -> None:
+        """No tenant with work is more than one step budget of virtual time behind another."""
+        lead = max(self._vtime[t] for t in self._active)
+        for t in self._active:
+            if self._vtime[t] < lead - self.max_batched_tokens:
+                self._vtime[t] = lead - self.max_batched_tokens
+
+    def _decoder_behind(self) -> bool:
+        """Whether a decode step goes first: some tenant with sequences ready to decode is
+        behind every tenant with a prompt to prefill, and the decode steps that went ahead of
+        those prompts in a row are fewer than `decode_run`."""
+        if self._decode_run >= self.decode_run:
+            return False
+        decoding = {s.tenant for s in self.running if s.num_pending == 1}
+        if not decoding:
+            return False
+        prefilling = {s.tenant for s in self.running if s.num_pending > 1}
+        prefilling.update(self._queued)
+        if not prefilling:
+            return False
+        return min(self._vtime[t] for t in decoding) < min(self._vtime[t] for t in prefilling)
+
+    def _charged(self, batch: list[Sequence], is_prefill: bool) -> list[Sequence]:
+        """Charge each sequence's tenant the tokens this step computes for it."""
+        for seq in batch:
+            tokens = seq.num_scheduled if is_prefill else 1
+            tenant = seq.tenant
+            if tenant in self._vtime:
+                self._vtime[tenant] += tokens / seq.tenant_weight
+        return batch
