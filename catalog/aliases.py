@@ -11,6 +11,7 @@ shards' own fault handling applies: a damaged shard raises ShardUnavailable for 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -54,18 +55,20 @@ def _key(alias: str) -> bytes:
     return b"alias:" + hashlib.sha256(alias.encode("utf-8")).hexdigest().encode()
 
 
+def _read_alias(txn, dbs, alias: str) -> str | None:
+    raw = txn.get(_key(alias), db=dbs.meta)
+    if raw is None:
+        return None
+    record = json.loads(bytes(raw))
+    return record["ref"] if record.get("alias") == alias else None
+
+
 def lookup_alias(catalog: Catalog, alias: str) -> str | None:
-    """The `tenant/name@revision` that `alias` names; None when it names none (or is no URI)."""
+    """The `tenant/name@revision` that `alias` names; None when it names none (or is no URI).
+    The txn body is a module-level function, so an IsolatedCatalog's shard host can run it."""
     if not is_alias(alias) or len(alias) > ALIAS_MAX:
         return None
-
-    def read(txn, dbs) -> str | None:
-        raw = txn.get(_key(alias), db=dbs.meta)
-        if raw is None:
-            return None
-        record = json.loads(bytes(raw))
-        return record["ref"] if record.get("alias") == alias else None
-
+    read = functools.partial(_read_alias, alias=alias)
     return catalog.shard(shard_of(alias, catalog.shards)).read(read, default=None)
 
 

@@ -6,7 +6,7 @@ import torch
 
 from loraserve import kernels
 from loraserve.catalog.base import base_fingerprint
-from loraserve.catalog.store import Catalog
+from loraserve.catalog.isolated import open_for_serving
 from loraserve.catalog.targets import EXPERT_KINDS
 
 from ..adapters.cpu_cache import CpuCache
@@ -70,7 +70,7 @@ def _enable_lora(engine: LLMEngine, cfg: EngineConfig) -> None:
         max_slots=cfg.max_gpu_adapters, max_rank=cfg.max_lora_rank,
         max_bytes=(cfg.gpu_adapter_mb or DEFAULT_POOL_MB) * 2**20,
         device=str(engine.device), dtype=engine.dtype))
-    catalog = Catalog.open(cfg.catalog_dir, readonly=cfg.catalog_readonly)
+    catalog = open_for_serving(cfg.catalog_dir, readonly=cfg.catalog_readonly)  # shard hosts map the shards
     fingerprint = base_fingerprint(cfg.model_dir)
     cpu_cache = CpuCache(cfg.cpu_cache_mb * 2**20, pin_memory=engine.device.type == "cuda")
     pager = Pager(catalog, cpu_cache, fingerprint, workers=cfg.pager_workers, batch=cfg.pager_batch,

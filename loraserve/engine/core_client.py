@@ -25,7 +25,7 @@ import multiprocessing
 import os
 import socket
 
-from loraserve.catalog.store import Catalog
+from loraserve.catalog.isolated import open_for_serving
 
 from ..adapters.manager import describe_adapter, resolve_servable
 from ..adapters.pool import PoolLimits
@@ -49,7 +49,7 @@ class RemoteAdapters:
 
     def __init__(self, client: CoreClient, catalog_dir: str):
         self.client = client
-        self.catalog = Catalog.open(catalog_dir, readonly=False)
+        self.catalog = open_for_serving(catalog_dir, readonly=False)  # shard hosts map the shards
         self.base_fingerprint = ""
         self.pool = PoolLimits(0, ())  # from the core's handshake
 

@@ -28,7 +28,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from loraserve.catalog.base import base_fingerprint
-from loraserve.catalog.store import Catalog
+from loraserve.catalog.isolated import open_for_serving
 
 from ..adapters.manager import describe_adapter, resolve_servable
 from ..adapters.pool import PoolLimits
@@ -63,7 +63,7 @@ class RayAdapters:
 
     def __init__(self, frontend: RayEngineFrontend, cfg: EngineConfig):
         self.frontend = frontend
-        self.catalog = Catalog.open(cfg.catalog_dir, readonly=False)
+        self.catalog = open_for_serving(cfg.catalog_dir, readonly=False)  # shard hosts map the shards
         self.base_fingerprint = base_fingerprint(cfg.model_dir)
         self.pool = PoolLimits(0, ())  # from a replica, at start()
 

@@ -1,0 +1,251 @@
+"""`IsolatedCatalog`: the catalog of a serving process, whose shards are mapped by shard hosts.
+
+A damaged, truncated, replaced or unreadable shard must fail only the requests that need it,
+never the process: a read of a garbage LMDB page is a signal, not an exception, so the serving
+process (API server, engine core, Ray ingress) maps no shard at all. Shard `i` is served by
+host `i % hosts` (module `shardhost`), a small process that does the LMDB work one request at a
+time; the public API is `Catalog`'s, answer for answer, so callers do not change.
+
+What stays in the serving process, with no LMDB page read:
+- the shard's health and write generation (`shardfile.DataFileWatch`: a stat and a `pread` of
+  the meta pages): a resolve-cache hit costs that check and no host call, and a truncated,
+  replaced or removed file answers 503 at once (`degraded()` lists it, so `/ready` names it);
+- quarantine: when a host dies (or hangs past `timeout_s`, and is killed) the request in flight
+  gets ShardUnavailable naming its shard, and that shard is quarantined: 503 at once for every
+  request, listed by `degraded()`, while the other shards of the host go on (requests queued
+  for them go to its replacement). LMDB itself reporting a damaged page on a read does the
+  same. A prober thread reads a quarantined shard again in its host (`shardhost._probe`: every
+  page of the record dbs, then the read that failed): after a backoff that doubles from
+  `probe_backoff_s[0]` to `probe_backoff_s[1]`, or at once when the data file changes (it was
+  restored); the shard serves again when a probe reads it.
+
+`open_for_serving` picks this class unless `LORASERVE_CATALOG_HOSTS=0` (the in-process
+`Catalog`); a positive value sets the number of hosts (default: min(4, CPUs, shards)).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import CatalogError, ShardUnavailable
+from .records import RevisionRecord
+from .shardfile import DATA_FILE, DataFileWatch
+from .shardhost import REPLAYED, HostLost, ShardHost, child_pids, close_hosts
+from .shards import CATALOG_META, ShardOptions, shard_dirname
+from .store import Catalog
+
+log = logging.getLogger("loraserve.catalog")
+HOSTS_ENV = "LORASERVE_CATALOG_HOSTS"
+PROBE_POLL_S = 0.1  # how often the prober looks at quarantined shards' files
+
+
+def open_for_serving(path: str | Path, readonly: bool = False) -> Catalog:
+    """The catalog a serving process opens: an IsolatedCatalog, or with `LORASERVE_CATALOG_HOSTS=0`
+    the in-process Catalog (whose damaged pages can end the process)."""
+    hosts = os.environ.get(HOSTS_ENV, "").strip()
+    if hosts == "0":
+        return Catalog.open(path, readonly=readonly)
+    return IsolatedCatalog(path, readonly=readonly, hosts=int(hosts) if hosts else None)
+
+
+@dataclass(slots=True)
+class Quarantine:
+    """Why a shard answers 503 until a probe reads it, and when the next probe is due."""
+
+    reason: str
+    replay: tuple | None  # (op, payload) of the read that failed: the probe runs it again
+    backoff: float
+    due: float  # time.monotonic() of the next probe
+    signature: tuple | None  # the data file's when last probed: a change makes a probe due
+
+
+class HostedShard:
+    """One shard of an IsolatedCatalog: the `Shard` interface `Catalog` uses (`index`, `fault`,
+    `diagnose`, `generation`, `read`, `write`, `stats`, `sync`, `close`, `unavailable`), its LMDB
+    work done by a shard host. Transaction bodies given to `read`/`write` must pickle
+    (module-level functions, `functools.partial` of them) and return picklable values."""
+
+    def __init__(self, catalog: IsolatedCatalog, index: int, host: ShardHost) -> None:
+        self.index = index
+        self.path = catalog.path / shard_dirname(index)
+        self.host = host
+        self.quarantine: Quarantine | None = None
+        self.file_fault: str | None = None
+        self.watch = DataFileWatch(self.path / DATA_FILE, catalog.path / CATALOG_META)
+        self._catalog = weakref.ref(catalog)  # the catalog owns its shards, not the reverse
+        self._readonly = catalog.readonly
+
+    @property
+    def fault(self) -> str | None:
+        """Why this shard cannot be used now (None: it can): quarantine, else the file check."""
+        q = self.quarantine
+        return q.reason if q is not None else self.file_fault
+
+    def diagnose(self) -> str | None:
+        """Check the data file now (a stat and a pread; never a page of the tree); `fault`."""
+        self._check_file()
+        return self.fault
+
+    def _check_file(self) -> int | None:
+        fault, generation = self.watch.check()
+        if fault != self.file_fault:
+            if fault:
+                log.warning("catalog shard %d (%s) unavailable: %s", self.index, self.path, fault)
+            else:
+                log.info("catalog shard %d (%s) serves again", self.index, self.path)
+        self.file_fault = fault
+        return generation
+
+    def generation(self) -> int | None:
+        """The shard's write generation (see `Shard.generation`), from the meta pages by pread;
+        None while nothing was committed. ShardUnavailable when the shard cannot be used."""
+        generation = self._check_file()
+        if (fault := self.fault) is not None:
+            raise self.unavailable(fault)
+        return generation
+
+    def unavailable(self, reason: str) -> ShardUnavailable:
+        return ShardUnavailable(f"catalog shard {self.index} ({self.path.name}) is unavailable: {reason}",
+                                [self.index])
+
+    def read(self, fn, default=None, *, checked: bool = False):
+        """`Shard.read` in the host: `fn(txn, dbs)` (picklable), or `default` for a shard never
+        written. `checked`: `generation()` has just passed."""
+        if not checked:
+            self.generation()
+        return self._call("read", (fn, default))
+
+    def write(self, fn, reserve: int = 0):
+        """`Shard.write` in the host (a failed write is not retried: it may have committed)."""
+        if self._readonly:
+            raise CatalogError(f"{self.path}: catalog is open read-only")
+        self.generation()
+        return self._call("write", (fn, reserve))
+
+    def blobs(self, records: list[RevisionRecord]) -> list[bytearray | Exception] | None:
+        """The verified blobs of `records` (or their CorruptBlob), one read txn; None when the
+        shard was never written. Each blob is copied once, from the host's map into its bytearray."""
+        self.generation()
+        return self._call("blobs", records)
+
+    def stats(self) -> dict:
+        self.generation()
+        return self._call("stats")
+
+    def sync(self) -> None:
+        if self.fault is None and not self._readonly:
+            self._call("sync")
+
+    def close(self) -> None:
+        self.watch.close()
+
+    def _call(self, op: str, payload=None):
+        try:
+            return self.host.call(op, self.index, payload)
+        except HostLost as e:
+            what = "a write (committed whole or not at all)" if op == "write" else f"a {op}"
+            reason = f"its shard host {e} during {what}"
+        except ShardUnavailable as e:
+            if not getattr(e, "damaged", False):
+                raise
+            reason = str(e).partition(" is unavailable: ")[2] or str(e)
+        catalog = self._catalog()
+        if catalog is not None:
+            catalog.quarantine(self, reason, (op, payload) if op in REPLAYED else None)
+        raise self.unavailable(f"{reason}; quarantined until it reads again")
+
+
+class IsolatedCatalog(Catalog):
+    """A `Catalog` whose shards are mapped by shard hosts, never by this process (module doc).
+
+    `hosts`: host processes (shard i -> host i % hosts; default min(4, CPUs, shards));
+    `timeout_s`: how long a host may take to answer one request before it is killed;
+    `probe_backoff_s`: (first, longest) wait between probes of a quarantined shard.
+    """
+
+    def __init__(self, path: str | Path, readonly: bool = False, options: ShardOptions | None = None, *,
+                 hosts: int | None = None, timeout_s: float = 60.0,
+                 probe_backoff_s: tuple[float, float] = (0.5, 30.0)) -> None:
+        super().__init__(path, readonly=readonly, options=options)
+        opts = options or ShardOptions(readonly=readonly)
+        count = max(1, min(hosts or min(4, os.cpu_count() or 1), self.shards))
+        self.hosts = [ShardHost(self.path, opts, timeout_s) for _ in range(count)]
+        self._shards = [HostedShard(self, i, self.hosts[i % count]) for i in range(self.shards)]
+        self.probe_backoff_s = probe_backoff_s
+        self._qlock = threading.Lock()
+        self._prober: threading.Thread | None = None
+        self._closed = threading.Event()
+        self._finalizer = weakref.finalize(self, close_hosts, list(self.hosts))
+
+    def host_pids(self) -> list[int]:
+        """Process ids of the hosts running now (diagnostics, tests)."""
+        return child_pids(self.hosts)
+
+    def _shard_blobs(self, index: int, records: list[RevisionRecord]) -> list[bytearray | Exception] | None:
+        return self._shards[index].blobs(records)
+
+    # -- quarantine --------------------------------------------------------------------------------
+    def quarantine(self, shard: HostedShard, reason: str, replay: tuple | None) -> None:
+        """Put `shard` in quarantine (no-op if it is already) and make sure the prober runs."""
+        with self._qlock:
+            if shard.quarantine is None:
+                first = self.probe_backoff_s[0]
+                shard.quarantine = Quarantine(reason, replay, first, time.monotonic() + first,
+                                              shard.watch.signature())
+                log.warning("catalog shard %d (%s) quarantined: %s", shard.index, shard.path, reason)
+            if self._prober is None and not self._closed.is_set():
+                self._prober = threading.Thread(target=self._probe_loop, name="loraserve-catalog-prober",
+                                                daemon=True)
+                self._prober.start()
+
+    def _probe_loop(self) -> None:
+        """Probe quarantined shards when due (see module doc); ends when none is left."""
+        while not self._closed.is_set():
+            with self._qlock:
+                held = [s for s in self._shards if s.quarantine is not None]
+                if not held:
+                    self._prober = None
+                    return
+            now = time.monotonic()
+            for shard in held:
+                q = shard.quarantine
+                if q is not None and (now >= q.due or shard.watch.signature() != q.signature):
+                    self._probe(shard, q)
+            self._closed.wait(PROBE_POLL_S)
+
+    def _probe(self, shard: HostedShard, q: Quarantine) -> None:
+        signature = shard.watch.signature()  # before the probe: a change during it is seen next time
+        try:
+            shard.host.call("probe", shard.index, q.replay)
+        except (HostLost, CatalogError) as e:
+            q.backoff = min(2 * q.backoff, self.probe_backoff_s[1])
+            q.due, q.signature = time.monotonic() + q.backoff, signature
+            log.info("catalog shard %d still quarantined (next probe in %.1f s): %s", shard.index, q.backoff, e)
+            return
+        with self._qlock:
+            shard.quarantine = None
+        log.warning("catalog shard %d (%s) reads again: quarantine lifted", shard.index, shard.path)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def sync(self) -> None:
+        for s in self._shards:
+            try:
+                s.sync()
+            except ShardUnavailable as e:  # a shard that cannot sync now is reported, the others go on
+                log.warning("catalog sync: %s", e)
+
+    def close(self) -> None:
+        """Stop the prober, end and reap every host, close the data file watches."""
+        self._closed.set()
+        prober = self._prober
+        if prober is not None and prober is not threading.current_thread():
+            prober.join(10)
+        self._finalizer()
+        for s in self._shards:
+            s.close()
+        self.resolved.clear()

@@ -1,0 +1,321 @@
+"""Shard hosts: small processes that map a group of catalog shards for a serving process.
+
+LMDB maps each shard's `data.mdb` into memory and follows page numbers and sizes it reads from
+the file; a page overwritten with garbage sends it past the map, which is a signal (SIGSEGV,
+SIGBUS), not an exception, and ends whichever process made the read. So a serving process
+(`IsolatedCatalog`, module `isolated`) maps no shard itself: a shard host does, and answers one
+request at a time over a Unix socket pair. When a host dies, the request in flight, and so the
+shard it read, is known exactly; the owner reaps it and starts another for the next request.
+
+Protocol (multiprocessing `Connection` framing, pickles): the owner sends `(op, shard, payload)`
+and gets `("ok", value)` or `("err", class, message, shards, damaged)`; `damaged` says LMDB
+itself found the shard's pages bad on a read (the owner quarantines the shard). A `blobs` answer
+is `("blobs", [size or error, ...])` followed by one raw frame per blob, sent straight from the
+map (no pickling of the bytes) and received into the `bytearray` the caller gets. Ops:
+
+    read (fn, default)   Shard.read(fn, default): fn is a picklable transaction body
+    write (fn, reserve)  Shard.write(fn, reserve)
+    blobs records        the verified blobs of records, one read txn
+    stats / sync         Shard.stats() / Shard.sync()
+    probe replay         reopen the env, walk every page of the record dbs, replay a read
+
+Hosts are started with `subprocess` (a fresh interpreter, as multiprocessing's `spawn` would,
+which a daemonic process such as the engine core may not use), never forked from a serving
+process (threads, maybe CUDA). A host exits when its socket closes, so none outlives its owner.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+
+import lmdb
+
+from .errors import CatalogError, CorruptBlob, ShardUnavailable
+from .shards import Shard, ShardOptions
+from .store import verified_blobs
+
+log = logging.getLogger("loraserve.catalog")
+
+# the host's first lines: sys.path from the owner (a checkout run without an install finds the
+# package too), then the loop; nothing else is imported before the path is set
+_BOOT = ("import sys\nfrom multiprocessing.connection import Connection\n"
+         "conn = Connection(int(sys.argv[1]))\npath, args = conn.recv()\n"
+         "sys.path[:0] = [p for p in path if p not in sys.path]\n"
+         "from loraserve.catalog.shardhost import serve\nserve(conn, *args)\n")
+REPLAYED = ("read", "blobs")  # ops a probe may run again: reads only
+
+
+# -- the host process ------------------------------------------------------------------------------
+
+def serve(conn: Connection, catalog_dir: str, options: dict) -> None:
+    """A host's loop: answer requests until the owner closes the socket (or sends None)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the owner's to handle
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    opts, shards = ShardOptions(**options), {}
+    try:
+        while (msg := conn.recv()) is not None:
+            op, index, payload = msg
+            if index not in shards:
+                shards[index] = Shard(Path(catalog_dir), index, opts)
+            _answer(conn, shards[index], op, payload)
+    except (EOFError, OSError):  # the owner is gone
+        pass
+    finally:
+        for shard in shards.values():
+            shard.close()
+
+
+def _answer(conn: Connection, shard: Shard, op: str, payload) -> None:
+    try:
+        if op == "blobs":
+            if _send_blobs(conn, shard, payload):
+                return
+            reply = ("ok", None)  # the shard was never written
+        else:
+            reply = ("ok", _OPS[op](shard, payload))
+        data = ForkingPickler.dumps(reply)
+    except Exception as e:  # noqa: BLE001 - every failure is answered, none ends the host
+        data = ForkingPickler.dumps(_error_reply(shard, op, e))
+    conn.send_bytes(data)
+
+
+def _send_blobs(conn: Connection, shard: Shard, records: list) -> bool:
+    """Verify the records' blobs in one read txn and send them from the map; False when the
+    shard was never written (nothing sent)."""
+
+    def send(txn, dbs) -> bool:
+        views = verified_blobs(txn, dbs, records)
+        head = [len(v) if isinstance(v, memoryview) else _error_entry(v) for v in views]
+        conn.send(("blobs", head))
+        for v in views:
+            if isinstance(v, memoryview):
+                conn.send_bytes(v)
+        return True
+
+    return shard.read(send) is not None
+
+
+def _probe(shard: Shard, replay: tuple | None) -> int:
+    """Whether a quarantined shard reads again: the env is opened afresh, every page of the
+    policy, revision and meta dbs is read (keys and values) and every blob entry's node, then
+    the read that failed runs again. A damaged page ends this host again, or raises."""
+    shard.close()
+
+    def walk(txn, dbs) -> int:
+        seen = 0
+        for db in (dbs.policy, dbs.revision, dbs.meta):
+            for k, v in txn.cursor(db=db):
+                seen += len(bytes(k)) + len(bytes(v))
+        for k, v in txn.cursor(db=dbs.blob):
+            seen += len(bytes(k)) + len(v)
+        return seen
+
+    seen = shard.read(walk, default=0)
+    if replay is not None:
+        op, payload = replay
+        body = functools.partial(verified_blobs, records=payload) if op == "blobs" else payload[0]
+        try:
+            shard.read(body)
+        except ShardUnavailable:
+            raise
+        except Exception:  # noqa: BLE001 - an answer (404, a corrupt blob): the pages read
+            pass
+    return seen
+
+
+_OPS = {
+    "read": lambda shard, p: shard.read(p[0], p[1]),
+    "write": lambda shard, p: shard.write(p[0], p[1]),
+    "stats": lambda shard, p: shard.stats(),
+    "sync": lambda shard, p: shard.sync(),
+    "probe": _probe,
+}
+
+
+def _error_entry(e: BaseException) -> tuple:
+    return type(e), str(e), getattr(e, "shards", None)
+
+
+def _error_reply(shard: Shard, op: str, e: BaseException) -> tuple:
+    """The answer to a failed request. A catalog error goes back as it is; LMDB failing a read
+    marks the shard damaged; anything else raised over the stored bytes (a record that does not
+    decode) is the shard's 503 too, never the owner's 500."""
+    if not isinstance(e, CatalogError):
+        log.warning("catalog shard %d: %s failed", shard.index, op, exc_info=e)
+        e = shard.unavailable(f"a stored record did not decode ({type(e).__name__}: {e})")
+    damaged = op in REPLAYED and isinstance(e, ShardUnavailable) and isinstance(e.__cause__, lmdb.Error)
+    return ("err", *_error_entry(e), damaged)
+
+
+# -- the owner's side ------------------------------------------------------------------------------
+
+class HostLost(Exception):
+    """A shard host died or hung while it served a request (the message says how)."""
+
+
+class _Timeout(Exception):
+    pass
+
+
+def rebuild_error(cls: type, message: str, shards: list[int] | None, damaged: bool = False) -> Exception:
+    """A catalog error sent by a host, as the owner raises it (`damaged` kept as an attribute)."""
+    exc = cls.__new__(cls)
+    exc.args = (message,)
+    if issubclass(cls, ShardUnavailable):
+        exc.shards = list(shards or [])
+    exc.damaged = damaged
+    return exc
+
+
+class ShardHost:
+    """The owner's handle of one shard host process: started on first use and again after a
+    death, one request at a time (callers queue on a lock), reaped when it ends.
+
+    `call` returns a request's value or raises its error; HostLost when the host died (or did
+    not answer within `timeout_s`: then it is killed) with the request in flight. A host found
+    dead before a request was sent is replaced silently.
+    """
+
+    def __init__(self, catalog_dir: Path, options: ShardOptions, timeout_s: float = 60.0) -> None:
+        self.catalog_dir, self.options, self.timeout_s = catalog_dir, options, timeout_s
+        self.starts = 0  # processes started so far
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._closed = False
+
+    @property
+    def pid(self) -> int | None:
+        proc = self._proc
+        return proc.pid if proc is not None else None
+
+    def call(self, op: str, index: int, payload=None):
+        data = ForkingPickler.dumps((op, index, payload))  # a bad payload fails here, host untouched
+        with self._lock:
+            conn = self._ready()
+            try:
+                conn.send_bytes(data)
+            except OSError:  # died idle (killed from outside): the request never reached it
+                self._stop()
+                conn = self._ready()
+                conn.send_bytes(data)
+            try:
+                return self._reply(conn, time.monotonic() + self.timeout_s)
+            except (EOFError, OSError, _Timeout) as e:
+                raise self._lost(e) from None
+            except BaseException:
+                self._stop(kill=True)  # an exchange left half-way: the next call starts afresh
+                raise
+
+    def _reply(self, conn: Connection, deadline: float):
+        reply = self._recv(conn, deadline)
+        if reply[0] == "ok":
+            return reply[1]
+        if reply[0] == "err":
+            raise rebuild_error(*reply[1:])
+        out: list[bytearray | Exception] = []
+        for entry in reply[1]:
+            if isinstance(entry, int):
+                blob = bytearray(entry)
+                self._wait(conn, deadline)
+                conn.recv_bytes_into(blob)
+                out.append(blob)
+            else:
+                out.append(rebuild_error(*entry))
+        return out
+
+    def _recv(self, conn: Connection, deadline: float):
+        self._wait(conn, deadline)
+        return conn.recv()
+
+    @staticmethod
+    def _wait(conn: Connection, deadline: float) -> None:
+        if not conn.poll(max(0.0, deadline - time.monotonic())):
+            raise _Timeout
+
+    def _ready(self) -> Connection:
+        if self._closed:
+            raise CatalogError(f"{self.catalog_dir}: the catalog is closed")
+        if self._proc is not None and self._proc.poll() is not None:
+            self._stop()  # it died between requests: reap it
+        return self._conn or self._start()
+
+    def _start(self) -> Connection:
+        ours, theirs = multiprocessing.Pipe(duplex=True)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _BOOT, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
+        finally:
+            theirs.close()
+        self._conn = ours
+        self.starts += 1
+        ours.send((sys.path, (str(self.catalog_dir), dataclasses.asdict(self.options))))
+        return ours
+
+    def _lost(self, error: BaseException) -> HostLost:
+        pid = self.pid
+        if isinstance(error, _Timeout):
+            self._stop(kill=True)
+            return HostLost(f"(pid {pid}) did not answer within {self.timeout_s:g} s and was killed")
+        code = self._stop()
+        if code is not None and code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+        else:
+            how = f"exited (status {code})"
+        return HostLost(f"(pid {pid}) {how}")
+
+    def _stop(self, kill: bool = False, grace_s: float = 5.0) -> int | None:
+        """Close the socket and reap the process (killed first with `kill`, or when it does not
+        exit within `grace_s` of the close); its exit code."""
+        conn, proc = self._conn, self._proc
+        self._conn = self._proc = None
+        if conn is not None:
+            conn.close()
+        if proc is None:
+            return None
+        if kill:
+            proc.kill()
+        try:
+            return proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+    def close(self) -> None:
+        """End the host (a request in flight for longer than 5 s is cut short) and reap it."""
+        if not self._lock.acquire(timeout=5.0):
+            proc = self._proc
+            if proc is not None:
+                proc.kill()  # the call in flight sees the end and returns
+            self._lock.acquire()
+        try:
+            self._closed = True
+            self._stop()
+        finally:
+            self._lock.release()
+
+
+def close_hosts(hosts: list[ShardHost]) -> None:
+    """Close every host (a catalog's finalizer: it must not hold the catalog)."""
+    for host in hosts:
+        try:
+            host.close()
+        except Exception:  # noqa: BLE001 - at exit: close the others regardless
+            log.exception("closing a catalog shard host")
+
+
+def child_pids(hosts: list[ShardHost]) -> list[int]:
+    """The live hosts' process ids (diagnostics and tests)."""
+    return [pid for host in hosts if (pid := host.pid) is not None and os.path.exists(f"/proc/{pid}")]
