@@ -11,9 +11,13 @@ overflow". A revision is servable in a compute dtype when its gain stays under t
 limit (`GAIN_LIMITS`):
 
 - float32 and bfloat16 (8 exponent bits): an input of 1e4, beyond any hidden-state outlier of
-  the model families served, times a gain of 1e15 stays below 1e19, whose square (RMSNorm squares
-  the residual stream) still fits in float32 summed over any hidden size up to 3e18.
+  the model families served, times a gain of 1e12 stays below 1e16, whose square (RMSNorm squares
+  the residual stream) summed over a hidden size up to 1e6 still fits in float32 (3.4e38).
 - float16: an input of 64 times a gain of 1e3 stays a factor of two below float16's largest value.
+
+The bound is per target. Targets compose (v_proj's delta feeds o_proj's), so a revision under
+the limit can still drive a sequence to Inf at run time; that sequence fails alone and its
+revision is quarantined (`loraserve.engine.llm_engine.LLMEngine._screen`).
 
 Ordinary adapters have gains of 0.01-100; `catalog audit` used to find the rest (`error inf`)
 only after they were served. Export and import (`save_revision`, every writer's path), a runtime
@@ -30,7 +34,7 @@ import numpy as np
 from .errors import FactorsTooLarge, NonFiniteWeights
 from .targets import module_path, parse_tensor_name, tensor_names
 
-GAIN_LIMITS = {"float32": 1e15, "bfloat16": 1e15, "float16": 1e3}
+GAIN_LIMITS = {"float32": 1e12, "bfloat16": 1e12, "float16": 1e3}
 
 
 def gain_limit(*dtypes: str) -> float:

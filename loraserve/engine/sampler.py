@@ -12,12 +12,16 @@ from .sequence import Sequence
 from .types import TokenLogprob
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) everything outside each row's top-k and nucleus top-p.
+def _filter_top_k_top_p(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor,
+                        top_p: torch.Tensor) -> torch.Tensor:
+    """`logits / temps`, with everything outside each row's top-k and nucleus top-p at -inf.
 
-    logits [B, V] float32; top_k [B] int64 (V = off); top_p [B] float32 (1 = off).
+    logits [B, V] float32; temps [B] (> 0); top_k [B] int64 (V = off); top_p [B] float32 (1 = off).
+    Ranks come from the logits before the temperature: a huge temperature can flatten scaled
+    logits to equal values (or zeros) in float32, and ranking those would keep arbitrary tokens.
     """
     sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits = sorted_logits / temps[:, None]  # a positive scale keeps the order
     ranks = torch.arange(logits.shape[-1], device=logits.device).expand_as(sorted_logits)
     drop = ranks >= top_k[:, None]
     probs = sorted_logits.softmax(dim=-1)
@@ -38,9 +42,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_gen: torch.Genera
     top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs])
     top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32)
     dev = logits.device
-    scaled = logits / temps.clamp(min=1e-5).to(dev)[:, None]
+    temps = temps.clamp(min=1e-5).to(dev)
     if bool((top_k < vocab).any() or (top_p < 1).any()):
-        scaled = _filter_top_k_top_p(scaled, top_k.to(dev), top_p.to(dev))
+        scaled = _filter_top_k_top_p(logits, temps, top_k.to(dev), top_p.to(dev))
+    else:
+        scaled = logits / temps[:, None]
     probs = scaled.softmax(dim=-1).float().cpu()
     # Gumbel-free exponential race: argmax(p / q), q ~ Exp(1), one draw vector per row
     for i, seq in enumerate(seqs):

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 # torch.Generator.manual_seed takes any integer in [-2**63, 2**64)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_TOKENS_LIMIT = 2**31 - 1
+FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, without importing torch here
+FLOAT32_MAX = 3.4028234663852886e+38
 # stop strings are searched after every token of the request, on the API server's event loop
 # (OutputProcessor), so their number and length are bounded: OpenAI takes up to 4
 MAX_STOP_STRINGS = 16
@@ -56,6 +58,12 @@ class SamplingParams:
             raise EngineError("temperature must be a finite number >= 0", param="temperature")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise EngineError("top_p must be in (0, 1]", param="top_p")
+        # the sampler computes in float32: a top_p that underflows there (1e-300 is 0.0) would
+        # drop every token, and a temperature past its range is Inf. Clamped to the nearest
+        # float32 that means the same: the smallest normal top_p keeps exactly the top token,
+        # the largest temperature already flattens any finite logits to uniform.
+        self.top_p = max(self.top_p, FLOAT32_TINY)
+        self.temperature = min(self.temperature, FLOAT32_MAX)
         if self.top_k < -1:
             raise EngineError("top_k must be -1 or 0 (off) or >= 1", param="top_k")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:

@@ -53,6 +53,20 @@ def poison(peft_dir: Path, value: float, key_part: str = "v_proj.lora_B") -> str
     return name
 
 
+def fill(peft_dir: Path, value: float, key_parts=("k_proj.", "v_proj.")) -> list[str]:
+    """Fill every tensor whose name contains one of `key_parts` with `value` (finite but huge
+    factors: the issue's 1e19 and float16-max adapters); their names."""
+    from safetensors.torch import load_file
+
+    path = peft_dir / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    names = sorted(k for k in tensors if any(p in k for p in key_parts))
+    for name in names:
+        tensors[name].fill_(value)
+    save_file(tensors, str(path))
+    return names
+
+
 def truncate(path: Path, size: int) -> bytes:
     """Cut the file at `path` to `size` bytes in place (same inode); its old content."""
     content = path.read_bytes()

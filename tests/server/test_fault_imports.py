@@ -25,7 +25,7 @@ from loraserve.server import build_app
 from loraserve.server.adapter_routes import ImportRunner, import_adapter
 from loraserve.server.errors import APIError
 
-from .adapter_files import poison, write_peft
+from .adapter_files import fill, poison, write_peft
 from .live import LiveServer
 
 SYNTH = "synth/a0000000"
@@ -44,6 +44,10 @@ def served(tmp_path_factory, hf_dense) -> Iterator[tuple[httpx.Client, AsyncEngi
     write_peft(root / "huge", hf_dense, r=1200)  # ~2 MiB of tensors
     write_peft(root / "nan", hf_dense)
     poison(root / "nan", math.nan)
+    write_peft(root / "kv-1e19", hf_dense, targets=("q_proj", "k_proj", "v_proj"))
+    fill(root / "kv-1e19", 1e19)  # finite, but K/V overflow: once poisoned every neighbour
+    write_peft(root / "f16-max", hf_dense, targets=("q_proj", "v_proj", "o_proj"))
+    fill(root / "f16-max", 65504.0, ("lora_",))
     write_peft(root / "no-r", hf_dense, config={"peft_type": "LORA", "lora_alpha": 8})
     write_peft(root / "bad-json", hf_dense)
     (root / "bad-json" / "adapter_config.json").write_text("{'r': 4}")
@@ -85,6 +89,8 @@ def still_serving(http: httpx.Client) -> None:
     ("no-r", 400, "field 'r'"),
     ("bad-json", 400, "not valid JSON"),
     ("nan", 400, "contains NaN"),
+    ("kv-1e19", 400, "can scale an activation by"),
+    ("f16-max", 400, "can scale an activation by"),
     ("huge", 413, "import limit"),
     ("rank32", 400, "rank 32"),
 ])
