@@ -1,21 +1,33 @@
-"""API keys: the keys file (TOML), the principal each key stands for, and the immutable KeyStore
-a server swaps whole when the file is re-read.
+"""API keys: the keys file (TOML), the principal each key stands for, the tenants' shares and
+limits, and the immutable KeyStore a server swaps whole when the file is re-read.
 
 A key is never stored, only the SHA-256 of its UTF-8 bytes (64 hex digits):
+
+    [tenants.acme]                # optional: the tenant's share and limits, for all its keys
+    weight = 2.0                  #   fair-share weight in the scheduler (default: the key's, 1)
+    max_concurrent = 8            #   sequences in flight,
+    requests_per_second = 5       #   requests per second (token bucket, burst of one second),
+    tokens_per_minute = 100000    #   prompt + generated tokens per minute (token bucket)
 
     [keys.acme-prod]
     sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
     role = "user"                 # user | admin
     tenants = ["acme"]            # or "*": every tenant (an admin's default)
     load = true                   # optional: may load/unload/promote/rollback in its tenants
-    weight = 2.0                  # optional: fair-share weight in the scheduler (default 1)
-    max_concurrent = 8            # optional limits, per tenant: sequences in flight,
-    requests_per_second = 5       #   requests per second (token bucket, burst of one second),
-    tokens_per_minute = 100000    #   prompt + max_tokens per minute (token bucket)
+    weight = 2.0                  # optional: fair-share weight where its tenant sets none
+    max_concurrent = 2            # optional: this key's own limits, in each tenant it uses,
+    requests_per_second = 1       #   on top of the tenant's (the same three fields)
+
+A `[tenants.<name>]` table's limits are kept per tenant: every key's requests charged to the
+tenant count against them together, so a second key of a tenant adds nothing to what the tenant
+may use. A key's own limits are kept per (key, tenant) and only ever tighten the tenant's. (Until
+tenant tables existed, the limits on a key were the only ones; a file that still has them there
+keeps them as each key's own: put the tenant's in `[tenants.<name>]`.)
 
 Anything else (an unknown field or table, a wrong type, a hash that is not 64 hex digits, an
-unknown role, two entries with one hash) makes the whole file invalid: `load_keys` raises
-KeyFileError with a one-line reason, and a server keeps the store it had.
+unknown role, two entries with one hash, a tenant name that is not one) makes the whole file
+invalid: `load_keys` raises KeyFileError with a one-line reason, and a server keeps the store
+it had.
 """
 from __future__ import annotations
 
@@ -27,7 +39,8 @@ import os
 import re
 import secrets
 import tomllib
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +53,9 @@ ROLES = ("user", "admin")
 _KEY_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _KEY_PREFIX = re.compile(r"[A-Za-z0-9_-]{0,16}")
-_FIELDS = {"sha256", "role", "tenants", "load", "weight", "max_concurrent", "requests_per_second",
-           "tokens_per_minute"}
+_LIMIT_FIELDS = ("max_concurrent", "requests_per_second", "tokens_per_minute")
+_FIELDS = {"sha256", "role", "tenants", "load", "weight", *_LIMIT_FIELDS}
+_TENANT_FIELDS = {"weight", *_LIMIT_FIELDS}
 
 
 class KeyFileError(ValueError):
@@ -50,11 +64,13 @@ class KeyFileError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """A key's per-tenant limits; None = unlimited."""
+    """A tenant's limits (all its keys together), or a key's own in each tenant; None =
+    unlimited."""
 
     max_concurrent: int | None = None          # sequences in flight
     requests_per_second: float | None = None   # token bucket, capacity max(1, rate)
-    tokens_per_minute: int | None = None       # prompt + max_tokens, charged at admission
+    # token bucket: prompt + max_tokens taken at admission, what was not generated given back
+    tokens_per_minute: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_concurrent is not None and self.max_concurrent < 1:
@@ -112,6 +128,22 @@ class Principal:
 OPEN = Principal(key_id=None, admin=True)
 
 
+@dataclass(frozen=True, slots=True)
+class TenantPolicy:
+    """A tenant's `[tenants.<name>]` table: its fair-share weight (None: the key's) and its
+    limits, which every key charged to the tenant shares."""
+
+    weight: float | None = None
+    limits: Limits = Limits()
+
+    def __post_init__(self) -> None:
+        if self.weight is not None and not (math.isfinite(self.weight) and self.weight > 0):
+            raise ValueError(f"weight must be a finite number > 0, got {self.weight}")
+
+
+NO_POLICY = TenantPolicy()
+
+
 def check_tenant(tenant: str) -> str:
     """`tenant` if it is a valid tenant part of an adapter id; else ValueError."""
     try:
@@ -138,6 +170,7 @@ class KeyStore:
     """The keys a server accepts. Immutable: a reload builds a new one and swaps it in whole."""
 
     entries: tuple[KeyEntry, ...] = ()
+    tenants: Mapping[str, TenantPolicy] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         seen: dict[bytes, str | None] = {}
@@ -161,7 +194,11 @@ class KeyStore:
         return found
 
     def with_entry(self, entry: KeyEntry) -> KeyStore:
-        return KeyStore((*self.entries, entry))
+        return KeyStore((*self.entries, entry), self.tenants)
+
+    def tenant(self, name: str) -> TenantPolicy:
+        """The policy of tenant `name` (NO_POLICY when the file has no table for it)."""
+        return self.tenants.get(name, NO_POLICY)
 
 
 def load_keys(path: str | os.PathLike) -> KeyStore:
@@ -181,19 +218,48 @@ def load_keys(path: str | os.PathLike) -> KeyStore:
 
 def parse_keys(doc: dict[str, Any]) -> KeyStore:
     """The KeyStore of a parsed keys document; ValueError naming the entry at fault."""
-    unknown = sorted(set(doc) - {"keys"})
+    unknown = sorted(set(doc) - {"keys", "tenants"})
     if unknown:
-        raise ValueError(f"unknown table {unknown[0]!r} (only [keys.<id>] tables are allowed)")
-    table = doc.get("keys", {})
-    if not isinstance(table, dict):
-        raise ValueError("'keys' must be a table of [keys.<id>] entries")
+        raise ValueError(f"unknown table {unknown[0]!r} (only [keys.<id>] and "
+                         "[tenants.<name>] tables are allowed)")
+    tenants = {}
+    for name, fields in _table(doc, "tenants", "[tenants.<name>] tables").items():
+        try:
+            tenants[name] = parse_tenant(name, fields)
+        except ValueError as exc:
+            raise ValueError(f"[tenants.{name}]: {exc}") from None
     entries = []
-    for key_id, fields in table.items():
+    for key_id, fields in _table(doc, "keys", "[keys.<id>] entries").items():
         try:
             entries.append(parse_entry(key_id, fields))
         except ValueError as exc:
             raise ValueError(f"[keys.{key_id}]: {exc}") from None
-    return KeyStore(tuple(entries))
+    return KeyStore(tuple(entries), tenants)
+
+
+def _table(doc: dict[str, Any], name: str, what: str) -> dict[str, Any]:
+    table = doc.get(name, {})
+    if not isinstance(table, dict):
+        raise ValueError(f"{name!r} must be a table of {what}")
+    return table
+
+
+def parse_tenant(name: str, fields: Any) -> TenantPolicy:
+    """One `[tenants.<name>]` table as a TenantPolicy; ValueError on anything wrong or unknown."""
+    check_tenant(name)
+    if not isinstance(fields, dict):
+        raise ValueError("must be a table")
+    unknown = sorted(set(fields) - _TENANT_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown field {unknown[0]!r} (a tenant has weight, "
+                         f"{', '.join(_LIMIT_FIELDS)})")
+    return TenantPolicy(weight=_number(fields, "weight"), limits=_limits(fields))
+
+
+def _limits(fields: dict[str, Any]) -> Limits:
+    return Limits(max_concurrent=_typed(fields, "max_concurrent", int),
+                  requests_per_second=_number(fields, "requests_per_second"),
+                  tokens_per_minute=_typed(fields, "tokens_per_minute", int))
 
 
 def parse_entry(key_id: str, fields: Any) -> KeyEntry:
@@ -220,9 +286,7 @@ def parse_entry(key_id: str, fields: Any) -> KeyEntry:
         raise ValueError("tenants must be a list of tenant names, or \"*\"")
     if not tenants:
         raise ValueError("a key needs at least one tenant (or \"*\")")
-    limits = Limits(max_concurrent=_typed(fields, "max_concurrent", int),
-                    requests_per_second=_number(fields, "requests_per_second"),
-                    tokens_per_minute=_typed(fields, "tokens_per_minute", int))
+    limits = _limits(fields)
     weight = _number(fields, "weight")
     principal = Principal(key_id=key_id, admin=role == "admin", tenants=tuple(tenants),
                           load=_typed(fields, "load", bool) or False,

@@ -30,7 +30,8 @@ from loraserve.catalog.source import AdapterSource
 from loraserve.engine.types import EngineError
 from loraserve.server.admin_routes import control_action
 from loraserve.server.errors import APIError, as_api_error
-from loraserve.server.tenancy import check_visible, principal_of
+from loraserve.server.names import lookup_error
+from loraserve.server.tenancy import check_visible_id, principal_of
 
 T = TypeVar("T")
 MiB = 1 << 20
@@ -171,8 +172,11 @@ def adapter_router() -> APIRouter:
 
     @router.get("/adapters/{adapter_id:path}")
     async def adapter(adapter_id: str, request: Request) -> dict:
-        check_visible(principal_of(request), adapter_id)  # another tenant's: as if absent
-        return await _off_loop(_engine(request).describe_adapter, adapter_id)
+        check_visible_id(principal_of(request), adapter_id)  # another tenant's: as if absent
+        try:
+            return await _off_loop(_engine(request).describe_adapter, adapter_id)
+        except APIError as err:
+            raise lookup_error(err, adapter_id) from err
 
     @router.post("/load_lora_adapter")
     @control_action("load", adapter=lambda kw: kw["body"].lora_name)  # keys, tenants, audit
@@ -195,7 +199,7 @@ def adapter_router() -> APIRouter:
         try:
             evicted = await _engine(request).unload_adapter(body.lora_name)
         except (CatalogError, EngineError) as exc:
-            raise as_api_error(exc) from exc
+            raise lookup_error(as_api_error(exc), body.lora_name) from exc
         return {"status": "ok", "message": f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
                 "evicted": evicted}
 

@@ -25,8 +25,9 @@ from loraserve.catalog.errors import CatalogError
 from loraserve.keys import KeyFileError, Principal
 from loraserve.server.audit_log import DENIED, FAILED, OK
 from loraserve.server.errors import APIError, as_api_error
+from loraserve.server.names import lookup_error
 from loraserve.server.tenancy import (AuthMiddleware, Tenancy, TenancyConfig, forbidden, hidden,
-                                      principal_of, split_ref)
+                                      principal_of, split_id)
 
 log = logging.getLogger("loraserve.server")
 
@@ -40,8 +41,9 @@ def control_action(action: str, adapter: Callable[[Kwargs], str],
 
     Before it runs (`authorize_control`): 403 for a key that may not change adapters, 403 for
     loading into a tenant the key may not see, and for any other action there the 404 of an id
-    that does not exist; the same answers whether or not the id exists. Every outcome is one
-    audit line; the revision of a success is its answer's "revision", when it has one.
+    that does not exist (names.not_found); the same answers whether or not the id exists. Every
+    outcome is one audit line; the revision of a success is its answer's "revision", when it
+    has one.
     """
     def wrap(handler):
         @functools.wraps(handler)
@@ -74,17 +76,19 @@ def control_action(action: str, adapter: Callable[[Kwargs], str],
 
 def authorize_control(principal: Principal, action: str, adapter_id: str) -> None:
     """Raise unless `principal` may do `action` on `adapter_id` (see control_action); an
-    invalid id is left to the handler (a 400)."""
+    invalid id (one with `@rev` too: these routes take plain ids) is left to the handler (a
+    400), whichever tenant it names."""
     if principal.admin:
         return
     if not principal.load:
         raise forbidden("this key may not load, unload, promote or roll back adapters")
-    ref = split_ref(adapter_id)
+    ref = split_id(adapter_id)
     if ref is None or principal.may_control(ref[1]):
         return
     if action == "load":
-        raise forbidden(f"this key may not load adapters into tenant {ref[1]!r}")
-    raise hidden(ref[0])
+        raise forbidden(f"this key may not load `{adapter_id}`: its tenant is not one of the "
+                        "key's")
+    raise hidden(adapter_id)
 
 
 # -- routes --------------------------------------------------------------------------------------
@@ -99,13 +103,14 @@ def _policy_answer(policy: Any) -> dict:
             "promoted": policy.promoted, "previous": policy.previous}
 
 
-async def _catalog_call(request: Request, name: str, *args: Any) -> Any:
-    """Run catalog method `name` on a thread; catalog errors become their OpenAI errors."""
+async def _catalog_call(request: Request, name: str, adapter_id: str, *args: Any) -> Any:
+    """Run catalog method `name` on `adapter_id` on a thread; catalog errors become their OpenAI
+    errors (an unknown id: names.not_found)."""
     catalog = request.app.state.ctx.engine.adapter_manager.catalog
     try:
-        return await asyncio.to_thread(getattr(catalog, name), *args)
+        return await asyncio.to_thread(getattr(catalog, name), adapter_id, *args)
     except CatalogError as exc:
-        raise as_api_error(exc) from exc
+        raise lookup_error(as_api_error(exc), adapter_id) from exc
 
 
 def control_router() -> APIRouter:

@@ -21,11 +21,11 @@ from loraserve.server.chat import create_chat_completion
 from loraserve.server.completions import create_completion
 from loraserve.server.connections import (ConnectionCollector, ConnectionLimits,
                                           plan_connections, protocol_class)
-from loraserve.server.errors import APIError, as_api_error, clip, install_error_handlers
+from loraserve.server.errors import APIError, as_api_error, install_error_handlers
 from loraserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from loraserve.heap import settle_heap
 from loraserve.server.middleware import BodyLimitMiddleware, RequestCountMiddleware
-from loraserve.server.names import canonical_model
+from loraserve.server.names import canonical_model, lookup_error, not_found
 from loraserve.server.process_metrics import CoreMemoryCollector
 from loraserve.server.router_metrics import RouterMetricsCollector
 from loraserve.server.protocol import ChatCompletionRequest, CompletionRequest, JSONBodyRoute
@@ -125,7 +125,8 @@ def _api_router(prefix: str = "/v1") -> APIRouter:
     async def model(model_id: str, request: Request) -> dict:
         engine = _ctx(request).engine
         name = canonical_model(model_id, engine)  # an alias or tinker:// name: what it names
-        check_visible(principal_of(request), name, engine.model_name)  # another tenant's: 404
+        # another tenant's: the 404 of a name that names nothing, echoing model_id (names.py)
+        check_visible(principal_of(request), name, engine.model_name, requested=model_id)
         if name in engine.list_models():
             return _model_card(model_id, engine)
         mgr = getattr(engine, "adapter_manager", None)
@@ -137,10 +138,9 @@ def _api_router(prefix: str = "/v1") -> APIRouter:
                 else:  # 404 for an unknown adapter, revision or tag
                     await asyncio.to_thread(mgr.catalog.resolve, adapter_id, rev)
             except CatalogError as exc:
-                raise as_api_error(exc) from exc
+                raise lookup_error(as_api_error(exc), model_id) from exc
             return _model_card(model_id, engine)
-        raise APIError(404, f"The model `{clip(model_id)}` does not exist.", param="model",
-                       code="model_not_found")
+        raise not_found(model_id)
 
     return router
 

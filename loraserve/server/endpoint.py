@@ -24,6 +24,7 @@ from loraserve.engine.types import RequestOutput, SamplingParams
 from loraserve.server.errors import sse_error
 from loraserve.server.fastjson import FastJSONResponse
 from loraserve.server.logprobs import TokenRenderer
+from loraserve.server.names import lookup_error
 from loraserve.server.protocol import SamplingFields
 from loraserve.server.serving import (Engine, Prompt, RequestClock, ServerContext, check_request,
                                       fan_out, new_id, now, usage)
@@ -93,9 +94,13 @@ async def serve(req: SamplingFields, ctx: ServerContext, endpoint: Endpoint) -> 
     else:
         plan = endpoint.plan(req, engine)
     request_id = new_id(endpoint.id_prefix)
-    admitted = admit(adapter, plan.prompts, req.n, plan.params.max_tokens)  # tenant: 404, 429
-    streams = await ctx.deadline.run(start_all(admitted.engine(engine), fan_out(
-        request_id, plan.prompts, req.n, plan.params, adapter, bool(req.stream))))
+    # tenant: 429, 404 (another tenant's adapter: as a missing one, names.not_found)
+    admitted = admit(adapter, plan.prompts, req.n, plan.params.max_tokens, req.model)
+    try:
+        streams = await ctx.deadline.run(start_all(admitted.engine(engine), fan_out(
+            request_id, plan.prompts, req.n, plan.params, adapter, bool(req.stream))))
+    except Exception as exc:  # a model that does not exist: the 404 naming it as asked for
+        raise lookup_error(exc, req.model) from exc
     clock.first_output()
     prompt_tokens = sum(len(p.token_ids) for p in plan.prompts)
     ctx.metrics.prompt_tokens.inc(prompt_tokens)

@@ -8,11 +8,14 @@
   client/config stay open; so does everything when the server has no keys at all. A JWT minted
   for a key (tokens.py) is that key, wherever a key is accepted. The principal is `request.state.principal`, and for the
   generation path (which has no request object) the request's `RequestTenancy` is a ContextVar.
-- Another tenant's adapter is answered exactly as an id that does not exist (`hidden`), by
-  generation, listing, /v1/models/{id}, /v1/adapters/{id} and the control routes alike.
+- Another tenant's adapter is answered exactly as an id that does not exist (`hidden`, which is
+  names.not_found of the name as requested), by generation, listing, /v1/models/{id},
+  /v1/adapters/{id} and the control routes alike: same status, code and message, never naming
+  what an alias resolved to.
 - `admit` is a generation request's admission: its tenant (the adapter's, else the key's first),
-  the 404 above, the key's limits (429), and an engine view that tags each GenerateRequest with
-  the tenant and weight and counts its tokens for the tenant.
+  the tenant's limits (all its keys together) and the key's own (429), the 404 above, and an
+  engine view that tags each GenerateRequest with the tenant and its weight and counts its
+  tokens for the tenant (and for the token buckets, which get back what was not computed).
 """
 from __future__ import annotations
 
@@ -28,15 +31,16 @@ from typing import Any
 from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from loraserve.catalog.errors import AdapterNotFound, InvalidAdapterId
-from loraserve.catalog.ids import parse_model_ref
+from loraserve.catalog.errors import InvalidAdapterId
+from loraserve.catalog.ids import parse_model_ref, validate_adapter_id
 from loraserve.engine.types import GenerateRequest, RequestOutput
 from loraserve.keys import (ALL_TENANTS, OPEN, KeyEntry, KeyFileError, KeyStore, Principal,
                             digest, load_keys)
 from loraserve.server.audit_log import FAILED, AuditLog
-from loraserve.server.errors import APIError, as_api_error
+from loraserve.server.errors import APIError
 from loraserve.server.limits import Lease, LimitExceeded, Limiter, TenantCounters
 from loraserve.server.metrics import ServerMetrics
+from loraserve.server.names import not_found
 from loraserve.server.tokens import TokenIssuer, looks_like_jwt
 
 # the Tinker SDK's probes: it asks for its config before it has a token (server/tinker.py)
@@ -234,9 +238,10 @@ def principal_of(request: Request) -> Principal:
 
 # -- visibility ----------------------------------------------------------------------------------
 
-def hidden(adapter_id: str) -> APIError:
-    """The 404 for another tenant's adapter: the very error an id that does not exist gets."""
-    return as_api_error(AdapterNotFound(f"adapter {adapter_id!r} not found"))
+def hidden(requested: str) -> APIError:
+    """The 404 for another tenant's adapter, `requested` the name as the request gave it: the
+    very error a name that names nothing gets (names.not_found)."""
+    return not_found(requested)
 
 
 def split_ref(model: str) -> tuple[str, str] | None:
@@ -248,12 +253,33 @@ def split_ref(model: str) -> tuple[str, str] | None:
     return adapter_id, adapter_id.split("/", 1)[0]
 
 
-def check_visible(principal: Principal, model: str, base: str | None = None) -> None:
-    """Raise `hidden` when `model` (not the base) names an adapter of a tenant the key may
-    not see; anything else (the base, an invalid id) is left to the caller to answer."""
+def split_id(adapter_id: str) -> tuple[str, str] | None:
+    """(adapter id, tenant) of a plain adapter id (no `@rev`: what the adapter routes take);
+    None when it is not a valid one."""
+    try:
+        validate_adapter_id(adapter_id)
+    except InvalidAdapterId:
+        return None
+    return adapter_id, adapter_id.split("/", 1)[0]
+
+
+def check_visible(principal: Principal, model: str, base: str | None = None,
+                  requested: str | None = None) -> None:
+    """Raise `hidden(requested)` when `model` (a model reference, not the base) names an adapter
+    of a tenant the key may not see; anything else (the base, an invalid id) is left to the
+    caller to answer. `requested`: the name the request gave (default `model`), when `model` is
+    what an alias or tinker:// name resolved to."""
     ref = None if model == base else split_ref(model)
     if ref is not None and not principal.sees(ref[1]):
-        raise hidden(ref[0])
+        raise hidden(model if requested is None else requested)
+
+
+def check_visible_id(principal: Principal, adapter_id: str) -> None:
+    """`check_visible` for a route that takes a plain adapter id: one with `@rev` is invalid
+    there (the route's 400), whichever tenant it names."""
+    ref = split_id(adapter_id)
+    if ref is not None and not principal.sees(ref[1]):
+        raise hidden(adapter_id)
 
 
 def visible_ids(principal: Principal, ids: Sequence[str], base: str) -> list[str]:
@@ -292,24 +318,34 @@ def scoped_listing(request: Request,
 
 @dataclass(slots=True)
 class Admission:
-    """An admitted generation request: its tenant, weight, and the counters it feeds."""
+    """An admitted generation request: its tenant, weight, the counters it feeds and the lease
+    whose `used` tokens it counts (prompt tokens once prefilled, tokens as generated)."""
 
     tenant: str
     weight: float = 1.0
     counters: TenantCounters | None = None
     prompt_tokens: int = 0
     started: bool = False
+    lease: Lease | None = None
 
     def engine(self, engine: Any) -> Any:
         """`engine` as this request's fan-out sees it (`TenantEngine`)."""
         return engine if self.counters is None else TenantEngine(engine, self)
+
+    def prefilled(self, tokens: int) -> None:
+        """One of its sequences has its prompt computed (its first delta came)."""
+        if self.lease is not None and self.lease.used is not None:
+            self.lease.used += tokens
 
     def count(self, out: RequestOutput) -> None:
         assert self.counters is not None
         if not self.started:  # the first delta: the request is running, not refused
             self.started = True
             self.counters.started(self.tenant, self.prompt_tokens)
-        self.counters.generated(self.tenant, len(out.token_ids))
+        generated = len(out.token_ids)
+        self.counters.generated(self.tenant, generated)
+        if self.lease is not None and self.lease.used is not None:
+            self.lease.used += generated
 
 
 class TenantEngine:
@@ -329,8 +365,12 @@ class TenantEngine:
         it = self.engine.generate(request)
         if inspect.isawaitable(it):
             it = await it
+        first = True
         try:
             async for out in it:
+                if first:
+                    first = False
+                    self.admission.prefilled(len(request.prompt_token_ids))
                 self.admission.count(out)
                 yield out
         finally:  # closing this closes the engine's iterator (an abort when unfinished)
@@ -339,26 +379,35 @@ class TenantEngine:
                 await aclose()
 
 
-def admit(adapter: str | None, prompts: Sequence[Any], n: int, max_tokens: int) -> Admission:
-    """Admit one generation request of the current HTTP request (`prompts` have `token_ids`).
+def admit(adapter: str | None, prompts: Sequence[Any], n: int, max_tokens: int,
+          model: str | None = None) -> Admission:
+    """Admit one generation request of the current HTTP request (`prompts` have `token_ids`;
+    `adapter` is the reference the request's `model` resolved to, None for the base).
 
-    404 (`hidden`) for another tenant's adapter; 429 over the key's limits, charging one
-    request, n x (prompt + max_tokens) tokens per prompt and P x n sequences in flight.
+    429 over the tenant's limits (all its keys together) or the key's own, charging one
+    request, n x (prompt + max_tokens) tokens per prompt and P x n sequences in flight; then
+    404 (`hidden(model)`) for another tenant's adapter. A hidden adapter is charged as a
+    missing one is (to the key's own tenant, all tokens given back when the request ends), so
+    neither the limits nor the answer tell the two apart.
     """
     ref = None if adapter is None else split_ref(adapter)
     current = _CURRENT.get()
     if current is None:
         return Admission("" if ref is None else ref[1])
-    principal = current.principal
-    if ref is not None and not principal.sees(ref[1]):
-        raise hidden(ref[0])
-    tenant = principal.home_tenant if ref is None else ref[1]
+    principal, tenancy = current.principal, current.tenancy
+    invisible = ref is not None and not principal.sees(ref[1])
+    tenant = principal.home_tenant if ref is None or invisible else ref[1]
+    policy = tenancy.keys.tenant(tenant)
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     charge = n * (prompt_tokens + len(prompts) * max_tokens)
     try:
-        lease = current.tenancy.limiter.admit(principal, tenant, len(prompts) * n, charge)
+        lease = tenancy.limiter.admit(principal, tenant, len(prompts) * n, charge, policy.limits)
     except LimitExceeded as exc:
-        current.tenancy.counters.rejected(tenant, exc.limit)
+        tenancy.counters.rejected(tenant, exc.limit)
         raise
+    lease.used = 0
     current.leases.append(lease)
-    return Admission(tenant, principal.weight, current.tenancy.counters, prompt_tokens)
+    if invisible:
+        raise hidden(adapter if model is None else model)
+    weight = principal.weight if policy.weight is None else policy.weight
+    return Admission(tenant, weight, tenancy.counters, prompt_tokens, lease=lease)

@@ -17,6 +17,7 @@ from loraserve.catalog.ids import parse_model_ref
 from loraserve.server import serving as sv
 from loraserve.server import tinker_sampling as ts
 from loraserve.server.errors import APIError, as_api_error, clip
+from loraserve.server.names import lookup_error
 from loraserve.server.streaming import start_all
 from loraserve.server.tenancy import admit, check_visible, detach_leases, principal_of
 from loraserve.server.tinker_state import Future, FutureStore, SamplingSession, TinkerState
@@ -58,21 +59,22 @@ def sampling_session(request: Request, sampling_session_id: str) -> SamplingSess
 
 async def pin(name: str, request: Request) -> str | None:
     """The revision `name` stands for now (`tenant/name@rev`), None for the base model; 404 for
-    an unknown model or adapter, or one of a tenant the key may not see."""
+    an unknown model or adapter, or one of a tenant the key may not see: the same answer,
+    naming `name` as given (names.not_found)."""
     engine = ctx_of(request).engine
     if name == base_model_name(engine):
         return None
     adapter = sv.resolve_adapter(name, engine)
     if adapter is None:
         return None
-    check_visible(principal_of(request), adapter, engine.model_name)
+    check_visible(principal_of(request), adapter, engine.model_name, requested=name)
     catalog = getattr(getattr(engine, "adapter_manager", None), "catalog", None)
     if catalog is None:  # no catalog: the engine decides when it is used
         return adapter
     try:
         return (await asyncio.to_thread(catalog.resolve, *parse_model_ref(adapter))).ref
     except CatalogError as exc:
-        raise as_api_error(exc) from exc
+        raise lookup_error(as_api_error(exc), name) from exc
 
 
 # -- asample -------------------------------------------------------------------------------------
@@ -88,7 +90,8 @@ async def start_sample(body: ts.SampleBody, request: Request) -> Future:
     if state.futures.pending >= state.futures.max_pending:
         raise APIError(429, "too many sampling requests in flight; retry later")
     plan = ts.plan_sample(body, ctx.engine, ctx.max_seqs_per_request)
-    admitted = admit(adapter, [plan.prompt], plan.n, plan.params.max_tokens)  # 404, 429
+    model = body.model_path or body.base_model or adapter
+    admitted = admit(adapter, [plan.prompt], plan.n, plan.params.max_tokens, model)  # 429, 404
     future = Future(new_id("req"), owner, dedupe)
     state.futures.add(future)  # before any wait: a concurrent retry finds it
     try:

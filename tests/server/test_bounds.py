@@ -419,9 +419,9 @@ def test_model_revision_is_resolved() -> None:
         for ok in ("demo/pirate", "demo/pirate@r1", "demo/pirate@prod"):
             r = http.get(f"/v1/models/{ok}")
             assert r.status_code == 200 and r.json()["id"] == ok
-        for missing, code in [("demo/pirate@nope", "revision_not_found"),
-                              ("demo/ghost", "adapter_not_found"),
-                              ("demo/ghost@r1", "adapter_not_found")]:
+        for missing, code in [("demo/pirate@nope", "revision_not_found"),  # one it may see
+                              ("demo/ghost", "model_not_found"),  # names.not_found
+                              ("demo/ghost@r1", "model_not_found")]:
             assert assert_error_body(http.get(f"/v1/models/{missing}"), 404, "model")["code"] == code
         assert_error_body(http.get("/v1/models/demo/pirate@bad@rev"), 400, "model")
         error = assert_error_body(http.get(f"/v1/models/demo/{'b' * 10_000}"), 400, "model")
