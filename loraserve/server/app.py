@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 from collections.abc import AsyncIterator, Coroutine
@@ -261,6 +262,8 @@ def draining_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *,
     here (ValueError when an explicit cap cannot fit)."""
     ctx: ServerContext = app.state.ctx
     limits = connections or ConnectionLimits()
+    if "timeout_keep_alive" in config:  # uvicorn's name for it, given explicitly: it wins
+        limits = dataclasses.replace(limits, keep_alive_timeout=float(config["timeout_keep_alive"]))
     plan = plan_connections(limits, config.pop("backlog", 2048))
     protocol = protocol_class(limits, plan)
     collector = getattr(app.state, "connection_collector", None)

@@ -26,9 +26,11 @@ is what it takes), so the process never runs out of descriptors: /health and the
 files keep working.
 
 Deadlines are not timers: each connection keeps one `_deadline` (a loop.time() value), and one
-sweep per server (a call_later chain, running while connections are open) closes the ones past
-it. The per-request cost is a few attribute writes; uvicorn's own per-response keep-alive timer
-(a call_later and a cancel) is gone. A 431/408 is written, then the connection lingers: its
+sweep per server (a call_later chain, every `limits.tick` seconds while connections are open)
+closes the ones past it. A head or body deadline is armed only when a read ends with the head or
+body unfinished, so a request that arrives in one read (the usual case) arms none; the
+per-request cost is a few attribute writes and one loop.time() for the keep-alive deadline,
+where uvicorn armed and cancelled a timer per response. A 431/408 is written, then the connection lingers: its
 write side is shut and what the client still sends is read and dropped (LINGER_BYTES at most,
 LINGER_S at most), so that a client still sending reads the answer instead of a reset.
 
@@ -316,10 +318,19 @@ class Guard:
         return True
 
 
+# uvicorn's methods GuardedHttpTools replaces with edited copies, by the SHA-256 (first 16 hex
+# digits) of their source in the uvicorn they were copied from (0.54.0): a test fails when an
+# upgrade changes one, so that the copy is looked at again
+SHADOWED = {"data_received": "010a7ae59a5d3b1a", "on_header": "65d62c044f61fdbd",
+            "on_body": "dba9c32aeba35b6a", "on_message_complete": "1fbad42dc31fc01f",
+            "on_response_complete": "64e254f28e389e76"}
+
+
 class GuardedHttpTools(HttpToolsProtocol):
     """uvicorn's httptools protocol with the bounds of `guard.limits` (see the module's doc).
 
-    Made per server by `protocol_class`; uvicorn constructs one per connection.
+    Made per server by `protocol_class`; uvicorn constructs one per connection. The methods in
+    SHADOWED are uvicorn's own with the bounds added (no super() call on the per-request path).
     """
 
     guard: ClassVar[Guard]
@@ -337,8 +348,8 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._state = FRESH
         self._deadline = _INF
         self._since = 0.0
-        self._head_bytes = 0   # bytes read while the head was unfinished (an upper bound)
-        self._head_size = 0    # header names and values parsed
+        self._head_bytes = 0   # bytes read before this one while the head was unfinished
+        self._read = 0         # the length of the read being parsed
         self._wire = 0         # bytes read while a body was unfinished
         self._body_bytes = 0   # body bytes parsed
         self._chunks = 0       # chunks of a chunked body
@@ -367,10 +378,10 @@ class GuardedHttpTools(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        state = self._state
-        if state >= LINGER:
+        if self._state >= LINGER:
             self._drop(data)
             return
+        self._read = len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -388,45 +399,53 @@ class GuardedHttpTools(HttpToolsProtocol):
             else:
                 self._unsupported_upgrade_warning()
             return
+        # a head or body that did not end in this read: count it, and arm its deadline (a
+        # request read whole in one read, the usual case, never gets here)
         state = self._state
         if state == HEAD:
             self._head_bytes += len(data)
             if self._head_bytes > self._max_head:
                 self._answer(HEADER_BYTES)
+            elif self._deadline == _INF:
+                self._arm(self._header_timeout)
         elif state == BODY:
             self._wire += len(data)
             if self._wire - self._body_bytes > 2 * self._max_head + CHUNK_FRAMING * self._chunks:
                 self._answer(TRAILER_BYTES)
+            elif self._deadline == _INF:
+                self._arm(self._body_timeout)
+
+    def _arm(self, timeout: float) -> None:
+        now = self.loop.time()
+        self._since = now
+        self._deadline = now + timeout
 
     # -- parser callbacks -----------------------------------------------------------------------------
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        now = self.loop.time()
+        if self._state != FRESH:  # a first request's head is due from the connect
+            self._deadline = _INF  # armed in data_received if the head does not end in this read
         self._state = HEAD
-        self._since = now
-        self._deadline = now + self._header_timeout
-        self._head_bytes = self._head_size = 0
+        self._head_bytes = 0
 
     def on_header(self, name: bytes, value: bytes) -> None:
         headers = self.headers
         if len(headers) >= self._max_headers:
             raise _Refused(HEADER_COUNT)
-        self._head_size += len(name) + len(value) + 4
-        if self._head_size > self._max_head:
-            raise _Refused(HEADER_BYTES if self._state == HEAD else TRAILER_BYTES)
         name = name.lower()
         if name == b"expect" and value.lower() == b"100-continue":
             self.expect_100_continue = True
         headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        if self._head_size + len(self.url) > self._max_head:
+        # the head's exact size, when what was read while it lasted could be over the limit
+        if self._head_bytes + self._read > self._max_head and (
+                len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
+                > self._max_head):
             raise _Refused(HEADER_BYTES)
         super().on_headers_complete()
-        now = self.loop.time()
         self._state = BODY
-        self._since = now
-        self._deadline = now + self._body_timeout
+        self._deadline = _INF  # armed in data_received if the body does not end in this read
         self._wire = self._body_bytes = self._chunks = 0
         self._requests += 1
         if self._requests >= self._max_requests and self.cycle is not None:

@@ -138,6 +138,35 @@ def read_answer(sock: socket.socket, limit_s: float) -> tuple[bytes, bool]:
     return data, False
 
 
+def complete(answer: bytes) -> bool:
+    """Whether `answer` holds one whole response (head and a Content-Length body)."""
+    head, sep, body = answer.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(body) >= int(value)
+    return False
+
+
+def read_response(sock: socket.socket, limit_s: float) -> tuple[bytes, bool]:
+    """Like read_answer, but returns as soon as one whole response is in."""
+    sock.settimeout(limit_s)
+    data, end = b"", time.monotonic() + limit_s
+    try:
+        while time.monotonic() < end and not complete(data):
+            chunk = sock.recv(65536)
+            if not chunk:
+                return data, True
+            data += chunk
+    except (ConnectionResetError, BrokenPipeError):
+        return data, True
+    except TimeoutError:
+        pass
+    return data, False
+
+
 def status_of(answer: bytes) -> int | None:
     if not answer.startswith(b"HTTP/1.1 "):
         return None
@@ -401,11 +430,11 @@ HEAD = st.builds(
     version=st.sampled_from([b"HTTP/1.1", b"HTTP/1.0", b"HTTP/9.9", b"", b"HTTP/1.1 junk"]),
     headers=st.lists(HEADER, max_size=6),
     many=st.sampled_from([0, 0, MAX_HEADERS + 1, 3000]),
-    end=st.sampled_from([b"\r\n", b"\r\n", b"\r\n", b"\r\n\r\n", b""]),  # b"": never finished
+    end=st.sampled_from([b"\r\n"] * 5 + [b"\r\n\r\n", b""]),  # b"": never finished
 )
 
 
-@settings(max_examples=30, deadline=None, derandomize=True,
+@settings(max_examples=25, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(head=HEAD, pieces=st.integers(1, 3), pause=st.sampled_from([0.0, 0.0, 0.05]))
 def test_fuzzed_heads_get_a_4xx_or_a_close(tight: Server, head: bytes, pieces: int,
@@ -419,9 +448,7 @@ def test_fuzzed_heads_get_a_4xx_or_a_close(tight: Server, head: bytes, pieces: i
             if not send_quietly(sock, head[i:i + size]):
                 break
             time.sleep(pause)
-        answer, closed = read_answer(sock, TIMEOUT + SLACK)
-        if not closed:  # a complete, keep-alive request: answered, connection kept
-            assert answer.endswith(b"}") or status_of(answer) is not None
+        answer, closed = read_response(sock, TIMEOUT + SLACK)
     status = status_of(answer)
     assert status is None or 400 <= status < 500, answer[:300]
     assert closed or status is not None
@@ -488,6 +515,20 @@ def test_serve_checks_the_cap_before_loading_anything(monkeypatch: pytest.Monkey
     fake_rlimit(monkeypatch, 1024, 1024)
     assert main(["serve", "--max-connections", "5000", "--model", "/nonexistent"]) == 1
     assert "--max-connections 5000" in capsys.readouterr().err
+
+
+def test_the_uvicorn_methods_copied_are_the_ones_reviewed() -> None:
+    """GuardedHttpTools replaces these uvicorn methods with edited copies: an upgrade that
+    changes one must be merged into the copy (then update SHADOWED)."""
+    import hashlib
+    import inspect
+
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from loraserve.server.connections import SHADOWED
+    for name, digest in SHADOWED.items():
+        source = inspect.getsource(getattr(HttpToolsProtocol, name))
+        assert hashlib.sha256(source.encode()).hexdigest()[:16] == digest, name
 
 
 def test_connection_metrics(tight: Server) -> None:
