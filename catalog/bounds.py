@@ -1,11 +1,15 @@
 """What an adapter's factors can do to the numbers they touch: the one check every entry makes.
 
 A LoRA target adds `B @ (A @ x)` to a module's output. Over any input, the largest value that
-delta can take is bounded by the factors' infinity norms (largest absolute row sum):
+delta can take is bounded through the factors' infinity norms (largest absolute row sum), with
+B's rows (r values each, r the rank) bounded by r times B's largest value:
 
-    max|B A x| <= gain * max|x|,   gain = ||B||_inf * ||A||_inf
+    max|B A x| <= ||B||_inf * ||A||_inf * max|x| <= gain * max|x|,   gain = r * max|B| * ||A||_inf
 
-(per expert for packed MoE factors; the adapter's gain is the largest of its targets'). NaN or
+(per expert for packed MoE factors; the adapter's gain is the largest of its targets'). B's side
+is at most r times looser than its exact norm, and costs one maximum per factor instead of a
+sum per row: a B factor has one row per output feature, a few thousand rows of a few values
+each, and summing those row by row cost more than the rest of a page-in's decode. NaN or
 Inf in a factor makes the gain NaN or Inf, so one number answers both "is it finite" and "can it
 overflow". A revision is servable in a compute dtype when its gain stays under that dtype's
 limit (`GAIN_LIMITS`):
@@ -64,7 +68,7 @@ def pair_gain(a: np.ndarray, b: np.ndarray) -> float:
     """Gain of one target: A [.., r, in], B [.., out, r] as float32 arrays (a leading expert axis
     or none). float64 sums: a gain past float32's range is still a finite number to report."""
     ga = np.abs(a).sum(axis=-1, dtype=np.float64).max(axis=-1)
-    gb = np.abs(b).sum(axis=-1, dtype=np.float64).max(axis=-1)
+    gb = a.shape[-2] * np.abs(b).reshape(*b.shape[:-2], -1).max(axis=-1).astype(np.float64)
     return float(np.max(ga * gb))
 
 
@@ -105,41 +109,41 @@ class GainPlan:
     """The gain check of one tensor table, on the blob's flat data region in a few numpy calls.
 
     A page-in sees a handful of tensor tables across a million revisions (`layout._LAYOUTS`), and
-    one per-tensor numpy call costs more than a small adapter's whole decode: so the row
-    boundaries of every factor, the (tensor, expert) groups of rows and the A/B pairing are worked
-    out once per table, and a blob's check is |x| once, one `add.reduceat` for every row sum, one
-    `maximum.reduceat` for every group's largest row, and one product. `gain(flat)` equals the
-    largest of `target_gains` (a property test holds them to it)."""
+    one numpy call per tensor costs more than a small adapter's whole decode: so the table is cut
+    once into segments, in offset order (one per row of each A factor, one per expert of each B
+    factor), and a blob's check is |x| once, one `add.reduceat` and one `maximum.reduceat` over
+    those segments, and a product of two gathers. `gain(flat)` equals the largest of
+    `target_gains` (a property test holds them to it)."""
 
-    __slots__ = ("row_starts", "group_starts", "a_groups", "b_groups")
+    __slots__ = ("starts", "a_rows", "b_groups", "rank")
 
     def __init__(self, tensors: list[tuple[str, tuple[int, ...], int]]) -> None:
         """`tensors`: (name, shape, element offset in the flat region), tiling it exactly."""
-        rows, groups, first_group = [], [], {}
-        n_rows_seen = n_groups_seen = 0
+        starts, first = [], {}  # segment starts; tensor name -> index of its first segment
+        seen = 0
         for name, shape, offset in sorted(tensors, key=lambda t: t[2]):
-            width, per_group = shape[-1], shape[-2]  # a row's values; rows of one (expert's) factor
-            n_rows = int(np.prod(shape[:-1]))
-            first_group[name] = n_groups_seen
-            groups.append(n_rows_seen + np.arange(n_rows // per_group, dtype=np.intp) * per_group)
-            rows.append(offset + np.arange(n_rows, dtype=np.intp) * width)
-            n_rows_seen += n_rows
-            n_groups_seen += n_rows // per_group
-        a_groups, b_groups = [], []
+            is_a = parse_tensor_name(name)[2]
+            per = shape[-1] if is_a else shape[-2] * shape[-1]  # a row of A; an expert's B
+            count = int(np.prod(shape)) // per
+            first[name] = seen
+            starts.append(offset + np.arange(count, dtype=np.intp) * per)
+            seen += count
+        a_rows, b_groups, rank = [], [], 0
         for name, shape, _ in tensors:
             kind, layer, is_a = parse_tensor_name(name)
             if is_a:
-                b_name = tensor_names(kind, layer)[1]
-                count = int(np.prod(shape[:-2]))  # experts (1 for a dense target)
-                a_groups.extend(range(first_group[name], first_group[name] + count))
-                b_groups.extend(range(first_group[b_name], first_group[b_name] + count))
-        self.row_starts = np.concatenate(rows)
-        self.group_starts = np.concatenate(groups)
-        self.a_groups = np.asarray(a_groups, dtype=np.intp)
-        self.b_groups = np.asarray(b_groups, dtype=np.intp)
+                rank, experts = shape[-2], int(np.prod(shape[:-2]))
+                a_rows.append(first[name] + np.arange(experts * rank, dtype=np.intp))
+                b_groups.append(first[tensor_names(kind, layer)[1]] + np.arange(experts, dtype=np.intp))
+        self.starts = np.concatenate(starts)
+        self.a_rows = np.concatenate(a_rows)      # [groups * rank]: A's row segments, group-major
+        self.b_groups = np.concatenate(b_groups)  # [groups]: the paired B segment of each group
+        self.rank = rank
 
     def gain(self, flat: np.ndarray) -> float:
         """The adapter's gain from its flat data region (float32 values, in offset order)."""
-        row_sums = np.add.reduceat(np.abs(flat), self.row_starts, dtype=np.float64)
-        group_max = np.maximum.reduceat(row_sums, self.group_starts)
-        return float(np.max(group_max[self.a_groups] * group_max[self.b_groups]))
+        x = np.abs(flat)
+        sums = np.add.reduceat(x, self.starts, dtype=np.float64)
+        ga = sums[self.a_rows].reshape(-1, self.rank).max(axis=1)
+        gb = self.rank * np.maximum.reduceat(x, self.starts)[self.b_groups].astype(np.float64)
+        return float(np.max(ga * gb))

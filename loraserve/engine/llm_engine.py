@@ -266,10 +266,11 @@ class LLMEngine:
         per row and one host sync: a NaN or Inf anywhere in a row makes its sum so."""
         if not seqs:
             return seqs, result
-        bad = set(torch.nonzero(~torch.isfinite(result.last_logits.sum(dim=-1))).flatten().tolist())
-        bad |= {b for b, v in result.prompt_logits.items() if not bool(torch.isfinite(v.sum()))}
-        if not bad:
+        sums = result.last_logits.sum(dim=-1)
+        prompt_bad = {b for b, v in result.prompt_logits.items() if not bool(torch.isfinite(v.sum()))}
+        if not prompt_bad and bool(torch.isfinite(sums).all()):
             return seqs, result
+        bad = set(torch.nonzero(~torch.isfinite(sums)).flatten().tolist()) | prompt_bad
         keep = [i for i in range(len(seqs)) if i not in bad]
         for i in sorted(bad):
             self._fail_non_finite(seqs[i], outs)
