@@ -1,7 +1,7 @@
 """What the connection bounds (loraserve/server/connections.py) cost on the hot path, and what
 they hold back under the attacks of issue 22 (rows 3 and 4). One run, servers side by side:
 
-    python bench/connection_bounds.py [--rounds 5] [--duration 3] [--attack]
+    python bench/connection_bounds.py [--rounds 5] [--duration 3] [--micro] [--attack]
 
   plain    hot_path.py's bare FastAPI endpoint under uvicorn's own httptools protocol (what
            `loraserve serve` ran before)
@@ -11,6 +11,12 @@ Hot path: 1-token non-streamed completions with `loraserve loadtest`'s raw clien
 connections, rounds interleaved; req/s and the server's CPU per request (/proc/<pid>/stat). The
 bare endpoint costs ~0.1 ms per request, so the protocol's share shows here far more than behind
 the engine (bench/hot_path.py --baseline, for that).
+
+--micro, in this process, no sockets: one connection's protocol object fed the same 1-token
+POST again and again, its response completed synchronously (a fake transport), plain and guarded
+interleaved in batches of 2,000 (60 each): microseconds per request of uvicorn's protocol
+callbacks alone, min and median over batches. The figure that load tests on a shared 2-core
+machine are too noisy to show.
 
 --attack, against each server afresh (both with the default limits where they apply):
   heads    10 connections each send an unfinished header of --attack-mb MiB: the server's RSS
@@ -50,6 +56,96 @@ def serve(port: int, guarded: bool) -> None:
     http = protocol_class(limits, plan_connections(limits)) if guarded else HttpToolsProtocol
     uvicorn.run(bare_app(), host="127.0.0.1", port=port, log_level="error", http=http,
                 timeout_keep_alive=30)
+
+
+# -- in process: the protocol alone -------------------------------------------------------------
+MICRO_REQUEST = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nUser-Agent: loadtest\r\n"
+                 b"Accept: */*\r\nContent-Type: application/json\r\nContent-Length: 60\r\n\r\n"
+                 + (b'{"model":"qwen3","prompt":"hello","max_tokens":1,"x":"' + b"a" * 20)[:60])
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closing = True
+
+    abort = close
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def get_extra_info(self, key: str, default=None):
+        return ("127.0.0.1", 1234) if key in ("peername", "sockname") else default
+
+    def pause_reading(self) -> None:
+        pass
+
+    resume_reading = write_eof = pause_reading
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def can_write_eof(self) -> bool:
+        return True
+
+
+def micro(batches: int = 60, size: int = 2000) -> dict:
+    import gc
+
+    import uvloop
+    from uvicorn.config import Config
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.server import ServerState
+
+    from loraserve.server.connections import ConnectionLimits, plan_connections, protocol_class
+
+    start = {"type": "http.response.start", "status": 200,
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"2")]}
+    body = {"type": "http.response.body", "body": b"{}"}
+
+    class Sync:  # the app's answer, sent at once instead of from a task
+        def _start_asgi_task(self, cycle, app) -> None:
+            for message in (start, body):
+                try:
+                    cycle.send(message).send(None)
+                except StopIteration:
+                    pass
+
+    async def app(scope, receive, send) -> None:
+        pass
+
+    config = Config(app, lifespan="off", log_level="error")
+    config.load()
+    loop = uvloop.new_event_loop()
+    limits = ConnectionLimits(keep_alive_requests=10**9)
+    classes = {"plain": type("Plain", (Sync, HttpToolsProtocol), {}),
+               "guarded": type("Guarded", (Sync, protocol_class(limits, plan_connections(limits))), {})}
+
+    def run(cls) -> float:
+        state = ServerState()
+        proto = cls(config=config, server_state=state, app_state={}, _loop=loop)
+        proto.connection_made(FakeTransport())
+        t0 = time.perf_counter()
+        for _ in range(size):
+            proto.data_received(MICRO_REQUEST)
+        elapsed = time.perf_counter() - t0
+        assert state.total_requests == size
+        return 1e6 * elapsed / size
+
+    gc.disable()
+    try:
+        res = {name: [] for name in classes}
+        for _ in range(batches):
+            for name, cls in classes.items():
+                res[name].append(run(cls))
+    finally:
+        gc.enable()
+    return {name: {"min": min(v), "median": statistics.median(v)} for name, v in res.items()}
 
 
 def rss_mb(pid: int) -> float:
@@ -129,12 +225,23 @@ def main() -> None:
     ap.add_argument("--guarded", action="store_true")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--duration", type=float, default=3.0)
+    ap.add_argument("--micro", action="store_true")
+    ap.add_argument("--skip-load", action="store_true")
     ap.add_argument("--attack", action="store_true")
     ap.add_argument("--attack-mb", type=int, default=16)
     ap.add_argument("--silent", type=int, default=2000)
     args = ap.parse_args()
     if args.mode == "serve":
         return serve(args.port, args.guarded)
+    if args.micro:
+        m = micro()
+        print("protocol alone, us per request (min / median of 60 batches of 2,000):")
+        for name, v in m.items():
+            print(f"- {name}: {v['min']:.2f} / {v['median']:.2f}")
+        print(f"- guarded / plain: {m['guarded']['min'] / m['plain']['min']:.3f} (min), "
+              f"{m['guarded']['median'] / m['plain']['median']:.3f} (median)\n", flush=True)
+    if args.skip_load:
+        return attacks(args) if args.attack else None
     variants = {"plain": [], "guarded": ["--guarded"]}
     servers = {name: Server(name, [sys.executable, str(HERE), "serve", *flags], "/health")
                for name, flags in variants.items()}
@@ -167,9 +274,13 @@ def main() -> None:
             [x for x in rows if x["target"] == "plain"], [x for x in rows if x["target"] == "guarded"])]
         print(f"- {key}: {statistics.median(ratios):.3f} "
               f"({', '.join(f'{x:.3f}' for x in ratios)})")
-    if not args.attack:
-        return
-    print()
+    if args.attack:
+        print()
+        attacks(args)
+
+
+def attacks(args: argparse.Namespace) -> None:
+    variants = {"plain": [], "guarded": ["--guarded"]}
     for name, flags in variants.items():
         s = Server(name, [sys.executable, str(HERE), "serve", *flags], "/health")
         try:
