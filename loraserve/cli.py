@@ -131,6 +131,10 @@ def _serve(args: argparse.Namespace) -> int:
     connections = connection_bounds(args)  # bad values, or a cap over RLIMIT_NOFILE, stop here
     if scale is None:
         plan_connections(connections)
+    elif connections != type(connections)():
+        logging.getLogger("loraserve").warning(
+            "the connection-bound flags do not apply with --replicas: Ray Serve's proxy answers "
+            "HTTP (see README, Connection bounds)")
     if args.keys:
         from .keys import load_keys
         load_keys(args.keys)  # a bad keys file stops here, before the model loads
