@@ -6,8 +6,12 @@ round-robin across tenants, so A's backlog costs B at most one round.
 """
 from __future__ import annotations
 
+import asyncio
+import hashlib
 from collections import Counter
+from pathlib import Path
 
+import httpx
 import pytest
 
 from loraserve.engine.block_manager import BlockManager
@@ -16,6 +20,9 @@ from loraserve.engine.llm_engine import LLMEngine
 from loraserve.engine.scheduler import Scheduler
 from loraserve.engine.sequence import Sequence
 from loraserve.engine.types import GenerateRequest, SamplingParams
+from loraserve.server import build_app
+
+from server.live import LiveServer
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +81,199 @@ def test_weights_divide_admissions() -> None:
             sch.remove(s)
     assert admitted["light"] + admitted["heavy"] == 80
     assert admitted["heavy"] == 3 * admitted["light"]
+
+
+# -- fair share in tokens (issue 22, row 7) ---------------------------------------------------------
+# A tenant's long prompts against another's short requests, counted in steps and tokens. `_step`
+# plays the engine: scheduled tokens land in the KV cache, a sequence with nothing pending gets
+# one output token, and one with max_tokens of them is removed.
+
+_IDS = iter(range(1, 10**9))
+
+
+def _seq(tenant: str, prompt: int, max_tokens: int, weight: float = 1.0) -> Sequence:
+    base = 100_000 * next(_IDS)  # distinct prompts: no prefix-cache hits between sequences
+    return Sequence(f"{tenant}{base}", [base + i for i in range(prompt)],
+                    SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                    tenant=tenant, tenant_weight=weight)
+
+
+def _step(sch: Scheduler) -> tuple[bool, list[Sequence], list[Sequence]]:
+    """One step: (is_prefill, the batch, the sequences it finished)."""
+    batch, is_prefill = sch.schedule()
+    for seq in batch:
+        seq.num_cached = seq.num_cached + seq.num_scheduled if is_prefill else len(seq)
+    finished = []
+    for seq in batch:
+        if seq.num_pending == 0:
+            seq.output_ids.append(7)
+            if len(seq.output_ids) >= seq.params.max_tokens:
+                sch.remove(seq)
+                finished.append(seq)
+    return is_prefill, batch, finished
+
+
+def _tokens(batch: list[Sequence], is_prefill: bool) -> Counter:
+    return Counter({t: sum(s.num_scheduled if is_prefill else 1 for s in batch if s.tenant == t)
+                    for t in {s.tenant for s in batch}})
+
+
+def _closed_loop(with_b: bool, requests: int = 10, budget: int = 4096,
+                 ) -> tuple[list[int], list[int], int]:
+    """Tenant A sends `requests` short requests one after the other (8-token prompts, 16
+    tokens each); with `with_b`, tenant B keeps 32 requests with 500-token prompts queued or
+    running (each finished one is sent again), as in issue 22 row 7. Returns, for each of A's
+    requests, the steps it took (from the step after it arrived to its last token) and the
+    prefill tokens computed meanwhile (the work it waited for, B's included), and B's requests
+    finished meanwhile."""
+    sch = Scheduler(BlockManager(100_000, 16), max_batch_size=64, max_batched_tokens=budget)
+    if with_b:
+        for _ in range(32):
+            sch.add(_seq("B", 500, 16))
+        _step(sch)  # B's prompts are being prefilled when A's first request arrives
+    steps, work, b_done = [], [], 0
+    for _ in range(requests):
+        a = _seq("A", 8, 16)
+        sch.add(a)
+        count = prefilled = 0
+        while not a.is_finished:
+            is_prefill, batch, finished = _step(sch)
+            count += 1
+            prefilled += sum(s.num_scheduled for s in batch) if is_prefill else 0
+            for seq in finished:
+                if seq.tenant == "B":
+                    b_done += 1
+                    sch.add(_seq("B", 500, 16))
+        steps.append(count)
+        work.append(prefilled)
+    while sch.has_work:  # and every one of B's requests still finishes
+        _step(sch)
+    return steps, work, b_done
+
+
+@pytest.mark.parametrize("budget", [4096, 512])
+def test_long_prompts_of_another_tenant_cost_a_short_request_one_chunk(budget: int) -> None:
+    alone, work, _ = _closed_loop(False, budget=budget)
+    assert alone == [16] * 10 and work == [8] * 10  # one prefill step, 15 decode steps
+    loaded, work, b_done = _closed_loop(True, budget=budget)
+    # each of A's requests is admitted in the next step, beside a chunk of B's prompts of at
+    # most B's share of the step budget (half), then decodes while B's prompts wait, for up to
+    # decode_run steps in a row (64 and 8 here: a full batch of 64 decodes one budget) before
+    # B gets its next chunk: where admissions alone were shared (the scheduler before tokens),
+    # A waited for the whole of B's 16,000 prompt tokens, a step of them per token of A's
+    chunks = 1 + 15 // -(-budget // 64)  # B's chunks while one of A's requests runs
+    assert max(loaded) <= 16 + chunks, loaded
+    assert max(work) <= chunks * budget // 2 + 8, work
+    assert b_done > 0  # B was served all along, not only after A
+
+
+@pytest.mark.parametrize("weights", [(1.0, 1.0), (1.0, 3.0)])
+def test_token_shares_while_both_tenants_wait(weights: tuple[float, float]) -> None:
+    """A has many short prompts, B few long ones, both waiting: each gets at least its weighted
+    share of the prefill tokens minus one chunk, and no step gives a tenant more than its
+    weighted share of the step budget while the other has work."""
+    budget = 512
+    wa, wb = weights
+    sch = Scheduler(BlockManager(100_000, 16), max_batch_size=64, max_batched_tokens=budget)
+    for _ in range(40):  # B alone first: idling earned A nothing, B's head start costs A nothing
+        sch.add(_seq("B", 500, 1, wb))
+    for _ in range(3):
+        _step(sch)
+    for _ in range(400):
+        sch.add(_seq("A", 40, 1, wa))
+    got = Counter()
+    while {s.tenant for s in sch.waiting} == {"A", "B"}:
+        is_prefill, batch, _ = _step(sch)
+        assert is_prefill  # max_tokens 1: every sequence ends in its prefill step
+        step = _tokens(batch, is_prefill)
+        assert step["A"] <= budget * wa / (wa + wb) and step["B"] <= budget * wb / (wa + wb)
+        got += step
+    total = sum(got.values())
+    assert total > 20 * budget
+    assert got["A"] >= total * wa / (wa + wb) - budget, got
+    assert got["B"] >= total * wb / (wa + wb) - budget, got
+    while sch.has_work:
+        _step(sch)
+
+
+def test_decode_steps_go_ahead_of_another_tenants_prompts_only_for_a_while() -> None:
+    """A light tenant's long stream decodes ahead of the heavy tenant's prompts, but a prompt
+    that waits gets a prefill step after at most `decode_run` decode steps."""
+    sch = Scheduler(BlockManager(100_000, 16), max_batch_size=8, max_batched_tokens=256)
+    assert sch.decode_run == 32  # a full batch of 8 decodes 256 tokens in 32 steps
+    stream = _seq("A", 4, 2000)
+    sch.add(stream)
+    _step(sch)
+    run, longest, prefills = 0, 0, 0
+    for i in range(600):
+        if i % 50 == 0:
+            sch.add(_seq("B", 300, 2))
+        is_prefill, batch, _ = _step(sch)
+        if is_prefill:
+            prefills += 1
+            run = 0
+        elif any(s.tenant == "B" for s in sch.waiting):
+            run += 1
+            longest = max(longest, run)
+    assert stream in sch.running and len(stream.output_ids) > 400  # A kept decoding
+    assert 0 < longest <= sch.decode_run
+    assert prefills >= 12  # each of B's 12 prompts got (at least) its chunk
+
+
+# -- end to end: over HTTP, with keys and the real engine ---------------------------------------------
+
+def _keys(path: Path) -> Path:
+    def entry(key_id: str, tenant: str) -> str:
+        sha = hashlib.sha256(f"k-{key_id}".encode()).hexdigest()
+        return f'[keys.{key_id}]\nsha256 = "{sha}"\nrole = "user"\ntenants = ["{tenant}"]\n'
+
+    path.write_text(entry("a", "A") + entry("b", "B"))
+    return path
+
+
+async def _race(url: str, model: str) -> tuple[int, int]:
+    """Tenant B sends 40 streamed requests with 600-token prompts; once the first of them has
+    its first token, tenant A sends one short request. Returns how many of B's requests had
+    their first token when A's answer came, and how many of B's finished."""
+    first = [False] * 40
+    done = [False] * 40
+    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+        async def b(i: int) -> None:
+            body = {"model": model, "prompt": [3 + (7 * i + k) % 240 for k in range(600)],
+                    "max_tokens": 4, "stream": True, "temperature": 0, "ignore_eos": True}
+            async with http.stream("POST", "/v1/completions", json=body,
+                                   headers={"Authorization": "Bearer k-b"}) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    first[i] = first[i] or line.startswith("data: {")
+            done[i] = True
+
+        tasks = [asyncio.create_task(b(i)) for i in range(40)]
+        while not any(first):
+            await asyncio.sleep(0.005)
+        r = await http.post("/v1/completions", headers={"Authorization": "Bearer k-a"}, json={
+            "model": model, "prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True})
+        b_started = sum(first)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
+        await asyncio.gather(*tasks)
+    return b_started, sum(done)
+
+
+def test_over_http_a_short_request_does_not_wait_for_another_tenants_long_prompts(
+        demo_dense, tmp_path) -> None:
+    """Issue 22 row 7 end to end: with the token-fair scheduler, A's request is answered while
+    most of B's prompts are still waiting for their prefill (admissions shared in turn made it
+    wait for every one of B's 24,000 prompt tokens first); then every one of B's requests is
+    answered too."""
+    from loraserve.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine.from_model_dir(str(demo_dense), device="cpu", max_model_len=640,
+                                        max_batch_size=64, torch_threads=1)
+    app = build_app(engine, keys=_keys(tmp_path / "keys.toml"))
+    with LiveServer(app) as live:
+        b_started, b_done = asyncio.run(_race(live.url, engine.model_name))
+    # A's answer came after B's first prefill step (6.8 prompts), the one in flight when A
+    # arrived (6.8 more) and B's chunk beside A's prompt (3.4): 17 in all, 40 before
+    assert b_started <= 30, b_started
+    assert b_done == 40
