@@ -36,12 +36,24 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--single-process", action="store_true",
                    help="run the engine on a thread of the API server's process (debugging) instead "
                         "of in its own engine-core process")
+    p.add_argument("--engine-timeout", type=_positive_seconds, default=30.0, metavar="S",
+                   help="a stalled engine core (no heartbeat, or its loop stuck in one step): "
+                        "/ready answers 503 within seconds, the requests in flight end with a 503 "
+                        "after S seconds without progress, and the core is killed and replaced "
+                        "(restarts back off from 0.5 s to 30 s) (default: 30)")
     p.add_argument("--log-level", default="info")
     from .server.connections import add_arguments as add_connection_bounds
     add_connection_bounds(p)
     from .ray_serve.config import add_arguments as add_scale_out  # no Ray import
     add_scale_out(p)
     p.set_defaults(func=_serve)
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -152,7 +164,8 @@ def _serve(args: argparse.Namespace) -> int:
         run(cfg, scale, ServerOptions(api_key=args.api_key or None, keys=args.keys,
                                       metrics_key=args.metrics_key, audit_log=args.audit_log))
         return 0
-    engine = AsyncEngine.from_config(cfg) if args.single_process else CoreClient(cfg)
+    engine = (AsyncEngine.from_config(cfg) if args.single_process
+              else CoreClient(cfg, engine_timeout_s=args.engine_timeout))
     run_server(engine, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level.lower(),
                keys=args.keys, metrics_key=args.metrics_key, audit_log=args.audit_log,
                connections=connections)

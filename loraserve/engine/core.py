@@ -16,6 +16,12 @@ the API process's top frame; bench/RESULTS.md, the hot path). A step's outputs a
 travel together, and while the engine steps without a pause the snapshot goes out at most
 every `SNAPSHOT_EVERY_S` (at once when the engine idles or an operator call returns, so what a
 caller reads after a call or a finished request is current).
+
+The core beats (`heartbeat`): a thread writes ALIVE every `heartbeat_s` from the moment the
+process runs (`heartbeat.boot_core`), and the loop writes PROGRESS at the start of each turn
+(LOOP_WAITING while it blocks in poll). The API server's supervisor reads them: a stopped core
+stops ALIVE, a loop stuck in a step stops PROGRESS while ALIVE goes on, and a long step that
+runs stops neither for longer than it lasts.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ from ..heap import settle_heap
 from .build import build_engine
 from .config import EngineConfig
 from .engine_loop import EngineLoop
+from .heartbeat import ALIVE, HEARTBEAT_S, LOOP_WAITING, PROGRESS, Beat
 from .llm_engine import LLMEngine
 from .types import RequestOutput
 from .wire import (error_to_wire, output_to_wire, pack, request_from_wire, snapshot_to_wire,
@@ -45,11 +52,14 @@ _WAITING_POLL_MS = 50   # queued work that could not run: look again this often
 SNAPSHOT_EVERY_S = 0.02  # while stepping without a pause, publish the snapshot at most this often
 
 
-def run_core(cfg: EngineConfig, conn: socket.socket, parent_pid: int) -> None:
-    """Process entry point: build the engine, serve `conn` until the parent goes away."""
+def run_core(cfg: EngineConfig, conn: socket.socket, parent_pid: int, heartbeat=None,
+             beat: Beat | None = None) -> None:
+    """Build the engine, serve `conn` until the parent goes away (in the core process, started
+    by `heartbeat.boot_core`). `heartbeat`: the slots shared with the API server, `beat` the
+    thread already beating into them."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s core %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server decides when the core stops
-    core = EngineCore(build_engine(cfg), conn, parent_pid)
+    core = EngineCore(build_engine(cfg), conn, parent_pid, heartbeat, beat=beat)
     settle_heap()  # the engine is built: freeze its heap, collect less often (loraserve.heap)
     try:
         core.serve()
@@ -59,9 +69,13 @@ def run_core(cfg: EngineConfig, conn: socket.socket, parent_pid: int) -> None:
 
 class EngineCore:
     """Serves one API server over `conn` (a connected stream socket) until it says stop, closes
-    the socket, or (with parent_pid) stops being this process's parent."""
+    the socket, or (with parent_pid) stops being this process's parent. With `heartbeat` (two
+    writable float slots: ALIVE, PROGRESS) it beats into them until `close`: its loop writes
+    PROGRESS, `beat` (a `heartbeat.Beat` already running; else one started here, every
+    `heartbeat_s`) ALIVE."""
 
-    def __init__(self, engine: LLMEngine, conn: socket.socket, parent_pid: int | None = None):
+    def __init__(self, engine: LLMEngine, conn: socket.socket, parent_pid: int | None = None,
+                 heartbeat=None, heartbeat_s: float = HEARTBEAT_S, beat: Beat | None = None):
         self.engine = engine
         self.loop = EngineLoop(engine)
         self.parent_pid = parent_pid
@@ -80,6 +94,11 @@ class EngineCore:
         self._snapshot = None  # the last snapshot sent (None: send the next one whatever it is)
         self._snapshot_sent_at = float("-inf")
         self._running = True
+        self.heartbeat = heartbeat if heartbeat is not None else [0.0, 0.0]  # (unread: no beats)
+        self.heartbeat[PROGRESS] = self.heartbeat[ALIVE] = time.monotonic()
+        if heartbeat is not None and beat is None:
+            beat = Beat(heartbeat, heartbeat_s)
+        self._beat = beat
 
     def _wake(self) -> None:
         """Any thread: make the next poll return."""
@@ -90,10 +109,18 @@ class EngineCore:
 
     # -- the loop -------------------------------------------------------------------------------
     def serve(self) -> None:
+        beat = self.heartbeat
         while self._running and self._parent_alive():
             timeout = 0 if self.loop.busy else (_WAITING_POLL_MS if self.engine.scheduler.has_work
                                                 else _IDLE_POLL_MS)
-            for fd, events in self._poll.poll(timeout):
+            if timeout:  # waiting for a command or a page-in is not being stuck
+                beat[PROGRESS] = LOOP_WAITING
+                ready = self._poll.poll(timeout)
+                beat[PROGRESS] = time.monotonic()
+            else:  # busy: this turn started now (the last one's step is done)
+                beat[PROGRESS] = time.monotonic()
+                ready = self._poll.poll(0)
+            for fd, events in ready:
                 if fd == self._wake_r:
                     self._drain_wakes()
                 elif events & select.POLLOUT:
@@ -131,6 +158,8 @@ class EngineCore:
         return list(self._messages)
 
     def close(self) -> None:
+        if self._beat is not None:
+            self._beat.stop()
         if self.engine.adapters is not None:
             self.engine.adapters.close()
         self.conn.close()

@@ -12,18 +12,30 @@ event loop (no I/O thread in between: see `core`), and the commands one turn of 
 (requests, aborts, calls) leave as one message at the end of that turn, so under load one write
 carries many requests.
 
-If the core dies, every request in flight ends with one clean 503 error (a streamed response
-gets its error event; nothing is torn), `ready` turns false, a new core is started, and
-requests wait for it (up to `start_timeout_s`) instead of failing.
+A supervisor task on the event loop owns the core's life (`_supervise`). It starts a core,
+waits for its handshake (at most `start_timeout_s`; a core whose beat stops for
+`engine_timeout_s` while it starts is given up sooner), then watches two things until the core
+is lost: the process's sentinel (it died) and its heartbeat (`heartbeat`: two timestamps the core
+writes into shared memory, ALIVE from a beat thread, PROGRESS from its loop). A core whose ALIVE
+is a few beats old is not `ready` (/ready 503, new requests 503 with Retry-After); one that shows
+no progress for `engine_timeout_s` (its loop stuck in one turn, or the process stopped) is
+stalled. Either loss ends every request in flight with one clean 503
+(a streamed response gets its error event; nothing is torn), kills the process if it still runs
+(SIGKILL: a stopped process too), reaps it (no zombie) and starts a new core after a backoff
+(`Backoff`: 0.5 s doubling to 30 s, back to 0.5 s after a core that was up for a minute),
+whether requests arrive or not. While no core is up, requests get a 503 at once.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
+import math
 import multiprocessing
 import os
 import socket
+import time
+from dataclasses import dataclass, field
 
 from loraserve.catalog.isolated import open_for_serving
 
@@ -33,14 +45,18 @@ from ..adapters.stats import CacheStats, PagerStats, PoolStats
 from ..model.config import ModelConfig
 from ..tokenizer import Tokenizer
 from .config import EngineConfig
-from .core import run_core
 from .frontend import EngineFrontend, resolve_with
+from .heartbeat import HEARTBEAT_S, Heartbeat, boot_core, heartbeat_slots
 from .snapshot import EngineSnapshot
 from .types import EngineError, GenerateRequest
 from .wire import (error_from_wire, output_from_wire, pack, request_to_wire, snapshot_from_wire,
                    unpacker)
 
 log = logging.getLogger(__name__)
+
+ENGINE_TIMEOUT_S = 30.0  # `serve --engine-timeout`: no progress this long and the core is stalled
+RETRY_AFTER_MAX_S = 60
+CAUSES = ("exited", "stalled", "start_failed")  # why a core was replaced (the restart counter's label)
 
 
 class RemoteAdapters:
@@ -82,27 +98,82 @@ class _CoreConnection(asyncio.Protocol):
             self.on_message(msg)
 
 
+@dataclass
+class Backoff:
+    """The waits between core starts: `initial`, doubling up to `cap`; back to `initial` after
+    a core that was up (serving) for at least `healthy_s`."""
+
+    initial: float = 0.5
+    cap: float = 30.0
+    healthy_s: float = 60.0
+    delay: float = field(default=0.0, init=False)  # the next wait
+
+    def __post_init__(self) -> None:
+        if not 0 < self.initial <= self.cap:
+            raise ValueError("backoff needs 0 < initial <= cap")
+        self.delay = self.initial
+
+    def next(self, up_for: float) -> float:
+        """The wait before the next start, after a core that was up for `up_for` seconds (0: it
+        never came up)."""
+        if up_for >= self.healthy_s:
+            self.delay = self.initial
+        wait, self.delay = self.delay, min(self.cap, self.delay * 2)
+        return wait
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # nobody may be waiting: no "exception was never retrieved"
+
+
+def _unavailable(message: str, retry_after_s: float) -> EngineError:
+    """A 503 engine_unavailable; its `retry_after` (whole seconds) becomes Retry-After."""
+    err = EngineError(message, status=503, code="engine_unavailable")
+    err.retry_after = min(RETRY_AFTER_MAX_S, max(1, math.ceil(retry_after_s)))
+    return err
+
+
 class CoreClient(EngineFrontend):
-    def __init__(self, cfg: EngineConfig, *, start_timeout_s: float = 300.0):
+    def __init__(self, cfg: EngineConfig, *, start_timeout_s: float = 300.0,
+                 engine_timeout_s: float = ENGINE_TIMEOUT_S, heartbeat_s: float | None = None,
+                 backoff: Backoff | None = None):
         mc = ModelConfig.from_dir(cfg.model_dir)  # first: an unsupported model says so in one line
         super().__init__(Tokenizer.from_dir(cfg.model_dir))
+        if engine_timeout_s <= 0:
+            raise ValueError("engine_timeout_s must be > 0")
         self.cfg = cfg
         self.model_name = cfg.served_model_name or cfg.model_dir.rstrip("/").split("/")[-1]
         self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings)
         self.vocab_size = mc.vocab_size
         self.adapter_manager = RemoteAdapters(self, cfg.catalog_dir) if cfg.catalog_dir else None
         self.start_timeout_s = start_timeout_s
+        self.engine_timeout_s = engine_timeout_s
+        self.heartbeat_s = heartbeat_s if heartbeat_s is not None else min(HEARTBEAT_S,
+                                                                           engine_timeout_s / 4)
+        self.backoff = backoff or Backoff()
         self.restarts = 0
+        self.restart_causes = dict.fromkeys(CAUSES, 0)
+        self.state = "stopped"  # starting | up | down (a backoff before the next start) | stopped
+        self._state_since = time.monotonic()
         self._snapshot = EngineSnapshot()
         self._call_ids = itertools.count()
         self._calls: dict[int, asyncio.Future] = {}
-        self._transport: asyncio.Transport | None = None  # to the current core (None: no core)
-        self._outbox: list[list] = []          # commands queued this loop turn (see _command)
-        self._hello: asyncio.Future | None = None  # the current core's handshake answer
-        self._serving = False                  # the current core has answered its handshake
+        # the current core
         self._proc: multiprocessing.Process | None = None
-        self._starting: asyncio.Task | None = None
+        self._transport: asyncio.Transport | None = None  # None: no core to write to
+        self._outbox: list[list] = []          # commands queued this loop turn (see _command)
+        self._hello: asyncio.Future | None = None  # the core's handshake answer
+        self._beat: Heartbeat | None = None
+        self._lost: asyncio.Future | None = None   # set when the core's process ends
+        # the supervisor
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._supervisor: asyncio.Task | None = None
+        self._first_up: asyncio.Future | None = None  # the first core answered (or failed)
+        self._stopping: asyncio.Future | None = None  # shutdown asked
+        self._ever_up = False
+        self._next_start_at = 0.0
+        self._start_s = 10.0  # how long the last start took (what Retry-After adds for one)
         self._closing = False
 
     # -- what the server reads -------------------------------------------------------------------
@@ -112,12 +183,38 @@ class CoreClient(EngineFrontend):
 
     @property
     def ready(self) -> bool:
-        """A core is up and has answered its handshake."""
-        return self._starting is not None and self._starting.done() and self._serving
+        """A core is up, has answered its handshake and beats."""
+        return self.state == "up" and self._beat.beating(time.monotonic())
 
     @property
     def core_pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        proc = self._proc
+        return proc.pid if proc is not None else None
+
+    def supervision(self) -> dict:
+        """The supervisor's state for /metrics (`server.engine_metrics`)."""
+        now = time.monotonic()
+        beat = self._beat if self.state == "up" else None
+        return {"state": self.state, "up": int(self.ready), "restarts": dict(self.restart_causes),
+                "heartbeat_age_s": None if beat is None else beat.silent_for(now),
+                "stuck_s": None if beat is None else beat.stuck_for(now),
+                "backoff_s": self.backoff.delay}
+
+    def unavailable(self) -> EngineError:
+        """The 503 for a request while no core takes requests, with a Retry-After estimate."""
+        now = time.monotonic()
+        if self._closing:
+            return _unavailable("the server is shutting down", RETRY_AFTER_MAX_S)
+        if self.state == "up":  # up, but its beat is late
+            beat = self._beat
+            eta = (self.engine_timeout_s - beat.stalled_for(now)) + self.backoff.delay + self._start_s
+            return _unavailable(f"the engine core has not answered for {beat.silent_for(now):.1f} s; "
+                                "retry later", eta)
+        if self.state == "down":
+            return _unavailable("the engine core is restarting; retry later",
+                                self._next_start_at - now + self._start_s)
+        return _unavailable("the engine core is starting; retry later",
+                            self._start_s - (now - self._state_since))
 
     def residency(self, key: tuple[str, str]) -> str:
         return self.call_from_thread("residency", [[list(key)]])[0]
@@ -132,45 +229,148 @@ class CoreClient(EngineFrontend):
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Start the core (once) and wait until one is ready."""
-        if self._closing:
-            raise EngineError("the server is shutting down", status=503, code="engine_unavailable")
-        if self._starting is None:
-            self._loop = asyncio.get_running_loop()
-            self._starting = asyncio.ensure_future(self._launch())
-        started = self._starting
-        if started.done() and not started.cancelled() and started.exception() is None:
+        """Start the supervisor (once) and wait until its first core is ready. Once a core has
+        been up, a request that finds none ready gets a 503 at once (with Retry-After) instead
+        of waiting: the supervisor starts the next one whether requests come or not."""
+        if self.state == "up" and self._beat.beating(time.monotonic()):
             return  # running: no await, which under load would cost a turn of the event loop
-        try:
-            await asyncio.wait_for(asyncio.shield(self._starting), self.start_timeout_s)
-        except asyncio.TimeoutError:
-            raise EngineError("the engine core is not ready yet; retry later", status=503,
-                              code="engine_unavailable") from None
-        except asyncio.CancelledError:
-            if self._starting is not None and not self._starting.cancelled():
-                raise  # the caller was cancelled, not the start
-            self._starting = None  # the core died while starting: the next call tries again
-            raise EngineError("the engine core failed to start (see the server log); retry",
-                              status=503, code="engine_unavailable") from None
+        if self._closing:
+            raise _unavailable("the server is shutting down", RETRY_AFTER_MAX_S)
+        if self._supervisor is None:
+            self._loop = asyncio.get_running_loop()
+            self._first_up = self._loop.create_future()
+            self._first_up.add_done_callback(_retrieved)
+            self._stopping = self._loop.create_future()
+            self._supervisor = asyncio.ensure_future(self._supervise())
+        if self._ever_up:
+            raise self.unavailable()
+        await asyncio.shield(self._first_up)
 
     async def shutdown(self) -> None:
         self._closing = True
-        if self._starting is not None and not self._starting.done():
-            self._starting.cancel()
-        await self._stop_core()
+        supervisor = self._supervisor
+        if supervisor is not None:
+            if not self._stopping.done():
+                self._stopping.set_result(None)
+            await asyncio.gather(supervisor, return_exceptions=True)
         if self.adapter_manager is not None:
             self.adapter_manager.close()
+            self.adapter_manager = None
 
-    async def _launch(self) -> None:
-        """Start a core process on one end of a new socket pair, handshake on the other; from
-        then on its messages are handled as they arrive (`_dispatch`)."""
+    def _set_state(self, state: str) -> None:
+        self.state, self._state_since = state, time.monotonic()
+
+    async def _supervise(self) -> None:
+        """Start a core, serve with it until it is lost, reap it, wait out the backoff, again;
+        until shutdown. The first core failing to come up ends the supervisor instead (start()
+        reports it; the next start() tries again)."""
+        try:
+            while not self._closing:
+                try:
+                    up_for, cause, kind = await self._serve_one()
+                except Exception as exc:  # e.g. no file descriptors left to spawn with
+                    log.exception("starting the engine core failed")
+                    up_for, cause, kind = 0.0, f"failed to start ({exc})", "start_failed"
+                if self._closing:
+                    break
+                if not self._ever_up:
+                    raise _unavailable(f"the engine core {cause} (see the server log)", self._start_s)
+                self.restarts += 1
+                self.restart_causes[kind] += 1
+                delay = self.backoff.next(up_for)
+                self._next_start_at = time.monotonic() + delay
+                self._set_state("down")
+                log.error("engine core %s; restart %d in %.2f s", cause, self.restarts, delay)
+                await asyncio.wait((self._stopping,), timeout=delay)
+        except EngineError as exc:  # the first core never came up
+            self._first_up.set_exception(exc)
+            self._supervisor = None
+        finally:
+            if not self._first_up.done():
+                self._first_up.set_exception(_unavailable("the server is shutting down",
+                                                          RETRY_AFTER_MAX_S))
+            if self._closing or self._supervisor is None:
+                self._set_state("stopped")
+
+    async def _serve_one(self) -> tuple[float, str, str]:
+        """One core's life: start it, serve until it dies or stalls (or shutdown), end it.
+        Returns how long it was up, what ended it (for the log) and which of CAUSES."""
+        self._set_state("starting")
+        started = time.monotonic()
+        proc = None
+        ended: tuple[str, str] | None = None  # (cause, kind); None: shutdown, a graceful stop
+        try:
+            proc = await self._spawn()
+            ended = await self._handshake_within(proc, started + self.start_timeout_s)
+            if ended is not None or self._stopping.done():
+                return 0.0, *(ended or ("stopped", "exited"))
+            up_at = time.monotonic()
+            self._start_s = up_at - started
+            self._ever_up = True
+            self._set_state("up")
+            if not self._first_up.done():
+                self._first_up.set_result(None)
+            log.info("engine core %d ready", proc.pid)
+            ended = await self._watch(proc)
+            return time.monotonic() - up_at, *(ended or ("stopped", "exited"))
+        except BaseException:
+            ended = ended or ("failed", "start_failed")
+            raise
+        finally:
+            await self._end_core(proc, None if ended is None else ended[0],
+                                 graceful=self.state == "up")
+
+    async def _handshake_within(self, proc, deadline: float) -> tuple[str, str] | None:
+        """Event loop: wait for the new core's handshake; None once it answered (or shutdown),
+        else (cause, kind): it died, its beat stopped for the engine timeout, or the deadline
+        passed."""
+        hello, lost = self._hello, self._lost
+        tick = self.heartbeat_s / 2
+        while True:
+            await asyncio.wait((hello, lost, self._stopping), timeout=tick,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if self._stopping.done():
+                return None
+            if hello.done():
+                self._handshake(hello.result())
+                return None
+            if lost.done():
+                return f"{proc.pid} exited while starting", "start_failed"
+            now = time.monotonic()
+            silent = self._beat.silent_for(now)
+            if silent > self.engine_timeout_s:
+                return (f"{proc.pid} stalled while starting (no heartbeat for {silent:.1f} s, "
+                        f"engine timeout {self.engine_timeout_s:g} s)", "stalled")
+            if now > deadline:
+                return f"{proc.pid} did not start within {self.start_timeout_s:g} s", "start_failed"
+
+    async def _watch(self, proc) -> tuple[str, str] | None:
+        """Event loop, while the core is up: (cause, kind) once it died or stalled; None at
+        shutdown. Looks at the heartbeat every half beat."""
+        tick = self.heartbeat_s / 2
+        lost = self._lost
+        while True:
+            await asyncio.wait((lost, self._stopping), timeout=tick)
+            if self._stopping.done():
+                return None
+            if lost.done():
+                return f"{proc.pid} died", "exited"
+            stalled = self._beat.stalled_for(time.monotonic())
+            if stalled > self.engine_timeout_s:
+                return (f"{proc.pid} stalled (no progress for {stalled:.1f} s, engine timeout "
+                        f"{self.engine_timeout_s:g} s)", "stalled")
+
+    async def _spawn(self) -> multiprocessing.Process:
+        """Start a core process on one end of a new socket pair, with new heartbeat slots, and
+        send it the handshake; its messages are handled as they arrive (`_dispatch`)."""
+        ctx = multiprocessing.get_context("spawn")
+        slots = heartbeat_slots(ctx)
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._transport, _ = await self._loop.create_unix_connection(
                 lambda: _CoreConnection(self._dispatch), sock=mine)
-            proc = multiprocessing.get_context("spawn").Process(
-                target=run_core, args=(self.cfg, theirs, os.getpid()), name="loraserve-core",
-                daemon=True)
+            proc = ctx.Process(target=boot_core, name="loraserve-core", daemon=True,
+                               args=(self.cfg, theirs, os.getpid(), slots, self.heartbeat_s))
             proc.start()  # the child inherits `theirs`
         except BaseException:
             mine.close()
@@ -179,12 +379,12 @@ class CoreClient(EngineFrontend):
         finally:
             theirs.close()
         self._proc = proc
+        self._beat = Heartbeat(slots, self.heartbeat_s, self.engine_timeout_s)
+        self._lost = self._loop.create_future()
         self._loop.add_reader(proc.sentinel, self._core_died, proc)
         self._hello = self._loop.create_future()
         self._send(["hello"])
-        self._handshake(await self._hello)
-        self._serving = True
-        log.info("engine core %d ready", proc.pid)
+        return proc
 
     def _handshake(self, info: dict) -> None:
         mgr = self.adapter_manager
@@ -192,49 +392,59 @@ class CoreClient(EngineFrontend):
             mgr.base_fingerprint = info["base_fingerprint"]
             mgr.pool = PoolLimits(info["max_rank"], tuple(info["kinds"]))
 
-    async def _stop_core(self) -> None:
-        proc = self._proc
-        if proc is not None:
-            self._loop.remove_reader(proc.sentinel)
-            if self._transport is not None and proc.is_alive():
-                self._flush()
-                self._send(["stop"])
+    def _core_died(self, proc) -> None:
+        """Event loop: the core process ended (its sentinel)."""
+        self._loop.remove_reader(proc.sentinel)
+        if proc is self._proc and not self._lost.done():
+            self._lost.set_result(None)
+
+    async def _end_core(self, proc, cause: str | None, graceful: bool) -> None:
+        """The current core is lost (`cause`) or shutting down (None): fail what is in flight
+        with one clean 503 each, stop the process (gracefully at shutdown when it is up and
+        beats; else SIGKILL, which ends a stopped process too) and reap it."""
+        self._set_state("stopped" if self._closing else "down")
+        if cause is None:
+            err = _unavailable("the server is shutting down", RETRY_AFTER_MAX_S)
+        else:
+            what = "stalled" if "stalled" in cause else "stopped"
+            err = _unavailable(f"the engine core {what} while serving this request; retry it",
+                               self.backoff.delay + self._start_s)
+        self._fail_in_flight(err)
+        calls, self._calls = self._calls, {}
+        for fut in calls.values():
+            if not fut.done():
+                fut.set_exception(err)
+        if proc is None:
+            self._close_transport()
+            return
+        self._loop.remove_reader(proc.sentinel)
+        if (cause is None and graceful and self._transport is not None and proc.is_alive()
+                and self._beat.beating(time.monotonic())):
+            self._flush()
+            self._send(["stop"])
             await asyncio.to_thread(proc.join, 10)
-            if proc.is_alive():
-                proc.kill()
-                await asyncio.to_thread(proc.join, 5)
         self._close_transport()
+        if proc.is_alive():
+            if cause is not None:
+                log.error("engine core %s: killing it", cause)
+            proc.kill()
+        await asyncio.to_thread(proc.join, 10)  # reaped: no zombie
+        if proc.exitcode is not None:
+            if cause is not None:
+                log.error("engine core %d ended with exit code %s", proc.pid, proc.exitcode)
+            proc.close()  # its sentinel's descriptor too: restarts leak none
+        else:
+            log.error("engine core %d did not end after SIGKILL", proc.pid)
         self._proc = None
 
     def _close_transport(self) -> None:
         """Close this end of the current core's socket; commands not sent are dropped (their
         requests and calls are failed by whoever closes it, or were never accepted)."""
-        self._serving = False
         self._outbox.clear()
         if self._transport is not None:
             self._transport.abort()
         self._transport = None
 
-    def _core_died(self, proc) -> None:
-        """Event loop: the core process ended unasked. Fail what was in flight, start another."""
-        self._loop.remove_reader(proc.sentinel)
-        if self._closing or proc is not self._proc:
-            return
-        log.error("engine core %d died (exit code %s); restarting it", proc.pid, proc.exitcode)
-        self.restarts += 1
-        err = EngineError("the engine core stopped while serving this request; retry it",
-                          status=503, code="engine_unavailable")
-        self._fail_in_flight(err)
-        for fut in self._calls.values():
-            if not fut.done():
-                fut.set_exception(err)
-        self._calls.clear()
-        self._close_transport()
-        self._proc = None
-        if self._starting is not None and not self._starting.done():
-            self._starting.cancel()  # it died before its handshake: let start() report that
-            return
-        self._starting = asyncio.ensure_future(self._launch())
 
     # -- messages -------------------------------------------------------------------------------
     def _dispatch(self, msg: list) -> None:
@@ -291,8 +501,8 @@ class CoreClient(EngineFrontend):
         return resolve_with(self.adapter_manager, ref)
 
     def _submit(self, req: GenerateRequest, record) -> None:
-        if self._transport is None:
-            raise EngineError("the engine core is restarting; retry", status=503, code="engine_unavailable")
+        if self.state != "up" or self._transport is None:  # lost while the adapter was resolved
+            raise self.unavailable()
         self._command(["add", request_to_wire(req), None if record is None else record.to_json()])
 
     def _abort(self, request_id: str) -> None:

@@ -22,21 +22,11 @@ the core its text is always "" (one byte): the API server's `OutputProcessor` de
 token ids and applies stop strings; the same layout carries finished text deltas between Ray
 Serve replicas and their ingress.
 
-The heartbeat does not travel on the socket: it is two `time.monotonic()` readings the core
-writes into a small array shared with the API server (`heartbeat_slots`; both processes read the
-same monotonic clock: a Unix socket pair puts them on one host). `ALIVE` is written every
-heartbeat interval by a thread of the core (the process runs: not stopped, not starved of the
-GIL); `PROGRESS` by the core's loop itself at the start of each turn, and `LOOP_WAITING` while
-the loop blocks waiting for a command (waiting is not being stuck, however long it lasts). The API
-server reads them when it likes, so a beat is never queued behind step messages nor read late,
-and a long step that the beat thread sees running is told apart from a stopped process
-(`CoreClient`'s supervisor: /ready 503 when ALIVE goes stale, the core stalled when neither
-slot has moved for the engine timeout).
+The heartbeat does not travel on the socket: see `heartbeat` (two timestamps in shared memory).
 """
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import msgpack
 
@@ -46,18 +36,6 @@ from .snapshot import EngineSnapshot
 from .types import EngineError, GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-
-ALIVE, PROGRESS = 0, 1  # the heartbeat slots (see above)
-LOOP_WAITING = -1.0     # PROGRESS while the core's loop waits for a command
-
-
-def heartbeat_slots(ctx):
-    """A new pair of heartbeat slots in memory shared with a process `ctx` (a multiprocessing
-    context) starts: doubles, both set to now."""
-    slots = ctx.RawArray("d", 2)
-    slots[ALIVE] = slots[PROGRESS] = time.monotonic()
-    return slots
-
 
 def pack(message: list) -> bytes:
     return msgpack.packb(message, use_bin_type=True)

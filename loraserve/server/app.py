@@ -22,6 +22,7 @@ from loraserve.server.chat import create_chat_completion
 from loraserve.server.completions import create_completion
 from loraserve.server.connections import (ConnectionCollector, ConnectionLimits,
                                           plan_connections, protocol_class)
+from loraserve.server.engine_metrics import EngineSupervisorCollector
 from loraserve.server.errors import APIError, as_api_error, install_error_handlers
 from loraserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from loraserve.heap import settle_heap
@@ -73,10 +74,20 @@ async def _answer(request: Request, handler: Coroutine[Any, Any, Response]) -> R
             return Response(status_code=CLIENT_CLOSED)
         raise
     except Exception as exc:
-        return as_api_error(exc).response()
+        return _error_response(exc)
     finally:
         answered = True
         gone.cancel()
+
+
+def _error_response(exc: Exception) -> Response:
+    """The OpenAI error response for exc; an engine error that says when to retry (no engine
+    core up: `retry_after`) gets Retry-After."""
+    err = as_api_error(exc)
+    retry_after = getattr(exc, "retry_after", None)
+    if retry_after is not None:
+        err.headers.setdefault("Retry-After", str(retry_after))
+    return err.response()
 
 
 async def _disconnected(request: Request) -> None:
@@ -156,12 +167,18 @@ def _ops_router() -> APIRouter:
     @router.get("/ready")
     async def ready(request: Request) -> dict:
         """Readiness (/health is liveness): 503 while the server drains for shutdown, while its
-        engine core is (re)starting, or naming the catalog shards that are unavailable."""
+        engine core is (re)starting or has missed its heartbeats (then with Retry-After), or
+        naming the catalog shards that are unavailable."""
         ctx = _ctx(request)
         if ctx.deadline.draining:
             raise APIError(503, "the server is shutting down", code="server_shutting_down")
         if not getattr(ctx.engine, "ready", True):
-            raise APIError(503, "the engine core is starting", code="engine_unavailable")
+            unavailable = getattr(ctx.engine, "unavailable", None)
+            if unavailable is None:
+                raise APIError(503, "the engine core is starting", code="engine_unavailable")
+            err = unavailable()
+            raise APIError(503, str(err), code=err.code,
+                           headers={"Retry-After": str(err.retry_after)})
         if (err := await asyncio.to_thread(readiness, ctx.engine)) is not None:
             raise err
         return {"status": "ready"}
@@ -217,6 +234,8 @@ def build_app(engine: Engine, *, api_key: str | None = None, max_n: int = 16,
         ctx.metrics.register(AdapterCollector(engine))
     if hasattr(engine, "core_pid"):  # the engine core's memory, beside the server's own
         ctx.metrics.register(CoreMemoryCollector(engine))
+    if hasattr(engine, "supervision"):  # its restarts and heartbeat
+        ctx.metrics.register(EngineSupervisorCollector(engine))
     app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.max_request_bytes)
     install_tenancy(app, TenancyConfig(api_key=api_key, keys_file=keys, metrics_key=metrics_key,
                                        audit_log=audit_log))
