@@ -17,8 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loraserve.engine.types import GenerateRequest, SamplingParams
 from loraserve.server import build_app
-from loraserve.keys import KeyFileError, Principal, append_key
+from loraserve.keys import KeyFileError, Limits, Principal, append_key
+from loraserve.server.limits import LimitExceeded, Limiter
 
 from .fake_engine import FakeEngine
 from .live import LiveServer
@@ -296,3 +298,147 @@ def _port(proc: subprocess.Popen) -> int:
         if found:
             return int(found.group(1))
     raise AssertionError("".join(log))
+
+
+# -- limits per tenant, across its keys (issue 22, row 11) -------------------------------------------
+
+TENANT_KEYS = {"d1": "k-d1", "d2": "k-d2", "e1": "k-e1", "e2": "k-e2", "z-tight": "k-zt",
+               "z-other": "k-zo", "t1": "k-t1", "i1": "k-i1", "beta": "k-beta"}
+
+
+def tenant_keys_toml() -> str:
+    def key(key_id: str, tenant: str, extra: str = "") -> str:
+        return (f'[keys.{key_id}]\nsha256 = "{sha(TENANT_KEYS[key_id])}"\nrole = "user"\n'
+                f'tenants = ["{tenant}"]\n{extra}\n')
+
+    return ("[tenants.delta]\nmax_concurrent = 1\n\n"
+            "[tenants.eps]\nrequests_per_second = 0.2\n\n"
+            "[tenants.zeta]\nmax_concurrent = 4\n\n"
+            "[tenants.theta]\ntokens_per_minute = 100\n\n"
+            "[tenants.iota]\nweight = 4\n\n"
+            + key("d1", "delta") + key("d2", "delta") + key("e1", "eps") + key("e2", "eps")
+            + key("z-tight", "zeta", "max_concurrent = 1") + key("z-other", "zeta")
+            + key("t1", "theta") + key("i1", "iota", "weight = 2") + key("beta", "beta"))
+
+
+def as_key(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {TENANT_KEYS[name]}"}
+
+
+@pytest.fixture()
+def tenants_served(tmp_path: Path) -> Iterator[tuple[httpx.Client, FakeEngine]]:
+    path = tmp_path / "keys.toml"
+    path.write_text(tenant_keys_toml())
+    engine = FakeEngine(adapters=("delta/x", "beta/secret"), delay_s=0.0)
+    with LiveServer(build_app(engine, keys=path)) as live, \
+            httpx.Client(base_url=live.url, timeout=30) as http:
+        yield http, engine
+
+
+def test_two_keys_of_a_tenant_share_its_concurrency(tenants_served) -> None:
+    http, engine = tenants_served
+    engine.delay_s = 0.02
+    with http.stream("POST", "/v1/completions", headers=as_key("d1"),
+                     json=completion("delta/x", max_tokens=40, stream=True)) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        for name in ("d2", "d1"):  # the tenant's one sequence is in flight, whichever key asks
+            busy = http.post("/v1/completions", json=completion(), headers=as_key(name))
+            assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
+            message = busy.json()["error"]["message"]
+            assert "max_concurrent" in message and "this tenant" in message
+        assert http.post("/v1/completions", json=completion("beta/secret"),
+                         headers=as_key("beta")).status_code == 200  # another tenant: served
+        assert [line for line in lines if line.startswith("data:")][-1] == "data: [DONE]"
+    assert http.post("/v1/completions", json=completion(), headers=as_key("d2")).status_code == 200
+
+
+def test_two_keys_of_a_tenant_share_its_request_rate(tenants_served) -> None:
+    http, _ = tenants_served
+    assert http.post("/v1/completions", json=completion(), headers=as_key("e1")).status_code == 200
+    r = http.post("/v1/completions", json=completion(), headers=as_key("e2"))
+    assert r.status_code == 429 and "requests_per_second" in r.json()["error"]["message"]
+    assert int(r.headers["Retry-After"]) >= 1
+    assert http.post("/v1/completions", json=completion(), headers=as_key("beta")).status_code == 200
+
+
+def test_a_keys_own_limit_is_tighter_than_its_tenants(tenants_served) -> None:
+    http, engine = tenants_served
+    engine.delay_s = 0.02
+    with http.stream("POST", "/v1/completions", headers=as_key("z-tight"),
+                     json=completion(max_tokens=40, stream=True)) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        busy = http.post("/v1/completions", json=completion(), headers=as_key("z-tight"))
+        assert busy.status_code == 429 and "this key" in busy.json()["error"]["message"]
+        # the tenant allows 4: its other key goes on (2 sequences: 1 + 2 <= 4)
+        assert http.post("/v1/completions", json=completion(n=2),
+                         headers=as_key("z-other")).status_code == 200
+        assert [line for line in lines if line.startswith("data:")][-1] == "data: [DONE]"
+
+
+def test_tokens_are_charged_as_computed(tenants_served) -> None:
+    """tokens_per_minute = 100: a request is charged prompt + max_tokens (2 + 60) at admission,
+    and gets back what it did not generate when it ends (a stop string after one token)."""
+    http, engine = tenants_served
+    first_token = engine.tokenizer.token_text(engine.token_at(GenerateRequest(
+        "x", engine.tokenizer.encode("ab"), SamplingParams(max_tokens=60)), 0))
+    early = completion(max_tokens=60, stop=[first_token])
+    for _ in range(3):  # 3 x 62 > 100: only what was computed stays charged (3 each)
+        r = http.post("/v1/completions", json=early, headers=as_key("t1"))
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
+    full = http.post("/v1/completions", json=completion(max_tokens=60), headers=as_key("t1"))
+    assert full.status_code == 200 and full.json()["usage"]["completion_tokens"] == 60
+    r = http.post("/v1/completions", json=early, headers=as_key("t1"))  # 100 - 9 - 62 < 62
+    assert r.status_code == 429 and "tokens_per_minute" in r.json()["error"]["message"]
+
+
+def test_the_tenants_weight_goes_to_the_scheduler(tenants_served) -> None:
+    http, engine = tenants_served
+    assert http.post("/v1/completions", json=completion(), headers=as_key("i1")).status_code == 200
+    assert (engine.requests[-1].tenant, engine.requests[-1].tenant_weight) == ("iota", 4.0)
+    assert http.post("/v1/completions", json=completion(), headers=as_key("beta")).status_code == 200
+    assert (engine.requests[-1].tenant, engine.requests[-1].tenant_weight) == ("beta", 1.0)
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("[tenants.a]\nmax_concurrent = 0\n", "max_concurrent must be >= 1"),
+    ("[tenants.a]\nload = true\n", "unknown field 'load'"),
+    ('[tenants."a/b"]\nweight = 1\n', "invalid tenant"),
+    ('[tenants."*"]\nweight = 1\n', "invalid tenant"),
+    ("[tenants.a]\nweight = -1\n", "weight must be"),
+    ("tenants = 3\n", "'tenants' must be a table"),
+])
+def test_a_bad_tenant_table_stops_build_app(tmp_path: Path, text: str, reason: str) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(text)
+    with pytest.raises(KeyFileError, match=re.escape(reason)):
+        build_app(FakeEngine(), keys=path)
+
+
+def test_limiter_shares_a_tenants_limits_across_keys_and_gives_unused_tokens_back() -> None:
+    now = [100.0]
+    limiter = Limiter(lambda: now[0])
+    tenant = Limits(max_concurrent=3, requests_per_second=10, tokens_per_minute=600)
+    one, two = (Principal(k, admin=False, tenants=("a",)) for k in ("k1", "k2"))
+    tight = Principal("k3", admin=False, tenants=("a",), limits=Limits(max_concurrent=1))
+    first = limiter.admit(one, "a", 2, 100, tenant)
+    with pytest.raises(LimitExceeded) as err:  # 2 + 2 > 3, whichever key
+        limiter.admit(two, "a", 2, 100, tenant)
+    assert err.value.limit == "max_concurrent" and "this tenant" in err.value.message
+    third = limiter.admit(tight, "a", 1, 100, tenant)  # 3 of 3
+    first.release()
+    with pytest.raises(LimitExceeded) as err:  # the tenant has room, the key none
+        limiter.admit(tight, "a", 1, 100, tenant)
+    assert "this key" in err.value.message
+    third.used = 10  # computed 10 of its 100 tokens
+    third.release()
+    third.release()  # once only
+    # 600 - 100 (first: used unknown, nothing given back) - 10 = 490 left
+    limiter.admit(two, "a", 1, 490, tenant).release()
+    with pytest.raises(LimitExceeded) as err:
+        limiter.admit(two, "a", 1, 1, tenant)
+    assert err.value.limit == "tokens_per_minute"
+    other = limiter.admit(two, "b", 3, 600, Limits(max_concurrent=3))  # another tenant
+    other.release()
