@@ -291,6 +291,7 @@ def draining_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *,
         ctx.metrics.register(collector)
     collector.guard = protocol.guard
     config.setdefault("http", protocol)
+    config.setdefault("ws", "none")  # no WebSocket routes: an Upgrade stays plain HTTP, guarded
     # the keep-alive deadline is the protocol's (limits.keep_alive_timeout); uvicorn's own timer
     # is not armed by it
     config.setdefault("timeout_keep_alive", max(1, math.ceil(limits.keep_alive_timeout)))

@@ -1,6 +1,8 @@
-"""Kernel test fixtures. Without CUDA the tests run on CPU and the Triton kernels in the
-interpreter (TRITON_INTERPRET=1, set before the test modules import `kernels`); with CUDA the
-same tests run on the GPU with compiled kernels (the CPU torch path is covered by CPU CI)."""
+"""Kernel test fixtures. The tests run on the CPU always: the torch backend, and without CUDA
+the Triton kernels in the interpreter (TRITON_INTERPRET=1, set before the test modules import
+`kernels`). With CUDA they run on the GPU as well, both backends, Triton compiled; the CPU's
+Triton cases are left out there (the interpreter is off in a process that has CUDA), and its
+torch cases stay, so a CUDA machine tests the CPU backend too."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ if not torch.cuda.is_available():
 
 from loraserve.kernels import LoRAMeta  # noqa: E402
 
-DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
+DEVICES = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 BACKENDS = ["triton", "torch"]
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
@@ -93,6 +95,20 @@ def _assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, dtype: torch
     scale = expected.abs().max().clamp_min(1e-6)
     err = (actual - expected).abs().max() / scale
     assert err <= TOLERANCE[dtype], f"relative error {err:.3g} > {TOLERANCE[dtype]}"
+
+
+def pytest_collection_modifyitems(config, items):
+    """With CUDA, Triton runs compiled on the GPU only: drop the CPU x Triton cases."""
+    if not torch.cuda.is_available():
+        return
+    keep = []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if not (params.get("device") == "cpu" and params.get("backend") == "triton"):
+            keep.append(item)
+        else:
+            config.hook.pytest_deselected(items=[item])
+    items[:] = keep
 
 
 @pytest.fixture(params=DEVICES)
