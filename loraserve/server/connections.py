@@ -80,8 +80,9 @@ _INF = math.inf
 HEADER_BYTES, HEADER_COUNT, TRAILER_BYTES = "header_bytes", "header_count", "trailer_bytes"
 HEADER_TIMEOUT, BODY_TIMEOUT, IDLE_TIMEOUT = "header_timeout", "body_timeout", "idle_timeout"
 SILENT_TIMEOUT, RECLAIMED, OVER_CAP = "silent_timeout", "reclaimed", "over_cap"
+INVALID, UPGRADE = "invalid_request", "upgrade_refused"  # counted and logged the same way
 REASONS = (HEADER_BYTES, HEADER_COUNT, TRAILER_BYTES, HEADER_TIMEOUT, BODY_TIMEOUT, IDLE_TIMEOUT,
-           SILENT_TIMEOUT, RECLAIMED, OVER_CAP)
+           SILENT_TIMEOUT, RECLAIMED, OVER_CAP, INVALID, UPGRADE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,9 +389,8 @@ class GuardedHttpTools(HttpToolsProtocol):
             if isinstance(exc.__context__, _Refused):
                 self._answer(exc.__context__.reason)
                 return
-            msg = "Invalid HTTP request received."
-            self.logger.warning(msg)
-            self.send_400_response(msg)
+            self.guard.note(INVALID, self.loop.time())  # uvicorn logs each one: a log flood
+            self.send_400_response("Invalid HTTP request received.")
             self._state = SHED
             return
         except httptools.HttpParserUpgrade:
@@ -487,6 +487,11 @@ class GuardedHttpTools(HttpToolsProtocol):
             self._start_asgi_task(cycle, app)
         elif self._state == ACTIVE:
             self._idle()
+
+    def _unsupported_upgrade_warning(self) -> None:
+        # an Upgrade the server does not speak (draining_server serves no WebSocket): the
+        # request is answered as plain HTTP; counted, logged at most every LOG_EVERY_S
+        self.guard.note(UPGRADE, self.loop.time())
 
     def _idle(self) -> None:
         now = self.loop.time()
@@ -604,7 +609,8 @@ class ConnectionCollector(Collector):
         cap.add_metric([], guard.max_connections)
         yield cap
         c = CounterMetricFamily("loraserve_http_connections_closed",
-                                "Connections closed or refused by the connection bounds, by reason",
+                                "Connections closed or refused by the connection bounds (and Upgrades "
+                                "refused), by reason",
                                 labels=["reason"])
         for reason, count in guard.closed.items():
             c.add_metric([reason], count)

@@ -113,6 +113,24 @@ def tight() -> Iterator[Server]:
         yield server
 
 
+CAP = 20
+
+
+@pytest.fixture(scope="module")
+def capped() -> Iterator[Server]:
+    """A cap of CAP connections, long deadlines (only the cap acts)."""
+    with serve("--max-connections", str(CAP), "--header-timeout", "30", "--body-timeout", "30",
+               "--keep-alive-timeout", "30") as server:
+        yield server
+
+
+def settle(server: Server, fds: int) -> None:
+    """Wait until the server is back to about `fds` descriptors (what a test opened is gone)."""
+    deadline = time.monotonic() + SLACK
+    while server.fds() > fds + 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def assert_still_serving(server: Server) -> None:
     """Another client gets /health and a completion (fresh connections)."""
     with httpx.Client(base_url=server.url, timeout=10) as http:
@@ -349,64 +367,59 @@ def hold_body(server: Server) -> socket.socket:
     return sock
 
 
-def test_connections_over_the_cap_are_shed_and_fds_stay_bounded() -> None:
-    cap = 20
-    with serve("--max-connections", str(cap), "--header-timeout", "30", "--body-timeout", "30",
-               "--keep-alive-timeout", "30") as server:
-        base = server.fds()
-        held = [hold_body(server) for _ in range(cap)]
-        time.sleep(0.3)
-        peak, shed = 0, 0
-        extra: list[socket.socket] = []
-        try:
-            for _ in range(10):  # 200 more connections, in waves
-                wave = []
-                for _ in range(20):
-                    with contextlib.suppress(OSError):
-                        wave.append(server.connect(timeout=5))
-                peak = max(peak, server.fds())
-                for sock in wave:
-                    answer, closed = read_answer(sock, SLACK)
-                    assert closed and status_of(answer) in (503, None)
-                    shed += status_of(answer) == 503
-                    sock.close()
-                extra += wave
-            assert shed > 0
-            # no room for /health either while every slot holds a request: a quick 503 or close
-            try:
-                assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
-            except httpx.TransportError:
-                pass
-        finally:
-            for sock in held:
+def test_connections_over_the_cap_are_shed_and_fds_stay_bounded(capped: Server) -> None:
+    """CAP connections hold requests waiting for their bodies (a valid key: not reclaimable);
+    200 more are shed at once (503 or a close, nothing read) and the server's descriptors stay
+    under base + CAP; once the holders go, /health and a completion are served again."""
+    base = capped.fds()
+    held = [hold_body(capped) for _ in range(CAP)]
+    time.sleep(0.3)
+    peak, shed = 0, 0
+    try:
+        for _ in range(10):  # 200 more connections, in waves
+            wave = []
+            for _ in range(20):
+                with contextlib.suppress(OSError):
+                    wave.append(capped.connect(timeout=5))
+            peak = max(peak, capped.fds())
+            for sock in wave:
+                answer, closed = read_answer(sock, SLACK)
+                assert closed and status_of(answer) in (503, None)
+                shed += status_of(answer) == 503
                 sock.close()
-        assert peak <= base + cap + 16, (base, peak)
-        deadline = time.monotonic() + SLACK
-        while server.fds() > base + 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert_still_serving(server)  # once they are closed, room again
+        assert shed > 0
+        # no room for /health either while every slot holds a request: a quick 503 or close
+        try:
+            assert httpx.get(f"{capped.url}/health", timeout=5).status_code == 503
+        except httpx.TransportError:
+            pass
+    finally:
+        for sock in held:
+            sock.close()
+    assert peak <= base + CAP + 16, (base, peak)
+    settle(capped, base)
+    assert_still_serving(capped)  # once they are closed, room again
 
 
-def test_idle_connections_make_room_for_new_ones() -> None:
+def test_idle_connections_make_room_for_new_ones(capped: Server) -> None:
     """At the cap with idle keep-alive and silent connections, a new client is still served:
     the oldest idle ones are closed for it (their clients reconnect)."""
-    cap = 10
-    with serve("--max-connections", str(cap), "--header-timeout", "30",
-               "--keep-alive-timeout", "30") as server:
-        idle = []
-        for _ in range(cap // 2):  # keep-alive connections after one request each
-            sock = server.connect()
+    base = capped.fds()
+    idle = []
+    try:
+        for _ in range(CAP // 2):  # keep-alive connections after one request each
+            sock = capped.connect()
+            idle.append(sock)
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             sock.settimeout(5)
             assert sock.recv(65536).startswith(b"HTTP/1.1 200")
-            idle.append(sock)
-        idle += [server.connect() for _ in range(cap - len(idle))]  # silent ones
+        idle += [capped.connect() for _ in range(CAP - len(idle))]  # silent ones
         time.sleep(1.2)  # older than the reclaim grace
-        try:
-            assert_still_serving(server)
-        finally:
-            for sock in idle:
-                sock.close()
+        assert_still_serving(capped)
+    finally:
+        for sock in idle:
+            sock.close()
+    settle(capped, base)
 
 
 # -- fuzz: random malformed, oversized, slow heads ----------------------------------------------------
@@ -531,6 +544,18 @@ def test_the_uvicorn_methods_copied_are_the_ones_reviewed() -> None:
         assert hashlib.sha256(source.encode()).hexdigest()[:16] == digest, name
 
 
+def test_websocket_upgrades_stay_plain_guarded_http(tight: Server) -> None:
+    """No WebSocket routes: an Upgrade is answered as HTTP (here 200 from /health) under the
+    same bounds, not handed to an unguarded WebSocket protocol."""
+    with tight.connect() as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+                     b"Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+                     b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+        answer, _ = read_response(sock, SLACK)
+    assert status_of(answer) == 200, answer[:200]
+    assert_still_serving(tight)
+
+
 def test_connection_metrics(tight: Server) -> None:
     with tight.connect() as sock:  # one 431 at least
         sock.sendall(b"GET / HTTP/1.1\r\n" + b"a: b\r\n" * (MAX_HEADERS + 1) + b"\r\n")
@@ -538,3 +563,4 @@ def test_connection_metrics(tight: Server) -> None:
     text = httpx.get(f"{tight.url}/metrics", headers=AUTH, timeout=10).text
     assert "loraserve_http_connections " in text and "loraserve_http_connections_limit 200.0" in text
     assert 'loraserve_http_connections_closed_total{reason="header_count"}' in text
+    assert 'loraserve_http_connections_closed_total{reason="invalid_request"}' in text
