@@ -13,7 +13,8 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import PlainTextResponse, Response
 
-from loraserve.catalog.errors import CatalogError
+from loraserve.catalog.aliases import is_alias
+from loraserve.catalog.errors import CatalogError, InvalidAdapterId
 from loraserve.catalog.ids import parse_model_ref
 from loraserve.server.adapter_metrics import AdapterCollector
 from loraserve.server.adapter_routes import adapter_router, catalog_cards, readiness
@@ -150,6 +151,8 @@ def _api_router(prefix: str = "/v1") -> APIRouter:
                 else:  # 404 for an unknown adapter, revision or tag
                     await asyncio.to_thread(mgr.catalog.resolve, adapter_id, rev)
             except CatalogError as exc:
+                if isinstance(exc, InvalidAdapterId) and is_alias(model_id):
+                    raise not_found(model_id) from exc  # an alias that names nothing
                 raise lookup_error(as_api_error(exc), model_id) from exc
             return _model_card(model_id, engine)
         raise not_found(model_id)
