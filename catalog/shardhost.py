@@ -54,6 +54,7 @@ _BOOT = ("import sys\nfrom multiprocessing.connection import Connection\n"
          "sys.path[:0] = [p for p in path if p not in sys.path]\n"
          "from loraserve.catalog.shardhost import serve\nserve(conn, *args)\n")
 REPLAYED = ("read", "blobs")  # ops a probe may run again: reads only
+EXIT_UNREADABLE = 86  # a host's exit status when the kernel could not read a mapped page (EFAULT)
 
 
 # -- the host process ------------------------------------------------------------------------------
@@ -98,9 +99,12 @@ def _send_blobs(conn: Connection, shard: Shard, records: list) -> bool:
         views = verified_blobs(txn, dbs, records)
         head = [len(v) if isinstance(v, memoryview) else _error_entry(v) for v in views]
         conn.send(("blobs", head))
-        for v in views:
-            if isinstance(v, memoryview):
-                conn.send_bytes(v)
+        try:
+            for v in views:
+                if isinstance(v, memoryview):
+                    conn.send_bytes(v)
+        except OSError:  # EFAULT: the kernel met a page gone from the file (truncated meanwhile),
+            os._exit(EXIT_UNREADABLE)  # or the owner left; no answer can follow half a reply
         return True
 
     return shard.read(send) is not None
@@ -211,19 +215,21 @@ class ShardHost:
                 conn = self._ready()
                 conn.send_bytes(data)
             try:
-                return self._reply(conn, time.monotonic() + self.timeout_s)
+                reply = self._reply(conn, time.monotonic() + self.timeout_s)
             except (EOFError, OSError, _Timeout) as e:
                 raise self._lost(e) from None
             except BaseException:
                 self._stop(kill=True)  # an exchange left half-way: the next call starts afresh
                 raise
-
-    def _reply(self, conn: Connection, deadline: float):
-        reply = self._recv(conn, deadline)
-        if reply[0] == "ok":
-            return reply[1]
-        if reply[0] == "err":
+        if reply[0] == "err":  # the request's own error, answered whole: the host serves on
             raise rebuild_error(*reply[1:])
+        return reply[1]
+
+    def _reply(self, conn: Connection, deadline: float) -> tuple:
+        """`("ok", value)` or `("err", ...)` as the host sent it; a blobs answer as ("ok", blobs)."""
+        reply = self._recv(conn, deadline)
+        if reply[0] != "blobs":
+            return reply
         out: list[bytearray | Exception] = []
         for entry in reply[1]:
             if isinstance(entry, int):
@@ -233,7 +239,7 @@ class ShardHost:
                 out.append(blob)
             else:
                 out.append(rebuild_error(*entry))
-        return out
+        return "ok", out
 
     def _recv(self, conn: Connection, deadline: float):
         self._wait(conn, deadline)
@@ -272,6 +278,8 @@ class ShardHost:
         code = self._stop()
         if code is not None and code < 0:
             how = f"was killed by {signal.Signals(-code).name}"
+        elif code == EXIT_UNREADABLE:
+            how = "met an unreadable page of the shard (EFAULT) and exited"
         else:
             how = f"exited (status {code})"
         return HostLost(f"(pid {pid}) {how}")

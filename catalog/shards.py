@@ -268,6 +268,9 @@ class Shard:
             # txn: nothing to read yet; the next read opens again
             env.close()
             return False
+        except lmdb.Error as e:  # the main db's pages are damaged (MDB_CORRUPTED, ...)
+            env.close()
+            raise self.unavailable(f"cannot open: {e}") from e
         except BaseException:
             env.close()
             raise

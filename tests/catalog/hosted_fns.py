@@ -1,0 +1,20 @@
+"""Transaction bodies the isolated-catalog tests send to a shard host (importable there: light)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+
+def crash(txn, dbs, delay: float = 0.0) -> None:
+    """What a read of a garbage page does to the process that maps it, on purpose."""
+    time.sleep(delay)
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def hang(txn, dbs, seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def host_pid(txn, dbs) -> int:
+    return os.getpid()
