@@ -328,7 +328,7 @@ class LLMEngine:
 
     def _pick(self, rows: torch.Tensor, seqs: list[Sequence]) -> list[tuple]:
         """(seq, token, logprob or None) for each row of logits [B, V]."""
-        tokens = sample(rows, seqs, self.default_gen)
+        tokens = sample(rows, seqs, self.default_gen, self.output.eos)
         ks = [s.params.logprobs for s in seqs]
         lps = token_logprobs(rows, tokens, [k or 0 for k in ks]) if any(k is not None for k in ks) else None
         return [(seq, int(tokens[j]), lps[j] if lps and ks[j] is not None else None)
