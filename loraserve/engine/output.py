@@ -1,10 +1,11 @@
 """The engine core's side of the output path: stop conditions it decides, token-id deltas.
 
-The core decides only what needs no text: EOS and `stop_token_ids` ("stop"), `max_tokens` and
-the context length ("length"), errors and aborts. Its deltas carry token ids and logprobs and an
-empty `text`; detokenization and stop strings run in the API server's process
-(`output_processor.OutputProcessor`), which aborts a request in the core when one of its stop
-strings ends it. Keeping text out of the core keeps that work off the engine step.
+The core decides only what needs no text: EOS and `stop_token_ids` ("stop", never before
+`min_tokens` tokens), `max_tokens` and the context length ("length"), errors and aborts. Its
+deltas carry token ids and logprobs and an empty `text`; detokenization and stop strings run in
+the API server's process (`output_processor.OutputProcessor`), which aborts a request in the
+core when one of its stop strings ends it. Keeping text out of the core keeps that work off the
+engine step.
 """
 from __future__ import annotations
 
@@ -36,7 +37,10 @@ class TokenOutputs:
         seq.output_ids.append(token)
         if logprob is not None:
             seq.output_logprobs.append(logprob)
-        if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
+        # before min_tokens tokens nothing but the length ends it (the sampler masks EOS and
+        # stop token ids until then: this only guards that)
+        if len(seq.output_ids) > p.min_tokens and (
+                (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids):
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
             seq.finish_reason = "length"

@@ -1,10 +1,21 @@
 """Per-request sampling over a batch of logits.
 
 Each sequence with a seed draws from its own torch.Generator, so its tokens do not depend on its
-batch neighbours. Logprobs are the model's raw distribution (before temperature / top-k / top-p),
-as vLLM and OpenAI report them.
+batch neighbours. Logprobs are the model's raw distribution (before temperature / top-k / top-p,
+penalties, logit_bias, min_p and min_tokens), as vLLM and OpenAI report them: `sample` never
+writes into the logits it is given.
+
+vLLM's extensions (SamplingParams.adjusts_logits) are applied per sequence, vectorized over the
+rows that ask for any, in vLLM's order: min_tokens masks EOS and stop token ids, logit_bias adds,
+then repetition / frequency / presence penalties, the greedy pick or the temperature, min_p, then
+top-k / top-p. Penalty tensors are built only for the rows that ask for a penalty, from each
+sequence's prompt and output ids; a batch where no sequence asks for an extension takes exactly
+the path it took before them (one attribute check per sequence).
 """
 from __future__ import annotations
+
+from collections.abc import Collection
+from collections.abc import Sequence as Seq
 
 import torch
 
@@ -19,6 +30,8 @@ def _filter_top_k_top_p(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.
     logits [B, V] float32; temps [B] (> 0); top_k [B] int64 (V = off); top_p [B] float32 (1 = off).
     Ranks come from the logits before the temperature: a huge temperature can flatten scaled
     logits to equal values (or zeros) in float32, and ranking those would keep arbitrary tokens.
+    A row with top_p 1 keeps its whole tail: a float32 cumulative sum can reach 1.0 before the
+    last tokens, and a neighbour's top_p must not cut them.
     """
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     sorted_logits = sorted_logits / temps[:, None]  # a positive scale keeps the order
@@ -26,14 +39,93 @@ def _filter_top_k_top_p(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.
     drop = ranks >= top_k[:, None]
     probs = sorted_logits.softmax(dim=-1)
     # drop a token when the mass strictly before it already reaches top_p (keeps at least one)
-    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    drop |= ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p < 1)[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], default_gen: torch.Generator) -> torch.Tensor:
-    """Pick one token per row. logits [B, V] float32 (one row per seq) -> [B] int64."""
+def _id_matrix(id_lists: Seq[Seq[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) of every id of every row, as two flat int64 tensors on `device`."""
+    rows = [r for r, ids in enumerate(id_lists) for _ in range(len(ids))]
+    flat = [t for ids in id_lists for t in ids]
+    return (torch.tensor(rows, dtype=torch.int64).to(device),
+            torch.tensor(flat, dtype=torch.int64).to(device))
+
+
+def adjust_logits(logits: torch.Tensor, seqs: Seq[Sequence],
+                  eos_token_ids: Collection[int] = ()) -> torch.Tensor:
+    """min_tokens, logit_bias and the penalties, for rows whose sequence asks for them.
+
+    logits [B, V] float32 (not written); returns [B, V] (the rows of the others unchanged: each
+    row depends on its own sequence only). min_p is the sampler's, after the temperature."""
+    dev, vocab = logits.device, logits.shape[-1]
+    out = logits.clone()
+    # min_tokens: EOS (unless ignored) and stop token ids cannot be sampled yet
+    mask_rows, mask_ids = [], []
+    for i, s in enumerate(seqs):
+        p = s.params
+        if p.min_tokens and len(s.output_ids) < p.min_tokens:
+            ids = [t for t in (p.stop_token_ids if p.ignore_eos
+                               else [*eos_token_ids, *p.stop_token_ids]) if t < vocab]
+            mask_rows += [i] * len(ids)
+            mask_ids += ids
+    if mask_ids:
+        out[torch.tensor(mask_rows, device=dev), torch.tensor(mask_ids, device=dev)] = float("-inf")
+    biased = [i for i, s in enumerate(seqs) if s.params.logit_bias]
+    if biased:
+        rows = [i for i in biased for _ in seqs[i].params.logit_bias]
+        ids = [t for i in biased for t in seqs[i].params.logit_bias]
+        bias = [b for i in biased for b in seqs[i].params.logit_bias.values()]
+        out.index_put_((torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)),
+                       torch.tensor(bias, dtype=out.dtype, device=dev), accumulate=True)
+    penalized = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0
+                 or s.params.presence_penalty or s.params.frequency_penalty]
+    if penalized:
+        out[penalized] = _penalize(out[penalized], [seqs[i] for i in penalized], vocab, dev)
+    return out
+
+
+def _penalize(logits: torch.Tensor, seqs: Seq[Sequence], vocab: int,
+              dev: torch.device) -> torch.Tensor:
+    """vLLM's penalties on rows [b, V] (each row's sequence asks for at least one):
+    repetition over prompt and output tokens, presence and frequency over output tokens only."""
+    b = len(seqs)
+    rows, ids = _id_matrix([s.output_ids for s in seqs], dev)
+    counts = torch.zeros(b, vocab, dtype=logits.dtype, device=dev)
+    counts.index_put_((rows, ids), torch.ones(len(ids), dtype=logits.dtype, device=dev),
+                      accumulate=True)
+    rep = torch.tensor([s.params.repetition_penalty for s in seqs], dtype=logits.dtype)
+    if bool((rep != 1.0).any()):
+        seen = counts > 0
+        prompt_rows, prompt_ids = _id_matrix(
+            [s.prompt_ids if s.params.repetition_penalty != 1.0 else () for s in seqs], dev)
+        seen[prompt_rows, prompt_ids] = True
+        penalty = torch.where(seen, rep.to(dev)[:, None], 1.0)
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    freq = torch.tensor([s.params.frequency_penalty for s in seqs], dtype=logits.dtype).to(dev)
+    presence = torch.tensor([s.params.presence_penalty for s in seqs], dtype=logits.dtype).to(dev)
+    return logits - freq[:, None] * counts - presence[:, None] * (counts > 0).to(logits.dtype)
+
+
+def _apply_min_p(logits: torch.Tensor, temps: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Tokens whose probability (after the temperature) is below min_p x the top token's, at -inf.
+    logits [B, V]; temps [B] (> 0); min_p [B] (0 = off: nothing is below 0)."""
+    probs = (logits / temps[:, None]).softmax(dim=-1)
+    keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], default_gen: torch.Generator,
+           eos_token_ids: Collection[int] = ()) -> torch.Tensor:
+    """Pick one token per row. logits [B, V] float32 (one row per seq) -> [B] int64.
+    `eos_token_ids`: the ids min_tokens keeps from ending a sequence early (besides each
+    sequence's stop_token_ids)."""
     vocab = logits.shape[-1]
+    if any(s.params.adjusts_logits for s in seqs):
+        logits = adjust_logits(logits, seqs, eos_token_ids)
+        min_p = torch.tensor([s.params.min_p for s in seqs], dtype=torch.float32)
+    else:
+        min_p = None
     temps = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32)
     greedy = temps == 0
     tokens = logits.argmax(dim=-1).cpu()
@@ -43,6 +135,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_gen: torch.Genera
     top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32)
     dev = logits.device
     temps = temps.clamp(min=1e-5).to(dev)
+    if min_p is not None and bool((min_p > 0).any()):
+        logits = _apply_min_p(logits, temps, min_p.to(dev))
     if bool((top_k < vocab).any() or (top_p < 1).any()):
         scaled = _filter_top_k_top_p(logits, temps, top_k.to(dev), top_p.to(dev))
     else:

@@ -13,6 +13,9 @@ FLOAT32_MAX = 3.4028234663852886e+38
 # (OutputProcessor), so their number and length are bounded: OpenAI takes up to 4
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
+# logit_bias is applied every step of the request: its size is bounded (OpenAI's is 300 tokens)
+MAX_LOGIT_BIAS = 1024
+REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 1e-30, 1e30
 
 
 class EngineError(Exception):
@@ -38,7 +41,16 @@ class SamplingParams:
     Every field has an explicit range, checked here (the API's 400s) so that nothing out of range
     reaches a batch: seed in [-2**63, 2**64), finite temperature and top_p, non-empty stop
     strings (at most MAX_STOP_STRINGS, each at most MAX_STOP_CHARS long). top_k's upper bound
-    (the vocabulary) is the engine's check."""
+    (the vocabulary) is the engine's check; logit_bias ids against the vocabulary the server's.
+
+    vLLM's extensions (sampler.py applies them, per sequence, in this order, as vLLM does):
+    `min_tokens` (EOS and `stop_token_ids` cannot end the sequence before that many tokens),
+    `logit_bias` (token id -> added to its logit, OpenAI's [-100, 100]), `repetition_penalty`
+    (> 0; 1 = off: a token seen in the prompt or the output has a positive logit divided by it,
+    a negative one multiplied), `presence_penalty` / `frequency_penalty` ([-2, 2], OpenAI's:
+    subtracted once per token present in the output / once per occurrence there), then after the
+    temperature `min_p` ([0, 1]: drop tokens whose probability is below min_p times the top
+    one's). Logprobs stay the model's raw distribution."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -50,6 +62,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None          # top-k logprobs per generated token (0 = chosen only)
     prompt_logprobs: int | None = None   # same, for prompt tokens (echo)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_tokens <= MAX_TOKENS_LIMIT:
@@ -79,6 +97,40 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and not 0 <= v <= 20:
                 raise EngineError(f"{name} must be in [0, 20]", param=name)
+        self._check_extensions()
+
+    def _check_extensions(self) -> None:
+        """vLLM's sampling extensions: ranges, and the float32 clamps (see __post_init__)."""
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise EngineError("min_p must be in [0, 1]", param="min_p")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise EngineError("repetition_penalty must be a finite number > 0 (1 = off)",
+                              param="repetition_penalty")
+        # a scale outside these bounds overflows float32 logits (then NaN): at the bound a seen
+        # token with a positive logit already outranks every unseen one, as it would beyond
+        self.repetition_penalty = min(max(self.repetition_penalty, REPETITION_PENALTY_MIN),
+                                      REPETITION_PENALTY_MAX)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -2 <= v <= 2):
+                raise EngineError(f"{name} must be in [-2, 2]", param=name)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise EngineError(f"logit_bias may bias at most {MAX_LOGIT_BIAS} tokens",
+                              param="logit_bias")
+        for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < 2**31:
+                raise EngineError("logit_bias keys must be token ids >= 0", param="logit_bias")
+            if not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise EngineError("logit_bias values must be in [-100, 100]", param="logit_bias")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise EngineError(f"min_tokens must be in [0, max_tokens] ([0, {self.max_tokens}])",
+                              param="min_tokens")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any of vLLM's extensions is on: the sampler's fast path is taken otherwise."""
+        return bool(self.min_p or self.repetition_penalty != 1.0 or self.presence_penalty
+                    or self.frequency_penalty or self.logit_bias or self.min_tokens)
 
 
 @dataclass(slots=True)
