@@ -8,10 +8,10 @@ this work is not on the engine step and several API servers share it. One lives 
 the same outputs:
 
 - incremental detokenization, one `IncrementalDetokenizer` per request;
-- stop strings: the text is cut before the first match, the delta's tokens end with the token
-  that completed it, its finish reason becomes "stop", and the request is reported for an abort
-  in the core, which frees its KV blocks and adapter slot (deltas the core sent meanwhile are
-  dropped here);
+- stop strings (looked for once more than `min_tokens` tokens exist, as vLLM does): the text is
+  cut before the first match, the delta's tokens end with the token that completed it, its
+  finish reason becomes "stop", and the request is reported for an abort in the core, which
+  frees its KV blocks and adapter slot (deltas the core sent meanwhile are dropped here);
 - while a request runs, the last `len(longest stop) - 1` characters are held back: a stop string
   may still begin there;
 - non-streamed requests (`GenerateRequest.stream=False`): the first delta is handed over at once,
@@ -33,6 +33,8 @@ class _RequestState:
     hold: int                        # characters held back while running (longest stop - 1)
     detok: IncrementalDetokenizer
     stream: bool
+    min_tokens: int = 0              # stop strings are looked for only past this many tokens
+    num_tokens: int = 0              # output tokens detokenized so far
     text: str = ""                   # output text so far, cut at a stop string
     num_text_emitted: int = 0
     # non-streamed: _FIRST (first delta not out yet), None (nothing held) or the merged deltas
@@ -51,7 +53,8 @@ class OutputProcessor:
         """Track req from its submission on (before any of its deltas can arrive)."""
         stop = list(req.params.stop)
         self._requests[req.request_id] = _RequestState(
-            stop, max(map(len, stop), default=1) - 1, self.tokenizer.detokenizer(), req.stream)
+            stop, max(map(len, stop), default=1) - 1, self.tokenizer.detokenizer(), req.stream,
+            req.params.min_tokens)
 
     def remove(self, request_id: str) -> None:
         """Forget request_id (its reader is gone); later deltas for it are dropped."""
@@ -89,7 +92,8 @@ class OutputProcessor:
             st.text += st.detok.step(ids[i])
             if finish == "length" and i == len(ids) - 1:
                 st.text += st.detok.flush()  # bytes held back for an incomplete UTF-8 sequence
-            if st.stop and self._cut_stop(st, before):
+            st.num_tokens += 1
+            if st.stop and st.num_tokens > st.min_tokens and self._cut_stop(st, before):
                 out = _truncated(out, i + 1)
                 finish = out.finish_reason = "stop"
                 break
