@@ -9,7 +9,8 @@ from __future__ import annotations
 
 def check_pool(pool, entries: dict, slot_keys: list, free_slots: list[int],
                free_rows: dict[str, list[int]]) -> None:
-    """Assert the invariants of `pool`, given its private owner records (call under its lock)."""
+    """Assert the invariants of `pool`, given its private owner records (on the thread that owns
+    the pool: it has no lock)."""
     cfg = pool.config
     assert len(entries) <= cfg.max_slots, "more resident adapters than slots"
     if cfg.max_bytes is not None:
