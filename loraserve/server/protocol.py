@@ -1,8 +1,23 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic), as clients send them.
 
-Fields OpenAI defines but loraserve does not implement are declared so that a non-default value
-is a clear 400 rather than silently ignored; unknown extra fields are ignored, as OpenAI does.
-vLLM extensions kept: `top_k`, `stop_token_ids`, `ignore_eos`, `return_tokens_as_token_ids`.
+Every field a client sends is honoured or refused, never ignored (docs/API_FIELDS.md lists
+them all):
+
+- a field the body model does not declare is a 400 `unknown_parameter` naming it (OpenAI
+  answers unknown parameters with a 400 too), nested ones (`stream_options.x`) included;
+- a field OpenAI or vLLM defines that loraserve does not implement is declared in the model's
+  `REFUSED` table: a value other than null or the one that asks for what the server does anyway
+  (`response_format` {"type": "text"}, `tool_choice` "none", `store` false, ...) is a 400
+  `unsupported_parameter` naming it and saying why (`unsupported()`, checked by
+  serving.check_request);
+- `null` for a declared field means "not given" (the openai client sends null for an explicit
+  None), so it takes the default.
+
+vLLM extensions honoured: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+`stop_token_ids`, `ignore_eos`, `return_tokens_as_token_ids`, (chat) `add_generation_prompt`.
+OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias` are honoured as OpenAI defines
+them. End-user identifiers (`user`; on chat also `safety_identifier`, `prompt_cache_key`,
+`metadata`) are accepted and logged (`identifiers()`, logger `loraserve.server.requests`).
 
 Bodies are read by `JSONBodyRoute`: strict JSON (no NaN/Infinity, no lone surrogates: a 400
 naming the field), parsed and validated on a worker thread when large, and checked against the
@@ -18,12 +33,12 @@ import re
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import (BaseModel, ConfigDict, ValidationError, ValidationInfo,
-                      ValidatorFunctionWrapHandler, field_validator)
+                      ValidatorFunctionWrapHandler, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 from starlette.requests import Request
 from starlette.responses import Response
@@ -66,41 +81,107 @@ def _too_long(limits: InputLimits, size: int, unit: str) -> PydanticCustomError:
                                too_long_message(limits.max_model_len, size, unit))
 
 
-class StreamOptions(BaseModel):
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A declared field the server does not implement: `reason` says why; `accepts(value)` is
+    True for the values that ask for what the server does anyway (null always is)."""
+
+    reason: str
+    accepts: Callable[[Any], bool] = lambda value: False
+
+
+def _refused_field(model: BaseModel, refused: dict[str, Refused]) -> tuple[str, str] | None:
+    """(name, reason) of the first field of `model` in `refused` set to a value it refuses."""
+    for name, rule in refused.items():
+        value = getattr(model, name)
+        if value is not None and not rule.accepts(value):
+            return name, rule.reason
+    return None
+
+
+STRUCTURED = "structured output (JSON mode, JSON schema, regex, grammar) is not implemented yet"
+_TEXT_FORMAT = Refused(f"only {{\"type\": \"text\"}}: {STRUCTURED}",
+                       lambda v: isinstance(v, dict) and v == {"type": "text"})
+
+
+class StrictBody(BaseModel):
+    """A request body: undeclared fields are refused (parse_body: 400 `unknown_parameter`), and
+    null for a declared field means "not given"."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(v is None for v in data.values()):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+
+
+class StreamOptions(StrictBody):
     include_usage: bool = False
+    include_obfuscation: bool | None = None
+
+    REFUSED: ClassVar[dict[str, Refused]] = {
+        "include_obfuscation": Refused("stream chunks carry no obfuscation padding; only false",
+                                       lambda v: v is False)}
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(StrictBody):
     """Sampling fields both endpoints share. Range checks are SamplingParams' (engine types)."""
-
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_tokens_as_token_ids: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # refused (REFUSED): declared so that the 400 says why
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
-    def unsupported(self) -> str | None:
-        """The name of a set field the engine cannot honour, if any."""
-        if self.presence_penalty:
-            return "presence_penalty"
-        if self.frequency_penalty:
-            return "frequency_penalty"
-        if self.logit_bias:
-            return "logit_bias"
-        return None
+    REFUSED: ClassVar[dict[str, Refused]] = {
+        "response_format": _TEXT_FORMAT,
+        **{name: Refused(STRUCTURED) for name in (
+            "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+            "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern")},
+    }
+    # accepted and logged (serving.check_request), never used otherwise
+    IDENTIFIERS: ClassVar[tuple[str, ...]] = ("user",)
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(name, reason) of a set field the server does not honour, if any."""
+        if self.stream_options is not None:
+            if not self.stream:
+                return "stream_options", "only allowed when stream is true"
+            found = _refused_field(self.stream_options, StreamOptions.REFUSED)
+            if found is not None:
+                return f"stream_options.{found[0]}", found[1]
+        return _refused_field(self, self.REFUSED)
+
+    def identifiers(self) -> dict[str, Any]:
+        """The end-user identifiers and metadata the request carries (logged, not used)."""
+        return {name: getattr(self, name) for name in self.IDENTIFIERS
+                if getattr(self, name) is not None}
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -153,11 +234,11 @@ class CompletionRequest(SamplingFields):
         return len(p) if isinstance(p, str) else sum(len(x) if isinstance(x, (str, list)) else 1
                                                      for x in p)
 
-    def unsupported(self) -> str | None:
+    def unsupported(self) -> tuple[str, str] | None:
         if self.suffix:
-            return "suffix"
+            return "suffix", "insertion (text after the completion) is not implemented"
         if self.best_of is not None and self.best_of != self.n:
-            return "best_of"
+            return "best_of", "only equal to n: candidates are not ranked server-side"
         return super().unsupported()
 
 
@@ -202,8 +283,53 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
+    # refused (REFUSED): declared so that the 400 says why
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    store: Any = None
+    service_tier: Any = None
+    moderation: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+
+    REFUSED: ClassVar[dict[str, Refused]] = {
+        **SamplingFields.REFUSED,
+        "tools": Refused("tool calling is not implemented yet", lambda v: v == []),
+        "tool_choice": Refused("tool calling is not implemented yet; only \"none\"",
+                               lambda v: v == "none"),
+        "parallel_tool_calls": Refused("tool calling is not implemented yet"),
+        "functions": Refused("function calling is not implemented", lambda v: v == []),
+        "function_call": Refused("function calling is not implemented; only \"none\"",
+                                 lambda v: v == "none"),
+        "audio": Refused("audio output is not implemented"),
+        "modalities": Refused("text output only: only [\"text\"]", lambda v: v == ["text"]),
+        "prediction": Refused("predicted outputs are not implemented"),
+        "reasoning_effort": Refused("reasoning controls are not implemented"),
+        "verbosity": Refused("verbosity controls are not implemented"),
+        "web_search_options": Refused("web search is not implemented"),
+        "store": Refused("completions are not stored; only false", lambda v: v is False),
+        "service_tier": Refused("one service tier; only \"auto\" or \"default\"",
+                                lambda v: v in ("auto", "default")),
+        "moderation": Refused("moderation is not implemented"),
+        "prompt_cache_retention": Refused("prefix caching is automatic and its retention the "
+                                          "server's"),
+        "prompt_cache_options": Refused("prefix caching is automatic"),
+    }
+    IDENTIFIERS: ClassVar[tuple[str, ...]] = ("user", "safety_identifier", "prompt_cache_key",
+                                              "metadata")
 
     @field_validator("messages", mode="wrap")
     @classmethod
@@ -223,10 +349,15 @@ class ChatCompletionRequest(SamplingFields):
                 raise _too_long(limits, chars, "characters")
         return handler(value)
 
-    def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools"
-        return super().unsupported()
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_size(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        """OpenAI's bounds: at most 16 pairs, keys up to 64 characters, values up to 512."""
+        if value is not None and (len(value) > 16 or any(len(k) > 64 for k in value)
+                                  or any(len(v) > 512 for v in value.values())):
+            raise ValueError("at most 16 pairs, keys of at most 64 characters, values of at "
+                             "most 512")
+        return value
 
     def input_size(self) -> int:
         return sum(_content_chars(m) for m in self.messages)
@@ -291,8 +422,18 @@ def parse_body(body: bytes, model: type[BaseModel], limits: InputLimits | None) 
     try:
         return model.model_validate(raw, context={"limits": limits})
     except ValidationError as exc:
-        raise BodyError(validation_error(RequestValidationError(
-            exc.errors(include_url=False, include_input=False)))) from None
+        errors = exc.errors(include_url=False, include_input=False)
+        unknown = next((e for e in errors if e.get("type") == "extra_forbidden"), None)
+        if unknown is not None:  # what the body should not hold at all comes first
+            raise BodyError(unknown_parameter(".".join(str(p) for p in unknown["loc"])))
+        raise BodyError(validation_error(RequestValidationError(errors))) from None
+
+
+def unknown_parameter(name: str) -> APIError:
+    """The 400 for a field the body model does not declare (OpenAI's answer to one)."""
+    return APIError(400, f"Unrecognized request argument supplied: {name!r}: this server "
+                    "does not implement it (see docs/API_FIELDS.md)", param=name,
+                    code="unknown_parameter")
 
 
 def _find_bad_value(raw: Any, non_finite: bool, surrogates: bool) -> tuple[str, str] | None:

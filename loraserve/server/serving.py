@@ -3,6 +3,9 @@ resolution, request and prompt checks, sampling parameters, fan-out into engine 
 per-request timing."""
 from __future__ import annotations
 
+import json
+import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -20,6 +23,9 @@ from loraserve.server.names import canonical_model
 from loraserve.server.protocol import (CHARS_PER_TOKEN_MAX, InputLimits, SamplingFields,
                                        too_long_message)
 from loraserve.server.streaming import ShutdownDeadline
+
+# one INFO line per request that carries end-user identifiers (`user`, `metadata`, ...)
+request_log = logging.getLogger("loraserve.server.requests")
 
 
 class Engine(Protocol):
@@ -131,14 +137,36 @@ def resolve_adapter(model: str, engine: Engine) -> str | None:
 
 
 def check_request(req: SamplingFields, ctx: ServerContext) -> str | None:
-    """Check the fields every generation request has; returns the adapter ref (None: base)."""
+    """Check the fields every generation request has; returns the adapter ref (None: base).
+    End-user identifiers the request carries (`user`, ...) are logged here, at INFO."""
     reject_unsupported(req.unsupported())
     adapter = resolve_adapter(req.model, ctx.engine)
     check_n(req.n, ctx.max_n)
     check_seqs(req.num_prompts() * req.n, ctx.max_seqs_per_request,
                "prompt" if req.n == 1 else "n")
     check_stop_token_ids(req.stop_token_ids, ctx.engine.vocab_size)
+    check_logit_bias(req.logit_bias, ctx.engine.vocab_size)
+    identifiers = req.identifiers()
+    if identifiers:
+        request_log.info("request for %s from %s", clip(req.model),
+                         clip(json.dumps(identifiers, ensure_ascii=False), 2048))
     return adapter
+
+
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+
+
+def check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> None:
+    """logit_bias keys are token ids (decimal strings, as OpenAI takes them) in the vocabulary;
+    the values' range is SamplingParams'."""
+    seen: set[int] = set()
+    for key in bias or ():
+        if not _TOKEN_ID.fullmatch(key) or int(key) >= vocab_size:
+            raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), "
+                           f"got {clip(key, 32)!r}", param="logit_bias")
+        if int(key) in seen:
+            raise APIError(400, f"logit_bias names token {int(key)} twice", param="logit_bias")
+        seen.add(int(key))
 
 
 def check_seqs(seqs: int, max_seqs: int, param: str = "n") -> None:
@@ -163,10 +191,15 @@ def check_ids_length(ids: Sequence[int], max_model_len: int, param: str) -> None
                        code="context_length_exceeded")
 
 
-def reject_unsupported(name: str | None) -> None:
-    if name is not None:
-        raise APIError(400, f"`{name}` is not supported by this server", param=name,
-                       code="unsupported_parameter")
+def reject_unsupported(found: tuple[str, str] | str | None) -> None:
+    """400 `unsupported_parameter` for (name, reason), or a bare name, of a field the request
+    set to a value the server does not honour (protocol: `unsupported()`)."""
+    if found is None:
+        return
+    name, reason = (found, "") if isinstance(found, str) else found
+    raise APIError(400, f"`{name}` is not supported by this server" + (f": {reason}" if reason
+                                                                         else ""),
+                   param=name, code="unsupported_parameter")
 
 
 def check_n(n: int, max_n: int) -> None:
@@ -249,4 +282,10 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=-1 if req.top_k is None else req.top_k,
         seed=req.seed, stop=req.stop_list(), stop_token_ids=list(req.stop_token_ids or []),
-        ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
+        min_tokens=req.min_tokens or 0)

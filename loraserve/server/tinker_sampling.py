@@ -22,6 +22,7 @@ from loraserve.engine.types import EngineError, GenerateRequest, RequestOutput, 
 from loraserve.server import serving as sv
 from loraserve.server.errors import APIError, as_api_error
 from loraserve.server.logprobs import finite
+from loraserve.server.protocol import unknown_parameter
 from loraserve.server.streaming import PrimedStream, merge, start_all
 
 MAX_TOPK = 20          # the engine's bound on prompt logprob alternatives
@@ -29,7 +30,9 @@ CAPACITY_RETRY_S = 1.0  # a future the engine could not take yet is offered agai
 
 
 class Chunk(BaseModel):
-    """One prompt chunk; only `encoded_text` (token ids) is served."""
+    """One prompt chunk; only `encoded_text` (token ids) is served. Other kinds' fields are
+    allowed here so that the 400 names the chunk kind (prompt_ids); an encoded_text chunk with
+    any field besides `type` and `tokens` is refused there."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -38,13 +41,16 @@ class Chunk(BaseModel):
 
 
 class Prompt(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     chunks: list[Chunk]
 
 
 class TinkerSamplingParams(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    """The SDK's SamplingParams (all of it: its models forbid extra fields, and so do these; an
+    unknown field is a 400 `unknown_parameter` naming it, protocol.parse_body)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_tokens: int | None = None  # None: up to the end of the context
     seed: int | None = None
@@ -57,7 +63,7 @@ class TinkerSamplingParams(BaseModel):
 class SampleBody(BaseModel):
     """POST /api/v1/asample (the SDK's SampleRequest)."""
 
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     prompt: Prompt
     sampling_params: TinkerSamplingParams
@@ -89,6 +95,9 @@ def prompt_ids(prompt: Prompt) -> list[int]:
         if chunk.type != "encoded_text" or chunk.tokens is None:
             raise APIError(400, f"prompt chunk {i} is {chunk.type!r}: this server samples text "
                            "only (encoded_text chunks of token ids)", param=f"prompt.chunks.{i}")
+        extra = next(iter(chunk.model_extra or ()), None)
+        if extra is not None:  # an encoded_text chunk has `type` and `tokens` only
+            raise unknown_parameter(f"prompt.chunks.{i}.{extra}")
         ids.extend(chunk.tokens)
     return ids
 

@@ -179,5 +179,5 @@ def test_the_skeleton_serves_any_endpoint() -> None:
     assert sum(len(c["choices"]) for c in chunks[2:-1]) == 6
     assert chunks[-1]["usage"]["completion_tokens"] == 6
     with pytest.raises(APIError) as err:
-        asyncio.run(answer(presence_penalty=1.0))  # the shared checks run first
-    assert err.value.param == "presence_penalty"
+        asyncio.run(answer(response_format={"type": "json_object"}))  # shared checks first
+    assert err.value.param == "response_format"
