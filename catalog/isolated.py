@@ -88,10 +88,11 @@ class HostedShard:
 
     def diagnose(self) -> str | None:
         """Check the data file now (a stat and a pread; never a page of the tree); `fault`."""
-        self._check_file()
+        self.check_file()
         return self.fault
 
-    def _check_file(self) -> int | None:
+    def check_file(self) -> int | None:
+        """Check the data file now: `file_fault` set; the write generation (None: nothing yet)."""
         fault, generation = self.watch.check()
         if fault != self.file_fault:
             if fault:
@@ -104,7 +105,7 @@ class HostedShard:
     def generation(self) -> int | None:
         """The shard's write generation (see `Shard.generation`), from the meta pages by pread;
         None while nothing was committed. ShardUnavailable when the shard cannot be used."""
-        generation = self._check_file()
+        generation = self.check_file()
         if (fault := self.fault) is not None:
             raise self.unavailable(fault)
         return generation
@@ -176,6 +177,8 @@ class IsolatedCatalog(Catalog):
         count = max(1, min(hosts or min(4, os.cpu_count() or 1), self.shards))
         self.hosts = [ShardHost(self.path, opts, timeout_s) for _ in range(count)]
         self._shards = [HostedShard(self, i, self.hosts[i % count]) for i in range(self.shards)]
+        for shard in self._shards:  # every data file there now is its shard's: one removed or
+            shard.check_file()      # replaced later is a fault, not an empty shard
         self.probe_backoff_s = probe_backoff_s
         self._qlock = threading.Lock()
         self._prober: threading.Thread | None = None
@@ -221,6 +224,9 @@ class IsolatedCatalog(Catalog):
     def _probe(self, shard: HostedShard, q: Quarantine) -> None:
         signature = shard.watch.signature()  # before the probe: a change during it is seen next time
         try:
+            shard.check_file()
+            if shard.file_fault is not None:  # the file itself is at fault (truncated, replaced):
+                raise CatalogError(shard.file_fault)  # nothing to probe until it changes
             shard.host.call("probe", shard.index, q.replay)
         except (HostLost, CatalogError) as e:
             q.backoff = min(2 * q.backoff, self.probe_backoff_s[1])

@@ -69,6 +69,7 @@ def serve(conn: Connection, catalog_dir: str, options: dict) -> None:
             op, index, payload = msg
             if index not in shards:
                 shards[index] = Shard(Path(catalog_dir), index, opts)
+            shards[index].follow_file()  # the owner has just checked the file at the path
             _answer(conn, shards[index], op, payload)
     except (EOFError, OSError):  # the owner is gone
         pass

@@ -223,6 +223,21 @@ class Shard:
         except OSError:
             return f"{DATA_FILE} was removed while in use", 0
 
+    def follow_file(self) -> None:
+        """Close the env if the data file at the path is no longer the one it maps, so the next
+        use opens the file there. Only for a shard host, whose owner checks before each request
+        that the file at the path is the shard's own (`shardfile.DataFileWatch`): the host may
+        have opened a replacement in the instant before its owner noticed one."""
+        env, ident = self._env, self._ident
+        if env is None:
+            return
+        try:
+            st = os.stat(self._data_path)
+        except OSError:
+            return
+        if (st.st_dev, st.st_ino) != ident:
+            self.close()
+
     def _check(self) -> None:
         if (fault := self.diagnose()) is not None:
             raise self.unavailable(fault)

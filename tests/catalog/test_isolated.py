@@ -292,3 +292,17 @@ def test_hosts_env_switch(filled, monkeypatch) -> None:
     monkeypatch.setenv("LORASERVE_CATALOG_HOSTS", "2")
     with open_for_serving(cat_dir, readonly=True) as cat:
         assert isinstance(cat, IsolatedCatalog) and len(cat.hosts) == 2
+
+
+def test_a_data_file_removed_before_its_first_use_is_503_not_404(filled) -> None:
+    """The files there when the catalog opens are the shards': one gone later is a fault, not a
+    shard that was never written (whose ids would all be 404)."""
+    cat_dir, by_shard, blobs, _ = filled
+    path, backup = data_file(cat_dir, 1), cat_dir / "kept"
+    with IsolatedCatalog(cat_dir, hosts=1) as cat:
+        os.link(path, backup)
+        path.unlink()
+        with pytest.raises(ShardUnavailable, match="shard 1 .*removed"):
+            cat.resolve(by_shard[1][0])
+        os.replace(backup, path)
+        assert serves(cat, by_shard[1][0], blobs)

@@ -4,11 +4,12 @@ A shard file truncated while the server runs (which used to end the process with
 next read) makes that shard's adapters answer 503 catalog_unavailable while every other shard
 and the base model serve on; /ready says which shards are down, /health stays 200, and the shard
 serves again once its file is restored. A catalog directory removed under the server answers 503,
-never a 404 that would claim the adapters do not exist.
+never a 404 that would claim the adapters do not exist; a write the OS refuses is a 503 too.
 """
 from __future__ import annotations
 
 import shutil
+import subprocess
 from collections.abc import Iterator
 
 import httpx
@@ -110,3 +111,25 @@ def test_ready_without_a_catalog() -> None:
     with LiveServer(build_app(FakeEngine(), max_n=2)) as server:
         r = httpx.get(f"{server.url}/ready", timeout=30)
     assert r.status_code == 200 and r.json() == {"status": "ready"}
+
+
+def test_a_write_the_os_refuses_is_503_naming_the_shard(served) -> None:
+    """The data file made immutable under the server (as a full or read-only disk would refuse
+    the write): a promote answers 503 catalog_unavailable naming the shard, not 500; reads of
+    the shard go on, and the promote succeeds once the file is writable again."""
+    http, engine, cat_dir, by_shard = served
+    shard, aid = 1, by_shard[1][0]
+    catalog = engine.adapter_manager.catalog
+    catalog.put_revision(aid, catalog.read_blob(catalog.resolve(aid)), revision="again", promote=False)
+    data = cat_dir / f"shard-{shard:03d}" / "data.mdb"
+    if subprocess.run(["chattr", "+i", str(data)], capture_output=True).returncode:
+        pytest.skip("chattr +i is not available here (needs root and a file system with it)")
+    try:
+        r = http.post(f"/v1/adapters/{aid}/promote", json={"revision": "again"})
+        assert_unavailable(r, shard)
+        assert "write refused" in r.json()["error"]["message"]
+        assert complete(http, aid).status_code == 200 and http.get("/ready").status_code == 200
+    finally:
+        subprocess.run(["chattr", "-i", str(data)], check=True)
+    r = http.post(f"/v1/adapters/{aid}/promote", json={"revision": "again"})
+    assert r.status_code == 200 and r.json()["promoted"] == "again"
