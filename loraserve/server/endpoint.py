@@ -100,7 +100,10 @@ async def serve(req: SamplingFields, ctx: ServerContext, endpoint: Endpoint) -> 
         streams = await ctx.deadline.run(start_all(admitted.engine(engine), fan_out(
             request_id, plan.prompts, req.n, plan.params, adapter, bool(req.stream))))
     except Exception as exc:  # a model that does not exist: the 404 naming it as asked for
-        raise lookup_error(exc, req.model) from exc
+        err = lookup_error(exc, req.model)
+        if err is exc:
+            raise
+        raise err from exc
     clock.first_output()
     prompt_tokens = sum(len(p.token_ids) for p in plan.prompts)
     ctx.metrics.prompt_tokens.inc(prompt_tokens)

@@ -96,9 +96,12 @@ async def start_sample(body: ts.SampleBody, request: Request) -> Future:
     state.futures.add(future)  # before any wait: a concurrent retry finds it
     try:
         await _launch(future, plan, adapter, admitted.engine(ctx.engine), ctx, state.futures)
-    except BaseException:
+    except BaseException as exc:
         state.futures.discard(future)
-        raise
+        err = lookup_error(exc, model)  # a model that does not exist: named as asked for
+        if err is exc:
+            raise
+        raise err from exc
     return future
 
 
