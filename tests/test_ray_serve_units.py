@@ -27,7 +27,10 @@ def test_scale_out_options() -> None:
     assert from_args(_serve_args()) is None
     scale = from_args(_serve_args("--replicas", "3", "--ray-num-cpus", "4", "--port", "9000"))
     assert (scale.replicas, scale.num_cpus, scale.port, scale.host) == (3, 4, 9000, "127.0.0.1")
+    assert from_args(_serve_args("--replicas", "2", "--ray-object-store-mb", "128")).object_store_mb == 128
     for argv, message in [(["--replicas", "1"], ">= 2"),
+                          (["--replicas", "2", "--ray-address", "auto", "--ray-object-store-mb",
+                            "128"], "local Ray"),
                           (["--ray-address", "auto"], "needs --replicas"),
                           (["--replicas", "2", "--single-process"], "exclude"),
                           (["--replicas", "2", "--ray-address", "auto", "--ray-num-cpus", "2"],
@@ -222,3 +225,175 @@ def test_closing_a_stream_early_cancels_the_replica_call(frontend_for) -> None:
         return out.text
 
     assert asyncio.run(first_only()) == "x" and stream.cancelled
+
+
+# -- shutdown: the ingress's drain, signals, the head watch, what is left behind -----------------
+
+def _drain_app(deadline, drain):
+    """A Starlette app behind DrainGate: /slow waits (under the shutdown deadline) for `gate`."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from loraserve.ray_serve.drain import DrainGate
+    from loraserve.server.errors import APIError
+
+    gate = asyncio.Event()
+
+    async def slow(request):
+        try:
+            await deadline.run(gate.wait())
+        except APIError as exc:
+            return exc.response()
+        return JSONResponse({"ok": True})
+
+    async def plain(request):
+        return JSONResponse({"ok": True})
+
+    app = Starlette(routes=[Route("/slow", slow), Route("/health", plain), Route("/v1/models", plain)])
+    return DrainGate(app, drain), gate
+
+
+def _drain_scenario(action: str, timeout_s: float):
+    """One request in flight, then a drain; `action`: the request finishes, the drain is hurried,
+    or nothing (its deadline passes)."""
+    import httpx
+
+    from loraserve.ray_serve.drain import Drain
+    from loraserve.server.streaming import ShutdownDeadline
+
+    async def scenario():
+        deadline = ShutdownDeadline()
+        drain = Drain(deadline)
+        app, gate = _drain_app(deadline, drain)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://x") as c:
+            slow = asyncio.ensure_future(c.get("/slow"))
+            while drain.in_flight < 1:
+                await asyncio.sleep(0.01)
+            assert (await c.get("/v1/models")).status_code == 200  # not draining yet
+            running = asyncio.ensure_future(drain.run(timeout_s, flush_s=2.0))
+            await asyncio.sleep(0.05)
+            assert deadline.draining and drain.draining
+            refused = await c.get("/v1/models")
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "server_shutting_down"
+            assert (await c.get("/health")).status_code == 200
+            if action == "hurry":
+                drain.hurry()
+            elif action == "finish":
+                gate.set()
+            report, answer = await running, await slow
+        return report, answer
+
+    return asyncio.run(scenario())
+
+
+def test_a_drain_lets_the_requests_in_flight_finish_and_turns_new_ones_away() -> None:
+    report, answer = _drain_scenario("finish", timeout_s=30)
+    assert answer.status_code == 200
+    assert (report.finished, report.cut, report.left, report.hurried) == (1, 0, 0, False)
+    assert report.seconds < 10
+
+
+def test_a_drain_past_its_deadline_or_hurried_ends_what_is_left_cleanly() -> None:
+    for action, timeout_s in (("hurry", 30), ("none", 0.2)):
+        report, answer = _drain_scenario(action, timeout_s=timeout_s)
+        assert answer.status_code == 503, (action, answer.text)
+        assert answer.json()["error"]["code"] == "server_shutting_down"
+        assert (report.finished, report.cut, report.left) == (0, 1, 0)
+        assert report.hurried == (action == "hurry")
+        assert report.seconds < 10
+
+
+def test_stop_signals_abort_a_start_then_drain_hurry_and_give_up() -> None:
+    import signal
+
+    from loraserve.ray_serve.shutdown import StopRequested, StopSignals
+
+    signals = StopSignals()
+    with pytest.raises(StopRequested):
+        signals._on_signal(signal.SIGTERM, None)
+    assert signals.first.is_set() and not signals.hurry.is_set()
+
+    signals = StopSignals()
+    signals.starting = False
+    signals._on_signal(signal.SIGINT, None)  # SIGINT is SIGTERM's twin
+    assert signals.first.is_set() and not signals.hurry.is_set()
+    signals._on_signal(signal.SIGTERM, None)
+    assert signals.hurry.is_set() and not signals.abandon.is_set()
+    signals._on_signal(signal.SIGTERM, None)
+    assert signals.abandon.is_set() and signals.names == ["SIGINT", "SIGTERM", "SIGTERM"]
+
+
+def test_the_head_watch_sees_a_local_head_process_go() -> None:
+    psutil = pytest.importorskip("psutil")
+    from loraserve.ray_serve.shutdown import HeadWatch
+
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        watch = HeadWatch.local({"gcs_server": psutil.Process(proc.pid)})
+        assert watch.lost() is None
+        proc.kill()
+        proc.wait()
+        watch._next = 0.0
+        assert watch.lost() == f"the local Ray's gcs_server (pid {proc.pid}) exited"
+    finally:
+        proc.kill()
+
+
+def test_the_head_watch_gives_a_silent_cluster_its_grace() -> None:
+    import time
+
+    from loraserve.ray_serve.shutdown import HeadWatch
+
+    calls = []
+
+    def probe():
+        calls.append(1)
+        if len(calls) > 1:
+            raise TimeoutError("gcs down")
+
+    watch = HeadWatch.remote(probe, grace_s=0.6, every_s=0.05)
+    watch.every_s = 0.0
+    assert watch.lost() is None
+    deadline = time.monotonic() + 10
+    while watch.lost() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "has not answered" in (watch.lost() or "")
+
+
+def test_bounded_steps() -> None:
+    import threading
+    import time
+
+    from loraserve.ray_serve.shutdown import bounded
+
+    assert bounded("quick", lambda: None, 5)
+    assert not bounded("raises", lambda: 1 / 0, 5)
+    hang = threading.Event()
+    t0 = time.monotonic()
+    assert not bounded("hangs", hang.wait, 0.3)
+    assert not bounded("given up", hang.wait, 30, give_up=lambda: True)
+    assert time.monotonic() - t0 < 5
+    hang.set()
+
+
+def test_kill_descendants_finds_the_orphans_of_the_tree() -> None:
+    """A subreaper's tree: an orphan (its parent exited) is still found, stopped and reaped."""
+    pytest.importorskip("psutil")
+    probe = ("import subprocess, sys, time, psutil\n"
+             "from loraserve.ray_serve.shutdown import become_subreaper, kill_descendants\n"
+             "assert become_subreaper()\n"
+             "subprocess.run(['sh', '-c', 'sleep 300 & echo $!'], stdout=open('orphan', 'w'))\n"
+             "orphan = int(open('orphan').read())\n"
+             "time.sleep(0.2)\n"
+             "assert psutil.Process(orphan).ppid() == psutil.Process().pid\n"
+             "stopped = kill_descendants(term_wait_s=2)\n"
+             "assert stopped == [f'sleep {orphan}'], stopped\n"
+             "assert not psutil.pid_exists(orphan) and not psutil.Process().children()\n"
+             "print('ok')\n")
+    import tempfile
+    with tempfile.TemporaryDirectory() as cwd:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             timeout=60, cwd=cwd)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

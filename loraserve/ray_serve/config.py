@@ -52,6 +52,9 @@ class ScaleOutConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.object_store_mb is not None and self.object_store_mb < 64:
             raise ValueError("object_store_mb must be >= 64")
+        if self.object_store_mb is not None and self.ray_address is not None:
+            raise ValueError("object_store_mb sizes a local Ray; it cannot be given with "
+                             "--ray-address")
 
     def gpus_per_replica(self, cfg: EngineConfig) -> float:
         """`replica_gpus`, or 1 when the engine will run on CUDA (device cuda, or auto on a
@@ -88,6 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "start a local Ray and stop it with the server)")
     g.add_argument("--ray-num-cpus", type=int, metavar="N",
                    help="CPUs of the local Ray (default: all of this machine's)")
+    g.add_argument("--ray-object-store-mb", type=int, metavar="MB",
+                   help="object store of the local Ray, MiB (default: Ray's, 30%% of memory)")
     g.add_argument("--replica-cpus", type=float, default=1.0,
                    help="CPUs each engine replica reserves (default: 1)")
     g.add_argument("--replica-gpus", type=float,
@@ -99,7 +104,7 @@ def from_args(args: argparse.Namespace) -> ScaleOutConfig | None:
     """The ScaleOutConfig `serve`'s options ask for; None without --replicas (ValueError for
     bad values, before anything loads)."""
     if args.replicas is None:
-        for flag in ("ray_address", "ray_num_cpus", "replica_gpus"):
+        for flag in ("ray_address", "ray_num_cpus", "ray_object_store_mb", "replica_gpus"):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --replicas")
         return None
@@ -110,4 +115,5 @@ def from_args(args: argparse.Namespace) -> ScaleOutConfig | None:
                          "pip install 'loraserve[ray]'")
     return ScaleOutConfig(replicas=args.replicas, ray_address=args.ray_address,
                           num_cpus=args.ray_num_cpus, replica_cpus=args.replica_cpus,
-                          replica_gpus=args.replica_gpus, host=args.host, port=args.port)
+                          replica_gpus=args.replica_gpus, host=args.host, port=args.port,
+                          object_store_mb=args.ray_object_store_mb)

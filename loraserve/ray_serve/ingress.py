@@ -4,6 +4,9 @@
 Every response carries `x-loraserve-replica`: the engine replica(s) that served it (comma-
 separated when a request's sequences went to several), or `ingress` when no engine replica was
 involved (an error found before any was asked, /metrics, /health, listings).
+
+On shutdown, `launch` drains the ingress first (`drain`, `hurry`: drain.Drain) and only then
+deletes the application.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from ..engine.config import EngineConfig
 from ..server.app import build_app
 from ..server.router_metrics import labelled_snapshots, label_names
 from .config import ScaleOutConfig, ServerOptions
+from .drain import Drain, DrainGate
 from .frontend import RayEngineFrontend, served_by
 
 REPLICA_HEADER = "x-loraserve-replica"
@@ -76,15 +80,17 @@ class ReplicaEngineGauges(Collector):
 
 
 def ingress_app(frontend: RayEngineFrontend, options: ServerOptions) -> FastAPI:
-    """The single process's app over `frontend`, with per-replica engine gauges on /metrics
-    and the replica header on every response."""
+    """The single process's app over `frontend`, with per-replica engine gauges on /metrics,
+    the replica header on every response, and its drain (`app.state.drain`)."""
     app = build_app(frontend, api_key=options.api_key, max_n=options.max_n, keys=options.keys,
                     metrics_key=options.metrics_key, audit_log=options.audit_log)
     metrics = app.state.ctx.metrics
     for attr in _ENGINE_GAUGES:
         metrics.registry.unregister(getattr(metrics, attr))
     metrics.register(ReplicaEngineGauges(frontend))
-    app.add_middleware(ReplicaHeaderMiddleware)
+    app.state.drain = Drain(app.state.ctx.deadline)
+    app.add_middleware(DrainGate, drain=app.state.drain)
+    app.add_middleware(ReplicaHeaderMiddleware)  # outermost: a drain's 503 carries it too
     return app
 
 
@@ -103,3 +109,12 @@ class Ingress:
     async def report(self, replica_id: str, snapshot: dict, seen: int, results: dict) -> list:
         """An engine replica's periodic report (board.ReplicaBoard.report)."""
         return self.frontend.report(replica_id, snapshot, seen, results)
+
+    async def drain(self, timeout_s: float, flush_s: float) -> dict:
+        """Shutdown's first step (drain.Drain.run): new requests 503, those in flight run on
+        for up to timeout_s, then end with a clean error; what it did."""
+        return (await self._loraserve_app.state.drain.run(timeout_s, flush_s)).as_dict()
+
+    async def hurry(self) -> None:
+        """A second signal: the drain ends the requests in flight now."""
+        self._loraserve_app.state.drain.hurry()

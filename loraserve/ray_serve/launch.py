@@ -1,26 +1,49 @@
 """Start, run and stop a scaled-out server: Ray (local or joined), Serve's HTTP proxy, the
 ingress deployment and the engine replicas.
 
-Two callers: `loraserve serve --replicas N` (`run`: until SIGINT/SIGTERM) and tests (`start`,
-then `ScaledServer.stop`).
+Two callers: `loraserve serve --replicas N` (`run`: until SIGINT/SIGTERM, then the drain and
+the stop, and the process ends) and tests (`start`, then `ScaledServer.stop`).
+
+`run`'s stop, in order (each step bounded, see shutdown.py):
+1. drain the ingress (drain.py): new requests 503, those in flight run on for up to
+   --shutdown-timeout, then end with a clean error; a second signal ends them at once;
+2. a local Ray: `serve.shutdown()`, then `ray.shutdown()` (raylet, GCS ...), then every process
+   still left in this process's tree (it adopted the orphans: shutdown.become_subreaper), so no
+   Ray process outlives the server. A joined cluster (--ray-address): `serve.delete` of this
+   server's application and a disconnect; the cluster's processes are left alone;
+3. exit 0; 1 when a step overran its bound or failed, the Ray head was lost, or a third signal
+   gave up the orderly stop (what is left is killed then).
+While serving, a lost Ray head (the local raylet or GCS server exited; a joined cluster's GCS
+silent for 30 s) ends the server with status 1 instead of leaving it hanging.
 """
 from __future__ import annotations
 
 import logging
-import signal
-import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
+import psutil  # Ray's dependency (ray.thirdparty_files, on sys.path once ray is imported)
 import ray
 from ray import serve
 from ray.serve.config import HTTPOptions
+from ray.serve.handle import DeploymentHandle
 
 from ..engine.config import EngineConfig
+from ..server.app import DRAIN_FLUSH_S
 from .config import INGRESS_DEPLOYMENT, REPLICA_DEPLOYMENT, ScaleOutConfig, ServerOptions
 from .ingress import Ingress
 from .replica import engine_config_dict, replica_class
+from .shutdown import (EXIT_FAILED, EXIT_STOPPED, HeadWatch, StopRequested, StopSignals, bounded,
+                       become_subreaper, exit_now, kill_descendants, reap_adopted)
 
 log = logging.getLogger(__name__)
+
+# bounds of the stop's steps, beyond the drain's own (--shutdown-timeout + DRAIN_FLUSH_S)
+DRAIN_SLACK_S = 10.0
+SERVE_STOP_S = 45.0   # serve.shutdown (its controller call waits 30 s) / serve.delete
+RAY_STOP_S = 30.0     # ray.shutdown: the raylet and GCS get SIGTERM, then SIGKILL
 
 # requests the ingress replica may hold at once, per engine replica behind it, beyond the
 # engines' own bounds (control calls, replica reports)
@@ -50,54 +73,201 @@ def application(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions
     return ingress.bind(engine.bind(config, scale), config, scale, options)
 
 
+def _never() -> bool:
+    return False
+
+
 @dataclass
 class ScaledServer:
-    """A running scaled-out server; `stop()` takes it down (and the local Ray it started)."""
+    """A running scaled-out server; `drain()` then `stop()` take it down (and the local Ray it
+    started)."""
 
     scale: ScaleOutConfig
     owns_ray: bool
+    ingress: DeploymentHandle
+    shutdown_timeout: float
 
     @property
     def url(self) -> str:
         return f"http://{self.scale.host}:{self.scale.port}"
 
-    def stop(self) -> None:
+    def drain(self, hurry: Callable[[], bool] = _never,
+              give_up: Callable[[], bool] = _never) -> dict | None:
+        """Drain the ingress (drain.Drain.run); once `hurry()` turns true, the requests still in
+        flight end at once. Its report, or None when it failed or overran its bound, or
+        `give_up()` turned true."""
+        response = self.ingress.drain.remote(self.shutdown_timeout, DRAIN_FLUSH_S)
+        bound = self.shutdown_timeout + DRAIN_FLUSH_S + DRAIN_SLACK_S
+        end = time.monotonic() + bound
+        hurried = False
+        while True:
+            try:
+                return response.result(timeout_s=0.2)
+            except TimeoutError:
+                pass
+            except Exception as exc:  # the ingress replica gone, Ray going
+                log.error("the drain failed: %s", exc)
+                return None
+            if hurry() and not hurried:
+                hurried = True
+                self.ingress.hurry.remote()
+            if give_up():
+                return None
+            if time.monotonic() > end:
+                log.error("the drain did not end in %g s", bound)
+                return None
+
+    def stop(self, give_up: Callable[[], bool] = _never) -> bool:
+        """stop_serve(), then stop_ray(); True when both ended in their bounds."""
         try:
-            serve.delete(self.scale.app_name)
-            if self.owns_ray:
-                serve.shutdown()
+            return self.stop_serve(give_up)
         finally:
-            if self.owns_ray:
-                ray.shutdown()
+            self.stop_ray(give_up)
+
+    def stop_serve(self, give_up: Callable[[], bool] = _never) -> bool:
+        """A local Ray: Serve (every application, the proxy, the controller); a joined cluster:
+        this server's application alone. True when it ended in its bound."""
+        if self.owns_ray:
+            return bounded("serve.shutdown", serve.shutdown, SERVE_STOP_S, give_up)
+        return bounded("serve.delete", lambda: serve.delete(self.scale.app_name), SERVE_STOP_S,
+                       give_up)
+
+    def stop_ray(self, give_up: Callable[[], bool] = _never) -> bool:
+        """A local Ray: its processes (ray.shutdown); a joined cluster: this driver's connection
+        (the cluster's processes stay). True when it ended in its bound."""
+        return bounded("ray.shutdown", ray.shutdown, RAY_STOP_S, give_up)
 
 
-def start(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions) -> ScaledServer:
+def start(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions, *,
+          on_ray_up: Callable[[], None] | None = None) -> ScaledServer:
     """Connect to (or start) Ray, start Serve's proxy on scale.host:port and deploy; returns
-    once every replica is up."""
+    once every replica is up. `on_ray_up` runs right after ray.init (run() puts its signal
+    handlers back: ray.init replaces them)."""
     owns_ray = not ray.is_initialized() and scale.ray_address is None
     if not ray.is_initialized():
-        ray.init(address=scale.ray_address, num_cpus=scale.num_cpus, include_dashboard=False,
-                 object_store_memory=scale.object_store_mb * 2**20 if scale.object_store_mb else None,
-                 configure_logging=False)
+        try:
+            ray.init(address=scale.ray_address, num_cpus=scale.num_cpus, include_dashboard=False,
+                     object_store_memory=scale.object_store_mb * 2**20 if scale.object_store_mb
+                     else None, configure_logging=False)
+        except BaseException:
+            if owns_ray:
+                bounded("ray.shutdown", ray.shutdown, RAY_STOP_S)
+            raise
+    if on_ray_up is not None:
+        on_ray_up()
     try:
         serve.start(http_options=HTTPOptions(host=scale.host, port=scale.port))
-        serve.run(application(cfg, scale, options), name=scale.app_name, route_prefix="/")
+        ingress = serve.run(application(cfg, scale, options), name=scale.app_name,
+                            route_prefix="/")
     except BaseException:
         if owns_ray:
-            ray.shutdown()
+            bounded("ray.shutdown", ray.shutdown, RAY_STOP_S)
+        else:
+            bounded("serve.delete", lambda: serve.delete(scale.app_name), SERVE_STOP_S)
         raise
     log.info("serving %s with %d engine replicas at http://%s:%d", cfg.model_dir, scale.replicas,
              scale.host, scale.port)
-    return ScaledServer(scale, owns_ray)
+    return ScaledServer(scale, owns_ray, ingress, cfg.shutdown_timeout)
 
 
-def run(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions) -> None:
-    """Serve until SIGINT or SIGTERM, then stop (the local Ray too)."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    server = start(cfg, scale, options)
+def run(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions) -> NoReturn:
+    """Serve until SIGTERM or SIGINT, drain, stop (the local Ray too) and end the process with
+    its exit status (see the module's docstring); never returns. An error while starting is
+    raised, after cleaning up."""
+    owns_ray = scale.ray_address is None
+    if owns_ray:
+        become_subreaper()  # the orphans of Ray's processes stay in this process's tree
+    signals = StopSignals()
+    signals.install()
     try:
-        stop.wait()
-    finally:
-        server.stop()
+        server = start(cfg, scale, options, on_ray_up=signals.install)
+        signals.starting = False  # from here on a signal drains (no StopRequested)
+    except (StopRequested, SystemExit) as exc:  # SystemExit: ray.init's own SIGTERM handler
+        log.info("stopped while starting (%s)", exc)
+        if owns_ray:
+            _stop_leftovers()
+        elif ray.is_initialized():  # the application may be up already
+            bounded("serve.delete", lambda: serve.delete(scale.app_name), SERVE_STOP_S)
+            bounded("ray.shutdown", ray.shutdown, RAY_STOP_S)
+        exit_now(EXIT_STOPPED)
+    except BaseException:
+        if owns_ray:
+            _stop_leftovers()
+        raise
+    watch = _head_watch(owns_ray)
+    ray_children = {p.pid for p in psutil.Process().children()}  # Ray waits for these itself
+    while not signals.first.wait(0.5):
+        lost = watch.lost()
+        if lost is not None:
+            log.error("%s: stopping what is left of the server (exit status %d)", lost,
+                      EXIT_FAILED)
+            if owns_ray:
+                _stop_leftovers()
+            exit_now(EXIT_FAILED)
+        if owns_ray:
+            reap_adopted(ray_children)
+
+    log.info("%s: draining for up to %g s (send it again to end the requests in flight now)",
+             signals.names[0], cfg.shutdown_timeout)
+
+    def give_up() -> bool:
+        return signals.abandon.is_set() or watch.lost() is not None
+
+    report = server.drain(signals.hurry.is_set, give_up)
+    if report is not None:
+        log.info("drained in %.1f s: %d requests finished, %d ended at the deadline%s",
+                 report["seconds"], report["finished"], report["cut"],
+                 " (hurried by a second signal)" if report["hurried"] else "")
+    serve_stopped = not give_up() and server.stop_serve(give_up)
+    failure = watch.lost() or ("a third signal: the orderly stop was given up"
+                               if signals.abandon.is_set() else None)
+    # from here Ray goes on purpose (the head watch would see it go); a local Ray whose Serve
+    # did not stop in order is killed below instead
+    ray_stopped = failure is None and (serve_stopped or not owns_ray) \
+        and server.stop_ray(signals.abandon.is_set)
+    if owns_ray:
+        _stop_leftovers()
+    if failure is None and signals.abandon.is_set():
+        failure = "a third signal: the orderly stop was given up"
+    if failure is not None:
+        log.error("%s", failure)
+    ok = report is not None and serve_stopped and ray_stopped and failure is None
+    status = EXIT_STOPPED if ok else EXIT_FAILED
+    log.info("stopped (exit status %d)", status)
+    exit_now(status)
+
+
+def _stop_leftovers() -> None:
+    """Stop every process still in this process's tree (Ray's agents and workers that outlived
+    the raylet, or all of a local Ray that could not be stopped in order)."""
+    stopped = kill_descendants()
+    if stopped:
+        log.info("stopped %d processes left by the local Ray: %s", len(stopped),
+                 ", ".join(stopped[:12]))
+
+
+def _head_watch(owns_ray: bool) -> HeadWatch:
+    """A local Ray: this process's raylet and GCS server children; a joined cluster: its GCS."""
+    if owns_ray:
+        heads = {}
+        for child in psutil.Process().children():
+            try:
+                name = child.name()
+            except psutil.Error:
+                continue
+            if name in ("raylet", "gcs_server"):
+                heads[name] = child
+        if len(heads) < 2:
+            log.warning("the local Ray's raylet and GCS server were not found among this "
+                        "process's children (%s): they are not watched", sorted(heads))
+        return HeadWatch.local(heads)
+    return HeadWatch.remote(_gcs_probe)
+
+
+def _gcs_probe() -> None:
+    """One small GCS call (raises when the GCS does not answer in 5 s)."""
+    from ray.experimental.internal_kv import internal_kv_get_gcs_client
+    client = internal_kv_get_gcs_client()
+    if client is None:
+        raise RuntimeError("not connected to Ray")
+    client.internal_kv_exists(b"loraserve-probe", b"loraserve", timeout=5)
