@@ -4,6 +4,7 @@
     python bench/catalog.py reads --catalog DIR            # p50/p99 of record lookup and blob read + checksum
     python bench/catalog.py moe                            # packed vs per-expert MoE LoRA loading (Qwen3-30B-A3B dims, r16)
     python bench/catalog.py handoff                        # adapter-only vs merged-checkpoint handoff (Qwen3-4B dims, r32)
+    python bench/catalog.py containment --count 20000      # resolve hit / miss, read_blobs: in-process vs shard hosts
 Each prints a table; nothing is asserted. Work files go under --work (default /tmp/loraserve-bench).
 """
 from __future__ import annotations
@@ -94,6 +95,72 @@ def bench_reads(args) -> None:
         ("record lookup (resolve)", _percentiles(lookup)),
         ("blob read + xxh3 checksum", _percentiles(blob)),
     ])
+
+
+def _timed_each(fn, items) -> list[float]:
+    out = []
+    for item in items:
+        t0 = time.perf_counter()
+        fn(item)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _containment_figures(cat, ids: list[str], batches: list[list[str]]) -> dict[str, list[float]]:
+    """Per-call seconds of resolve hit, resolve miss, read_blob and a read_blobs batch on `cat`."""
+    for a in ids[:400]:  # every shard open (in-process env, or host started and env mapped)
+        cat.resolve(a)
+
+    def miss(a: str) -> None:
+        cat.resolved.clear()
+        cat.resolve(a)
+
+    hot = ids[:64]
+    records = {a: cat.resolve(a) for a in {a for b in batches for a in b} | set(ids[:2000])}
+    return {
+        "resolve hit": _timed_each(cat.resolve, [hot[i % len(hot)] for i in range(len(ids))]),
+        "resolve miss": _timed_each(miss, ids),
+        "read_blob": _timed_each(lambda a: cat.read_blob(records[a]), ids[:2000]),
+        "read_blobs (batch)": _timed_each(lambda b: cat.read_blobs([records[a] for a in b]), batches),
+    }
+
+
+def bench_containment(args) -> None:
+    """Storage containment's cost: the same reads in-process (LMDB mapped here) and through shard
+    hosts (IsolatedCatalog: this process maps nothing), one thread, one run, same ids."""
+    from loraserve.catalog.isolated import IsolatedCatalog
+    from loraserve.demo import build_demo_base
+
+    work = Path(args.work)
+    cat_dir = Path(args.catalog or work / f"catalog-{args.count}")
+    if not (cat_dir / "catalog.json").exists():
+        base = build_demo_base(work / "demo-qwen3", "qwen3")
+        Catalog.create(cat_dir, shards=args.shards).close()
+        materialize(MaterializeConfig(cat_dir, base, args.count, rank=1, targets=["q_proj", "v_proj"],
+                                      workers=args.workers))
+    rng = random.Random(0)
+    with Catalog.open(cat_dir, readonly=True) as cat:
+        n, blob_bytes = cat.stats()["adapters"], cat.stats()["bytes"]
+    ids = [f"synth/a{rng.randrange(n):07d}" for _ in range(args.reads)]
+    batches = [[f"synth/a{rng.randrange(n):07d}" for _ in range(args.batch)] for _ in range(args.reads // args.batch)]
+    rows = {}
+    for name, opener in (("in-process", lambda: Catalog.open(cat_dir, readonly=True)),
+                         ("shard hosts", lambda: IsolatedCatalog(cat_dir, readonly=True))):
+        with opener() as cat:
+            hosts = len(getattr(cat, "hosts", [])) or None
+            rows[name if hosts is None else f"{name} ({hosts})"] = _containment_figures(cat, ids, batches)
+    names = list(rows)
+    table(f"catalog reads, {n:,} adapters of {blob_bytes / max(n, 1):,.0f} blob bytes, {args.shards} shards, one "
+          f"thread; p50 / p99 us per call; read_blobs: batches of {args.batch} random revisions", [
+        ("", *(f"{nm:>28}" for nm in names)),
+        *[(op, *(f"{_p(rows[nm][op], 50):>12.1f} / {_p(rows[nm][op], 99):>12.1f}" for nm in names))
+          for op in rows[names[0]]],
+    ])
+
+
+def _p(samples: list[float], q: int) -> float:
+    s = sorted(samples)
+    return s[min(len(s) - 1, len(s) * q // 100)] * 1e6
 
 
 def _moe_tensors(layers: int, experts: int, hidden: int, inter: int, rank: int, packed: bool) -> dict:
@@ -277,7 +344,7 @@ def bench_handoff(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("which", choices=["materialize", "reads", "moe", "handoff"])
+    p.add_argument("which", choices=["materialize", "reads", "moe", "handoff", "containment"])
     p.add_argument("--work", default="/tmp/loraserve-bench")
     p.add_argument("--catalog", default=None)
     p.add_argument("--count", type=int, default=1_000_000)
@@ -288,8 +355,10 @@ def main() -> None:
     p.add_argument("--moe-layers", type=int, default=48)
     p.add_argument("--device", default="cpu")
     p.add_argument("--handoff-rank", type=int, default=32)
+    p.add_argument("--batch", type=int, default=16, help="containment: revisions per read_blobs call")
     args = p.parse_args()
-    {"materialize": bench_materialize, "reads": bench_reads, "moe": bench_moe, "handoff": bench_handoff}[args.which](args)
+    {"materialize": bench_materialize, "reads": bench_reads, "moe": bench_moe, "handoff": bench_handoff,
+     "containment": bench_containment}[args.which](args)
 
 
 if __name__ == "__main__":

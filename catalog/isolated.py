@@ -35,7 +35,7 @@ from pathlib import Path
 from .errors import CatalogError, ShardUnavailable
 from .records import RevisionRecord
 from .shardfile import DATA_FILE, DataFileWatch
-from .shardhost import REPLAYED, HostLost, ShardHost, child_pids, close_hosts
+from .shardhost import REPLAYED, HostLost, ShardHost, call_hosts, child_pids, close_hosts, unwrap
 from .shards import CATALOG_META, ShardOptions, shard_dirname
 from .store import Catalog
 
@@ -128,12 +128,6 @@ class HostedShard:
         self.generation()
         return self._call("write", (fn, reserve))
 
-    def blobs(self, records: list[RevisionRecord]) -> list[bytearray | Exception] | None:
-        """The verified blobs of `records` (or their CorruptBlob), one read txn; None when the
-        shard was never written. Each blob is copied once, from the host's map into its bytearray."""
-        self.generation()
-        return self._call("blobs", records)
-
     def stats(self) -> dict:
         self.generation()
         return self._call("stats")
@@ -146,15 +140,22 @@ class HostedShard:
         self.watch.close()
 
     def _call(self, op: str, payload=None):
-        try:
-            return self.host.call(op, self.index, payload)
-        except HostLost as e:
+        return self.settle(op, payload, self.host.call_many([(op, self.index, payload)])[0])
+
+    def settle(self, op: str, payload, reply: tuple[str, object]):
+        """The value of the host's answer to this shard's request `(op, payload)`, or its error
+        raised: ShardUnavailable, the shard quarantined, when the host died with the request in
+        flight or LMDB found the shard's pages damaged."""
+        kind, value = reply
+        if kind == "ok":
+            return value
+        if kind == "lost":
             what = "a write (committed whole or not at all)" if op == "write" else f"a {op}"
-            reason = f"its shard host {e} during {what}"
-        except ShardUnavailable as e:
-            if not getattr(e, "damaged", False):
-                raise
-            reason = str(e).partition(" is unavailable: ")[2] or str(e)
+            reason = f"its shard host {value} during {what}"
+        elif kind == "err" and getattr(value, "damaged", False):
+            reason = str(value).partition(" is unavailable: ")[2] or str(value)
+        else:
+            return unwrap(reply)
         catalog = self._catalog()
         if catalog is not None:
             catalog.quarantine(self, reason, (op, payload) if op in REPLAYED else None)
@@ -189,8 +190,31 @@ class IsolatedCatalog(Catalog):
         """Process ids of the hosts running now (diagnostics, tests)."""
         return child_pids(self.hosts)
 
-    def _shard_blobs(self, index: int, records: list[RevisionRecord]) -> list[bytearray | Exception] | None:
-        return self._shards[index].blobs(records)
+    def _shards_blobs(self, by_shard: dict[int, list[RevisionRecord]]) -> dict[int, list | Exception | None]:
+        """`Catalog._shards_blobs` through the hosts: each host gets its shards' requests in one
+        exchange, all hosts at once (`shardhost.call_hosts`), so a page-in batch costs about one
+        round trip, not one per shard. A request a dead host never started goes to its replacement."""
+        found: dict[int, list | Exception | None] = {}
+        todo: dict[ShardHost, list[int]] = {}
+        for index in by_shard:
+            try:
+                self._shards[index].generation()  # quarantined or a faulty file: 503 at once
+                todo.setdefault(self._shards[index].host, []).append(index)
+            except ShardUnavailable as e:
+                found[index] = e
+        while todo:
+            batches = [(host, [("blobs", i, by_shard[i]) for i in indices]) for host, indices in todo.items()]
+            replies, sent, todo = call_hosts(batches), list(todo.values()), {}
+            for (host, _), indices, answers in zip(batches, sent, replies):
+                for index, reply in zip(indices, answers):
+                    if reply[0] == "unsent":  # its host died before it: to the replacement
+                        todo.setdefault(host, []).append(index)
+                        continue
+                    try:
+                        found[index] = self._shards[index].settle("blobs", by_shard[index], reply)
+                    except Exception as e:  # noqa: BLE001 - the shard's records fail with it
+                        found[index] = e
+        return found
 
     # -- quarantine --------------------------------------------------------------------------------
     def quarantine(self, shard: HostedShard, reason: str, replay: tuple | None) -> None:

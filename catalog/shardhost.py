@@ -30,6 +30,7 @@ import functools
 import logging
 import multiprocessing
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -54,6 +55,8 @@ _BOOT = ("import sys\nfrom multiprocessing.connection import Connection\n"
          "sys.path[:0] = [p for p in path if p not in sys.path]\n"
          "from loraserve.catalog.shardhost import serve\nserve(conn, *args)\n")
 REPLAYED = ("read", "blobs")  # ops a probe may run again: reads only
+INLINE_BYTES = 256 * 1024  # blobs of one answer up to this many bytes travel inside it
+PIPELINE_BYTES = 64 * 1024  # requests sent ahead of their answers, at most (well below a socket buffer)
 EXIT_UNREADABLE = 86  # a host's exit status when the kernel could not read a mapped page (EFAULT)
 
 
@@ -93,17 +96,21 @@ def _answer(conn: Connection, shard: Shard, op: str, payload) -> None:
 
 
 def _send_blobs(conn: Connection, shard: Shard, records: list) -> bool:
-    """Verify the records' blobs in one read txn and send them from the map; False when the
-    shard was never written (nothing sent)."""
+    """Verify the records' blobs in one read txn and send them: up to INLINE_BYTES in the answer
+    itself, else one frame each, straight from the map; False when the shard was never written
+    (nothing sent)."""
 
     def send(txn, dbs) -> bool:
         views = verified_blobs(txn, dbs, records)
         head = [len(v) if isinstance(v, memoryview) else _error_entry(v) for v in views]
-        conn.send(("blobs", head))
+        blobs = [v for v in views if isinstance(v, memoryview)]
+        if sum(map(len, blobs)) <= INLINE_BYTES:  # small: one message, one write
+            conn.send(("blobs", head, b"".join(blobs)))
+            return True
+        conn.send(("blobs", head, None))
         try:
-            for v in views:
-                if isinstance(v, memoryview):
-                    conn.send_bytes(v)
+            for v in blobs:
+                conn.send_bytes(v)
         except OSError:  # EFAULT: the kernel met a page gone from the file (truncated meanwhile),
             os._exit(EXIT_UNREADABLE)  # or the owner left; no answer can follow half a reply
         return True
@@ -173,6 +180,16 @@ class _Timeout(Exception):
     pass
 
 
+def unwrap(reply: tuple[str, object]):
+    """The value of one `call_many` entry, or its error raised."""
+    kind, value = reply
+    if kind == "ok":
+        return value
+    if kind == "unsent":
+        raise HostLost("did not take the request (ended before it)")
+    raise value
+
+
 def rebuild_error(cls: type, message: str, shards: list[int] | None, damaged: bool = False) -> Exception:
     """A catalog error sent by a host, as the owner raises it (`damaged` kept as an attribute)."""
     exc = cls.__new__(cls)
@@ -181,6 +198,15 @@ def rebuild_error(cls: type, message: str, shards: list[int] | None, damaged: bo
         exc.shards = list(shards or [])
     exc.damaged = damaged
     return exc
+
+
+@dataclasses.dataclass(slots=True)
+class _Exchange:
+    """Requests of one `call_many` (pickled) and how many of them are out."""
+
+    datas: list
+    conn: Connection
+    sent: int
 
 
 class ShardHost:
@@ -206,49 +232,98 @@ class ShardHost:
         return proc.pid if proc is not None else None
 
     def call(self, op: str, index: int, payload=None):
-        data = ForkingPickler.dumps((op, index, payload))  # a bad payload fails here, host untouched
-        with self._lock:
+        """One request's value; its error raised (HostLost when the host died with it)."""
+        return unwrap(self.call_many([(op, index, payload)])[0])
+
+    def call_many(self, calls: list[tuple[str, int, object]]) -> list[tuple[str, object]]:
+        """Requests `(op, shard, payload)` in one exchange: sent ahead (up to PIPELINE_BYTES),
+        their answers read in order. The host serves them one at a time, so a death is still
+        one request's: its entry is ("lost", HostLost), those after it ("unsent", None) (never
+        started: send them again); the others ("ok", value) or ("err", exception)."""
+        return self.finish(self.begin(calls))
+
+    def begin(self, calls: list[tuple[str, int, object]]) -> _Exchange:
+        """First half of `call_many`: take the host and send what fits ahead. `finish` must
+        follow (it gives the host back); between them, other hosts can be sent to."""
+        datas = [ForkingPickler.dumps(c) for c in calls]  # a bad payload fails here, host untouched
+        self._lock.acquire()
+        try:
+            return _Exchange(datas, *self._send(datas))
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def finish(self, ex: _Exchange) -> list[tuple[str, object]]:
+        """Second half of `call_many`: read the answers (sending the rest as room frees up)."""
+        out: list[tuple[str, object]] = []
+        try:
+            while True:
+                for _ in range(ex.sent):
+                    try:
+                        reply = self._reply(ex.conn, time.monotonic() + self.timeout_s)
+                    except (EOFError, OSError, _Timeout) as e:
+                        out.append(("lost", self._lost(e)))
+                        return out + [("unsent", None)] * (len(ex.datas) - len(out))
+                    except BaseException:
+                        self._stop(kill=True)  # an exchange left half-way: the next call starts afresh
+                        raise
+                    out.append(("err", rebuild_error(*reply[1:])) if reply[0] == "err" else reply)
+                if len(out) == len(ex.datas):
+                    return out
+                ex.conn, ex.sent = self._send(ex.datas[len(out):])
+        finally:
+            self._lock.release()
+
+    def _send(self, datas: list) -> tuple[Connection, int]:
+        """Send requests ahead of their answers (at least one, at most PIPELINE_BYTES: the host
+        writing answers while this side still writes cannot fill both socket buffers); the
+        connection and how many were sent."""
+        conn = self._ready()
+        try:
+            conn.send_bytes(datas[0])
+        except OSError:  # died idle (killed from outside): the request never reached it
+            self._stop()
             conn = self._ready()
+            conn.send_bytes(datas[0])
+        sent, ahead = 1, len(datas[0])
+        for data in datas[1:]:
+            if ahead + len(data) > PIPELINE_BYTES:
+                break
             try:
                 conn.send_bytes(data)
-            except OSError:  # died idle (killed from outside): the request never reached it
-                self._stop()
-                conn = self._ready()
-                conn.send_bytes(data)
-            try:
-                reply = self._reply(conn, time.monotonic() + self.timeout_s)
-            except (EOFError, OSError, _Timeout) as e:
-                raise self._lost(e) from None
-            except BaseException:
-                self._stop(kill=True)  # an exchange left half-way: the next call starts afresh
-                raise
-        if reply[0] == "err":  # the request's own error, answered whole: the host serves on
-            raise rebuild_error(*reply[1:])
-        return reply[1]
+            except OSError:  # it died meanwhile: the answers read say which request it was on
+                break
+            sent, ahead = sent + 1, ahead + len(data)
+        return conn, sent
 
     def _reply(self, conn: Connection, deadline: float) -> tuple:
         """`("ok", value)` or `("err", ...)` as the host sent it; a blobs answer as ("ok", blobs)."""
         reply = self._recv(conn, deadline)
         if reply[0] != "blobs":
             return reply
+        _, head, inline = reply
+        data, at = memoryview(inline) if inline is not None else None, 0
         out: list[bytearray | Exception] = []
-        for entry in reply[1]:
-            if isinstance(entry, int):
+        for entry in head:
+            if not isinstance(entry, int):
+                out.append(rebuild_error(*entry))
+            elif data is not None:
+                out.append(bytearray(data[at:at + entry]))
+                at += entry
+            else:  # a frame of its own, read straight into the caller's bytearray
                 blob = bytearray(entry)
                 self._wait(conn, deadline)
                 conn.recv_bytes_into(blob)
                 out.append(blob)
-            else:
-                out.append(rebuild_error(*entry))
         return "ok", out
 
     def _recv(self, conn: Connection, deadline: float):
         self._wait(conn, deadline)
         return conn.recv()
 
-    @staticmethod
-    def _wait(conn: Connection, deadline: float) -> None:
-        if not conn.poll(max(0.0, deadline - time.monotonic())):
+    def _wait(self, conn: Connection, deadline: float) -> None:
+        """Until the host's next message (or its end) can be read; _Timeout past `deadline`."""
+        if not self._poller.poll(max(0, int((deadline - time.monotonic()) * 1000) + 1)):
             raise _Timeout
 
     def _ready(self) -> Connection:
@@ -267,6 +342,8 @@ class ShardHost:
         finally:
             theirs.close()
         self._conn = ours
+        self._poller = select.poll()  # made once: Connection.poll builds a selector per call
+        self._poller.register(ours.fileno(), select.POLLIN)
         self.starts += 1
         ours.send((sys.path, (str(self.catalog_dir), dataclasses.asdict(self.options))))
         return ours
@@ -314,6 +391,23 @@ class ShardHost:
             self._stop()
         finally:
             self._lock.release()
+
+
+def call_hosts(batches: list[tuple[ShardHost, list[tuple[str, int, object]]]]) -> list[list[tuple[str, object]]]:
+    """`call_many` on several hosts at once: every host is sent its requests before any answer
+    is read, so the hosts work in parallel. Hosts are taken in one global order (by id), so two
+    callers never wait for each other's hosts in a cycle."""
+    order = sorted(range(len(batches)), key=lambda i: id(batches[i][0]))
+    begun: dict[int, _Exchange] = {}
+    results: dict[int, list[tuple[str, object]]] = {}
+    try:
+        for i in order:
+            begun[i] = batches[i][0].begin(batches[i][1])
+    finally:
+        for i in order:
+            if i in begun:
+                results[i] = batches[i][0].finish(begun[i])
+    return [results[i] for i in range(len(batches))]
 
 
 def close_hosts(hosts: list[ShardHost]) -> None:

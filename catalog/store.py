@@ -258,19 +258,26 @@ class Catalog:
             except CatalogError as e:
                 out[i] = e
 
+        found = self._shards_blobs({index: [records[i] for i in positions] for index, positions in by_shard.items()})
         for index, positions in by_shard.items():
-            try:
-                blobs = self._shard_blobs(index, [records[i] for i in positions])
-            except Exception as e:  # the shard's records fail with it; other shards go on
-                blobs = [e] * len(positions)
+            blobs = found[index]
             for n, i in enumerate(positions):
-                out[i] = CorruptBlob(f"{records[i].ref}: shard missing") if blobs is None else blobs[n]
+                if blobs is None:
+                    out[i] = CorruptBlob(f"{records[i].ref}: shard missing")
+                else:
+                    out[i] = blobs if isinstance(blobs, Exception) else blobs[n]
         return out
 
-    def _shard_blobs(self, index: int, records: list[RevisionRecord]) -> list[bytearray | Exception] | None:
-        """The verified blobs (or CorruptBlob) of records of shard `index`, in one read txn;
-        None when the shard was never written."""
-        return self._shards[index].read(functools.partial(_copied_blobs, records=records))
+    def _shards_blobs(self, by_shard: dict[int, list[RevisionRecord]]) -> dict[int, list | Exception | None]:
+        """Per shard: the verified blobs (or CorruptBlob) of its records, in one read txn; None
+        when the shard was never written; the exception when the shard failed as a whole."""
+        found: dict[int, list | Exception | None] = {}
+        for index, shard_records in by_shard.items():
+            try:
+                found[index] = self._shards[index].read(functools.partial(_copied_blobs, records=shard_records))
+            except Exception as e:  # the shard's records fail with it; other shards go on
+                found[index] = e
+        return found
 
     def list(self, prefix: str = "", limit: int = 100, after: str | None = None) -> list[PolicyRecord]:
         """Policy records whose id starts with `prefix`, in id order, after id `after`, at most `limit`.
