@@ -255,7 +255,6 @@ class CoreClient(EngineFrontend):
             await asyncio.gather(supervisor, return_exceptions=True)
         if self.adapter_manager is not None:
             self.adapter_manager.close()
-            self.adapter_manager = None
 
     def _set_state(self, state: str) -> None:
         self.state, self._state_since = state, time.monotonic()
@@ -417,12 +416,9 @@ class CoreClient(EngineFrontend):
         if proc is None:
             self._close_transport()
             return
+        if cause is None and graceful and self._transport is not None:
+            await self._stop_gracefully(proc)
         self._loop.remove_reader(proc.sentinel)
-        if (cause is None and graceful and self._transport is not None and proc.is_alive()
-                and self._beat.beating(time.monotonic())):
-            self._flush()
-            self._send(["stop"])
-            await asyncio.to_thread(proc.join, 10)
         self._close_transport()
         if proc.is_alive():
             if cause is not None:
@@ -436,6 +432,18 @@ class CoreClient(EngineFrontend):
         else:
             log.error("engine core %d did not end after SIGKILL", proc.pid)
         self._proc = None
+
+    async def _stop_gracefully(self, proc, within_s: float = 10.0) -> None:
+        """Ask the core to stop and wait for it to end, at most `within_s`, and only as long as
+        it beats (a stopped core is not waited for: the caller kills it)."""
+        self._flush()
+        self._send(["stop"])
+        deadline = time.monotonic() + within_s
+        while not self._lost.done() and time.monotonic() < deadline:
+            if not self._beat.beating(time.monotonic()):
+                log.error("engine core %d does not beat; killing it instead", proc.pid)
+                return
+            await asyncio.wait((self._lost,), timeout=self.heartbeat_s / 2)
 
     def _close_transport(self) -> None:
         """Close this end of the current core's socket; commands not sent are dropped (their

@@ -225,3 +225,50 @@ def test_finished_and_abandoned_requests_leave_nothing_watched() -> None:
                 assert list(r.iter_lines())
         wait_until(lambda: engine.running == 0, "every engine request ended")
         assert app.state.ctx.deadline.watched == 0
+
+
+def test_a_drain_ends_in_time_with_its_engine_core_stopped(tmp_path: Path) -> None:
+    """SIGTERM's drain while the engine core is stopped (SIGSTOP) and a stream waits on it: the
+    stream ends with its error event at the shutdown deadline, the server does not wait on a core
+    that no longer beats (it kills it, instead of asking it to stop and waiting), and the core is
+    reaped."""
+    from loraserve.demo import build_demo
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.core_client import CoreClient
+
+    demo = build_demo(tmp_path / "demo")
+    cfg = EngineConfig(model_dir=str(demo.qwen3), catalog_dir=str(demo.catalog), device="cpu",
+                       max_model_len=128, max_batch_size=4, torch_threads=1, shutdown_timeout=1.0)
+    client = CoreClient(cfg, engine_timeout_s=60)  # the drain deadline comes first
+    live = LiveServer(build_app(client), drain=True).__enter__()
+    url, got_first, result = live.url, threading.Event(), {}
+
+    def stream() -> None:
+        with httpx.Client(timeout=60) as c, c.stream(
+                "POST", f"{url}/v1/completions",
+                json={"model": "demo/poet", "prompt": "hi", "max_tokens": 100, "stream": True,
+                      "ignore_eos": True}) as r:
+            result["status"] = r.status_code
+            result["events"] = sse_events(r, got_first)
+
+    t = threading.Thread(target=stream)
+    pid = client.core_pid
+    try:
+        t.start()
+        assert got_first.wait(60)
+        os.kill(pid, signal.SIGSTOP)
+        began = time.monotonic()
+        live.begin_shutdown()
+        t.join(60)
+        live.thread.join(60)
+        took = time.monotonic() - began
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert not live.thread.is_alive() and took < 10, took  # not the 10 s a graceful stop may take
+    events = result["events"]
+    assert result["status"] == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "server_shutting_down"
+    assert not os.path.exists(f"/proc/{pid}")  # killed and reaped
