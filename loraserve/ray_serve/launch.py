@@ -155,6 +155,9 @@ def start(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions, *,
             raise
     if on_ray_up is not None:
         on_ray_up()
+    if owns_ray:
+        log.info("started a local Ray (GCS at %s); it stops with the server",
+                 ray.get_runtime_context().gcs_address)
     try:
         serve.start(http_options=HTTPOptions(host=scale.host, port=scale.port))
         ingress = serve.run(application(cfg, scale, options), name=scale.app_name,
@@ -215,9 +218,9 @@ def run(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions) -> NoR
 
     report = server.drain(signals.hurry.is_set, give_up)
     if report is not None:
-        log.info("drained in %.1f s: %d requests finished, %d ended at the deadline%s",
+        log.info("drained in %.1f s (requests finished: %d, ended at the deadline: %d%s)",
                  report["seconds"], report["finished"], report["cut"],
-                 " (hurried by a second signal)" if report["hurried"] else "")
+                 ", hurried by a second signal" if report["hurried"] else "")
     serve_stopped = not give_up() and server.stop_serve(give_up)
     failure = watch.lost() or ("a third signal: the orderly stop was given up"
                                if signals.abandon.is_set() else None)
