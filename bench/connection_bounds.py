@@ -18,6 +18,12 @@ interleaved in batches of 2,000 (60 each): microseconds per request of uvicorn's
 callbacks alone, min and median over batches. The figure that load tests on a shared 2-core
 machine are too noisy to show.
 
+--count plain|guarded --requests N: only feed N requests to one protocol (no timing), for an
+instruction count that no other load on the machine disturbs:
+    for v in plain guarded; do for n in 2000 22000; do PYTHONHASHSEED=0 valgrind --tool=callgrind \
+      --callgrind-out-file=/tmp/cg.$v.$n python bench/connection_bounds.py --count $v --requests $n
+    done; done   # then (Ir at 22000 - Ir at 2000) / 20000 per variant: "summary:" in each file
+
 --attack, against each server afresh (both with the default limits where they apply):
   heads    10 connections each send an unfinished header of --attack-mb MiB: the server's RSS
            growth, and how much each got to send
@@ -94,8 +100,8 @@ class FakeTransport:
         return True
 
 
-def micro(batches: int = 60, size: int = 2000) -> dict:
-    import gc
+def micro_runner():
+    """(classes {"plain", "guarded"}, run(cls, size) -> microseconds per request)."""
 
     import uvloop
     from uvicorn.config import Config
@@ -126,7 +132,7 @@ def micro(batches: int = 60, size: int = 2000) -> dict:
     classes = {"plain": type("Plain", (Sync, HttpToolsProtocol), {}),
                "guarded": type("Guarded", (Sync, protocol_class(limits, plan_connections(limits))), {})}
 
-    def run(cls) -> float:
+    def run(cls, size: int) -> float:
         state = ServerState()
         proto = cls(config=config, server_state=state, app_state={}, _loop=loop)
         proto.connection_made(FakeTransport())
@@ -135,14 +141,20 @@ def micro(batches: int = 60, size: int = 2000) -> dict:
             proto.data_received(MICRO_REQUEST)
         elapsed = time.perf_counter() - t0
         assert state.total_requests == size
-        return 1e6 * elapsed / size
+        return 1e6 * elapsed / max(size, 1)
 
+    return classes, run
+
+
+def micro(batches: int = 60, size: int = 2000) -> dict:
+    import gc
+    classes, run = micro_runner()
     gc.disable()
     try:
         res = {name: [] for name in classes}
         for _ in range(batches):
             for name, cls in classes.items():
-                res[name].append(run(cls))
+                res[name].append(run(cls, size))
     finally:
         gc.enable()
     return {name: {"min": min(v), "median": statistics.median(v)} for name, v in res.items()}
@@ -226,6 +238,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--duration", type=float, default=3.0)
     ap.add_argument("--micro", action="store_true")
+    ap.add_argument("--count", choices=["plain", "guarded"])
+    ap.add_argument("--requests", type=int, default=20000)
     ap.add_argument("--skip-load", action="store_true")
     ap.add_argument("--attack", action="store_true")
     ap.add_argument("--attack-mb", type=int, default=16)
@@ -233,6 +247,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.mode == "serve":
         return serve(args.port, args.guarded)
+    if args.count:
+        classes, run = micro_runner()
+        run(classes[args.count], args.requests)
+        return None
     if args.micro:
         m = micro()
         print("protocol alone, us per request (min / median of 60 batches of 2,000):")
