@@ -206,6 +206,8 @@ def run(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions) -> NoR
                       EXIT_FAILED)
             if owns_ray:
                 _stop_leftovers()
+            else:
+                _ask_delete(scale)
             exit_now(EXIT_FAILED)
         if owns_ray:
             reap_adopted(ray_children)
@@ -230,6 +232,8 @@ def run(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions) -> NoR
         and server.stop_ray(signals.abandon.is_set)
     if owns_ray:
         _stop_leftovers()
+    elif not serve_stopped:  # Serve's applications outlive their driver: ask once more
+        _ask_delete(scale)
     if failure is None and signals.abandon.is_set():
         failure = "a third signal: the orderly stop was given up"
     if failure is not None:
@@ -238,6 +242,13 @@ def run(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions) -> NoR
     status = EXIT_STOPPED if ok else EXIT_FAILED
     log.info("stopped (exit status %d)", status)
     exit_now(status)
+
+
+def _ask_delete(scale: ScaleOutConfig) -> None:
+    """A joined cluster, the orderly stop given up: ask its Serve to delete this server's
+    application without waiting for it (it would outlive the server otherwise)."""
+    bounded("serve.delete (not waited for)",
+            lambda: serve.delete(scale.app_name, _blocking=False), 5.0)
 
 
 def _stop_leftovers() -> None:
