@@ -2,8 +2,9 @@
 FastAPI ingress, requests routed to the replicas that hold their adapter.
 
 Nothing here is imported unless --replicas is given (`ray` is an optional extra,
-`loraserve[ray]`): `config` has no Ray import; the entries are `launch.run` (the CLI) and
-`launch.start` (tests).
+`loraserve[ray]`): `config`, `drain` and `shutdown` have no Ray import; the entries are
+`launch.run` (the CLI: serves until SIGTERM/SIGINT, drains, stops Ray, ends the process) and
+`launch.start` (a caller that owns its process).
 
   ingress (1 replica)           the existing FastAPI app (routes, auth, tenants, error bodies)
     RayEngineFrontend           over an engine facade that forwards generation to ...

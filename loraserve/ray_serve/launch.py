@@ -1,8 +1,9 @@
 """Start, run and stop a scaled-out server: Ray (local or joined), Serve's HTTP proxy, the
 ingress deployment and the engine replicas.
 
-Two callers: `loraserve serve --replicas N` (`run`: until SIGINT/SIGTERM, then the drain and
-the stop, and the process ends) and tests (`start`, then `ScaledServer.stop`).
+Two entries: `loraserve serve --replicas N` (`run`: until SIGINT/SIGTERM, then the drain and
+the stop, and the process ends) and, for a caller that owns its process, `start`, then
+`ScaledServer.drain` and `ScaledServer.stop`.
 
 `run`'s stop, in order (each step bounded, see shutdown.py):
 1. drain the ingress (drain.py): new requests 503, those in flight run on for up to
@@ -12,7 +13,8 @@ the stop, and the process ends) and tests (`start`, then `ScaledServer.stop`).
    Ray process outlives the server. A joined cluster (--ray-address): `serve.delete` of this
    server's application and a disconnect; the cluster's processes are left alone;
 3. exit 0; 1 when a step overran its bound or failed, the Ray head was lost, or a third signal
-   gave up the orderly stop (what is left is killed then).
+   gave up the orderly stop (then a local Ray's processes are killed, and a joined cluster is
+   asked to delete the application).
 While serving, a lost Ray head (the local raylet or GCS server exited; a joined cluster's GCS
 silent for 30 s) ends the server with status 1 instead of leaving it hanging.
 """
