@@ -2,9 +2,11 @@
 
 A damaged, truncated, replaced or unreadable shard must fail only the requests that need it,
 never the process: a read of a garbage LMDB page is a signal, not an exception, so the serving
-process (API server, engine core, Ray ingress) maps no shard at all. Shard `i` is served by
-host `i % hosts` (module `shardhost`), a small process that does the LMDB work one request at a
-time; the public API is `Catalog`'s, answer for answer, so callers do not change.
+process (API server, engine core, Ray ingress) maps no shard at all. Shard `i` is read by host
+`i % hosts` (module `shardhost`), a small process that does the LMDB work one request at a time,
+and written by one writer host (so a read never queues behind a write); the public API is
+`Catalog`'s, answer for answer, so callers do not change. A page-in batch is one exchange per
+host, all hosts at once.
 
 What stays in the serving process, with no LMDB page read:
 - the shard's health and write generation (`shardfile.DataFileWatch`: a stat and a `pread` of
@@ -70,10 +72,10 @@ class HostedShard:
     work done by a shard host. Transaction bodies given to `read`/`write` must pickle
     (module-level functions, `functools.partial` of them) and return picklable values."""
 
-    def __init__(self, catalog: IsolatedCatalog, index: int, host: ShardHost) -> None:
+    def __init__(self, catalog: IsolatedCatalog, index: int, host: ShardHost, writer: ShardHost) -> None:
         self.index = index
         self.path = catalog.path / shard_dirname(index)
-        self.host = host
+        self.host, self.writer = host, writer
         self.quarantine: Quarantine | None = None
         self.file_fault: str | None = None
         self.watch = DataFileWatch(self.path / DATA_FILE, catalog.path / CATALOG_META)
@@ -126,7 +128,7 @@ class HostedShard:
         if self._readonly:
             raise CatalogError(f"{self.path}: catalog is open read-only")
         self.generation()
-        return self._call("write", (fn, reserve))
+        return self._call("write", (fn, reserve), self.writer)
 
     def stats(self) -> dict:
         self.generation()
@@ -134,13 +136,13 @@ class HostedShard:
 
     def sync(self) -> None:
         if self.fault is None and not self._readonly:
-            self._call("sync")
+            self._call("sync", None, self.writer)
 
     def close(self) -> None:
         self.watch.close()
 
-    def _call(self, op: str, payload=None):
-        return self.settle(op, payload, self.host.call_many([(op, self.index, payload)])[0])
+    def _call(self, op: str, payload=None, host: ShardHost | None = None):
+        return self.settle(op, payload, (host or self.host).call_many([(op, self.index, payload)])[0])
 
     def settle(self, op: str, payload, reply: tuple[str, object]):
         """The value of the host's answer to this shard's request `(op, payload)`, or its error
@@ -165,7 +167,9 @@ class HostedShard:
 class IsolatedCatalog(Catalog):
     """A `Catalog` whose shards are mapped by shard hosts, never by this process (module doc).
 
-    `hosts`: host processes (shard i -> host i % hosts; default min(4, CPUs, shards));
+    `hosts`: reading host processes (shard i -> host i % hosts; default min(4, CPUs, shards)),
+    and one more for writes (`writer`, started by the first), so a read never waits behind a
+    write (LMDB readers never block on its writer either);
     `timeout_s`: how long a host may take to answer one request before it is killed;
     `probe_backoff_s`: (first, longest) wait between probes of a quarantined shard.
     """
@@ -177,18 +181,19 @@ class IsolatedCatalog(Catalog):
         opts = options or ShardOptions(readonly=readonly)
         count = max(1, min(hosts or min(4, os.cpu_count() or 1), self.shards))
         self.hosts = [ShardHost(self.path, opts, timeout_s) for _ in range(count)]
-        self._shards = [HostedShard(self, i, self.hosts[i % count]) for i in range(self.shards)]
+        self.writer = ShardHost(self.path, opts, timeout_s)  # started by the first write
+        self._shards = [HostedShard(self, i, self.hosts[i % count], self.writer) for i in range(self.shards)]
         for shard in self._shards:  # every data file there now is its shard's: one removed or
             shard.check_file()      # replaced later is a fault, not an empty shard
         self.probe_backoff_s = probe_backoff_s
         self._qlock = threading.Lock()
         self._prober: threading.Thread | None = None
         self._closed = threading.Event()
-        self._finalizer = weakref.finalize(self, close_hosts, list(self.hosts))
+        self._finalizer = weakref.finalize(self, close_hosts, [*self.hosts, self.writer])
 
     def host_pids(self) -> list[int]:
         """Process ids of the hosts running now (diagnostics, tests)."""
-        return child_pids(self.hosts)
+        return child_pids([*self.hosts, self.writer])
 
     def _shards_blobs(self, by_shard: dict[int, list[RevisionRecord]]) -> dict[int, list | Exception | None]:
         """`Catalog._shards_blobs` through the hosts: each host gets its shards' requests in one

@@ -15,6 +15,7 @@ shared side for its life, and a growth takes the exclusive side.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import threading
@@ -149,6 +150,7 @@ class Shard:
         self._dbs: Dbs | None = None
         self._psize = 0
         self._ident: tuple[int, int] | None = None  # (st_dev, st_ino) of the data file the env maps
+        self._read_only_env = False  # opened read-only though the catalog is not (see _open_env)
         self._lock = threading.Lock()
         self._map = MapLock()  # txns share the mapping; set_mapsize and close exclude them
         # the checked paths as strings, made once: a health check runs before every read
@@ -248,23 +250,36 @@ class Shard:
 
     # -- env -------------------------------------------------------------------------------
     def _open(self, create: bool) -> bool:
-        """Open the env if needed; False when there is none and `create` is False (an empty shard)."""
+        """Open the env if needed; False when there is none and `create` is False (an empty shard).
+        `create` (a write): an env that had to be opened read-only is opened read-write again."""
         with self._lock:
-            if self._env is not None:
+            if self._env is not None and not (create and self._read_only_env):
                 return True
+            if self._env is not None:
+                self._close_env()
             self._check()
             if not create and not self.exists():
                 return False
-            return self._open_env()
+            return self._open_env(create)
 
-    def _open_env(self) -> bool:
-        """Open and check the env; False when a read-only open finds no dbs yet (empty for now)."""
+    def _lmdb_open(self, readonly: bool) -> lmdb.Environment:
         o = self.options
+        return lmdb.open(str(self.path), map_size=o.initial_map_size, max_dbs=len(DB_NAMES), readonly=readonly,
+                         sync=o.sync, metasync=o.sync, readahead=False, meminit=False, max_readers=o.max_readers)
+
+    def _open_env(self, write: bool = False) -> bool:
+        """Open and check the env; False when a read-only open finds no dbs yet (empty for now).
+        For reads, a data file the OS will not open for writing (read-only, immutable) is
+        opened read-only: the shard reads on, and a write opens it read-write again."""
+        o = self.options
+        readonly = o.readonly
         try:
-            env = lmdb.open(
-                str(self.path), map_size=o.initial_map_size, max_dbs=len(DB_NAMES), readonly=o.readonly,
-                sync=o.sync, metasync=o.sync, readahead=False, meminit=False, max_readers=o.max_readers,
-            )
+            try:
+                env = self._lmdb_open(readonly)
+            except lmdb.Error as e:
+                if readonly or write or getattr(e, "code", None) not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                    raise
+                env, readonly = self._lmdb_open(True), True
         except lmdb.Error as e:
             raise self.unavailable(f"cannot open: {e}") from None
         try:
@@ -274,10 +289,10 @@ class Shard:
             if (fault := size_fault(st.st_size, psize, last)) is not None:
                 self.fault = fault
                 raise self.unavailable(fault)
-            if not o.readonly:
+            if not readonly:
                 env.reader_check()  # drop reader slots of killed processes
             # no explicit txn: a handle opened inside a read txn dies with that txn
-            dbs = Dbs(*(env.open_db(n, create=not o.readonly) for n in DB_NAMES))
+            dbs = Dbs(*(env.open_db(n, create=not readonly) for n in DB_NAMES))
         except lmdb.NotFoundError:
             # read-only, and the shard's creator (another process) has not committed its first
             # txn: nothing to read yet; the next read opens again
@@ -290,6 +305,7 @@ class Shard:
             env.close()
             raise
         self._env, self._dbs, self._psize, self._ident = env, dbs, psize, (st.st_dev, st.st_ino)
+        self._read_only_env = readonly and not o.readonly
         return True
 
     @contextlib.contextmanager
@@ -417,7 +433,12 @@ class Shard:
             self._env.sync(True)
 
     def close(self) -> None:
-        with self._lock, self._map.exclusive():
+        with self._lock:
+            self._close_env()
+
+    def _close_env(self) -> None:
+        """Close the env (under `_lock`), once no txn of this process uses the map."""
+        with self._map.exclusive():
             if self._env is not None:
                 self._env.close()
                 self._env, self._dbs, self._ident = None, None, None
