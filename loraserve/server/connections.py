@@ -2,7 +2,7 @@
 before any key check) sees a byte of a request.
 
 `loraserve serve` runs uvicorn with `GuardedHttpTools`, a subclass of uvicorn's httptools
-protocol made per server by `protocol_class(limits)`. Per connection it enforces:
+protocol made per server by `protocol_class(limits, plan)`. Per connection it enforces:
 
 - the head (request line and header fields, and a chunked body's trailers) at most
   `max_header_bytes` bytes and `max_headers` fields: else 431. Bytes are counted as they arrive,
@@ -27,12 +27,17 @@ files keep working.
 
 Deadlines are not timers: each connection keeps one `_deadline` (a loop.time() value), and one
 sweep per server (a call_later chain, every `limits.tick` seconds while connections are open)
-closes the ones past it. A head or body deadline is armed only when a read ends with the head or
-body unfinished, so a request that arrives in one read (the usual case) arms none; the
-per-request cost is a few attribute writes and one loop.time() for the keep-alive deadline,
-where uvicorn armed and cancelled a timer per response. A 431/408 is written, then the connection lingers: its
-write side is shut and what the client still sends is read and dropped (LINGER_BYTES at most,
-LINGER_S at most), so that a client still sending reads the answer instead of a reset.
+closes the ones past it, at most a tick late (a sweep that itself runs late, the loop stalled,
+lets reads catch up first, once). A head or body deadline is armed only when a read ends with
+the head or body unfinished, so a request that arrives in one read (the usual case) arms none;
+the per-request cost is a few attribute writes and one loop.time() for the keep-alive deadline,
+where uvicorn armed and cancelled a timer per response (bench/RESULTS.md, "Connection bounds").
+
+A 431/408 is written, then the connection lingers: its write side is shut and what the client
+still sends is read and dropped (LINGER_BYTES at most, LINGER_S at most), so that a client still
+sending reads the answer instead of a reset. Invalid requests (uvicorn's 400) and Upgrades (no
+WebSocket here: draining_server sets ws="none", the request is answered as plain HTTP) are
+counted and logged at most every LOG_EVERY_S seconds, not once each.
 
 `ConnectionCollector` exports the open connections, the cap and the closings by reason on
 /metrics. Ray Serve (`--replicas`) answers HTTP from Ray's own proxy, which none of this runs in.
@@ -67,7 +72,7 @@ DEFAULT_MAX_CONNECTIONS = 8192  # the cap when RLIMIT_NOFILE allows it (see plan
 DEFAULT_BACKLOG = 2048    # uvicorn's listen backlog: accepted in one burst before any is checked
 RECLAIM_BATCH = 32        # connections a new one past the cap closes at once (nginx: 32)
 RECLAIM_GRACE_S = 1.0     # a silent or unfinished head this old may be closed for a new connection
-LINGER_S = 2.0            # after a 431/408: how long what the client still sends is read and dropped
+LINGER_S = 2.0            # after a 431/408: how long what the client still sends is dropped
 LINGER_BYTES = 1 << 20    # ... and how much of it
 LOG_EVERY_S = 10.0        # one warning per reason per this many seconds, with the count
 CHUNK_FRAMING = 64        # framing bytes allowed per chunk of a chunked body (size line, CRLFs)
@@ -356,7 +361,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._chunks = 0       # chunks of a chunked body
         self._requests = 0
 
-    # -- connections --------------------------------------------------------------------------------
+    # -- connections -------------------------------------------------------------------------------
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         guard = self.guard
         if guard.connections is None:
@@ -420,7 +425,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._since = now
         self._deadline = now + timeout
 
-    # -- parser callbacks -----------------------------------------------------------------------------
+    # -- parser callbacks --------------------------------------------------------------------------
     def on_message_begin(self) -> None:
         super().on_message_begin()
         if self._state != FRESH:  # a first request's head is due from the connect
@@ -499,7 +504,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._since = now
         self._deadline = now + self._idle_timeout
 
-    # -- closing --------------------------------------------------------------------------------------
+    # -- closing -----------------------------------------------------------------------------------
     def _expire(self, now: float) -> None:
         """The sweep found this connection past its deadline."""
         state = self._state
@@ -609,8 +614,8 @@ class ConnectionCollector(Collector):
         cap.add_metric([], guard.max_connections)
         yield cap
         c = CounterMetricFamily("loraserve_http_connections_closed",
-                                "Connections closed or refused by the connection bounds (and Upgrades "
-                                "refused), by reason",
+                                "Connections closed or refused by the connection bounds "
+                                "(and Upgrades refused), by reason",
                                 labels=["reason"])
         for reason, count in guard.closed.items():
             c.add_metric([reason], count)

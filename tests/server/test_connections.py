@@ -200,7 +200,7 @@ def send_quietly(sock: socket.socket, data: bytes) -> bool:
         return False
 
 
-# -- header size and count: 431 ---------------------------------------------------------------------
+# -- header size and count: 431 --------------------------------------------------------------------
 
 def test_oversized_header_is_431(tight: Server) -> None:
     with tight.connect() as sock:
@@ -282,7 +282,7 @@ def test_oversized_trailers_are_431_even_after_an_early_answer(tight: Server) ->
     assert_still_serving(tight)
 
 
-# -- deadlines: 408 ---------------------------------------------------------------------------------
+# -- deadlines: 408 --------------------------------------------------------------------------------
 
 def test_header_trickle_past_the_deadline_is_408(tight: Server) -> None:
     with tight.connect() as sock:
@@ -357,7 +357,7 @@ def test_a_slow_body_after_an_early_401_is_closed_too(tight: Server) -> None:
     assert_still_serving(tight)
 
 
-# -- the connection cap -------------------------------------------------------------------------------
+# -- the connection cap ----------------------------------------------------------------------------
 
 def hold_body(server: Server) -> socket.socket:
     """A connection whose request (with a valid key) waits for the rest of its body."""
@@ -422,7 +422,7 @@ def test_idle_connections_make_room_for_new_ones(capped: Server) -> None:
     settle(capped, base)
 
 
-# -- fuzz: random malformed, oversized, slow heads ----------------------------------------------------
+# -- fuzz: random malformed, oversized, slow heads -------------------------------------------------
 
 TOKEN = st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_",
                 min_size=1, max_size=12).map(str.encode)
@@ -469,7 +469,7 @@ def test_fuzzed_heads_get_a_4xx_or_a_close(tight: Server, head: bytes, pieces: i
     assert_still_serving(tight)
 
 
-# -- flags and the descriptor budget ------------------------------------------------------------------
+# -- flags and the descriptor budget ---------------------------------------------------------------
 
 def test_serve_flags_set_the_limits() -> None:
     args = build_parser().parse_args(
@@ -561,6 +561,7 @@ def test_connection_metrics(tight: Server) -> None:
         sock.sendall(b"GET / HTTP/1.1\r\n" + b"a: b\r\n" * (MAX_HEADERS + 1) + b"\r\n")
         read_answer(sock, SLACK)
     text = httpx.get(f"{tight.url}/metrics", headers=AUTH, timeout=10).text
-    assert "loraserve_http_connections " in text and "loraserve_http_connections_limit 200.0" in text
+    assert "loraserve_http_connections " in text
+    assert "loraserve_http_connections_limit 200.0" in text
     assert 'loraserve_http_connections_closed_total{reason="header_count"}' in text
     assert 'loraserve_http_connections_closed_total{reason="invalid_request"}' in text
