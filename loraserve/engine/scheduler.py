@@ -13,9 +13,11 @@ furthest behind is served first, within a step and between steps:
 
 - a prefill step fills its token budget in virtual-time order (deficit round robin in tokens:
   each turn goes to the tenant with the least virtual time, its prompts in arrival order, a
-  prompt it is prefilling first), and while another tenant has work, no tenant takes more than
-  its weighted share of the step's `max_batched_tokens`: a long prompt is chunked at that share,
-  so another tenant's short requests are admitted in every step;
+  prompt it is prefilling first), and while another tenant has work, or had some in the last
+  `decode_run` steps, no tenant takes more than its weighted share of the step's
+  `max_batched_tokens`: a long prompt is chunked at that share, so another tenant's short
+  requests are admitted in every step, and a client between two requests keeps its share (the
+  step in flight when its next request comes is no bigger than the others' share);
 - a decode step goes first when a tenant with sequences ready to decode is behind every tenant
   with prompts to prefill, so a light tenant's tokens do not wait behind another's long
   prefills; at most `decode_run` such steps run in a row (by default the steps a full batch
@@ -78,6 +80,8 @@ class Scheduler:
         self._active: dict[str, int] = {}    # tenant -> its sequences waiting or running
         self._queued: dict[str, int] = {}    # tenant -> its sequences waiting
         self._decode_run = 0  # decode steps since the last prefill step
+        self._steps = 0
+        self._recent: dict[str, int] = {}  # tenant -> the last step it had work in
 
     # -- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -129,8 +133,8 @@ class Scheduler:
         prefill): then the running sequences decode one token first, so a long prompt costs
         them one chunk of latency at a time, not the whole prompt. With several tenants, also
         when a tenant ready to decode is behind every tenant with prompts (module doc)."""
-        fair = len(self._active) > 1
-        if fair:
+        fair = self._sharing()
+        if fair and self._active:
             self._bound_lag()
         decode_first = self._chunking and any(q.num_pending == 1 for q in self.running)
         ahead = fair and not decode_first and self._decoder_behind()
@@ -191,7 +195,7 @@ class Scheduler:
             queues.setdefault(seq.tenant, deque()).append(seq)
         if not queues:
             return []
-        total = sum(self._weight[t] for t in self._active)
+        total = sum(self._weight[t] for t in self._recent)
         share = {t: max(1, int(self.max_batched_tokens * self._weight[t] / total))
                  for t in queues}
         heap = [(self._vtime[t], q[0].arrival, t) for t, q in queues.items()]
@@ -321,9 +325,23 @@ class Scheduler:
             self._active[tenant] = count
             return
         self._active.pop(tenant, None)
+        if tenant not in self._recent:  # it never shared a step (seen by no schedule())
+            self._weight.pop(tenant, None)
         if not self._active:  # the engine is idle: nobody owes anybody
             self._vtime.clear()
-            self._weight.clear()
+
+    def _sharing(self) -> bool:
+        """Count this step; whether several tenants share it: tenants with work now or in the
+        last `decode_run` steps (who keep their shares of the step budget)."""
+        self._steps += 1
+        for tenant in self._active:
+            self._recent[tenant] = self._steps
+        if len(self._recent) > len(self._active):
+            for tenant, step in list(self._recent.items()):
+                if self._steps - step > self.decode_run:
+                    del self._recent[tenant]
+                    self._weight.pop(tenant, None)
+        return len(self._recent) > 1
 
     def _bound_lag(self) -> None:
         """No tenant with work is more than one step budget of virtual time behind another."""

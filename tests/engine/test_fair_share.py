@@ -277,3 +277,23 @@ def test_over_http_a_short_request_does_not_wait_for_another_tenants_long_prompt
     # arrived (6.8 more) and B's chunk beside A's prompt (3.4): 17 in all, 40 before
     assert b_started <= 30, b_started
     assert b_done == 40
+
+
+def test_a_tenant_between_two_requests_keeps_its_share_for_a_while() -> None:
+    """Once A's request is done, B's prefill steps stay at B's share of the budget for
+    `decode_run` steps (A's next request would find no whole-budget step of B's in flight),
+    then B, alone, has the whole budget again."""
+    sch = Scheduler(BlockManager(100_000, 16), max_batch_size=64, max_batched_tokens=512)
+    for _ in range(40):
+        sch.add(_seq("B", 500, 2))
+    a = _seq("A", 8, 2)
+    sch.add(a)
+    while not a.is_finished:
+        _step(sch)
+    sizes = []  # (steps since A's request ended, B's prefill tokens in that step)
+    for i in range(1, 3 * sch.decode_run):
+        is_prefill, batch, _ = _step(sch)
+        if is_prefill:
+            sizes.append((i, sum(s.num_scheduled for s in batch)))
+    assert all(n <= 256 for i, n in sizes if i <= sch.decode_run), sizes
+    assert all(n == 512 for i, n in sizes if i > sch.decode_run + 1), sizes
