@@ -18,3 +18,11 @@ def hang(txn, dbs, seconds: float) -> None:
 
 def host_pid(txn, dbs) -> int:
     return os.getpid()
+
+
+def read_late(txn, dbs, key: bytes, delay: float) -> int:
+    """Take a zero-copy view of a blob, wait (the test truncates the file meanwhile), then read
+    it: a read in flight when the file was cut, as a real page-in would be."""
+    view = txn.get(key, db=dbs.blob)
+    time.sleep(delay)
+    return len(bytes(view))

@@ -5,9 +5,9 @@ once its file is restored.
 A read of a garbage page is a signal in the process that maps the shard. Here the shards are
 mapped by shard hosts: a host that dies takes only its request in flight with it (its shard is
 quarantined and probed again), requests queued for its other shards go to its replacement.
-`hosted_fns.crash` stands for the garbage page where a test needs the signal for certain (the
-LMDB build here refuses most garbage with MDB_CORRUPTED before it faults); a file truncated
-under a reader is the real thing (SIGBUS, or EFAULT when the kernel copies from the map).
+The real signal, for certain: a file cut while a read of its pages is in flight (SIGBUS; the same
+read in-process ends the process). `hosted_fns.crash` stands for any other fatal read (the LMDB
+build here refuses most garbage pages with MDB_CORRUPTED, which quarantines the shard too).
 """
 from __future__ import annotations
 
@@ -15,9 +15,12 @@ import functools
 import os
 import random
 import shutil
+import signal
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -213,6 +216,44 @@ def test_a_shard_overwritten_with_garbage_fails_alone_then_recovers(filled, warm
         with pytest.raises(AdapterNotFound):
             cat.resolve(missing[1])
         assert cat.degraded_shards(max_age=0) == []
+
+
+def test_a_file_cut_under_a_read_in_flight_kills_the_host_not_the_owner(filled) -> None:
+    """The real fault, with certainty: a blob read whose pages leave the file while it runs is
+    SIGBUS in the process that maps it."""
+    cat_dir, by_shard, blobs, _ = filled
+    path, aid = data_file(cat_dir, 1), by_shard[1][0]
+    with IsolatedCatalog(cat_dir, hosts=1, **FAST) as cat:
+        ref = cat.resolve(aid).ref.encode()
+        original = path.read_bytes()
+        cutter = threading.Timer(0.5, os.truncate, (path, 8192))
+        cutter.start()
+        with pytest.raises(ShardUnavailable, match=r"shard 1 .*killed by SIGBUS during a read"):
+            cat.shard(1).read(functools.partial(hosted_fns.read_late, key=ref, delay=1.0))
+        cutter.join()
+        assert serves(cat, by_shard[0][0], blobs) and cat.degraded_shards(max_age=0) == [1]
+        restore(path, original)
+        eventually_serves(cat, aid, blobs)  # the probe replays that read: it passes now
+
+
+IN_PROCESS = """
+import functools, os, sys, threading
+import hosted_fns
+from loraserve.catalog.store import Catalog
+cat = Catalog.open(sys.argv[1])
+ref = cat.resolve(sys.argv[2]).ref.encode()
+threading.Timer(0.5, os.truncate, (sys.argv[3], 8192)).start()
+cat.shard(int(sys.argv[4])).read(functools.partial(hosted_fns.read_late, key=ref, delay=1.0))
+"""
+
+
+def test_the_same_read_in_process_ends_the_process(filled) -> None:
+    """Why the hosts: the in-process catalog, same fault, same read, dies of SIGBUS."""
+    cat_dir, by_shard, _, _ = filled
+    done = subprocess.run([sys.executable, "-c", IN_PROCESS, str(cat_dir), by_shard[1][0],
+                           str(data_file(cat_dir, 1)), "1"], cwd=Path(hosted_fns.__file__).parent,
+                          capture_output=True, timeout=60)
+    assert done.returncode == -signal.SIGBUS, done.stderr[-2000:]
 
 
 def test_truncation_under_readers_never_reaches_the_owner(filled) -> None:
