@@ -301,8 +301,8 @@ def test_a_core_killed_again_and_again_is_restarted_with_backoff_without_request
     """Eight SIGKILLs in a row (most while the new core is still starting): the supervisor starts
     each next core by itself, after growing waits, reaps every dead one, and the server is ready
     again with no request having arrived; then requests succeed."""
-    backoff = Backoff(initial=0.1, cap=1.6)
-    expected = [0.1, 0.2, 0.4, 0.8, 1.6, 1.6, 1.6]  # after kills 1..7 (the 8th's is the 8th wait)
+    backoff = Backoff(initial=0.1, cap=0.8)
+    expected = [0.1, 0.2, 0.4, 0.8, 0.8, 0.8, 0.8]  # after kills 1..7 (the 8th's is the 8th wait)
     client = CoreClient(cfg, backoff=backoff)
     app = build_app(client)
     with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
@@ -322,7 +322,7 @@ def test_a_core_killed_again_and_again_is_restarted_with_backoff_without_request
         assert client.restarts == 8 and sum(client.restart_causes.values()) == 8
         for gap, wait in zip(gaps, expected):
             assert gap >= wait, (gaps, expected)
-        assert gaps[-1] > gaps[0] + 1.0, gaps  # the waits grew
+        assert gaps[-1] > gaps[0] + 0.5, gaps  # the waits grew
         assert not _zombie_children()
         replies = [None] * 4
 
@@ -420,7 +420,7 @@ def test_chaos_every_request_ends_with_200_or_one_clean_503_and_the_server_recov
         for t in clients:
             t.start()
         try:
-            chaos_end = time.monotonic() + 12.0
+            chaos_end = time.monotonic() + 9.0
             while time.monotonic() < chaos_end:
                 # mostly hit a core that serves (a new one takes seconds to start), sometimes
                 # one still starting
@@ -453,8 +453,10 @@ def test_chaos_every_request_ends_with_200_or_one_clean_503_and_the_server_recov
             stop_clients.set()
             for t in clients:
                 t.join(bound_s + 30)
-        assert not failures, failures[:5]
         kinds = {k for k, _ in outcomes}
+        print(f"chaos seed {CHAOS_SEED}: {actions}; outcomes", {k: sum(1 for o, _ in outcomes if o == k)
+                                                              for k in sorted(kinds)})
+        assert not failures, failures[:5]
         assert outcomes and kinds <= {"200", "503", "503-event"}, kinds
         assert actions  # chaos happened
         _until(lambda: http.get("/ready").status_code == 200, 60, "ready after the chaos", every_s=0.1)
