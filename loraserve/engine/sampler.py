@@ -10,13 +10,15 @@ rows that ask for any, in vLLM's order: min_tokens masks EOS and stop token ids,
 then repetition / frequency / presence penalties, the greedy pick or the temperature, min_p, then
 top-k / top-p. Penalty tensors are built only for the rows that ask for a penalty, from each
 sequence's prompt and output ids; a batch where no sequence asks for an extension takes exactly
-the path it took before them (one attribute check per sequence).
+the path it took before them (one attribute read per sequence: SamplingParams.adjusts_logits,
+set when the parameters are made).
 """
 from __future__ import annotations
 
 from collections.abc import Collection
 from collections.abc import Sequence as Seq
 
+import numpy as np
 import torch
 
 from .sequence import Sequence
@@ -45,11 +47,12 @@ def _filter_top_k_top_p(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.
 
 
 def _id_matrix(id_lists: Seq[Seq[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, token id) of every id of every row, as two flat int64 tensors on `device`."""
-    rows = [r for r, ids in enumerate(id_lists) for _ in range(len(ids))]
-    flat = [t for ids in id_lists for t in ids]
-    return (torch.tensor(rows, dtype=torch.int64).to(device),
-            torch.tensor(flat, dtype=torch.int64).to(device))
+    """(row index, token id) of every id of every row, as two flat int64 tensors on `device`.
+    Through numpy: several times faster than torch.tensor on a list of Python ints."""
+    lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.int64)
+    flat = torch.from_numpy(np.concatenate([np.asarray(ids, dtype=np.int64) for ids in id_lists]))
+    rows = torch.repeat_interleave(torch.arange(len(id_lists)), lengths)
+    return rows.to(device), flat.to(device)
 
 
 def adjust_logits(logits: torch.Tensor, seqs: Seq[Sequence],
@@ -121,7 +124,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_gen: torch.Genera
     `eos_token_ids`: the ids min_tokens keeps from ending a sequence early (besides each
     sequence's stop_token_ids)."""
     vocab = logits.shape[-1]
-    if any(s.params.adjusts_logits for s in seqs):
+    if any([s.params.adjusts_logits for s in seqs]):  # a list: cheaper than a generator
         logits = adjust_logits(logits, seqs, eos_token_ids)
         min_p = torch.tensor([s.params.min_p for s in seqs], dtype=torch.float32)
     else:

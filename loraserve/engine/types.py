@@ -68,6 +68,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    # derived, set by __post_init__ whatever is passed: whether any of the extensions above is
+    # on. A field (not a property) so that the sampler's per-step check is one attribute read.
+    adjusts_logits: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_tokens <= MAX_TOKENS_LIMIT:
@@ -125,12 +128,9 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise EngineError(f"min_tokens must be in [0, max_tokens] ([0, {self.max_tokens}])",
                               param="min_tokens")
-
-    @property
-    def adjusts_logits(self) -> bool:
-        """Whether any of vLLM's extensions is on: the sampler's fast path is taken otherwise."""
-        return bool(self.min_p or self.repetition_penalty != 1.0 or self.presence_penalty
-                    or self.frequency_penalty or self.logit_bias or self.min_tokens)
+        self.adjusts_logits = bool(self.min_p or self.repetition_penalty != 1.0
+                                   or self.presence_penalty or self.frequency_penalty
+                                   or self.logit_bias or self.min_tokens)
 
 
 @dataclass(slots=True)
