@@ -297,6 +297,31 @@ def test_a_stopped_core_is_found_out_its_requests_end_with_503_and_it_is_replace
         assert "loraserve_engine_up 1.0" in metrics
 
 
+def test_a_first_core_that_cannot_start_is_reported_not_retried_forever(cfg) -> None:
+    """The first core fails to build (no such device): start() (what `serve`'s lifespan awaits)
+    raises at once with a 503, nothing is left running or unreaped, and a later start() tries
+    again."""
+    import dataclasses
+
+    async def run() -> tuple[list, CoreClient]:
+        client = CoreClient(dataclasses.replace(cfg, device="cuda:99"), backoff=Backoff(0.1, 0.2))
+        errors = []
+        try:
+            for _ in range(2):
+                with pytest.raises(EngineError) as info:
+                    await client.start()
+                errors.append(info.value)
+                assert client.state == "stopped" and client.core_pid is None
+        finally:
+            await client.shutdown()
+        return errors, client
+
+    errors, client = asyncio.run(run())
+    assert all(e.status == 503 and e.code == "engine_unavailable" and "exited while starting"
+               in str(e) for e in errors), errors
+    assert client.restarts == 0 and not _zombie_children()
+
+
 def test_a_core_killed_again_and_again_is_restarted_with_backoff_without_requests(cfg) -> None:
     """Eight SIGKILLs in a row (most while the new core is still starting): the supervisor starts
     each next core by itself, after growing waits, reaps every dead one, and the server is ready
