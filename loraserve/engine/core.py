@@ -228,6 +228,8 @@ class EngineCore:
 
     def _residency(self, key: tuple[str, str]) -> str:
         mgr = self.engine.adapters
+        if mgr is not None and key in mgr.quarantined:
+            return "quarantined"
         if mgr is not None and key in mgr.pool:
             return "gpu"
         return "cpu" if mgr is not None and key in mgr.cpu_cache else "disk"
