@@ -97,17 +97,31 @@ def bench_reads(args) -> None:
     ])
 
 
-def _timed_each(fn, items) -> list[float]:
-    out = []
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) used so far by this process and the processes `pids`."""
+    t = os.times()
+    total = t.user + t.system
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _timed_each(fn, items, pids: list[int]) -> tuple[list[float], float]:
+    """(wall seconds of each call, CPU seconds per call of this process and `pids`)."""
+    out, cpu = [], _cpu_s(pids)
     for item in items:
         t0 = time.perf_counter()
         fn(item)
         out.append(time.perf_counter() - t0)
-    return out
+    return out, (_cpu_s(pids) - cpu) / len(items)
 
 
-def _containment_figures(cat, ids: list[str], batches: list[list[str]]) -> dict[str, list[float]]:
-    """Per-call seconds of resolve hit, resolve miss, read_blob and a read_blobs batch on `cat`."""
+def _containment_figures(cat, ids: list[str], batches: list[list[str]]) -> dict[str, tuple[list[float], float]]:
+    """Per-call wall seconds and CPU of resolve hit, resolve miss, read_blob and a read_blobs batch."""
     for a in ids[:400]:  # every shard open (in-process env, or host started and env mapped)
         cat.resolve(a)
 
@@ -117,17 +131,19 @@ def _containment_figures(cat, ids: list[str], batches: list[list[str]]) -> dict[
 
     hot = ids[:64]
     records = {a: cat.resolve(a) for a in {a for b in batches for a in b} | set(ids[:2000])}
+    pids = cat.host_pids() if hasattr(cat, "host_pids") else []
     return {
-        "resolve hit": _timed_each(cat.resolve, [hot[i % len(hot)] for i in range(len(ids))]),
-        "resolve miss": _timed_each(miss, ids),
-        "read_blob": _timed_each(lambda a: cat.read_blob(records[a]), ids[:2000]),
-        "read_blobs (batch)": _timed_each(lambda b: cat.read_blobs([records[a] for a in b]), batches),
+        "resolve hit": _timed_each(cat.resolve, [hot[i % len(hot)] for i in range(len(ids))], pids),
+        "resolve miss": _timed_each(miss, ids, pids),
+        "read_blob": _timed_each(lambda a: cat.read_blob(records[a]), ids[:2000], pids),
+        "read_blobs (batch)": _timed_each(lambda b: cat.read_blobs([records[a] for a in b]), batches, pids),
     }
 
 
 def bench_containment(args) -> None:
     """Storage containment's cost: the same reads in-process (LMDB mapped here) and through shard
-    hosts (IsolatedCatalog: this process maps nothing), one thread, one run, same ids."""
+    hosts (IsolatedCatalog: this process maps nothing), one thread, one run, same ids. Wall time
+    per call (p50 / p99) and CPU per call, this process and its shard hosts together."""
     from loraserve.catalog.isolated import IsolatedCatalog
     from loraserve.demo import build_demo_base
 
@@ -150,11 +166,13 @@ def bench_containment(args) -> None:
             hosts = len(getattr(cat, "hosts", [])) or None
             rows[name if hosts is None else f"{name} ({hosts})"] = _containment_figures(cat, ids, batches)
     names = list(rows)
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     table(f"catalog reads, {n:,} adapters of {blob_bytes / max(n, 1):,.0f} blob bytes, {args.shards} shards, one "
-          f"thread; p50 / p99 us per call; read_blobs: batches of {args.batch} random revisions", [
-        ("", *(f"{nm:>28}" for nm in names)),
-        *[(op, *(f"{_p(rows[nm][op], 50):>12.1f} / {_p(rows[nm][op], 99):>12.1f}" for nm in names))
-          for op in rows[names[0]]],
+          f"thread; wall p50 / p99 and CPU us per call; read_blobs: batches of {args.batch} random revisions; "
+          f"{os.cpu_count()} CPUs, load average {load} at the end", [
+        ("", *(f"{nm:>34}" for nm in names)),
+        *[(op, *(f"{_p(rows[nm][op][0], 50):>9.1f} / {_p(rows[nm][op][0], 99):>8.1f} / {rows[nm][op][1] * 1e6:>8.1f}"
+                 for nm in names)) for op in rows[names[0]]],
     ])
 
 

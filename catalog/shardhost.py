@@ -30,6 +30,7 @@ import functools
 import logging
 import multiprocessing
 import os
+import pickle
 import select
 import signal
 import subprocess
@@ -37,7 +38,6 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import lmdb
@@ -62,6 +62,12 @@ EXIT_UNREADABLE = 86  # a host's exit status when the kernel could not read a ma
 
 # -- the host process ------------------------------------------------------------------------------
 
+def _dumps(obj) -> bytes:
+    """A message: plain pickle (nothing sent is a socket or a handle, so multiprocessing's own
+    pickler, a new one per message with its reducer tables, is not needed)."""
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def serve(conn: Connection, catalog_dir: str, options: dict) -> None:
     """A host's loop: answer requests until the owner closes the socket (or sends None)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the owner's to handle
@@ -72,7 +78,9 @@ def serve(conn: Connection, catalog_dir: str, options: dict) -> None:
             op, index, payload = msg
             if index not in shards:
                 shards[index] = Shard(Path(catalog_dir), index, opts)
-            shards[index].follow_file()  # the owner has just checked the file at the path
+            # the owner has just checked the file at the path (`DataFileWatch`), so reads skip
+            # the shard's own check; a file cut in between is a signal here, which it contains
+            shards[index].follow_file()
             _answer(conn, shards[index], op, payload)
     except (EOFError, OSError):  # the owner is gone
         pass
@@ -89,9 +97,9 @@ def _answer(conn: Connection, shard: Shard, op: str, payload) -> None:
             reply = ("ok", None)  # the shard was never written
         else:
             reply = ("ok", _OPS[op](shard, payload))
-        data = ForkingPickler.dumps(reply)
+        data = _dumps(reply)
     except Exception as e:  # noqa: BLE001 - every failure is answered, none ends the host
-        data = ForkingPickler.dumps(_error_reply(shard, op, e))
+        data = _dumps(_error_reply(shard, op, e))
     conn.send_bytes(data)
 
 
@@ -105,9 +113,9 @@ def _send_blobs(conn: Connection, shard: Shard, records: list) -> bool:
         head = [len(v) if isinstance(v, memoryview) else _error_entry(v) for v in views]
         blobs = [v for v in views if isinstance(v, memoryview)]
         if sum(map(len, blobs)) <= INLINE_BYTES:  # small: one message, one write
-            conn.send(("blobs", head, b"".join(blobs)))
+            conn.send_bytes(_dumps(("blobs", head, b"".join(blobs))))
             return True
-        conn.send(("blobs", head, None))
+        conn.send_bytes(_dumps(("blobs", head, None)))
         try:
             for v in blobs:
                 conn.send_bytes(v)
@@ -115,7 +123,7 @@ def _send_blobs(conn: Connection, shard: Shard, records: list) -> bool:
             os._exit(EXIT_UNREADABLE)  # or the owner left; no answer can follow half a reply
         return True
 
-    return shard.read(send) is not None
+    return shard.read(send, checked=True) is not None
 
 
 def _probe(shard: Shard, replay: tuple | None) -> int:
@@ -147,7 +155,7 @@ def _probe(shard: Shard, replay: tuple | None) -> int:
 
 
 _OPS = {
-    "read": lambda shard, p: shard.read(p[0], p[1]),
+    "read": lambda shard, p: shard.read(p[0], p[1], checked=True),
     "write": lambda shard, p: shard.write(p[0], p[1]),
     "stats": lambda shard, p: shard.stats(),
     "sync": lambda shard, p: shard.sync(),
@@ -245,7 +253,7 @@ class ShardHost:
     def begin(self, calls: list[tuple[str, int, object]]) -> _Exchange:
         """First half of `call_many`: take the host and send what fits ahead. `finish` must
         follow (it gives the host back); between them, other hosts can be sent to."""
-        datas = [ForkingPickler.dumps(c) for c in calls]  # a bad payload fails here, host untouched
+        datas = [_dumps(c) for c in calls]  # a bad payload fails here, host untouched
         self._lock.acquire()
         try:
             return _Exchange(datas, *self._send(datas))
