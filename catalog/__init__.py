@@ -13,8 +13,10 @@ Modules (none imports `loraserve` outside this package):
     base        BaseInfo.from_dir, base_fingerprint (torch-free)
     baseweights one base weight as a torch tensor (the audit's reference)
     shardfile   checks of a shard's data file that never fault on a missing page (truncation)
-    shards      one LMDB env per shard, map growth, ShardUnavailable for damaged/missing files
+    shards      one LMDB env per shard, map growth (MapLock), ShardUnavailable for damaged/missing files
     store       Catalog
+    shardhost   shard host processes: a group of shards mapped outside the serving process
+    isolated    IsolatedCatalog (open_for_serving): Catalog's API, no shard mapped in-process
     source      an adapter directory read confined to a root, non-blocking, size-bounded
     aliases     other names (URIs, e.g. MinT's tinker:// checkpoint names) of revisions
     export      PEFT dir -> AdapterWeights; importer puts it into a Catalog
