@@ -42,7 +42,7 @@ from pathlib import Path
 
 import lmdb
 
-from .errors import CatalogError, CorruptBlob, ShardUnavailable
+from .errors import CatalogError, ShardUnavailable
 from .shards import Shard, ShardOptions
 from .store import verified_blobs
 
