@@ -8,10 +8,12 @@ writes into the logits it is given.
 vLLM's extensions (SamplingParams.adjusts_logits) are applied per sequence, vectorized over the
 rows that ask for any, in vLLM's order: min_tokens masks EOS and stop token ids, logit_bias adds,
 then repetition / frequency / presence penalties, the greedy pick or the temperature, min_p, then
-top-k / top-p. Penalty tensors are built only for the rows that ask for a penalty, from each
-sequence's prompt and output ids; a batch where no sequence asks for an extension takes exactly
-the path it took before them (one attribute read per sequence: SamplingParams.adjusts_logits,
-set when the parameters are made).
+top-k / top-p. Penalties touch only the entries of tokens a sequence has seen (from its prompt
+and output ids, every step: Sequence keeps no tensors), so they cost what the sequences' lengths
+cost, not the vocabulary; min_p computes on its own rows only. The one [B, V] cost is a copy
+of the logits (the raw ones stay for the logprobs). A batch where no sequence asks for one takes
+exactly the path it took before them (one attribute read per sequence:
+SamplingParams.adjusts_logits, set when the parameters are made).
 """
 from __future__ import annotations
 
@@ -84,38 +86,50 @@ def adjust_logits(logits: torch.Tensor, seqs: Seq[Sequence],
     penalized = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0
                  or s.params.presence_penalty or s.params.frequency_penalty]
     if penalized:
-        out[penalized] = _penalize(out[penalized], [seqs[i] for i in penalized], vocab, dev)
+        _penalize(out, penalized, [seqs[i] for i in penalized])
     return out
 
 
-def _penalize(logits: torch.Tensor, seqs: Seq[Sequence], vocab: int,
-              dev: torch.device) -> torch.Tensor:
-    """vLLM's penalties on rows [b, V] (each row's sequence asks for at least one):
-    repetition over prompt and output tokens, presence and frequency over output tokens only."""
-    b = len(seqs)
-    rows, ids = _id_matrix([s.output_ids for s in seqs], dev)
-    counts = torch.zeros(b, vocab, dtype=logits.dtype, device=dev)
-    counts.index_put_((rows, ids), torch.ones(len(ids), dtype=logits.dtype, device=dev),
-                      accumulate=True)
-    rep = torch.tensor([s.params.repetition_penalty for s in seqs], dtype=logits.dtype)
-    if bool((rep != 1.0).any()):
-        seen = counts > 0
+def _penalize(out: torch.Tensor, rows: list[int], seqs: Seq[Sequence]) -> None:
+    """vLLM's penalties, in place on `out` [B, V] at rows `rows` (sequence `seqs[j]` for row
+    rows[j]): repetition over prompt and output tokens, then frequency and presence over output
+    tokens only. Sparse: only the entries of tokens a sequence has seen are read and written,
+    so the cost follows the sequences' lengths, not the vocabulary."""
+    dev, vocab = out.device, out.shape[-1]
+    flat = out.view(-1)
+    row_of = torch.tensor(rows, dtype=torch.int64, device=dev)
+    # one key per (row, token): row * V + token
+    out_rows, out_ids = _id_matrix([s.output_ids for s in seqs], dev)
+    keys, counts = torch.unique(row_of[out_rows] * vocab + out_ids, return_counts=True)
+    rep = [s.params.repetition_penalty for s in seqs]
+    if any(r != 1.0 for r in rep):
         prompt_rows, prompt_ids = _id_matrix(
-            [s.prompt_ids if s.params.repetition_penalty != 1.0 else () for s in seqs], dev)
-        seen[prompt_rows, prompt_ids] = True
-        penalty = torch.where(seen, rep.to(dev)[:, None], 1.0)
-        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-    freq = torch.tensor([s.params.frequency_penalty for s in seqs], dtype=logits.dtype).to(dev)
-    presence = torch.tensor([s.params.presence_penalty for s in seqs], dtype=logits.dtype).to(dev)
-    return logits - freq[:, None] * counts - presence[:, None] * (counts > 0).to(logits.dtype)
+            [s.prompt_ids if r != 1.0 else () for s, r in zip(seqs, rep)], dev)
+        out_seen = torch.tensor([r != 1.0 for r in rep], device=dev)[out_rows]
+        seen = torch.unique(torch.cat([row_of[prompt_rows] * vocab + prompt_ids,
+                                       (row_of[out_rows] * vocab + out_ids)[out_seen]]))
+        by_row = torch.full((out.shape[0],), 1.0, dtype=out.dtype)
+        by_row[rows] = torch.tensor(rep, dtype=out.dtype)
+        penalty = by_row.to(dev)[seen // vocab]
+        values = flat[seen]
+        flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    freq = torch.zeros(out.shape[0], dtype=out.dtype)
+    freq[rows] = torch.tensor([s.params.frequency_penalty for s in seqs], dtype=out.dtype)
+    presence = torch.zeros(out.shape[0], dtype=out.dtype)
+    presence[rows] = torch.tensor([s.params.presence_penalty for s in seqs], dtype=out.dtype)
+    row = keys // vocab
+    flat[keys] = flat[keys] - freq.to(dev)[row] * counts.to(out.dtype) - presence.to(dev)[row]
 
 
-def _apply_min_p(logits: torch.Tensor, temps: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Tokens whose probability (after the temperature) is below min_p x the top token's, at -inf.
-    logits [B, V]; temps [B] (> 0); min_p [B] (0 = off: nothing is below 0)."""
-    probs = (logits / temps[:, None]).softmax(dim=-1)
-    keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-    return logits.masked_fill(~keep, float("-inf"))
+def _apply_min_p(logits: torch.Tensor, temps: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Tokens whose probability (after the temperature) is below min_p x the top token's, at -inf,
+    in place, in the rows whose min_p is above 0 (the others are not computed on).
+    logits [B, V] (the sampler's own copy: adjust_logits made it); temps [B] (> 0); min_p [B]."""
+    rows = (min_p > 0).nonzero().squeeze(-1)
+    sub = logits[rows]
+    probs = (sub / temps[rows, None]).softmax(dim=-1)
+    keep = probs >= min_p[rows, None] * probs.max(dim=-1, keepdim=True).values
+    logits[rows] = sub.masked_fill(~keep, float("-inf"))
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], default_gen: torch.Generator,
@@ -139,7 +153,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_gen: torch.Genera
     dev = logits.device
     temps = temps.clamp(min=1e-5).to(dev)
     if min_p is not None and bool((min_p > 0).any()):
-        logits = _apply_min_p(logits, temps, min_p.to(dev))
+        _apply_min_p(logits, temps, min_p.to(dev))  # logits is adjust_logits' copy
     if bool((top_k < vocab).any() or (top_p < 1).any()):
         scaled = _filter_top_k_top_p(logits, temps, top_k.to(dev), top_p.to(dev))
     else:
