@@ -18,7 +18,7 @@ every `SNAPSHOT_EVERY_S` (at once when the engine idles or an operator call retu
 caller reads after a call or a finished request is current).
 
 The core beats (`heartbeat`): a thread writes ALIVE every `heartbeat_s` from the moment the
-process runs (`heartbeat.boot_core`), and the loop writes PROGRESS at the start of each turn
+process runs (`core_boot.boot_core`), and the loop writes PROGRESS at the start of each turn
 (LOOP_WAITING while it blocks in poll). The API server's supervisor reads them: a stopped core
 stops ALIVE, a loop stuck in a step stops PROGRESS while ALIVE goes on, and a long step that
 runs stops neither for longer than it lasts.
@@ -55,7 +55,7 @@ SNAPSHOT_EVERY_S = 0.02  # while stepping without a pause, publish the snapshot 
 def run_core(cfg: EngineConfig, conn: socket.socket, parent_pid: int, heartbeat=None,
              beat: Beat | None = None) -> None:
     """Build the engine, serve `conn` until the parent goes away (in the core process, started
-    by `heartbeat.boot_core`). `heartbeat`: the slots shared with the API server, `beat` the
+    by `core_boot.boot_core`). `heartbeat`: the slots shared with the API server, `beat` the
     thread already beating into them."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s core %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server decides when the core stops

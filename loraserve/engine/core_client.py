@@ -46,7 +46,8 @@ from ..model.config import ModelConfig
 from ..tokenizer import Tokenizer
 from .config import EngineConfig
 from .frontend import EngineFrontend, resolve_with
-from .heartbeat import HEARTBEAT_S, Heartbeat, boot_core, heartbeat_slots
+from .core_boot import boot_core
+from .heartbeat import HEARTBEAT_S, Heartbeat, heartbeat_slots
 from .snapshot import EngineSnapshot
 from .types import EngineError, GenerateRequest
 from .wire import (error_from_wire, output_from_wire, pack, request_to_wire, snapshot_from_wire,

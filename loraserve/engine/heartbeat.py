@@ -7,7 +7,7 @@ whenever it likes, so a beat is never queued behind step messages, nor read late
 server's loop was busy.
 
 - `ALIVE` is written every heartbeat interval by a thread of the core (`Beat`), from the moment
-  the process runs (`boot_core`, before it imports torch and builds the engine). It goes stale
+  the process runs (`core_boot.boot_core`, before it imports torch and builds the engine). It goes stale
   when the process stops running: SIGSTOP, a freeze, a C call that holds the GIL.
 - `PROGRESS` is written by the core's loop itself at the start of each turn (`EngineCore.serve`),
   and is `LOOP_WAITING` while the loop blocks waiting for a command: waiting is not being stuck,
@@ -59,18 +59,6 @@ class Beat:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(5)
-
-
-def boot_core(cfg, conn, parent_pid: int, slots, heartbeat_s: float = HEARTBEAT_S) -> None:
-    """The core process's entry point: beat first, so that a core stopped while it still imports
-    torch and builds its engine is found out too; then `core.run_core`. This module imports
-    nothing heavy: the beat starts a fraction of a second after the process does."""
-    beat = Beat(slots, heartbeat_s)
-    try:
-        from .core import run_core
-        run_core(cfg, conn, parent_pid, slots, beat)
-    finally:
-        beat.stop()
 
 
 class Heartbeat:

@@ -1,0 +1,18 @@
+"""The engine-core process's entry point, kept apart from `core` and `heartbeat`: it imports
+`heartbeat` (light) at once and `core` (torch, the engine) only after the beat has started, and
+neither of them imports it back."""
+from __future__ import annotations
+
+from .heartbeat import HEARTBEAT_S, Beat
+
+
+def boot_core(cfg, conn, parent_pid: int, slots, heartbeat_s: float = HEARTBEAT_S) -> None:
+    """Beat first, so that a core stopped while it still imports torch and builds its engine is
+    found out too; then `core.run_core`. Nothing heavy is imported before the beat: it starts a
+    fraction of a second after the process does."""
+    beat = Beat(slots, heartbeat_s)
+    try:
+        from .core import run_core
+        run_core(cfg, conn, parent_pid, slots, beat)
+    finally:
+        beat.stop()
