@@ -26,6 +26,7 @@ What stays in the serving process, with no LMDB page read:
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -196,19 +197,35 @@ class IsolatedCatalog(Catalog):
         return child_pids([*self.hosts, self.writer])
 
     def _shards_blobs(self, by_shard: dict[int, list[RevisionRecord]]) -> dict[int, list | Exception | None]:
-        """`Catalog._shards_blobs` through the hosts: each host gets its shards' requests in one
-        exchange, all hosts at once (`shardhost.call_hosts`), so a page-in batch costs about one
-        round trip, not one per shard. A request a dead host never started goes to its replacement."""
-        found: dict[int, list | Exception | None] = {}
+        """`Catalog._shards_blobs` through the hosts, all at once (`_on_hosts`): a page-in batch
+        costs about one round trip, not one per shard."""
+        return self._on_hosts("blobs", by_shard)
+
+    def _read_every(self, bodies: dict[int, functools.partial], what: str) -> dict[int, list]:
+        """`Catalog._read_every` (a listing's rounds) through the hosts, all at once."""
+        found = self._on_hosts("read", {i: (body, []) for i, body in bodies.items()})
+        down = [i for i, v in found.items() if isinstance(v, ShardUnavailable)]
+        if down:
+            raise self._needs_every(what, sorted(down))
+        for value in found.values():
+            if isinstance(value, Exception):
+                raise value
+        return found
+
+    def _on_hosts(self, op: str, payloads: dict[int, object]) -> dict[int, object]:
+        """`{shard: the value of request (op, payloads[shard]), or its exception}`. Each host
+        gets its shards' requests in one exchange, every host before any answer is read
+        (`shardhost.call_hosts`); a request a dead host never started goes to its replacement."""
+        found: dict[int, object] = {}
         todo: dict[ShardHost, list[int]] = {}
-        for index in by_shard:
+        for index in payloads:
             try:
                 self._shards[index].generation()  # quarantined or a faulty file: 503 at once
                 todo.setdefault(self._shards[index].host, []).append(index)
             except ShardUnavailable as e:
                 found[index] = e
         while todo:
-            batches = [(host, [("blobs", i, by_shard[i]) for i in indices]) for host, indices in todo.items()]
+            batches = [(host, [(op, i, payloads[i]) for i in indices]) for host, indices in todo.items()]
             replies, sent, todo = call_hosts(batches), list(todo.values()), {}
             for (host, _), indices, answers in zip(batches, sent, replies):
                 for index, reply in zip(indices, answers):
@@ -216,8 +233,8 @@ class IsolatedCatalog(Catalog):
                         todo.setdefault(host, []).append(index)
                         continue
                     try:
-                        found[index] = self._shards[index].settle("blobs", by_shard[index], reply)
-                    except Exception as e:  # noqa: BLE001 - the shard's records fail with it
+                        found[index] = self._shards[index].settle(op, payloads[index], reply)
+                    except Exception as e:  # noqa: BLE001 - the shard's own answer
                         found[index] = e
         return found
 

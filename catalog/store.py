@@ -298,9 +298,7 @@ class Catalog:
             return functools.partial(_scan_policies, first=first, count=count, prefix=pfx)
 
         asked = min(limit, 2 * -(-limit // len(self._shards)) + 8)
-        rows = self._every_shard(lambda s: [(s.index, s.read(scan(start.encode(), asked), default=[]))],
-                                 "listing")
-        got = {i: r for i, r in rows}
+        got = self._read_every({i: scan(start.encode(), asked) for i in range(self.shards)}, "listing")
         want = dict.fromkeys(got, asked)  # how many each shard was last asked for
         tail = {i: len(r) == asked for i, r in got.items()}  # its last read filled the ask: more may follow
         while True:
@@ -311,10 +309,10 @@ class Catalog:
                 return [PolicyRecord.from_json(v) for _, v in page]
             for i in more:
                 want[i] = min(limit, 2 * want[i])
-                nxt = got[i][-1][0] + b"\0"
-                extra = self._every_shard(lambda s: s.read(scan(nxt, want[i]), default=[]), "listing", [i])
-                got[i] = got[i] + extra
-                tail[i] = len(extra) == want[i]
+            extra = self._read_every({i: scan(got[i][-1][0] + b"\0", want[i]) for i in more}, "listing")
+            for i in more:
+                got[i] = got[i] + extra[i]
+                tail[i] = len(extra[i]) == want[i]
 
     def stats(self) -> dict:
         """Totals `{"adapters", "revisions", "shards", "bytes", "disk_bytes"}` plus `per_shard` rows."""
@@ -332,10 +330,19 @@ class Catalog:
             except ShardUnavailable:
                 down.append(s.index)
         if down:
-            reason = self._shards[down[0]].fault or "damaged"
-            raise ShardUnavailable(f"catalog {what} needs every shard; unavailable: {_numbers(down)} "
-                                   f"(shard {down[0]}: {reason})", down)
+            raise self._needs_every(what, down)
         return out
+
+    def _read_every(self, bodies: dict[int, functools.partial], what: str) -> dict[int, list]:
+        """`{shard: its read of bodies[shard]}` (`[]` for a shard never written); one
+        ShardUnavailable naming every unavailable shard."""
+        return dict(self._every_shard(lambda s: [(s.index, s.read(bodies[s.index], default=[]))], what,
+                                      list(bodies)))
+
+    def _needs_every(self, what: str, down: list[int]) -> ShardUnavailable:
+        reason = self._shards[down[0]].fault or "damaged"
+        return ShardUnavailable(f"catalog {what} needs every shard; unavailable: {_numbers(down)} "
+                                f"(shard {down[0]}: {reason})", down)
 
     def degraded(self, max_age: float = 1.0) -> dict[int, str]:
         """Unavailable shards and why: the verdicts of the latest checks, all rechecked first
