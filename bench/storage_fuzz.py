@@ -209,6 +209,9 @@ class Report:
     log: Counter = field(default_factory=Counter)
 
 
+LAST_ERROR: dict[str, str] = {}  # status -> the message of the latest answer with it
+
+
 def answer(http: httpx.Client, model: str) -> str:
     """`200`, `503:catalog_unavailable`, ... or `drop` (no HTTP answer)."""
     try:
@@ -218,7 +221,10 @@ def answer(http: httpx.Client, model: str) -> str:
     if r.status_code == 200:
         return "200"
     try:
-        return f"{r.status_code}:{r.json()['error']['code']}"
+        error = r.json()["error"]
+        status = f"{r.status_code}:{error['code']}"
+        LAST_ERROR[status] = error["message"]
+        return status
     except Exception:  # noqa: BLE001 - not an OpenAI error body
         return f"{r.status_code}:no-error-body"
 
@@ -261,13 +267,15 @@ def one_fault(http: httpx.Client, server: Server, fault: Fault, by_shard: dict, 
     status = answer(http, rng.choice(by_shard[healthy_shard]))
     report.healthy[status] += 1
     if status != "200":
-        report.broken.append(f"{fault}: undamaged shard {healthy_shard} answered {status}")
+        report.broken.append(f"{fault.kind} {fault.detail} on shard {fault.shard}: undamaged shard "
+                             f"{healthy_shard} answered {status} ({LAST_ERROR.get(status)})")
     is_missing = rng.random() < 0.25
     model = missing[fault.shard] if is_missing else rng.choice(by_shard[fault.shard])
     status = answer(http, model)
     report.damaged[status] += 1
     if not allowed(status, is_missing):
-        report.broken.append(f"{fault}: damaged shard's {model} answered {status}")
+        report.broken.append(f"{fault.kind} {fault.detail} on shard {fault.shard}: {model} answered "
+                             f"{status} ({LAST_ERROR.get(status)})")
     if server.proc.poll() is not None:
         report.broken.append(f"{fault}: the server exited ({server.proc.returncode})")
         return

@@ -19,7 +19,8 @@ What stays in the serving process, with no LMDB page read:
   same. A prober thread reads a quarantined shard again in its host (`shardhost._probe`: every
   page of the record dbs, then the read that failed): after a backoff that doubles from
   `probe_backoff_s[0]` to `probe_backoff_s[1]`, or at once when the data file changes (it was
-  restored); the shard serves again when a probe reads it.
+  restored), and so does the first request that finds it changed; the shard serves again when a
+  probe reads it.
 
 `open_for_serving` picks this class unless `LORASERVE_CATALOG_HOSTS=0` (the in-process
 `Catalog`); a positive value sets the number of hosts (default: min(4, CPUs, shards)).
@@ -81,6 +82,7 @@ class HostedShard:
         self.file_fault: str | None = None
         self.watch = DataFileWatch(self.path / DATA_FILE, catalog.path / CATALOG_META)
         self._catalog = weakref.ref(catalog)  # the catalog owns its shards, not the reverse
+        self.probing = threading.Lock()  # one probe of this shard at a time
         self._readonly = catalog.readonly
 
     @property
@@ -107,8 +109,15 @@ class HostedShard:
 
     def generation(self) -> int | None:
         """The shard's write generation (see `Shard.generation`), from the meta pages by pread;
-        None while nothing was committed. ShardUnavailable when the shard cannot be used."""
+        None while nothing was committed. ShardUnavailable when the shard cannot be used. A
+        quarantined shard whose file changed since its last probe (restored) is probed first,
+        here: the request that finds it restored is served."""
         generation = self.check_file()
+        q = self.quarantine
+        if q is not None and self.file_fault is None and self.watch.signature() != q.signature:
+            catalog = self._catalog()
+            if catalog is not None:
+                catalog.probe(self, q)
         if (fault := self.fault) is not None:
             raise self.unavailable(fault)
         return generation
@@ -264,8 +273,15 @@ class IsolatedCatalog(Catalog):
             for shard in held:
                 q = shard.quarantine
                 if q is not None and (now >= q.due or shard.watch.signature() != q.signature):
-                    self._probe(shard, q)
+                    self.probe(shard, q)
             self._closed.wait(PROBE_POLL_S)
+
+    def probe(self, shard: HostedShard, q: Quarantine) -> None:
+        """Probe `shard` now (the prober, or a request that finds its file changed); one probe
+        of a shard at a time, and none of a quarantine another probe has settled meanwhile."""
+        with shard.probing:
+            if shard.quarantine is q:
+                self._probe(shard, q)
 
     def _probe(self, shard: HostedShard, q: Quarantine) -> None:
         signature = shard.watch.signature()  # before the probe: a change during it is seen next time
