@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -214,6 +215,13 @@ ray.shutdown()
 """
 
 
+def _readline(proc: subprocess.Popen, timeout_s: float) -> str:
+    """The helper's next line ("" when it said nothing in timeout_s: a Ray that never answers
+    must not hang the test)."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    return proc.stdout.readline().strip() if ready else ""
+
+
 @contextlib.contextmanager
 def replica_killer(server: Server) -> Iterator[Callable[[str], None]]:
     """kill(replica_id): ray.kill that replica's actor, from a driver joined to the server's
@@ -223,12 +231,12 @@ def replica_killer(server: Server) -> Iterator[Callable[[str], None]]:
     proc = subprocess.Popen([sys.executable, "-c", _KILLER, server.gcs_address()], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.readline().strip() == "joined"
+        assert _readline(proc, 90) == "joined"
 
         def kill(replica_id: str) -> None:
             proc.stdin.write(replica_id + "\n")
             proc.stdin.flush()
-            assert proc.stdout.readline().strip() == "killed"
+            assert _readline(proc, 60) == "killed"
 
         yield kill
         assert proc.wait(60) == 0

@@ -21,6 +21,7 @@ silent for 30 s) ends the server with status 1 instead of leaving it hanging.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,8 +38,8 @@ from ..server.app import DRAIN_FLUSH_S
 from .config import INGRESS_DEPLOYMENT, REPLICA_DEPLOYMENT, ScaleOutConfig, ServerOptions
 from .ingress import Ingress
 from .replica import engine_config_dict, replica_class
-from .shutdown import (EXIT_FAILED, EXIT_STOPPED, HeadWatch, StopRequested, StopSignals, bounded,
-                       become_subreaper, exit_now, kill_descendants, reap_adopted)
+from .shutdown import (EXIT_FAILED, EXIT_STOPPED, HeadWatch, StopSignals, become_subreaper, bounded,
+                       exit_now, kill_descendants, reap_adopted)
 
 log = logging.getLogger(__name__)
 
@@ -140,11 +141,9 @@ class ScaledServer:
         return bounded("ray.shutdown", ray.shutdown, RAY_STOP_S, give_up)
 
 
-def start(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions, *,
-          on_ray_up: Callable[[], None] | None = None) -> ScaledServer:
+def start(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions) -> ScaledServer:
     """Connect to (or start) Ray, start Serve's proxy on scale.host:port and deploy; returns
-    once every replica is up. `on_ray_up` runs right after ray.init (run() puts its signal
-    handlers back: ray.init replaces them)."""
+    once every replica is up."""
     owns_ray = not ray.is_initialized() and scale.ray_address is None
     if not ray.is_initialized():
         try:
@@ -155,8 +154,6 @@ def start(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions, *,
             if owns_ray:
                 bounded("ray.shutdown", ray.shutdown, RAY_STOP_S)
             raise
-    if on_ray_up is not None:
-        on_ray_up()
     if owns_ray:
         log.info("started a local Ray (GCS at %s); it stops with the server",
                  ray.get_runtime_context().gcs_address)
@@ -184,21 +181,14 @@ def run(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions) -> NoR
         become_subreaper()  # the orphans of Ray's processes stay in this process's tree
     signals = StopSignals()
     signals.install()
-    try:
-        server = start(cfg, scale, options, on_ray_up=signals.install)
-        signals.starting = False  # from here on a signal drains (no StopRequested)
-    except (StopRequested, SystemExit) as exc:  # SystemExit: ray.init's own SIGTERM handler
-        log.info("stopped while starting (%s)", exc)
+    server = _start_until_signal(cfg, scale, options, signals)
+    if server is None:  # a signal while starting: nothing to drain
+        log.info("%s while starting: stopping", signals.names[0])
         if owns_ray:
             _stop_leftovers()
-        elif ray.is_initialized():  # the application may be up already
-            bounded("serve.delete", lambda: serve.delete(scale.app_name), SERVE_STOP_S)
-            bounded("ray.shutdown", ray.shutdown, RAY_STOP_S)
+        else:
+            _ask_delete(scale)
         exit_now(EXIT_STOPPED)
-    except BaseException:
-        if owns_ray:
-            _stop_leftovers()
-        raise
     watch = _head_watch(owns_ray)
     ray_children = {p.pid for p in psutil.Process().children()}  # Ray waits for these itself
     while not signals.first.wait(0.5):
@@ -244,6 +234,57 @@ def run(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions) -> NoR
     status = EXIT_STOPPED if ok else EXIT_FAILED
     log.info("stopped (exit status %d)", status)
     exit_now(status)
+
+
+def _start_until_signal(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions,
+                        signals: StopSignals) -> ScaledServer | None:
+    """start() on a thread of its own (which then lives as long as the process), the main
+    thread waiting for it or for a signal (None: a signal came first). A signal handler never
+    raises into Ray's code, and ray.init, off the main thread, leaves the handlers alone. Once
+    Ray is up, the handlers are put back anyway: its core worker installs a C++ failure-signal
+    handler for SIGTERM. An error of start() is raised here, after cleaning up."""
+    result: dict = {}
+    done = threading.Event()
+
+    def starter() -> None:
+        try:
+            result["server"] = start(cfg, scale, options)
+        except BaseException as exc:  # raised in the main thread below
+            result["error"] = exc
+        finally:
+            done.set()
+        # Parked until the process ends: ray.init started the raylet and GCS server from this
+        # thread with PR_SET_PDEATHSIG, which fires when the creating *thread* exits.
+        threading.Event().wait()
+
+    quiet = _NotMainThreadFilter()
+    ray_log = logging.getLogger("ray._private.worker")
+    ray_log.addFilter(quiet)
+    thread = threading.Thread(target=starter, name="loraserve-start", daemon=True)
+    thread.start()
+    reinstalled = False
+    while not done.is_set() and not signals.first.is_set():
+        done.wait(0.1)
+        if not reinstalled and ray.is_initialized():
+            signals.install()
+            reinstalled = True
+    signals.install()
+    ray_log.removeFilter(quiet)
+    if "server" in result and not signals.first.is_set():
+        return result["server"]
+    if "error" in result and not signals.first.is_set():
+        if scale.ray_address is None:
+            _stop_leftovers()
+        raise result["error"]
+    return None
+
+
+class _NotMainThreadFilter(logging.Filter):
+    """Ray's warning that ray.init off the main thread sets no SIGTERM handler: run() wants
+    none from Ray (it has its own)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
 
 
 def _ask_delete(scale: ScaleOutConfig) -> None:

@@ -2,8 +2,8 @@
 the processes left behind. No Ray import here (launch.run puts the pieces together).
 
 - `StopSignals`: SIGTERM and SIGINT alike. The first asks for the drain (while the server still
-  starts, it aborts the start instead: StopRequested); the second hurries it (requests in flight
-  end now, with a clean error); the third gives up the orderly stop (what is left is killed).
+  starts, it ends the start instead); the second hurries it (requests in flight end now, with a
+  clean error); the third gives up the orderly stop (what is left is killed).
 - `HeadWatch`: while serving, whether the Ray head is still there. A local Ray: its raylet and
   GCS server processes are alive. A joined cluster: its GCS answered within `grace_s`.
 - `bounded`: run one shutdown step on a thread, give up on it after a time (a Ray call to a dead
@@ -23,7 +23,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 log = logging.getLogger(__name__)
@@ -35,17 +35,9 @@ EXIT_FAILED = 1       # the Ray head was lost, a stop step overran its bound, or
 _PR_SET_CHILD_SUBREAPER = 36
 
 
-class StopRequested(BaseException):
-    """A signal while the server was still starting (BaseException: no `except Exception` in
-    library code swallows it)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 class StopSignals:
-    """SIGTERM/SIGINT counted: `first` (drain), `hurry` (second), `abandon` (third)."""
+    """SIGTERM/SIGINT counted: `first` (drain), `hurry` (second), `abandon` (third). The handler
+    only sets these: it never raises into whatever the main thread runs (Ray's code)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -55,25 +47,16 @@ class StopSignals:
         self.first = threading.Event()
         self.hurry = threading.Event()
         self.abandon = threading.Event()
-        self.starting = True  # a first signal now raises StopRequested (aborts the start)
 
     def install(self) -> None:
-        """(Re)install the handlers; main thread only. Again after ray.init, which sets its own
-        SIGTERM handler (sys.exit) and Ray's C++ failure-signal handler."""
+        """(Re)install the handlers; main thread only."""
         for sig in self.SIGNALS:
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.count += 1
         self.names.append(signal.Signals(signum).name)
-        if self.count == 1:
-            self.first.set()
-            if self.starting:
-                raise StopRequested(signum)
-        elif self.count == 2:
-            self.hurry.set()
-        else:
-            self.abandon.set()
+        (self.first, self.hurry, self.abandon)[min(self.count, 3) - 1].set()
 
 
 class HeadWatch:
@@ -84,6 +67,10 @@ class HeadWatch:
         self.every_s = every_s
         self._next = 0.0
         self._lost: str | None = None
+        self.closed = threading.Event()  # ends a remote watch's probe thread
+
+    def close(self) -> None:
+        self.closed.set()
 
     def lost(self) -> str | None:
         if self._lost is None and time.monotonic() >= self._next:
@@ -114,22 +101,24 @@ class HeadWatch:
         back sooner than that; a probe that hangs counts as failing)."""
         last_ok = [time.monotonic()]
 
+        def check() -> str | None:
+            silent = time.monotonic() - last_ok[0]
+            return f"the Ray cluster's GCS has not answered for {silent:.0f} s" \
+                if silent >= grace_s else None
+
+        watch = cls(check)
+
         def probe_loop() -> None:
-            while True:
+            while not watch.closed.is_set():
                 try:
                     probe()
                     last_ok[0] = time.monotonic()
                 except Exception as exc:
                     log.debug("the Ray GCS probe failed: %s", exc)
-                time.sleep(every_s)
+                watch.closed.wait(every_s)
 
         threading.Thread(target=probe_loop, name="loraserve-gcs-probe", daemon=True).start()
-
-        def check() -> str | None:
-            silent = time.monotonic() - last_ok[0]
-            return f"the Ray cluster's GCS has not answered for {silent:.0f} s" \
-                if silent >= grace_s else None
-        return cls(check)
+        return watch
 
 
 def _name(p: Any) -> str:
