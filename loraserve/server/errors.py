@@ -120,8 +120,10 @@ def as_api_error(exc: BaseException) -> APIError:
     """The APIError a failure is answered with.
 
     EngineError and CatalogError carry the HTTP status to answer with (catalog: 404 unknown
-    adapter, 409 base mismatch, 400 invalid id, 500 corrupt). Anything else is a bug: logged,
-    answered 500 without its details.
+    adapter, 409 base mismatch, 400 invalid id, 500 corrupt blob, 503 `catalog_unavailable` for
+    a shard that cannot be read or a write the OS refused, naming the shard: the catalog raises
+    ShardUnavailable for those, never a bare CatalogError or an LMDB error, which would be a 500
+    here). Anything else is a bug: logged, answered 500 without its details.
     """
     if isinstance(exc, APIError):
         return exc
