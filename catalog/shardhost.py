@@ -345,7 +345,8 @@ class ShardHost:
         ours, theirs = multiprocessing.Pipe(duplex=True)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+                [sys.executable, "-c", _BOOT, str(theirs.fileno()), f"loraserve-shard-host {self.catalog_dir}"],
+                pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
         finally:
             theirs.close()
