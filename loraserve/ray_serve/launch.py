@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 DRAIN_SLACK_S = 10.0
 SERVE_STOP_S = 45.0   # serve.shutdown (its controller call waits 30 s) / serve.delete
 RAY_STOP_S = 30.0     # ray.shutdown: the raylet and GCS get SIGTERM, then SIGKILL
+START_GRACE_S = 5.0   # a signal while starting: how long the start may still take to end
+ASK_DELETE_S = 10.0   # a joined cluster given up on: the delete of the application, asked
 
 # requests the ingress replica may hold at once, per engine replica behind it, beyond the
 # engines' own bounds (control calls, replica reports)
@@ -184,11 +186,14 @@ def run(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions) -> NoR
     server = _start_until_signal(cfg, scale, options, signals)
     if server is None:  # a signal while starting: nothing to drain
         log.info("%s while starting: stopping", signals.names[0])
+        status = EXIT_STOPPED
         if owns_ray:
             _stop_leftovers()
-        else:
+        elif not bounded("serve.delete", lambda: serve.delete(scale.app_name), SERVE_STOP_S,
+                         signals.abandon.is_set):
             _ask_delete(scale)
-        exit_now(EXIT_STOPPED)
+            status = EXIT_FAILED
+        exit_now(status)
     watch = _head_watch(owns_ray)
     ray_children = {p.pid for p in psutil.Process().children()}  # Ray waits for these itself
     while not signals.first.wait(0.5):
@@ -268,9 +273,12 @@ def _start_until_signal(cfg: EngineConfig, scale: ScaleOutConfig, options: Serve
         if not reinstalled and ray.is_initialized():
             signals.install()
             reinstalled = True
+    # a signal just as the application came up (its /ready may answer 200 a moment before
+    # serve.run returns): let the start end, and drain
+    done.wait(START_GRACE_S)
     signals.install()
     ray_log.removeFilter(quiet)
-    if "server" in result and not signals.first.is_set():
+    if "server" in result:
         return result["server"]
     if "error" in result and not signals.first.is_set():
         if scale.ray_address is None:
@@ -289,9 +297,9 @@ class _NotMainThreadFilter(logging.Filter):
 
 def _ask_delete(scale: ScaleOutConfig) -> None:
     """A joined cluster, the orderly stop given up: ask its Serve to delete this server's
-    application without waiting for it (it would outlive the server otherwise)."""
-    bounded("serve.delete (not waited for)",
-            lambda: serve.delete(scale.app_name, _blocking=False), 5.0)
+    application (it would outlive the server otherwise), waiting a little: a call not waited
+    for may never leave a process that exits at once."""
+    bounded("serve.delete", lambda: serve.delete(scale.app_name), ASK_DELETE_S)
 
 
 def _stop_leftovers() -> None:
