@@ -16,8 +16,9 @@ What stays in the serving process, with no LMDB page read:
   gets ShardUnavailable naming its shard, and that shard is quarantined: 503 at once for every
   request, listed by `degraded()`, while the other shards of the host go on (requests queued
   for them go to its replacement). LMDB itself reporting a damaged page on a read does the
-  same. A prober thread reads a quarantined shard again in its host (`shardhost._probe`: every
-  page of the record dbs, then the read that failed): after a backoff that doubles from
+  same. A prober thread reads a quarantined shard again in a probe host, a process of its own so
+  a probe that dies or hangs again holds up no reader (`shardhost._probe`: every page of the
+  record dbs, then the read that failed): after a backoff that doubles from
   `probe_backoff_s[0]` to `probe_backoff_s[1]`, or at once when the data file changes (it was
   restored), and so does the first request that finds it changed; the shard serves again when a
   probe reads it.
@@ -178,8 +179,9 @@ class IsolatedCatalog(Catalog):
     """A `Catalog` whose shards are mapped by shard hosts, never by this process (module doc).
 
     `hosts`: reading host processes (shard i -> host i % hosts; default min(4, CPUs, shards)),
-    and one more for writes (`writer`, started by the first), so a read never waits behind a
-    write (LMDB readers never block on its writer either);
+    one more for writes (`writer`, started by the first), so a read never waits behind a write
+    (LMDB readers never block on its writer either), and one for probes (`probe_host`, started
+    by the first), so a probe that hangs or dies again holds up no reader;
     `timeout_s`: how long a host may take to answer one request before it is killed;
     `probe_backoff_s`: (first, longest) wait between probes of a quarantined shard.
     """
@@ -192,6 +194,7 @@ class IsolatedCatalog(Catalog):
         count = max(1, min(hosts or min(4, os.cpu_count() or 1), self.shards))
         self.hosts = [ShardHost(self.path, opts, timeout_s) for _ in range(count)]
         self.writer = ShardHost(self.path, opts, timeout_s)  # started by the first write
+        self.probe_host = ShardHost(self.path, opts, timeout_s)  # started by the first probe
         self._shards = [HostedShard(self, i, self.hosts[i % count], self.writer) for i in range(self.shards)]
         for shard in self._shards:  # every data file there now is its shard's: one removed or
             shard.check_file()      # replaced later is a fault, not an empty shard
@@ -199,11 +202,11 @@ class IsolatedCatalog(Catalog):
         self._qlock = threading.Lock()
         self._prober: threading.Thread | None = None
         self._closed = threading.Event()
-        self._finalizer = weakref.finalize(self, close_hosts, [*self.hosts, self.writer])
+        self._finalizer = weakref.finalize(self, close_hosts, [*self.hosts, self.writer, self.probe_host])
 
     def host_pids(self) -> list[int]:
         """Process ids of the hosts running now (diagnostics, tests)."""
-        return child_pids([*self.hosts, self.writer])
+        return child_pids([*self.hosts, self.writer, self.probe_host])
 
     def _shards_blobs(self, by_shard: dict[int, list[RevisionRecord]]) -> dict[int, list | Exception | None]:
         """`Catalog._shards_blobs` through the hosts, all at once (`_on_hosts`): a page-in batch
@@ -289,7 +292,7 @@ class IsolatedCatalog(Catalog):
             shard.check_file()
             if shard.file_fault is not None:  # the file itself is at fault (truncated, replaced):
                 raise CatalogError(shard.file_fault)  # nothing to probe until it changes
-            shard.host.call("probe", shard.index, q.replay)
+            self.probe_host.call("probe", shard.index, q.replay)
         except (HostLost, CatalogError) as e:
             q.backoff = min(2 * q.backoff, self.probe_backoff_s[1])
             q.due, q.signature = time.monotonic() + q.backoff, signature
