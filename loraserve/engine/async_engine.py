@@ -35,6 +35,7 @@ class AsyncEngine(EngineFrontend):
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
+        self.directory = engine.directory  # the engine's catalog, in this process
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -108,9 +109,6 @@ class AsyncEngine(EngineFrontend):
         return await self.call(lambda eng: eng.unload_adapter(adapter_id))
 
     # -- EngineFrontend -------------------------------------------------------------------------
-    def _resolve(self, ref: str):
-        return self.engine.resolve_adapter(ref)
-
     def _submit(self, req: GenerateRequest, record) -> None:
         self._cmds.put(("add", (self.engine.make_sequence(req, record), req.stream)))
 

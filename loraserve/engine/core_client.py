@@ -37,16 +37,15 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from loraserve.catalog.isolated import open_for_serving
-
-from ..adapters.manager import describe_adapter, resolve_servable
 from ..adapters.pool import PoolLimits
 from ..adapters.stats import CacheStats, PagerStats, PoolStats
 from ..model.config import ModelConfig
 from ..tokenizer import Tokenizer
+from .catalog_view import CatalogView
 from .config import EngineConfig
-from .frontend import EngineFrontend, resolve_with
 from .core_boot import boot_core
+from .directory import AdapterDirectory
+from .frontend import EngineFrontend
 from .heartbeat import HEARTBEAT_S, Heartbeat, heartbeat_slots
 from .snapshot import EngineSnapshot
 from .types import EngineError, GenerateRequest
@@ -58,32 +57,6 @@ log = logging.getLogger(__name__)
 ENGINE_TIMEOUT_S = 30.0  # `serve --engine-timeout`: no progress this long and the core is stalled
 RETRY_AFTER_MAX_S = 60
 CAUSES = ("exited", "stalled", "start_failed")  # why a core was replaced (the restart counter's label)
-
-
-class RemoteAdapters:
-    """What the server may use of the adapter tiers when they live in the core process: the
-    catalog (opened here too: LMDB serves several processes), resolving and warming."""
-
-    def __init__(self, client: CoreClient, catalog_dir: str):
-        self.client = client
-        self.catalog = open_for_serving(catalog_dir, readonly=False)  # shard hosts map the shards
-        self.base_fingerprint = ""
-        self.pool = PoolLimits(0, ())  # from the core's handshake
-
-    def resolve(self, ref: str):
-        return resolve_servable(self.catalog, self.base_fingerprint, self.pool, ref)
-
-    def warm(self, ref: str) -> tuple[str, str]:
-        """Blocking (a worker thread): resolve ref and have the core page it into its CPU tier."""
-        rec = self.resolve(ref)
-        self.client.call_from_thread("warm", [rec.to_json()])
-        return rec.adapter_id, rec.revision
-
-    def describe(self, adapter_id: str, residency) -> dict:
-        return describe_adapter(self.catalog, adapter_id, residency)
-
-    def close(self) -> None:
-        self.catalog.close()
 
 
 class _CoreConnection(asyncio.Protocol):
@@ -147,7 +120,11 @@ class CoreClient(EngineFrontend):
         self.model_name = cfg.served_model_name or cfg.model_dir.rstrip("/").split("/")[-1]
         self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings)
         self.vocab_size = mc.vocab_size
-        self.adapter_manager = RemoteAdapters(self, cfg.catalog_dir) if cfg.catalog_dir else None
+        self.adapter_manager = CatalogView(
+            cfg.catalog_dir, self.model_name,
+            lambda rec: self.call_from_thread("warm", [rec.to_json()])) if cfg.catalog_dir else None
+        self.directory = (self.adapter_manager.directory if self.adapter_manager is not None
+                          else AdapterDirectory(self.model_name))
         self.start_timeout_s = start_timeout_s
         self.engine_timeout_s = engine_timeout_s
         self.heartbeat_s = heartbeat_s if heartbeat_s is not None else min(HEARTBEAT_S,
@@ -387,10 +364,9 @@ class CoreClient(EngineFrontend):
         return proc
 
     def _handshake(self, info: dict) -> None:
-        mgr = self.adapter_manager
-        if mgr is not None:
-            mgr.base_fingerprint = info["base_fingerprint"]
-            mgr.pool = PoolLimits(info["max_rank"], tuple(info["kinds"]))
+        if self.adapter_manager is not None:
+            self.adapter_manager.learn(info["base_fingerprint"],
+                                       PoolLimits(info["max_rank"], tuple(info["kinds"])))
 
     def _core_died(self, proc) -> None:
         """Event loop: the core process ended (its sentinel)."""
@@ -506,9 +482,6 @@ class CoreClient(EngineFrontend):
         return asyncio.run_coroutine_threadsafe(self.call(name, args), self._loop).result(timeout)
 
     # -- EngineFrontend -------------------------------------------------------------------------
-    def _resolve(self, ref: str):
-        return resolve_with(self.adapter_manager, ref)
-
     def _submit(self, req: GenerateRequest, record) -> None:
         if self.state != "up" or self._transport is None:  # lost while the adapter was resolved
             raise self.unavailable()

@@ -1,7 +1,8 @@
 """The request side of an engine, shared by the in-process and the out-of-process hosting.
 
 `EngineFrontend` lives on the API server's event loop. It validates a request, admits it against
-the queue bound (per-tenant share), resolves its adapter, submits it to wherever the engine runs,
+the queue bound (per-tenant share), takes the revision its model was resolved to at the edge
+(`GenerateRequest.resolved`, from `resolve`: the `AdapterDirectory`), submits it to wherever the engine runs,
 turns the engine's token-id deltas into text deltas (`OutputProcessor`: detokenization, stop
 strings, merging a non-streamed request's deltas) and hands each to the request's
 asyncio.Queue. Subclasses say how a request reaches the engine (`_submit`, `_abort`):
@@ -15,24 +16,12 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
-from ..adapters.manager import AdapterNotServable
 from .config import EngineConfig
+from .directory import EVERYONE, AdapterDirectory, Viewer
 from .output_processor import OutputProcessor
 from .snapshot import EngineSnapshot
-from .types import EngineError, GenerateRequest, RequestOutput
+from .types import EngineError, GenerateRequest, RequestOutput, ResolvedModel
 from .warm_refs import WarmRefs
-
-
-def resolve_with(adapters, ref: str):
-    """The RevisionRecord `ref` names, through `adapters` (an AdapterManager or the remote view of
-    one; None = no catalog). A catalog read. Raises catalog errors, or EngineError 400/404."""
-    if adapters is None:
-        raise EngineError(f"adapter {ref!r} asked for, but this server has no adapter catalog "
-                          "(start it with --catalog)", status=404, code="model_not_found", param="model")
-    try:
-        return adapters.resolve(ref)
-    except AdapterNotServable as exc:
-        raise EngineError(str(exc), status=400, param="model") from exc
 
 
 class EngineFrontend(ABC):
@@ -41,6 +30,7 @@ class EngineFrontend(ABC):
     max_model_len: int
     vocab_size: int
     tokenizer: object
+    directory: AdapterDirectory  # what a request's model names (the one resolver; subclasses make it)
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -61,10 +51,6 @@ class EngineFrontend(ABC):
     @abstractmethod
     async def shutdown(self) -> None:
         """Stop hosting the engine."""
-
-    @abstractmethod
-    def _resolve(self, ref: str):
-        """Blocking: the RevisionRecord `ref` names (catalog read), or raise."""
 
     @abstractmethod
     def _submit(self, req: GenerateRequest, record) -> None:
@@ -109,7 +95,10 @@ class EngineFrontend(ABC):
         self._admit(req.tenant)
         done = False
         try:
-            record = await self._resolve_adapter(req.adapter) if req.adapter else None
+            if req.resolved is not None:  # decided at the edge: never resolved again
+                record = req.resolved.record
+            else:  # an in-process caller that names the adapter only (tests, bench)
+                record = (await self.resolve(req.adapter, EVERYONE)).record if req.adapter else None
             q: asyncio.Queue = asyncio.Queue()
             self._queues[req.request_id] = q
             self._outputs.add(req)
@@ -129,20 +118,20 @@ class EngineFrontend(ABC):
             if self._queues.pop(req.request_id, None) is not None and not done:
                 self._abort(req.request_id)
 
-    async def _resolve_adapter(self, ref: str):
-        """`_resolve(ref)`, on the event loop unless recent reads were slow (`WarmRefs`: a
-        memory-mapped catalog read costs less than the thread hop around it), else on a worker
-        thread."""
-        if self._warm.inline(ref):
+    async def resolve(self, model: str, principal: Viewer) -> ResolvedModel:
+        """`directory.resolve(model, principal)`: on the event loop while recent reads were fast
+        (`WarmRefs`: a catalog read can cost less than the thread hop around it), else on a
+        worker thread."""
+        if self._warm.inline(model):
             started = time.perf_counter()
             try:
-                record = self._resolve(ref)
+                resolved = self.directory.resolve(model, principal)
             finally:
                 self._warm.timed(time.perf_counter() - started)
         else:
-            record = await asyncio.to_thread(self._resolve, ref)
-        self._warm.touch(ref)
-        return record
+            resolved = await asyncio.to_thread(self.directory.resolve, model, principal)
+        self._warm.touch(model)
+        return resolved
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         """Event loop: the engine's token-id deltas of one step -> text deltas, each handed to

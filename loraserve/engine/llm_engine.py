@@ -22,7 +22,7 @@ from ..tokenizer import Tokenizer
 from .attention import KVCache
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .frontend import resolve_with
+from .directory import EVERYONE, AdapterDirectory
 from .model_runner import ModelRunner, StepResult
 from .output import TokenOutputs
 from .sampler import sample, token_logprobs
@@ -103,6 +103,7 @@ class LLMEngine:
                              self.dtype, self.device)
         self.blocks = BlockManager(blocks, cfg.block_size, prefix_caching=cfg.prefix_caching)
         self.adapters = None  # AdapterManager once enable_lora() ran
+        self.directory = AdapterDirectory(self.model_name)  # the base only until enable_lora()
         self.scheduler = Scheduler(self.blocks, max_batch_size=cfg.max_batch_size,
                                    max_batched_tokens=cfg.max_batched_tokens)
         self.runner = ModelRunner(self.model, self.cache, self.device)
@@ -118,6 +119,8 @@ class LLMEngine:
     def enable_lora(self, manager, state) -> None:
         """Serve adapters: admission goes through the manager, the runner feeds the wrappers."""
         self.adapters = manager
+        self.directory = AdapterDirectory(self.model_name, manager.catalog, manager.base_fingerprint,
+                                          manager.pool.limits)
         manager.notify = self._notify
         self.scheduler.gate = manager
         self.runner.lora = state
@@ -129,9 +132,12 @@ class LLMEngine:
         req.check(self.vocab_size, self.max_model_len)
 
     def resolve_adapter(self, ref: str | None):
-        """'tenant/name[@rev]' -> the RevisionRecord a request runs on; None = base only.
-        A catalog read. Raises catalog errors, or EngineError 400/404."""
-        return None if ref is None else resolve_with(self.adapters, ref)
+        """'tenant/name[@rev]' -> the RevisionRecord a request runs on; None = base only, for an
+        in-process caller that names its adapter only (`add_request`: tests, bench). A catalog
+        read through the same `AdapterDirectory` the API side uses; the serving path resolves
+        there, at the edge, and hands the engine the record. Raises catalog errors, or
+        EngineError 400/404."""
+        return None if ref is None else self.directory.resolve(ref, EVERYONE).record
 
     def make_sequence(self, req: GenerateRequest, record=None) -> Sequence:
         gen = torch.Generator().manual_seed(req.params.seed) if req.params.seed is not None else None

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from loraserve.catalog.records import RevisionRecord
 
 # torch.Generator.manual_seed takes any integer in [-2**63, 2**64)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -133,6 +137,24 @@ class SamplingParams:
                                    or self.logit_bias or self.min_tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class ResolvedModel:
+    """A request's model, decided once at the edge (`directory.AdapterDirectory.resolve`): `name`
+    as the request gave it, `ref` the loraserve reference it stands for (`tenant/name@rev` of the
+    revision it runs, or the base's name), the adapter's key and revision record (None for the
+    base) and the tenant it is charged to ("" for the base)."""
+
+    name: str
+    ref: str
+    adapter: tuple[str, str] | None = None
+    record: RevisionRecord | None = None
+    tenant: str = ""
+
+    @property
+    def is_base(self) -> bool:
+        return self.adapter is None
+
+
 @dataclass(slots=True)
 class GenerateRequest:
     request_id: str
@@ -148,10 +170,17 @@ class GenerateRequest:
     # turns per round. Empty tenant: the adapter's tenant, or "" for the base model.
     tenant: str = ""
     tenant_weight: float = 1.0
+    # decided at the edge (the server's path): the revision this request runs, never resolved
+    # again below; `adapter` and `tenant` follow from it. None: `adapter` is resolved by the
+    # engine's frontend for an in-process caller (tests, bench) that names it only.
+    resolved: ResolvedModel | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.tenant_weight) and self.tenant_weight > 0):
             raise EngineError("tenant weight must be a finite number > 0")
+        if self.resolved is not None:
+            self.adapter = None if self.resolved.is_base else self.resolved.ref
+            self.tenant = self.tenant or self.resolved.tenant
         if not self.tenant and self.adapter:
             self.tenant = self.adapter.split("/", 1)[0]
 

@@ -31,9 +31,11 @@ import dataclasses
 import msgpack
 
 from loraserve.catalog.errors import CatalogError
+from loraserve.catalog.records import RevisionRecord
 
 from .snapshot import EngineSnapshot
-from .types import EngineError, GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
+from .types import (EngineError, GenerateRequest, RequestOutput, ResolvedModel, SamplingParams,
+                    TokenLogprob)
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -51,17 +53,29 @@ def unpacker() -> msgpack.Unpacker:
     return msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=1 << 30)
 
 
-def request_to_wire(req: GenerateRequest) -> dict:
+def request_to_wire(req: GenerateRequest, resolved: bool = False) -> dict:
+    """`resolved`: carry the edge's decision too (`GenerateRequest.resolved`, its revision record
+    as JSON), for an engine that gets no record beside the request (a Ray Serve replica); the
+    engine-core's "add" message carries the record itself."""
     p = req.params
-    return {"id": req.request_id, "prompt": req.prompt_token_ids,
-            "params": {name: getattr(p, name) for name in _PARAM_FIELDS},
-            "adapter": req.adapter, "stream": req.stream, "tenant": req.tenant,
-            "weight": req.tenant_weight}
+    d = {"id": req.request_id, "prompt": req.prompt_token_ids,
+         "params": {name: getattr(p, name) for name in _PARAM_FIELDS},
+         "adapter": req.adapter, "stream": req.stream, "tenant": req.tenant,
+         "weight": req.tenant_weight}
+    if resolved and req.resolved is not None:
+        r = req.resolved
+        d["resolved"] = [r.name, r.ref, r.tenant, None if r.record is None else r.record.to_json()]
+    return d
 
 
 def request_from_wire(d: dict) -> GenerateRequest:
+    resolved = None
+    if (r := d.get("resolved")) is not None:
+        record = None if r[3] is None else RevisionRecord.from_json(r[3])
+        resolved = ResolvedModel(r[0], r[1], None if record is None else (record.adapter_id, record.revision),
+                                 record, r[2])
     return GenerateRequest(d["id"], d["prompt"], SamplingParams(**d["params"]), d["adapter"],
-                           d["stream"], d["tenant"], d["weight"])
+                           d["stream"], d["tenant"], d["weight"], resolved)
 
 
 def _logprobs_to_wire(lps: list[TokenLogprob | None] | None) -> list | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from ray.exceptions import RayActorError, RayTaskError
@@ -28,15 +29,15 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from loraserve.catalog.base import base_fingerprint
-from loraserve.catalog.isolated import open_for_serving
 
-from ..adapters.manager import describe_adapter, resolve_servable
 from ..adapters.pool import PoolLimits
 from ..adapters.stats import CacheStats, PagerStats, PoolStats
+from ..engine.catalog_view import CatalogView
 from ..engine.config import EngineConfig
-from ..engine.frontend import resolve_with
+from ..engine.directory import EVERYONE, AdapterDirectory
 from ..engine.snapshot import EngineSnapshot
-from ..engine.types import EngineError, GenerateRequest, RequestOutput
+from ..engine.types import EngineError, GenerateRequest, RequestOutput, ResolvedModel
+from ..engine.warm_refs import WarmRefs
 from ..engine.wire import error_from_wire, output_from_wire, request_to_wire, snapshot_from_wire
 from ..model.config import ModelConfig
 from ..tokenizer import Tokenizer
@@ -57,34 +58,6 @@ def replica_lost() -> EngineError:
                        code="engine_unavailable")
 
 
-class RayAdapters:
-    """The adapter side of the ingress: the catalog (read-write: the one writer), resolving
-    requests against the replicas' pool limits, warming and describing through the replicas."""
-
-    def __init__(self, frontend: RayEngineFrontend, cfg: EngineConfig):
-        self.frontend = frontend
-        self.catalog = open_for_serving(cfg.catalog_dir, readonly=False)  # shard hosts map the shards
-        self.base_fingerprint = base_fingerprint(cfg.model_dir)
-        self.pool = PoolLimits(0, ())  # from a replica, at start()
-
-    def resolve(self, ref: str):
-        return resolve_servable(self.catalog, self.base_fingerprint, self.pool, ref)
-
-    def warm(self, ref: str) -> tuple[str, str]:
-        """Blocking (a worker thread): page ref into the CPU tier of the replica Serve routes
-        its adapter to (the one that will serve it next)."""
-        rec = self.resolve(ref)
-        handle = self.frontend.replicas.options(multiplexed_model_id=rec.adapter_id)
-        handle.warm.remote(f"{rec.adapter_id}@{rec.revision}").result(timeout_s=CONTROL_TIMEOUT_S)
-        return rec.adapter_id, rec.revision
-
-    def describe(self, adapter_id: str, residency) -> dict:
-        return describe_adapter(self.catalog, adapter_id, residency)
-
-    def close(self) -> None:
-        self.catalog.close()
-
-
 class RayEngineFrontend:
     def __init__(self, cfg: EngineConfig, replicas: DeploymentHandle, scale: ScaleOutConfig):
         self.cfg = cfg
@@ -95,7 +68,11 @@ class RayEngineFrontend:
         self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings)
         self.vocab_size = mc.vocab_size
         self.tokenizer = Tokenizer.from_dir(cfg.model_dir)
-        self.adapter_manager = RayAdapters(self, cfg) if cfg.catalog_dir else None
+        self.adapter_manager = CatalogView(cfg.catalog_dir, self.model_name, self._warm_on,
+                                           base_fingerprint(cfg.model_dir)) if cfg.catalog_dir else None
+        self.directory = (self.adapter_manager.directory if self.adapter_manager is not None
+                          else AdapterDirectory(self.model_name))
+        self._warm = WarmRefs()
         self.board = ReplicaBoard(scale.stale_after_s)
         self._started = False
 
@@ -150,7 +127,8 @@ class RayEngineFrontend:
             return
         info = await self.replicas.info.remote()
         if self.adapter_manager is not None:
-            self.adapter_manager.pool = PoolLimits(info["max_rank"], tuple(info["kinds"]))
+            self.adapter_manager.learn(self.adapter_manager.base_fingerprint,
+                                       PoolLimits(info["max_rank"], tuple(info["kinds"])))
         self._started = True
 
     async def shutdown(self) -> None:
@@ -166,9 +144,10 @@ class RayEngineFrontend:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         await self.start()
         req.check(self.vocab_size, self.max_model_len)
-        adapter_id = (await asyncio.to_thread(self._resolve, req.adapter)).adapter_id \
-            if req.adapter else None
-        wire = request_to_wire(req)
+        if req.resolved is None:  # an in-process caller naming its adapter only
+            req.resolved = await self.resolve(req.adapter or self.model_name, EVERYONE)
+        adapter_id = None if req.resolved.is_base else req.resolved.adapter[0]
+        wire = request_to_wire(req, resolved=True)  # the replica runs this record, never resolves
         for attempt in range(RETRIES + 1):
             started = False
             try:
@@ -215,5 +194,22 @@ class RayEngineFrontend:
             if not finished:  # closed early (client gone) or failed: the replica aborts it
                 gen.cancel()
 
-    def _resolve(self, ref: str):
-        return resolve_with(self.adapter_manager, ref)
+    async def resolve(self, model: str, principal) -> ResolvedModel:
+        """`directory.resolve(model, principal)`, inline while recent reads were fast (as
+        `EngineFrontend.resolve`)."""
+        if self._warm.inline(model):
+            started = time.perf_counter()
+            try:
+                resolved = self.directory.resolve(model, principal)
+            finally:
+                self._warm.timed(time.perf_counter() - started)
+        else:
+            resolved = await asyncio.to_thread(self.directory.resolve, model, principal)
+        self._warm.touch(model)
+        return resolved
+
+    def _warm_on(self, rec) -> None:
+        """Blocking: page `rec` into the CPU tier of the replica Serve routes its adapter to (the
+        one that will serve it next)."""
+        handle = self.replicas.options(multiplexed_model_id=rec.adapter_id)
+        handle.warm.remote(f"{rec.adapter_id}@{rec.revision}").result(timeout_s=CONTROL_TIMEOUT_S)

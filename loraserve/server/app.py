@@ -110,11 +110,11 @@ def _api_router(prefix: str = "/v1") -> APIRouter:
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _answer(request, create_completion(body, _ctx(request)))
+        return await _answer(request, create_completion(body, _ctx(request), principal_of(request)))
 
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _answer(request, create_chat_completion(body, _ctx(request)))
+        return await _answer(request, create_chat_completion(body, _ctx(request), principal_of(request)))
 
     @router.get("/models")
     async def models(request: Request, prefix: str | None = None, limit: int | None = None,

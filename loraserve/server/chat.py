@@ -123,6 +123,6 @@ def _head(request_id: str, created: int, model: str, chunk: bool) -> dict[str, A
 CHAT_COMPLETIONS = Endpoint("chatcmpl", _plan, _head)
 
 
-async def create_chat_completion(req: ChatCompletionRequest, ctx: sv.ServerContext) -> Response:
+async def create_chat_completion(req: ChatCompletionRequest, ctx: sv.ServerContext, principal: Any) -> Response:
     """Validate, template, fan out to the engine, answer as JSON or as an SSE stream."""
-    return await serve(req, ctx, CHAT_COMPLETIONS)
+    return await serve(req, ctx, CHAT_COMPLETIONS, principal)

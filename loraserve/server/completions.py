@@ -127,6 +127,6 @@ def _head(request_id: str, created: int, model: str, chunk: bool) -> dict[str, A
 COMPLETIONS = Endpoint("cmpl", _plan, _head)
 
 
-async def create_completion(req: CompletionRequest, ctx: sv.ServerContext) -> Response:
+async def create_completion(req: CompletionRequest, ctx: sv.ServerContext, principal: Any) -> Response:
     """Validate, fan out to the engine, answer as JSON or as an SSE stream."""
-    return await serve(req, ctx, COMPLETIONS)
+    return await serve(req, ctx, COMPLETIONS, principal)

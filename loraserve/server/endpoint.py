@@ -1,6 +1,7 @@
 """The request skeleton both generation endpoints run; each endpoint supplies only what differs.
 
-One request: check the fields both endpoints share (serving.check_request) -> the endpoint's
+One request: check the fields both endpoints share (serving.check_request) -> its model, decided
+once for the key it acts for (serving.resolve_model: the engine's AdapterDirectory) -> the endpoint's
 `plan` (its prompts and sampling, checked) -> fan out to the engine, every stream primed, so a
 bad request is still a proper 4xx -> the answer, either one JSON body (the endpoint's `head`, every
 choice's `to_json`, usage) or an SSE stream (each choice's `opening` entry if it has one, one
@@ -27,7 +28,7 @@ from loraserve.server.logprobs import TokenRenderer
 from loraserve.server.names import lookup_error
 from loraserve.server.protocol import SamplingFields
 from loraserve.server.serving import (Engine, Prompt, RequestClock, ServerContext, check_request,
-                                      fan_out, new_id, now, usage)
+                                      fan_out, new_id, now, resolve_model, usage)
 from loraserve.server.streaming import DONE, PrimedStream, merge, sse, start_all
 from loraserve.server.tenancy import admit
 
@@ -84,22 +85,24 @@ class Endpoint:
     head: Callable[[str, int, str, bool], dict[str, Any]]
 
 
-async def serve(req: SamplingFields, ctx: ServerContext, endpoint: Endpoint) -> Response:
-    """Answer one generation request as JSON or as an SSE stream (see module doc)."""
+async def serve(req: SamplingFields, ctx: ServerContext, endpoint: Endpoint, principal: Any) -> Response:
+    """Answer one generation request, acting for `principal`, as JSON or as an SSE stream (see
+    module doc)."""
     clock = RequestClock(ctx.metrics)
     engine = ctx.engine
-    adapter = check_request(req, ctx)
+    check_request(req, ctx)
+    # the model, decided once: 404 for a name the key may not see as for one that names nothing
+    resolved = await resolve_model(req.model, principal, engine)
     if req.input_size() > OFF_LOOP_INPUT:
         plan = await asyncio.to_thread(endpoint.plan, req, engine)
     else:
         plan = endpoint.plan(req, engine)
     request_id = new_id(endpoint.id_prefix)
-    # tenant: 429, 404 (another tenant's adapter: as a missing one, names.not_found)
-    admitted = admit(adapter, plan.prompts, req.n, plan.params.max_tokens, req.model)
+    admitted = admit(resolved, principal, plan.prompts, req.n, plan.params.max_tokens)  # 429
     try:
         streams = await ctx.deadline.run(start_all(admitted.engine(engine), fan_out(
-            request_id, plan.prompts, req.n, plan.params, adapter, bool(req.stream))))
-    except Exception as exc:  # a model that does not exist: the 404 naming it as asked for
+            request_id, plan.prompts, req.n, plan.params, resolved, bool(req.stream))))
+    except Exception as exc:  # a revision gone since it was resolved: the 404 naming it as asked
         err = lookup_error(exc, req.model)
         if err is exc:
             raise

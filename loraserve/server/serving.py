@@ -12,14 +12,12 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from loraserve.catalog.errors import InvalidAdapterId
-from loraserve.catalog.ids import parse_model_ref
-
 from loraserve.engine.config import EngineConfig
-from loraserve.engine.types import SEED_MAX, GenerateRequest, RequestOutput, SamplingParams
+from loraserve.engine.types import (SEED_MAX, GenerateRequest, RequestOutput, ResolvedModel,
+                                    SamplingParams)
 from loraserve.server.errors import APIError, clip
 from loraserve.server.metrics import ServerMetrics
-from loraserve.server.names import canonical_model
+from loraserve.server.names import lookup_error
 from loraserve.server.protocol import (CHARS_PER_TOKEN_MAX, InputLimits, SamplingFields,
                                        too_long_message)
 from loraserve.server.streaming import ShutdownDeadline
@@ -36,6 +34,7 @@ class Engine(Protocol):
     max_model_len: int
     vocab_size: int
 
+    async def resolve(self, model: str, principal: Any) -> ResolvedModel: ...
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]: ...
     def stats(self) -> dict[str, Any]: ...
     def list_models(self) -> list[str]: ...
@@ -121,26 +120,11 @@ def now() -> int:
     return int(time.time())
 
 
-def resolve_adapter(model: str, engine: Engine) -> str | None:
-    """The adapter ref a request's `model` names (an alias or tinker:// name: the one it stands
-    for, names.py); None for the base. 404 for anything else."""
-    name = canonical_model(model, engine)
-    if name == engine.model_name:
-        return None
-    try:  # the engine (catalog) decides whether a well-formed ref exists
-        parse_model_ref(name)
-        return name
-    except InvalidAdapterId:
-        pass
-    raise APIError(404, f"The model `{clip(model)}` does not exist.", code="model_not_found",
-                   param="model")
-
-
-def check_request(req: SamplingFields, ctx: ServerContext) -> str | None:
-    """Check the fields every generation request has; returns the adapter ref (None: base).
-    End-user identifiers the request carries (`user`, ...) are logged here, at INFO."""
+def check_request(req: SamplingFields, ctx: ServerContext) -> None:
+    """Check the fields every generation request has (its `model` is the directory's:
+    `resolve_model`). End-user identifiers the request carries (`user`, ...) are logged here,
+    at INFO."""
     reject_unsupported(req.unsupported())
-    adapter = resolve_adapter(req.model, ctx.engine)
     check_n(req.n, ctx.max_n)
     check_seqs(req.num_prompts() * req.n, ctx.max_seqs_per_request,
                "prompt" if req.n == 1 else "n")
@@ -150,7 +134,6 @@ def check_request(req: SamplingFields, ctx: ServerContext) -> str | None:
     if identifiers:
         request_log.info("request for %s from %s", clip(req.model),
                          clip(json.dumps(identifiers, ensure_ascii=False), 2048))
-    return adapter
 
 
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
@@ -237,10 +220,25 @@ def check_stop_token_ids(ids: Sequence[int] | None, vocab_size: int) -> None:
     check_token_ids(ids or (), vocab_size, "stop_token_ids")
 
 
+async def resolve_model(model: str, principal: Any, engine: Engine) -> ResolvedModel:
+    """What `model` names for `principal`, decided once for the whole request (the engine's
+    `AdapterDirectory`): a name the key may not see or that names nothing is the one 404 of
+    `names.not_found`, echoing `model` as given."""
+    try:
+        return await engine.resolve(model, principal)
+    except Exception as exc:
+        err = lookup_error(exc, model)
+        if err is exc:
+            raise
+        raise err from exc
+
+
 def fan_out(request_id: str, prompts: Sequence[Prompt], n: int, params: SamplingParams,
-            adapter: str | None, stream: bool = True) -> list[GenerateRequest]:
-    """P * n engine requests, prompt-major; choice i of a seeded request samples with seed + i.
-    stream=False (a non-streamed answer) lets the engine merge the deltas after the first."""
+            resolved: ResolvedModel, stream: bool = True) -> list[GenerateRequest]:
+    """P * n engine requests, prompt-major, each carrying the request's `resolved` model (the
+    engine runs its revision and resolves nothing); choice i of a seeded request samples with
+    seed + i. stream=False (a non-streamed answer) lets the engine merge the deltas after the
+    first."""
     requests = []
     for p, prompt in enumerate(prompts):
         for i in range(n):
@@ -248,7 +246,7 @@ def fan_out(request_id: str, prompts: Sequence[Prompt], n: int, params: Sampling
                                                                              _nth_seed(params.seed, i))
             requests.append(GenerateRequest(request_id=f"{request_id}-{p * n + i}",
                                             prompt_token_ids=list(prompt.token_ids),
-                                            params=seeded, adapter=adapter, stream=stream))
+                                            params=seeded, stream=stream, resolved=resolved))
     return requests
 
 

@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loraserve.catalog.errors import InvalidAdapterId
 from loraserve.catalog.ids import parse_model_ref, validate_adapter_id
-from loraserve.engine.types import GenerateRequest, RequestOutput
+from loraserve.engine.types import GenerateRequest, RequestOutput, ResolvedModel
 from loraserve.keys import (ALL_TENANTS, OPEN, KeyEntry, KeyFileError, KeyStore, Principal,
                             digest, load_keys)
 from loraserve.server.audit_log import FAILED, AuditLog
@@ -379,24 +379,22 @@ class TenantEngine:
                 await aclose()
 
 
-def admit(adapter: str | None, prompts: Sequence[Any], n: int, max_tokens: int,
-          model: str | None = None) -> Admission:
-    """Admit one generation request of the current HTTP request (`prompts` have `token_ids`;
-    `adapter` is the reference the request's `model` resolved to, None for the base).
+def admit(resolved: ResolvedModel, principal: Principal, prompts: Sequence[Any], n: int,
+          max_tokens: int) -> Admission:
+    """Admit one generation request that acts for `principal` (`prompts` have `token_ids`;
+    `resolved` is its model as the `AdapterDirectory` decided it for that principal, so a model
+    the key may not see never gets here: its 404 came first, exactly as a missing one's).
 
     429 over the tenant's limits (all its keys together) or the key's own, charging one
-    request, n x (prompt + max_tokens) tokens per prompt and P x n sequences in flight; then
-    404 (`hidden(model)`) for another tenant's adapter. A hidden adapter is charged as a
-    missing one is (to the key's own tenant, all tokens given back when the request ends), so
-    neither the limits nor the answer tell the two apart.
+    request, n x (prompt + max_tokens) tokens per prompt and P x n sequences in flight, to the
+    adapter's tenant (the key's home tenant for the base). The HTTP request's leases are held
+    until it ends (`AuthMiddleware`); an app without it has no keys and so no limits to charge.
     """
-    ref = None if adapter is None else split_ref(adapter)
     current = _CURRENT.get()
     if current is None:
-        return Admission("" if ref is None else ref[1])
-    principal, tenancy = current.principal, current.tenancy
-    invisible = ref is not None and not principal.sees(ref[1])
-    tenant = principal.home_tenant if ref is None or invisible else ref[1]
+        return Admission(resolved.tenant)
+    tenant = resolved.tenant or principal.home_tenant
+    tenancy = current.tenancy
     policy = tenancy.keys.tenant(tenant)
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     charge = n * (prompt_tokens + len(prompts) * max_tokens)
@@ -407,7 +405,5 @@ def admit(adapter: str | None, prompts: Sequence[Any], n: int, max_tokens: int,
         raise
     lease.used = 0
     current.leases.append(lease)
-    if invisible:
-        raise hidden(adapter if model is None else model)
     weight = principal.weight if policy.weight is None else policy.weight
     return Admission(tenant, weight, tenancy.counters, prompt_tokens, lease=lease)

@@ -12,14 +12,13 @@ from typing import Any
 
 from fastapi import Request
 
-from loraserve.catalog.errors import CatalogError
-from loraserve.catalog.ids import parse_model_ref
+from loraserve.engine.types import ResolvedModel
 from loraserve.server import serving as sv
 from loraserve.server import tinker_sampling as ts
-from loraserve.server.errors import APIError, as_api_error, clip
+from loraserve.server.errors import APIError, clip
 from loraserve.server.names import lookup_error
 from loraserve.server.streaming import start_all
-from loraserve.server.tenancy import admit, check_visible, detach_leases, principal_of
+from loraserve.server.tenancy import admit, detach_leases, principal_of
 from loraserve.server.tinker_state import Future, FutureStore, SamplingSession, TinkerState
 
 LONG_POLL_S = 30.0   # below the SDK's 45 s per retrieve_future call
@@ -60,21 +59,12 @@ def sampling_session(request: Request, sampling_session_id: str) -> SamplingSess
 async def pin(name: str, request: Request) -> str | None:
     """The revision `name` stands for now (`tenant/name@rev`), None for the base model; 404 for
     an unknown model or adapter, or one of a tenant the key may not see: the same answer,
-    naming `name` as given (names.not_found)."""
+    naming `name` as given (names.not_found). The engine's `AdapterDirectory` decides."""
     engine = ctx_of(request).engine
     if name == base_model_name(engine):
         return None
-    adapter = sv.resolve_adapter(name, engine)
-    if adapter is None:
-        return None
-    check_visible(principal_of(request), adapter, engine.model_name, requested=name)
-    catalog = getattr(getattr(engine, "adapter_manager", None), "catalog", None)
-    if catalog is None:  # no catalog: the engine decides when it is used
-        return adapter
-    try:
-        return (await asyncio.to_thread(catalog.resolve, *parse_model_ref(adapter))).ref
-    except CatalogError as exc:
-        raise lookup_error(as_api_error(exc), name) from exc
+    resolved = await sv.resolve_model(name, principal_of(request), engine)
+    return None if resolved.is_base else resolved.ref
 
 
 # -- asample -------------------------------------------------------------------------------------
@@ -91,11 +81,14 @@ async def start_sample(body: ts.SampleBody, request: Request) -> Future:
         raise APIError(429, "too many sampling requests in flight; retry later")
     plan = ts.plan_sample(body, ctx.engine, ctx.max_seqs_per_request)
     model = body.model_path or body.base_model or adapter
-    admitted = admit(adapter, [plan.prompt], plan.n, plan.params.max_tokens, model)  # 429, 404
+    principal = principal_of(request)
+    # the pinned revision (or the base), decided for this key once for the whole sample: 404
+    resolved = await sv.resolve_model(adapter or ctx.engine.model_name, principal, ctx.engine)
+    admitted = admit(resolved, principal, [plan.prompt], plan.n, plan.params.max_tokens)  # 429
     future = Future(new_id("req"), owner, dedupe)
     state.futures.add(future)  # before any wait: a concurrent retry finds it
     try:
-        await _launch(future, plan, adapter, admitted.engine(ctx.engine), ctx, state.futures)
+        await _launch(future, plan, resolved, admitted.engine(ctx.engine), ctx, state.futures)
     except BaseException as exc:
         state.futures.discard(future)
         err = lookup_error(exc, model)  # a model that does not exist: named as asked for
@@ -118,14 +111,14 @@ async def _target(body: ts.SampleBody, request: Request) -> tuple[str | None, tu
     return await pin(name, request), None
 
 
-async def _launch(future: Future, plan: ts.SamplePlan, adapter: str | None, engine: Any,
+async def _launch(future: Future, plan: ts.SamplePlan, resolved: ResolvedModel, engine: Any,
                   ctx: sv.ServerContext, futures: FutureStore) -> None:
     """Submit the plan; what the engine refuses at once (429 at capacity, 400, 404) is raised
     here, anything later becomes the future's answer. The leases of this request's admission
     are held until the generation ends."""
     release = _releaser(detach_leases())
     starting = asyncio.ensure_future(start_all(engine, ts.engine_requests(
-        future.request_id, plan, adapter)))
+        future.request_id, plan, resolved)))
     try:
         await asyncio.wait({starting}, timeout=ADMIT_WAIT_S)
         if starting.done() and starting.exception() is not None:
@@ -134,19 +127,19 @@ async def _launch(future: Future, plan: ts.SamplePlan, adapter: str | None, engi
         starting.cancel()
         release()
         raise
-    future.task = asyncio.create_task(_run(futures, future, engine, plan, adapter, starting,
+    future.task = asyncio.create_task(_run(futures, future, engine, plan, resolved, starting,
                                            ctx, sv.RequestClock(ctx.metrics), release))
 
 
 async def _run(futures: FutureStore, future: Future, engine: Any, plan: ts.SamplePlan,
-               adapter: str | None, starting: Any, ctx: sv.ServerContext,
+               resolved: ResolvedModel, starting: Any, ctx: sv.ServerContext,
                clock: sv.RequestClock, release: Callable[[], None]) -> None:
     """Generate, then set the future's answer (a SampleResponse or an error)."""
     def at_capacity() -> None:
         future.queue_state = "paused_capacity"
 
     try:
-        seqs, prompt_lps = await ts.generate(engine, future.request_id, plan, adapter, starting,
+        seqs, prompt_lps = await ts.generate(engine, future.request_id, plan, resolved, starting,
                                              at_capacity, clock.first_output)
         ctx.metrics.prompt_tokens.inc(len(plan.prompt.token_ids))
         ctx.metrics.generation_tokens.inc(sum(len(s.tokens) for s in seqs))

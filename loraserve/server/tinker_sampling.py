@@ -18,7 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from loraserve.engine.types import EngineError, GenerateRequest, RequestOutput, SamplingParams
+from loraserve.engine.types import (EngineError, GenerateRequest, RequestOutput, ResolvedModel,
+                                    SamplingParams)
 from loraserve.server import serving as sv
 from loraserve.server.errors import APIError, as_api_error
 from loraserve.server.logprobs import finite
@@ -129,10 +130,11 @@ def plan_sample(body: SampleBody, engine: sv.Engine, max_seqs: int) -> SamplePla
     return SamplePlan(prompt, params, body.num_samples, wants, topk)
 
 
-def engine_requests(request_id: str, plan: SamplePlan, adapter: str | None,
+def engine_requests(request_id: str, plan: SamplePlan, resolved: ResolvedModel,
                     attempt: int = 0) -> list[GenerateRequest]:
-    """The plan's engine requests (ids fresh per attempt: the engine refuses a reused id)."""
-    return sv.fan_out(f"{request_id}-{attempt}", [plan.prompt], plan.n, plan.params, adapter,
+    """The plan's engine requests on the `resolved` model (ids fresh per attempt: the engine
+    refuses a reused id)."""
+    return sv.fan_out(f"{request_id}-{attempt}", [plan.prompt], plan.n, plan.params, resolved,
                       stream=False)
 
 
@@ -177,7 +179,7 @@ def _topk(top: dict[int, float], k: int) -> list[list[float | int]]:
 
 # -- running it ----------------------------------------------------------------------------------
 
-async def generate(engine: Any, request_id: str, plan: SamplePlan, adapter: str | None,
+async def generate(engine: Any, request_id: str, plan: SamplePlan, adapter: ResolvedModel,
                    starting: Awaitable[list[PrimedStream]],
                    on_capacity: Callable[[], None], on_started: Callable[[], None],
                    ) -> tuple[list[SequenceOutput], Any]:

@@ -41,6 +41,7 @@ class Frontend(EngineFrontend):
         self.model_name, self.max_model_len, self.vocab_size = "base", 64, 100
         self.resolves: list[tuple[str, bool]] = []
         self.revision = "r1"
+        self.directory = SimpleNamespace(resolve=self._resolve)  # the AdapterDirectory's one method
 
     async def start(self) -> None: ...
 
@@ -50,11 +51,11 @@ class Frontend(EngineFrontend):
     def snapshot(self) -> EngineSnapshot:
         return EngineSnapshot()
 
-    def _resolve(self, ref: str):
+    def _resolve(self, ref: str, principal):
         self.resolves.append((self.revision, threading.current_thread() is threading.main_thread()))
         if ref.startswith("missing/"):
             raise LookupError(ref)
-        return SimpleNamespace(revision=self.revision)
+        return SimpleNamespace(record=SimpleNamespace(revision=self.revision))
 
     def _submit(self, req: GenerateRequest, record) -> None:
         out = RequestOutput(req.request_id, [1], "x", finish_reason="length", adapter_revision=record.revision)
@@ -110,14 +111,14 @@ def test_cold_refs_resolve_inline_until_a_read_is_slow(monkeypatch):
     assert fe.resolves[-1] == ("r1", True)  # cold, inline
     slow = fe._resolve
 
-    def slow_resolve(ref):  # the read's duration is measured by perf_counter, not the clock above
+    def slow_resolve(ref, principal):  # the read's duration is measured by perf_counter, not the clock above
         time.sleep(0.005)
-        return slow(ref)
+        return slow(ref, principal)
 
-    fe._resolve = slow_resolve
+    fe.directory.resolve = slow_resolve
     _one(fe, 1, "acme/b")  # inline, and slow: cold refs go to a thread now
     assert fe.resolves[-1] == ("r1", True)
-    fe._resolve = slow
+    fe.directory.resolve = slow
     fe.revision = "r2"
     assert _one(fe, 2, "acme/c")[0].adapter_revision == "r2"
     assert fe.resolves[-1] == ("r2", False)  # cold, on a thread

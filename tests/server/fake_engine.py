@@ -13,7 +13,10 @@ from typing import Any
 
 from loraserve.catalog.errors import CatalogError
 
-from loraserve.engine.types import GenerateRequest, RequestOutput, TokenLogprob
+from loraserve.catalog.errors import InvalidAdapterId
+from loraserve.catalog.ids import parse_model_ref
+from loraserve.engine.directory import not_found
+from loraserve.engine.types import GenerateRequest, RequestOutput, ResolvedModel, TokenLogprob
 
 EOS_ID = 95
 NEWLINE_ID = 96
@@ -82,6 +85,33 @@ class FakeEngine:
 
     def list_models(self) -> list[str]:
         return [self.model_name, *self.adapters]
+
+    async def resolve(self, model: str, principal) -> ResolvedModel:
+        """The fake's AdapterDirectory: the base and `adapters` (as `tenant/name` or `@r1`, with
+        or without `tinker://`); a name that is no valid id, names no adapter or one of a tenant
+        `principal` may not see is the one 404; `acme/mismatch` is a 409 (another base)."""
+        self._check_fail()
+        name = model.removeprefix("tinker://")
+        if name == self.model_name:
+            return ResolvedModel(model, name)
+        try:
+            adapter_id, rev = parse_model_ref(name)
+        except InvalidAdapterId:
+            raise not_found(model) from None
+        tenant = adapter_id.split("/", 1)[0]
+        if not principal.sees(tenant):
+            raise not_found(model)
+        if adapter_id == "acme/mismatch":
+            raise FakeCatalogError(f"{name} was exported against another base", 409)
+        if adapter_id not in self.adapters or rev not in (None, "r1"):
+            raise not_found(model)
+        return ResolvedModel(model, name, (adapter_id, rev or "r1"), None, tenant)
+
+    def _check_fail(self) -> None:
+        """`fail_next` set to a 404/409-style catalog error fails the lookup (as a real catalog would)."""
+        if isinstance(self.fail_next, CatalogError):
+            error, self.fail_next = self.fail_next, None
+            raise error
 
     def _check(self, request: GenerateRequest) -> None:
         if self.fail_next is not None:

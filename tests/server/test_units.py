@@ -17,7 +17,10 @@ from loraserve.server.errors import APIError, as_api_error, validation_error
 from loraserve.server.logprobs import LOGPROB_FLOOR, LegacyLogprobs, TokenRenderer, chat_content
 from loraserve.server.endpoint import Endpoint, Plan, serve
 from loraserve.server.protocol import CompletionRequest
-from loraserve.server.serving import Prompt, ServerContext, fan_out, resolve_adapter
+from loraserve.engine.directory import EVERYONE
+from loraserve.engine.types import ResolvedModel
+from loraserve.keys import Principal
+from loraserve.server.serving import Prompt, ServerContext, fan_out, resolve_model
 from loraserve.server.metrics import ServerMetrics
 from loraserve.server.streaming import merge, start_all
 
@@ -47,25 +50,42 @@ def test_validation_error_names_the_field() -> None:
     assert (error.status, error.param) == (400, "messages.2.role")
 
 
-def test_resolve_adapter() -> None:
+def test_resolve_model() -> None:
+    """The server asks the engine's directory once per request: the base, an adapter (its
+    tenant with it), and the one 404 for names that are no id, name nothing, or name another
+    tenant's adapter."""
     engine = FakeEngine()
-    assert resolve_adapter("fake-base", engine) is None
-    assert resolve_adapter("acme/support@r3", engine) == "acme/support@r3"
-    for name in ("gpt-4", "a/b/c", "acme/../x", "t/n@", "t/n@a@b", "x" * 65 + "/n"):
+    resolve = lambda name, who=EVERYONE: asyncio.run(resolve_model(name, who, engine))  # noqa: E731
+    assert resolve("fake-base").is_base
+    got = resolve("acme/support@r1")
+    assert (got.ref, got.adapter, got.tenant) == ("acme/support@r1", ("acme/support", "r1"), "acme")
+    other = Principal("k", admin=False, tenants=("beta",))
+    for name, who in [*((n, EVERYONE) for n in ("gpt-4", "a/b/c", "acme/../x", "t/n@", "t/n@a@b",
+                                                 "x" * 65 + "/n", "acme/ghost")),
+                      ("acme/support", other)]:
         with pytest.raises(APIError) as err:
-            resolve_adapter(name, engine)
-        assert (err.value.status, err.value.code) == (404, "model_not_found")
+            resolve(name, who)
+        assert (err.value.status, err.value.code, err.value.param) == (404, "model_not_found", "model")
+        assert name[:40] in err.value.message
+
+
+def _adapter(ref: str) -> ResolvedModel:
+    adapter_id, _, rev = ref.partition("@")
+    return ResolvedModel(ref, ref, (adapter_id, rev or "r1"), None, adapter_id.split("/")[0])
+
+
+BASE = ResolvedModel("fake-base", "fake-base")
 
 
 def test_fan_out_is_prompt_major_with_seed_per_choice() -> None:
     params = SamplingParams(max_tokens=3, seed=7, stop=["x"])
     prompts = [Prompt("a", [1]), Prompt("b", [2])]
-    reqs = fan_out("cmpl-1", prompts, 3, params, "t/n")
+    reqs = fan_out("cmpl-1", prompts, 3, params, _adapter("t/n"))
     assert [r.request_id for r in reqs] == [f"cmpl-1-{i}" for i in range(6)]
     assert [r.prompt_token_ids for r in reqs] == [[1]] * 3 + [[2]] * 3
     assert [r.params.seed for r in reqs] == [7, 8, 9] * 2
     assert all(r.params.stop == ["x"] and r.adapter == "t/n" for r in reqs)
-    unseeded = fan_out("c", prompts[:1], 2, SamplingParams(), None)
+    unseeded = fan_out("c", prompts[:1], 2, SamplingParams(), BASE)
     assert [r.params.seed for r in unseeded] == [None, None]
 
 
@@ -91,8 +111,8 @@ def test_logprob_shapes_floor_infinities() -> None:
 
 def test_start_all_closes_every_request_when_one_fails() -> None:
     engine = FakeEngine()
-    good = fan_out("r", [Prompt("a", [1])], 2, SamplingParams(max_tokens=5), None)
-    bad = fan_out("b", [Prompt("a", [1])], 1, SamplingParams(max_tokens=5), "acme/ghost")
+    good = fan_out("r", [Prompt("a", [1])], 2, SamplingParams(max_tokens=5), BASE)
+    bad = fan_out("b", [Prompt("a", [1])], 1, SamplingParams(max_tokens=5), _adapter("acme/ghost"))
 
     async def run() -> None:
         with pytest.raises(CatalogError):
@@ -104,7 +124,7 @@ def test_start_all_closes_every_request_when_one_fails() -> None:
 
 def test_closing_merge_aborts_unfinished_requests() -> None:
     engine = FakeEngine(delay_s=0.001)
-    reqs = fan_out("m", [Prompt("a", [1])], 3, SamplingParams(max_tokens=50), None)
+    reqs = fan_out("m", [Prompt("a", [1])], 3, SamplingParams(max_tokens=50), BASE)
 
     async def run() -> list[int]:
         stream = merge(await start_all(engine, reqs))
@@ -162,7 +182,7 @@ def test_the_skeleton_serves_any_endpoint() -> None:
 
     async def answer(**fields) -> tuple[int, bytes | list[str]]:
         req = CompletionRequest(model="fake-base", prompt="unused", max_tokens=3, n=2, **fields)
-        response = await serve(req, ctx, TOY)
+        response = await serve(req, ctx, TOY, EVERYONE)
         if not fields.get("stream"):
             return response.status_code, response.body
         return response.status_code, [chunk async for chunk in response.body_iterator]
