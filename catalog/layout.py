@@ -7,8 +7,6 @@ both check the layout so a blob that loads is one the engine can use as is: ever
 from __future__ import annotations
 
 import math
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +18,7 @@ from .bounds import GainPlan, as_float32, check_servable, gain_limit
 from .dtypes import DTYPES_BY_NAME, dtype_name, name_of_code, torch_dtype
 from .errors import CorruptBlob
 from .format import FORMAT, canonical_blob, check_adapter_meta, read_header
+from .lru import BoundedLRU
 from .targets import EXPERT_KINDS, module_path, parse_tensor_name, tensor_names
 
 
@@ -206,31 +205,14 @@ class _Layout:
                       for name, shape, strides, offset in self.tensors}
 
 
-class _LayoutCache:
+class _LayoutCache(BoundedLRU[tuple, _Layout]):
     """The checked layouts, least recently used out beyond `capacity`; safe across threads (pager
-    workers decode at once): a lookup and an insert are each one dict operation under a lock."""
+    workers decode at once): a lookup and an insert each hold the map's lock once."""
 
-    def __init__(self, capacity: int = 256):
-        self.capacity = capacity
-        self._items: OrderedDict[tuple, _Layout] = OrderedDict()
-        self._lock = threading.Lock()
+    __slots__ = ()
 
-    def get(self, key: tuple) -> _Layout | None:
-        with self._lock:
-            layout = self._items.get(key)
-            if layout is not None:
-                self._items.move_to_end(key)
-            return layout
-
-    def put(self, key: tuple, layout: _Layout) -> None:
-        with self._lock:
-            self._items[key] = layout
-            self._items.move_to_end(key)
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._items)
+    def __init__(self, capacity: int = 256) -> None:
+        super().__init__(capacity)
 
 
 _LAYOUTS = _LayoutCache()

@@ -23,15 +23,14 @@ import functools
 import heapq
 import json
 import os
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
 from .errors import AdapterNotFound, CatalogError, CorruptBlob, RevisionNotFound, ShardUnavailable
 from .format import blob_checksum
 from .ids import validate_adapter_id, validate_revision
+from .lru import BoundedLRU
 from .records import PolicyRecord, RevisionRecord
 from .shards import CATALOG_META, Shard, ShardOptions, shard_of
 from .writes import promote_in_txn, put_revision_in_txn, read_policy, read_revision, rollback_in_txn, tag_in_txn
@@ -135,28 +134,25 @@ class ResolveCache:
     """
 
     def __init__(self, capacity: int = 4096) -> None:
-        self.capacity = capacity
-        self._answers: OrderedDict[tuple[str, str | None], tuple[int, RevisionRecord]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._answers: BoundedLRU[tuple[str, str | None], tuple[int, RevisionRecord]] = BoundedLRU(capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self._answers.capacity
+
+    @capacity.setter
+    def capacity(self, value: int) -> None:
+        self._answers.capacity = value
 
     def get(self, key: tuple[str, str | None], generation: int) -> RevisionRecord | None:
-        with self._lock:
-            hit = self._answers.get(key)
-            if hit is None or hit[0] != generation:
-                return None
-            self._answers.move_to_end(key)
-            return hit[1]
+        hit = self._answers.get_if(key, lambda answer: answer[0] == generation)
+        return None if hit is None else hit[1]
 
     def put(self, key: tuple[str, str | None], generation: int, record: RevisionRecord) -> None:
-        with self._lock:
-            self._answers[key] = (generation, record)
-            self._answers.move_to_end(key)
-            if len(self._answers) > self.capacity:
-                self._answers.popitem(last=False)
+        self._answers.put(key, (generation, record))
 
     def clear(self) -> None:
-        with self._lock:
-            self._answers.clear()
+        self._answers.clear()
 
     def __len__(self) -> int:
         return len(self._answers)

@@ -20,22 +20,22 @@ the fact that a read was recent or slow): a promote or rollback is seen at once.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+
+from loraserve.catalog.lru import BoundedLRU
 
 
 class WarmRefs:
     def __init__(self, ttl_s: float = 5.0, capacity: int = 4096, *, inline_cold: bool = True,
                  slow_s: float = 0.002, backoff_s: float = 10.0):
         self.ttl_s = ttl_s
-        self.capacity = capacity
         self.inline_cold = inline_cold
         self.slow_s = slow_s
         self.backoff_s = backoff_s
-        self._seen: OrderedDict[str, float] = OrderedDict()
+        self._seen: BoundedLRU[str, float] = BoundedLRU(capacity, lock=False)  # event loop only
         self._slow_until = float("-inf")  # cold refs go to a thread until then
 
     def is_warm(self, ref: str) -> bool:
-        at = self._seen.get(ref)
+        at = self._seen.peek(ref)
         return at is not None and time.monotonic() - at < self.ttl_s
 
     def inline(self, ref: str) -> bool:
@@ -51,7 +51,12 @@ class WarmRefs:
 
     def touch(self, ref: str) -> None:
         """`ref` was just resolved (successfully)."""
-        self._seen[ref] = time.monotonic()
-        self._seen.move_to_end(ref)
-        if len(self._seen) > self.capacity:
-            self._seen.popitem(last=False)
+        self._seen.put(ref, time.monotonic())
+
+    @property
+    def capacity(self) -> int:
+        return self._seen.capacity
+
+    @capacity.setter
+    def capacity(self, value: int) -> None:
+        self._seen.capacity = value

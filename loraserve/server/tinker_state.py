@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from loraserve.catalog.lru import BoundedLRU
 from loraserve.server.tokens import TokenIssuer
 
 V = TypeVar("V")
@@ -27,10 +28,18 @@ class Recent(Generic[V]):
 
     def __init__(self, max_items: int, idle_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.max_items = max_items
         self.idle_s = idle_s
         self._clock = clock
-        self._items: OrderedDict[str, tuple[float, V]] = OrderedDict()
+        # (last use, value), least recently used first: also oldest last use first
+        self._items: BoundedLRU[str, tuple[float, V]] = BoundedLRU(max_items, lock=False)
+
+    @property
+    def max_items(self) -> int:
+        return self._items.capacity
+
+    @max_items.setter
+    def max_items(self, value: int) -> None:
+        self._items.capacity = value
 
     def __len__(self) -> int:
         return len(self._items)
@@ -38,23 +47,20 @@ class Recent(Generic[V]):
     def get(self, key: str) -> V | None:
         """The value of `key` (now its most recent use), or None."""
         self._expire()
-        found = self._items.pop(key, None)
+        found = self._items.peek(key)
         if found is None:
             return None
-        self._items[key] = (self._clock(), found[1])
+        self._items.put(key, (self._clock(), found[1]))
         return found[1]
 
     def put(self, key: str, value: V) -> None:
-        self._items.pop(key, None)
-        self._items[key] = (self._clock(), value)
-        while len(self._items) > self.max_items:
-            self._items.popitem(last=False)
+        self._items.put(key, (self._clock(), value))
         self._expire()
 
     def _expire(self) -> None:
         cutoff = self._clock() - self.idle_s
-        while self._items and next(iter(self._items.values()))[0] < cutoff:
-            self._items.popitem(last=False)
+        while (oldest := self._items.oldest()) is not None and oldest[1][0] < cutoff:
+            self._items.pop_oldest()
 
 
 @dataclass(slots=True)
