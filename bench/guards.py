@@ -65,6 +65,28 @@ def hot_path(model: str, batches: list[int], steps: int, repeats: int) -> None:
     eng._screen = screen
 
 
+def screen_micro(batches: list[int], repeats: int = 50) -> None:
+    """The screen's own cost at a real vocabulary (Qwen3: 151,936, hidden 1,024), against the
+    one op every step has that scales the same way: the lm_head matmul that makes the logits."""
+    vocab, hidden = 151_936, 1024
+    weight = torch.randn(vocab, hidden) * 0.02
+    print("\n== the screen at Qwen3-0.6B's vocabulary: logits sum + isfinite, against the lm_head matmul ==")
+    print(f"{'batch':>6} {'lm_head us':>11} {'screen us':>10} {'screen/lm_head':>15}")
+    for batch in batches:
+        h = torch.randn(batch, hidden)
+        logits = h @ weight.t()
+        def timed(fn):
+            runs = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn()
+                runs.append((time.perf_counter() - start) * 1e6)
+            return statistics.median(runs)
+        mm = timed(lambda: h @ weight.t())
+        sc = timed(lambda: bool(torch.isfinite(logits.sum(dim=-1)).all()))
+        print(f"{batch:>6} {mm:>11.1f} {sc:>10.1f} {sc / mm:>15.4f}")
+
+
 def _blob(shape: str, rank: int, kinds: list[str]) -> bytes:
     from loraserve.catalog.layout import AdapterWeights, save_revision
     from loraserve.catalog.targets import tensor_names
@@ -125,6 +147,7 @@ def main() -> None:
     args = p.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     cold_path(args.shapes.split(","), args.blobs)
+    screen_micro([int(b) for b in args.batches.split(",")])
     hot_path(base_or_demo(args.model), [int(b) for b in args.batches.split(",")], args.steps, args.repeats)
 
 
