@@ -94,6 +94,12 @@ class EngineConfig:
         "default": "every usable core (the affinity mask, at most OMP_NUM_THREADS) for a base "
                    "whose linear weights outgrow the last-level cache, else all cores but one"})
 
+    @property
+    def model_name(self) -> str:
+        """The base's name in requests and listings: `served_model_name`, else the model
+        directory's last component (one rule for every hosting)."""
+        return self.served_model_name or self.model_dir.rstrip("/").split("/")[-1]
+
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto|cpu|cuda, got {self.device!r}")

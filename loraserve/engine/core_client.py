@@ -117,7 +117,7 @@ class CoreClient(EngineFrontend):
         if engine_timeout_s <= 0:
             raise ValueError("engine_timeout_s must be > 0")
         self.cfg = cfg
-        self.model_name = cfg.served_model_name or cfg.model_dir.rstrip("/").split("/")[-1]
+        self.model_name = cfg.model_name
         self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings)
         self.vocab_size = mc.vocab_size
         self.adapter_manager = CatalogView(

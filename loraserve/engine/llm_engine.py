@@ -92,7 +92,7 @@ class LLMEngine:
             log.info("CPU engine: %d intra-op threads, base weights %s", torch.get_num_threads(),
                      "packed for oneDNN" if packed else "plain")
         self.tokenizer = Tokenizer.from_dir(cfg.model_dir)
-        self.model_name = cfg.served_model_name or cfg.model_dir.rstrip("/").split("/")[-1]
+        self.model_name = cfg.model_name
         self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings)
         self.vocab_size = mc.vocab_size
         blocks = _num_kv_blocks(cfg, mc, self.dtype)

@@ -64,7 +64,7 @@ class RayEngineFrontend:
         self.scale = scale
         self.replicas = replicas
         mc = ModelConfig.from_dir(cfg.model_dir)
-        self.model_name = cfg.served_model_name or cfg.model_dir.rstrip("/").split("/")[-1]
+        self.model_name = cfg.model_name
         self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings)
         self.vocab_size = mc.vocab_size
         self.tokenizer = Tokenizer.from_dir(cfg.model_dir)
