@@ -41,7 +41,7 @@ from .config import EngineConfig
 from .engine_loop import EngineLoop
 from .heartbeat import ALIVE, HEARTBEAT_S, LOOP_WAITING, PROGRESS, Beat
 from .llm_engine import LLMEngine
-from .types import RequestOutput
+from .types import EngineError, RequestOutput
 from .wire import (error_to_wire, output_to_wire, pack, request_from_wire, snapshot_to_wire,
                    unpacker)
 
@@ -190,7 +190,11 @@ class EngineCore:
     def _add(self, wire_req: dict, record_json: bytes | None) -> list[RequestOutput]:
         req = request_from_wire(wire_req)
         record = RevisionRecord.from_json(record_json) if record_json is not None else None
-        seq = self.engine.make_sequence(req, record)
+        try:  # a grammar that does not compile (structured output): that request alone fails
+            seq = self.engine.make_sequence(req, record)
+        except EngineError as exc:
+            return [RequestOutput(req.request_id, [], "", finish_reason="error",
+                                  num_prompt_tokens=len(req.prompt_token_ids), error=exc)]
         return self.loop.add(seq, req.stream)
 
     def _info(self) -> dict:

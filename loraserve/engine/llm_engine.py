@@ -26,6 +26,7 @@ from .directory import EVERYONE, AdapterDirectory
 from .model_runner import ModelRunner, StepResult
 from .output import TokenOutputs
 from .sampler import sample, token_logprobs
+from .structured import GrammarEngine
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .snapshot import PUBLISH_EVERY_S, EngineSnapshot
@@ -115,6 +116,7 @@ class LLMEngine:
         self.last_batch_size = 0
         self._notify = lambda: None  # wakes the owner thread when a page-in completes
         self.snapshot = EngineSnapshot(max_lora=0)
+        self._grammars: GrammarEngine | None = None
 
     def enable_lora(self, manager, state) -> None:
         """Serve adapters: admission goes through the manager, the runner feeds the wrappers."""
@@ -142,9 +144,22 @@ class LLMEngine:
     def make_sequence(self, req: GenerateRequest, record=None) -> Sequence:
         gen = torch.Generator().manual_seed(req.params.seed) if req.params.seed is not None else None
         key = (record.adapter_id, record.revision) if record is not None else None
-        return Sequence(req.request_id, list(req.prompt_token_ids), req.params, key,
-                        adapter_ref=req.adapter if key is not None else None, generator=gen,
-                        adapter_record=record, tenant=req.tenant, tenant_weight=req.tenant_weight)
+        seq = Sequence(req.request_id, list(req.prompt_token_ids), req.params, key,
+                       adapter_ref=req.adapter if key is not None else None, generator=gen,
+                       adapter_record=record, tenant=req.tenant, tenant_weight=req.tenant_weight)
+        if req.params.structured is not None:
+            # compiled here (cached by kind and text), on the thread that admits the request:
+            # never inside a step. Raises EngineError 400 for a grammar that does not compile.
+            seq.matcher = self.grammars.matcher(req.params.structured)
+        return seq
+
+    @property
+    def grammars(self) -> GrammarEngine:
+        """Structured output's compiler and compiled-grammar LRU, built on first use (the
+        vocabulary's xgrammar tokenizer info, once per engine)."""
+        if self._grammars is None:
+            self._grammars = GrammarEngine(self.tokenizer, self.vocab_size, sorted(self.output.eos))
+        return self._grammars
 
     # -- requests and commands: engine thread ---------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:

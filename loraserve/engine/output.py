@@ -37,6 +37,13 @@ class TokenOutputs:
         seq.output_ids.append(token)
         if logprob is not None:
             seq.output_logprobs.append(logprob)
+        m = seq.matcher
+        if m is not None:  # structured output: advance the grammar; terminated = done
+            if not m.accept_token(token):
+                raise RuntimeError(f"token {token} does not follow the request's grammar")
+            if m.is_terminated():
+                seq.finish_reason = "stop"
+                return
         # before min_tokens tokens nothing but the length ends it (the sampler masks EOS and
         # stop token ids until then: this only guards that)
         if len(seq.output_ids) > p.min_tokens and (

@@ -8,7 +8,8 @@ writes into the logits it is given.
 vLLM's extensions (SamplingParams.adjusts_logits) are applied per sequence, vectorized over the
 rows that ask for any, in vLLM's order: min_tokens masks EOS and stop token ids, logit_bias adds,
 then repetition / frequency / presence penalties, the greedy pick or the temperature, min_p, then
-top-k / top-p. Penalties touch only the entries of tokens a sequence has seen (from its prompt
+top-k / top-p; last of the adjustments, structured output masks a constrained row to the tokens
+its grammar allows (`structured.mask_rows`, xgrammar's bitmask). Penalties touch only the entries of tokens a sequence has seen (from its prompt
 and output ids, every step: Sequence keeps no tensors), so they cost what the sequences' lengths
 cost, not the vocabulary; min_p computes on its own rows only. The one [B, V] cost is a copy
 of the logits (the raw ones stay for the logprobs). A batch where no sequence asks for one takes
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from .sequence import Sequence
+from .structured import mask_rows as grammar_mask
 from .types import TokenLogprob
 
 
@@ -69,7 +71,9 @@ def adjust_logits(logits: torch.Tensor, seqs: Seq[Sequence],
     mask_rows, mask_ids = [], []
     for i, s in enumerate(seqs):
         p = s.params
-        if p.min_tokens and len(s.output_ids) < p.min_tokens:
+        # (not under a grammar: its completion decides when EOS may come, and masking EOS
+        # when it is the one token the grammar allows would leave the row nothing)
+        if p.min_tokens and s.matcher is None and len(s.output_ids) < p.min_tokens:
             ids = [t for t in (p.stop_token_ids if p.ignore_eos
                                else [*eos_token_ids, *p.stop_token_ids]) if t < vocab]
             mask_rows += [i] * len(ids)
@@ -87,6 +91,9 @@ def adjust_logits(logits: torch.Tensor, seqs: Seq[Sequence],
                  or s.params.presence_penalty or s.params.frequency_penalty]
     if penalized:
         _penalize(out, penalized, [seqs[i] for i in penalized])
+    constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+    if constrained:  # structured output: only the tokens each row's grammar allows
+        grammar_mask(out, constrained, [seqs[i].matcher for i in constrained])
     return out
 
 

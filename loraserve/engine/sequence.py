@@ -43,6 +43,7 @@ class Sequence:
     adapter_record: object | None = None   # catalog RevisionRecord of adapter_key (to page it in)
     tenant: str = ""                       # whose request: the unit of fair share
     tenant_weight: float = 1.0             # the tenant's share relative to others (> 0)
+    matcher: object | None = None          # structured output: its grammar's xgrammar matcher
 
     @property
     def all_ids(self) -> list[int]:

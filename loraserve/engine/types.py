@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from loraserve.catalog.records import RevisionRecord
@@ -38,6 +38,24 @@ class EngineError(Exception):
         self.param = param
 
 
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+class GrammarSpec(NamedTuple):
+    """Structured output (engine/structured.py): kind in STRUCTURED_KINDS; text: the JSON
+    schema (JSON text), the regex, the choices (a JSON list of strings), the EBNF grammar; ""
+    for json_object. `param`: the request field it came from (the 400 names it); not part of
+    the compiled-grammar cache key. A NamedTuple: it travels on the engine-core wire as an array."""
+
+    kind: str
+    text: str
+    param: str = "response_format"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.kind, self.text
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling. temperature 0 = greedy; top_k 0/-1 = off; top_p 1 = off.
@@ -54,7 +72,8 @@ class SamplingParams:
     a negative one multiplied), `presence_penalty` / `frequency_penalty` ([-2, 2], OpenAI's:
     subtracted once per token present in the output / once per occurrence there), then after the
     temperature `min_p` ([0, 1]: drop tokens whose probability is below min_p times the top
-    one's). Logprobs stay the model's raw distribution."""
+    one's). `structured` (a GrammarSpec) masks each step's logits to the tokens its grammar
+    allows, after the others, before the temperature. Logprobs stay the model's raw distribution."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -72,6 +91,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    # structured output: the grammar the sampled tokens must follow (None = free)
+    structured: GrammarSpec | None = None
     # derived, set by __post_init__ whatever is passed: whether any of the extensions above is
     # on. A field (not a property) so that the sampler's per-step check is one attribute read.
     adjusts_logits: bool = False
@@ -132,7 +153,13 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise EngineError(f"min_tokens must be in [0, max_tokens] ([0, {self.max_tokens}])",
                               param="min_tokens")
-        self.adjusts_logits = bool(self.min_p or self.repetition_penalty != 1.0
+        if self.structured is not None:
+            if not isinstance(self.structured, GrammarSpec):  # from the wire: a list
+                self.structured = GrammarSpec(*self.structured)
+            if self.structured.kind not in STRUCTURED_KINDS or not isinstance(self.structured.text, str):
+                raise EngineError(f"unknown structured output kind {self.structured.kind!r}",
+                                  param=self.structured.param)
+        self.adjusts_logits = bool(self.structured is not None or self.min_p or self.repetition_penalty != 1.0
                                    or self.presence_penalty or self.frequency_penalty
                                    or self.logit_bias or self.min_tokens)
 

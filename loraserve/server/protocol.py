@@ -13,7 +13,10 @@ them all):
 - `null` for a declared field means "not given" (the openai client sends null for an explicit
   None), so it takes the default.
 
-vLLM extensions honoured: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+Structured output (`response_format` json_object / json_schema, vLLM's `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar`, `structured_outputs`) is read and checked by
+`serving.structured_spec` (at most one per request; a grammar that does not parse is a 400
+naming its field). vLLM extensions honoured: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
 `stop_token_ids`, `ignore_eos`, `return_tokens_as_token_ids`, (chat) `add_generation_prompt`.
 OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias` are honoured as OpenAI defines
 them. End-user identifiers (`user`; on chat also `safety_identifier`, `prompt_cache_key`,
@@ -99,11 +102,6 @@ def _refused_field(model: BaseModel, refused: dict[str, Refused]) -> tuple[str, 
     return None
 
 
-STRUCTURED = "structured output (JSON mode, JSON schema, regex, grammar) is not implemented yet"
-_TEXT_FORMAT = Refused(f"only {{\"type\": \"text\"}}: {STRUCTURED}",
-                       lambda v: isinstance(v, dict) and v == {"type": "text"})
-
-
 class StrictBody(BaseModel):
     """A request body: undeclared fields are refused (parse_body: 400 `unknown_parameter`), and
     null for a declared field means "not given"."""
@@ -149,21 +147,21 @@ class SamplingFields(StrictBody):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # refused (REFUSED): declared so that the 400 says why
+    # structured output (serving.structured_spec reads and checks them: at most one)
     response_format: Any = None
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # refused (REFUSED): declared so that the 400 says why
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
 
     REFUSED: ClassVar[dict[str, Refused]] = {
-        "response_format": _TEXT_FORMAT,
-        **{name: Refused(STRUCTURED) for name in (
-            "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-            "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern")},
+        "guided_decoding_backend": Refused("one grammar backend (xgrammar); only \"xgrammar\" "
+                                           "or \"auto\"", lambda v: v in ("xgrammar", "auto")),
+        "guided_whitespace_pattern": Refused("the JSON grammars' whitespace is the server's"),
     }
     # accepted and logged (serving.check_request), never used otherwise
     IDENTIFIERS: ClassVar[tuple[str, ...]] = ("user",)

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from loraserve.engine.config import EngineConfig
-from loraserve.engine.types import (SEED_MAX, GenerateRequest, RequestOutput, ResolvedModel,
-                                    SamplingParams)
+from loraserve.engine.structured import check_spec
+from loraserve.engine.types import (SEED_MAX, EngineError, GenerateRequest, GrammarSpec,
+                                    RequestOutput, ResolvedModel, SamplingParams)
 from loraserve.server.errors import APIError, clip
 from loraserve.server.metrics import ServerMetrics
 from loraserve.server.names import lookup_error
@@ -286,4 +287,104 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
-        min_tokens=req.min_tokens or 0)
+        min_tokens=req.min_tokens or 0, structured=structured_spec(req))
+
+
+def _bad(param: str, message: str) -> EngineError:
+    return EngineError(f"{param}: {message}", param=param)
+
+
+def _schema_text(value: Any, param: str) -> str:
+    """A JSON schema given as an object or as JSON text -> its JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise _bad(param, "must be a JSON schema (an object, or its JSON text)") from None
+    if not isinstance(value, dict):
+        raise _bad(param, "must be a JSON schema (an object, or its JSON text)")
+    return json.dumps(value, sort_keys=True)
+
+
+def _choice_text(value: Any, param: str) -> str:
+    if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+        raise _bad(param, "must be a non-empty list of non-empty strings")
+    return json.dumps(value)
+
+
+def _string(value: Any, param: str, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise _bad(param, f"must be a non-empty string ({what})")
+    return value
+
+
+def _response_format(rf: Any) -> GrammarSpec | None:
+    """OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", ...}."""
+    param = "response_format"
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object", "", param)
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("name", ""), str):
+            raise _bad(param, "json_schema must be an object {\"name\", \"schema\", \"strict\"}")
+        if js.get("schema") is None:
+            return GrammarSpec("json_object", "", param)
+        return GrammarSpec("json_schema", _schema_text(js["schema"], param), param)
+    raise EngineError(f"{param}: this type is not supported; only \"text\", \"json_object\" "
+                      "or \"json_schema\"",
+                      param=param, code="unsupported_parameter")
+
+
+# structured_outputs' keys (vLLM) -> the guided_* field they mean
+_STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                       "grammar": "guided_grammar", "json_object": "json_object"}
+
+
+def _guided(name: str, value: Any, param: str) -> GrammarSpec:
+    if name == "guided_json":
+        return GrammarSpec("json_schema", _schema_text(value, param), param)
+    if name == "guided_regex":
+        return GrammarSpec("regex", _string(value, param, "a regular expression"), param)
+    if name == "guided_choice":
+        return GrammarSpec("choice", _choice_text(value, param), param)
+    if name == "guided_grammar":
+        return GrammarSpec("grammar", _string(value, param, "an EBNF grammar"), param)
+    if value is not True:
+        raise _bad(param, "json_object must be true")
+    return GrammarSpec("json_object", "", param)
+
+
+def structured_spec(req: SamplingFields) -> GrammarSpec | None:
+    """The request's structured output, or None: at most one of response_format (json_object,
+    json_schema), guided_json, guided_regex, guided_choice, guided_grammar, structured_outputs.
+    Its grammar is parsed here, in the API process, before the request is queued (xgrammar, no
+    tokenizer: `structured.check_spec`); the engine compiles it against the vocabulary when it
+    admits the sequence. EngineError (400 naming the field) otherwise."""
+    specs: list[GrammarSpec] = []
+    if req.response_format is not None:
+        spec = _response_format(req.response_format)
+        if spec is not None:
+            specs.append(spec)
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        value = getattr(req, name)
+        if value is not None:
+            specs.append(_guided(name, value, name))
+    so = req.structured_outputs
+    if so is not None:
+        param = "structured_outputs"
+        given = {k: v for k, v in so.items() if v is not None} if isinstance(so, dict) else None
+        if not given or len(given) != 1 or next(iter(given)) not in _STRUCTURED_OUTPUTS:
+            raise _bad(param, "must be an object with exactly one of "
+                       + ", ".join(_STRUCTURED_OUTPUTS))
+        key, value = next(iter(given.items()))
+        specs.append(_guided(_STRUCTURED_OUTPUTS[key], value, f"{param}.{key}"))
+    if not specs:
+        return None
+    if len(specs) > 1:
+        raise EngineError(f"at most one structured output per request: {specs[0].param} and "
+                          f"{specs[1].param} were both given", param=specs[1].param)
+    check_spec(specs[0])
+    return specs[0]

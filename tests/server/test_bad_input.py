@@ -54,8 +54,12 @@ CASES = [
     ("huge stop string", "/v1/completions", {**GOOD, "stop": ["x" * 100_000]}, 400, "stop"),
     ("presence penalty out of range", "/v1/completions", {**GOOD, "presence_penalty": 2.5}, 400,
      "presence_penalty"),
-    ("json mode", "/v1/completions", {**GOOD, "response_format": {"type": "json_object"}}, 400,
+    ("bad json schema", "/v1/completions", {**GOOD, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}, 400,
      "response_format"),
+    ("bad regex", "/v1/completions", {**GOOD, "guided_regex": "[0-9"}, 400, "guided_regex"),
+    ("two structured outputs", "/v1/chat/completions",
+     {**CHAT, "guided_regex": "a", "guided_choice": ["a"]}, 400, "guided_choice"),
     ("unknown field", "/v1/completions", {**GOOD, "best_answer": True}, 400, "best_answer"),
     ("tools", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
     ("streamed bad request", "/v1/completions", {**GOOD, "stream": True, "n": 99}, 400, "n"),

@@ -51,6 +51,10 @@ def params_has(**expected: Any) -> Check:
     return lambda p, r, e: all(getattr(p, k) == v for k, v in expected.items())
 
 
+def grammar(kind: str) -> Check:
+    return lambda p, r, e: p.structured is not None and p.structured.kind == kind
+
+
 def logged(p: SamplingParams, r: httpx.Response, e: FakeEngine) -> bool:
     return True  # accepted; the test proper checks the log line
 
@@ -106,9 +110,10 @@ CASES: list[tuple[str, str, Any, Check | str, dict]] = [
     ("chat", "prompt_cache_retention", "24h", REFUSED, {}),
     ("chat", "reasoning_effort", "low", REFUSED, {}),
     ("chat", "response_format", {"type": "text"}, params_has(), {}),
-    ("chat", "response_format", {"type": "json_object"}, REFUSED, {}),
+    ("chat", "response_format", {"type": "json_object"}, grammar("json_object"), {}),
     ("chat", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
-     REFUSED, {}),
+     grammar("json_schema"), {}),
+    ("chat", "response_format", {"type": "xml"}, REFUSED, {}),
     ("chat", "safety_identifier", "hashed-user", logged, {}),
     ("chat", "seed", -3, params_has(seed=-3), {}),
     ("chat", "service_tier", "auto", params_has(), {}),
@@ -139,14 +144,15 @@ CASES: list[tuple[str, str, Any, Check | str, dict]] = [
         ("stop_token_ids", [33, 34], params_has(stop_token_ids=[33, 34])),
         ("ignore_eos", True, params_has(ignore_eos=True)),
         ("return_tokens_as_token_ids", True, params_has()),
-        ("guided_json", {"type": "object"}, REFUSED),
-        ("guided_regex", "[a-z]+", REFUSED),
-        ("guided_choice", ["yes", "no"], REFUSED),
-        ("guided_grammar", "root ::= 'a'", REFUSED),
-        ("guided_decoding_backend", "xgrammar", REFUSED),
+        ("guided_json", {"type": "object"}, grammar("json_schema")),
+        ("guided_regex", "[a-z]+", grammar("regex")),
+        ("guided_choice", ["yes", "no"], grammar("choice")),
+        ("guided_grammar", "root ::= \"a\"", grammar("grammar")),
+        ("guided_decoding_backend", "xgrammar", params_has()),
+        ("guided_decoding_backend", "outlines", REFUSED),
         ("guided_whitespace_pattern", " ", REFUSED),
-        ("structured_outputs", {"json": {"type": "object"}}, REFUSED),
-        ("response_format", {"type": "json_object"}, REFUSED),
+        ("structured_outputs", {"json": {"type": "object"}}, grammar("json_schema")),
+        ("response_format", {"type": "json_object"}, grammar("json_object")),
     ]],
     ("chat", "add_generation_prompt", False, params_has(), {}),
 ]
@@ -503,7 +509,7 @@ def test_openai_client_extra_body(real: tuple[str, AsyncEngine], base_name: str)
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=base_name, messages=[{"role": "user",
                                                                        "content": "hi"}],
-                                           response_format={"type": "json_object"})
+                                           response_format={"type": "xml"})
         assert err.value.body["param"] == "response_format"
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=base_name, prompt="x",

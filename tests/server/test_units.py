@@ -199,5 +199,5 @@ def test_the_skeleton_serves_any_endpoint() -> None:
     assert sum(len(c["choices"]) for c in chunks[2:-1]) == 6
     assert chunks[-1]["usage"]["completion_tokens"] == 6
     with pytest.raises(APIError) as err:
-        asyncio.run(answer(response_format={"type": "json_object"}))  # shared checks first
-    assert err.value.param == "response_format"
+        asyncio.run(answer(guided_whitespace_pattern=" "))  # shared checks first
+    assert err.value.param == "guided_whitespace_pattern"

@@ -1,0 +1,144 @@
+"""Structured output: a sequence's tokens follow a grammar (JSON, a JSON schema, a regex, a
+choice of strings, an EBNF grammar), run by xgrammar on the CPU.
+
+`GrammarSpec` (kind, text) is what a request carries (`SamplingParams.structured`, a NamedTuple
+so that it travels on the engine-core wire as a two-item array). `check_spec` validates one
+without a tokenizer (the API process, before the request is queued: a 400 naming `param`).
+`GrammarEngine` is one per engine: the xgrammar tokenizer info built once from the model's
+`tokenizers.Tokenizer` vocabulary, a compiler, and a bounded LRU of compiled grammars by
+(kind, text). `GrammarEngine.matcher(spec)` compiles on a miss (the sequence's admission,
+`LLMEngine.make_sequence`: the caller's thread, not the step) and returns a fresh matcher.
+
+In the step (`sampler.adjust_logits`), a constrained row's logits are masked with its matcher's
+allowed-token bitmask before sampling (greedy and random alike); `output.TokenOutputs.append`
+advances the matcher with the accepted token and ends the sequence ("stop") once the matcher
+is terminated (the grammar was complete and a stop token was accepted). Logprobs stay the
+model's raw distribution.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import torch
+
+from loraserve.catalog.lru import BoundedLRU
+
+from .types import STRUCTURED_KINDS as KINDS
+from .types import EngineError, GrammarSpec
+
+__all__ = ["GrammarEngine", "GrammarSpec", "check_spec", "mask_rows", "tokenizer_info"]
+GRAMMAR_CACHE_SIZE = 256
+MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, regex, choice list or grammar longer than this: 400
+
+
+def _xgr():
+    import xgrammar  # imported on first use: a server that never sees a grammar never loads it
+    return xgrammar
+
+
+def _choice_ebnf(text: str) -> str:
+    choices = json.loads(text)
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _grammar_of(spec: GrammarSpec):
+    """The xgrammar Grammar of spec (no tokenizer: validation only)."""
+    xgr = _xgr()
+    if spec.kind == "json_object":
+        return xgr.Grammar.builtin_json_grammar()
+    if spec.kind == "json_schema":
+        return xgr.Grammar.from_json_schema(spec.text, any_whitespace=False)
+    if spec.kind == "regex":
+        return xgr.Grammar.from_regex(spec.text)
+    if spec.kind == "choice":
+        return xgr.Grammar.from_ebnf(_choice_ebnf(spec.text))
+    return xgr.Grammar.from_ebnf(spec.text)
+
+
+def check_spec(spec: GrammarSpec) -> None:
+    """Raise EngineError (400, param = spec.param) unless spec's grammar parses."""
+    if spec.kind not in KINDS:
+        raise EngineError(f"unknown structured output kind {spec.kind!r}", param=spec.param)
+    if len(spec.text) > MAX_GRAMMAR_CHARS:
+        raise EngineError(f"{spec.param}: at most {MAX_GRAMMAR_CHARS} characters",
+                          param=spec.param)
+    try:
+        _grammar_of(spec)
+    except Exception as exc:  # xgrammar raises RuntimeError / ValueError with its parser's text
+        raise EngineError(f"{spec.param}: the {spec.kind.replace('_', ' ')} does not compile: "
+                          f"{str(exc).strip()[:500]}", param=spec.param) from None
+
+
+def _vocab_type(tokenizer_json: str, vocab: list[str]):
+    """xgrammar's VocabType the way its from_huggingface decides it (tokenizer.json's decoder)."""
+    xgr = _xgr()
+    try:
+        meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer_json)
+        return meta["vocab_type"], bool(meta.get("add_prefix_space", False))
+    except Exception:
+        if any(t.startswith("<0x") and t.endswith(">") and len(t) == 6 for t in vocab):
+            return xgr.VocabType.BYTE_FALLBACK, True
+        return xgr.VocabType.RAW, False
+
+
+def tokenizer_info(tok: Any, vocab_size: int, stop_token_ids: list[int]):
+    """xgrammar TokenizerInfo from a loraserve Tokenizer (its `tokenizers.Tokenizer` vocabulary,
+    id -> token string) for a model of `vocab_size` logits; stop tokens: the model's EOS ids."""
+    xgr = _xgr()
+    raw = tok._tok
+    n = raw.get_vocab_size(with_added_tokens=True)
+    encoded = [""] * n
+    for text, i in raw.get_vocab(with_added_tokens=True).items():
+        if 0 <= i < n:
+            encoded[i] = text
+    vocab_type, prefix_space = _vocab_type(raw.to_str(), encoded)
+    return xgr.TokenizerInfo(encoded, vocab_type, vocab_size=max(vocab_size, n),
+                             stop_token_ids=list(stop_token_ids), add_prefix_space=prefix_space)
+
+
+class GrammarEngine:
+    """Compiles and caches grammars for one tokenizer; hands out per-sequence matchers."""
+
+    def __init__(self, tok: Any, vocab_size: int, stop_token_ids: list[int],
+                 cache_size: int = GRAMMAR_CACHE_SIZE):
+        xgr = _xgr()
+        self.info = tokenizer_info(tok, vocab_size, stop_token_ids)
+        self.vocab_size = vocab_size
+        # xgrammar's own cache is off: ours is bounded by count and keyed by (kind, text)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
+        self.cache: BoundedLRU[tuple[str, str], Any] = BoundedLRU(cache_size)
+        self.compile_seconds = 0.0  # total spent compiling (misses), for the bench
+        self.compiles = 0
+
+    def compile(self, spec: GrammarSpec):
+        compiled = self.cache.get(spec.key)
+        if compiled is not None:
+            return compiled
+        t0 = time.perf_counter()
+        try:
+            compiled = self.compiler.compile_grammar(_grammar_of(spec))
+        except Exception as exc:
+            raise EngineError(f"{spec.param}: the {spec.kind.replace('_', ' ')} does not compile: "
+                              f"{str(exc).strip()[:500]}", param=spec.param) from None
+        self.compile_seconds += time.perf_counter() - t0
+        self.compiles += 1
+        self.cache.put(spec.key, compiled)
+        return compiled
+
+    def matcher(self, spec: GrammarSpec):
+        return _xgr().GrammarMatcher(self.compile(spec))
+
+
+def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
+    """In place: each row rows[j] of logits [B, V] keeps only the tokens matchers[j] allows
+    (the others at -inf). One bitmask of the constrained rows only."""
+    xgr = _xgr()
+    vocab = logits.shape[-1]
+    bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
+    for j, m in enumerate(matchers):
+        m.fill_next_token_bitmask(bitmask, j)
+    sub = logits[rows]
+    xgr.apply_token_bitmask_inplace(sub, bitmask.to(sub.device), vocab_size=vocab)
+    logits[rows] = sub
