@@ -79,6 +79,24 @@ class EngineFrontend(ABC):
         """The engine can take requests now (an in-process engine always can)."""
         return True
 
+    def unavailable(self) -> EngineError:
+        """The 503 while `ready` is False (its `retry_after`, in seconds, becomes Retry-After)."""
+        err = EngineError("the engine is starting; retry later", status=503, code="engine_unavailable")
+        err.retry_after = 1
+        return err
+
+    # the optional parts of `interface.EngineInterface`, "not here" unless a hosting has them
+    adapter_manager = None  # the catalog side of the adapter tiers; None: base only
+    core_pid: int | None = None  # the engine-core process (CoreClient)
+
+    def supervision(self) -> dict | None:
+        """The engine-core supervisor's state (CoreClient); None in process."""
+        return None
+
+    def replica_snapshots(self) -> dict[str, EngineSnapshot] | None:
+        """One snapshot per engine replica (Ray Serve); None: one engine."""
+        return None
+
     def stats(self) -> dict:
         return {**self.snapshot.stats(), "engine_restarts": self.restarts,
                 "engine_ready": int(self.ready)}

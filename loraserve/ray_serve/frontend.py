@@ -86,6 +86,19 @@ class RayEngineFrontend:
         """Some engine replica reported lately."""
         return bool(self.board.live())
 
+    core_pid = None  # engines run in replicas: no engine-core process of this one
+
+    def supervision(self) -> dict | None:
+        """Replicas are Ray Serve's to supervise: None."""
+        return None
+
+    def unavailable(self) -> EngineError:
+        """The 503 while no replica has reported lately."""
+        err = EngineError("no engine replica has reported lately; retry later", status=503,
+                          code="engine_unavailable")
+        err.retry_after = 1
+        return err
+
     def replica_snapshots(self) -> dict[str, EngineSnapshot]:
         """replica id -> its latest snapshot (router_metrics labels series by it)."""
         return self.board.live()

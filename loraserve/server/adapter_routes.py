@@ -76,7 +76,7 @@ def catalog_cards(mgr, prefix: str, limit: int, after: str | None, root: str) ->
 def readiness(engine) -> APIError | None:
     """None when the server can serve every adapter it holds; else the 503 to answer `/ready` with
     (a catalog shard is unavailable). Cheap: remembered shard checks, no LMDB page is read."""
-    mgr = getattr(engine, "adapter_manager", None)
+    mgr = engine.adapter_manager
     if mgr is None:
         return None
     faults = mgr.catalog.degraded()

@@ -161,7 +161,7 @@ def install_tenancy(app: FastAPI, config: TenancyConfig) -> Tenancy:
     tenancy = Tenancy(config, ctx.metrics)
     app.state.tenancy = tenancy
     app.include_router(admin_router())
-    if getattr(ctx.engine, "adapter_manager", None) is not None:
+    if ctx.engine.adapter_manager is not None:
         app.include_router(control_router())
     app.add_middleware(AuthMiddleware, tenancy=tenancy)
     app.router.lifespan_context = _with_sighup(app.router.lifespan_context, tenancy)

@@ -121,7 +121,7 @@ def _api_router(prefix: str = "/v1") -> APIRouter:
                      after: str | None = None) -> dict:
         """The base and resident adapters; with ?prefix=/?limit=, a page of the catalog."""
         engine = _ctx(request).engine
-        mgr = getattr(engine, "adapter_manager", None)
+        mgr = engine.adapter_manager
         if mgr is not None and (prefix is not None or limit is not None or after is not None):
             if limit is not None and not 1 <= limit <= 10_000:
                 raise APIError(400, "limit must be in [1, 10000]", param="limit")
@@ -142,7 +142,7 @@ def _api_router(prefix: str = "/v1") -> APIRouter:
         check_visible(principal_of(request), name, engine.model_name, requested=model_id)
         if name in engine.list_models():
             return _model_card(model_id, engine)
-        mgr = getattr(engine, "adapter_manager", None)
+        mgr = engine.adapter_manager
         if mgr is not None and "/" in name:
             try:
                 adapter_id, rev = parse_model_ref(name)  # 400 for an invalid id
@@ -175,11 +175,8 @@ def _ops_router() -> APIRouter:
         ctx = _ctx(request)
         if ctx.deadline.draining:
             raise APIError(503, "the server is shutting down", code="server_shutting_down")
-        if not getattr(ctx.engine, "ready", True):
-            unavailable = getattr(ctx.engine, "unavailable", None)
-            if unavailable is None:
-                raise APIError(503, "the engine core is starting", code="engine_unavailable")
-            err = unavailable()
+        if not ctx.engine.ready:
+            err = ctx.engine.unavailable()
             raise APIError(503, str(err), code=err.code,
                            headers={"Retry-After": str(err.retry_after)})
         if (err := await asyncio.to_thread(readiness, ctx.engine)) is not None:
@@ -230,14 +227,13 @@ def build_app(engine: Engine, *, api_key: str | None = None, max_n: int = 16,
     app.include_router(_api_router(OAI_PREFIX), include_in_schema=False)  # the same handlers
     app.include_router(_ops_router())
     install_tinker(app)
-    if getattr(engine, "snapshot", None) is not None:  # vLLM's gauges, for endpoint pickers
+    if engine.snapshot is not None:  # vLLM's gauges, for endpoint pickers
         ctx.metrics.register(RouterMetricsCollector(engine))
-    if getattr(engine, "adapter_manager", None) is not None:
+    if engine.adapter_manager is not None:
         app.include_router(adapter_router())
         ctx.metrics.register(AdapterCollector(engine))
-    if hasattr(engine, "core_pid"):  # the engine core's memory, beside the server's own
+    if engine.supervision() is not None:  # an engine-core process: its memory, restarts, heartbeat
         ctx.metrics.register(CoreMemoryCollector(engine))
-    if hasattr(engine, "supervision"):  # its restarts and heartbeat
         ctx.metrics.register(EngineSupervisorCollector(engine))
     app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.max_request_bytes)
     install_tenancy(app, TenancyConfig(api_key=api_key, keys_file=keys, metrics_key=metrics_key,

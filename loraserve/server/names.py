@@ -34,8 +34,8 @@ def canonical_model(model: str, engine: Any) -> str:
     """The loraserve name (`tenant/name[@rev]` or the base's name) that `model` stands for."""
     if not is_alias(model):
         return model
-    catalog = getattr(getattr(engine, "adapter_manager", None), "catalog", None)
-    if catalog is not None and (ref := lookup_alias(catalog, model)) is not None:
+    mgr = engine.adapter_manager
+    if mgr is not None and (ref := lookup_alias(mgr.catalog, model)) is not None:
         return ref
     return model.removeprefix(TINKER_SCHEME)
 

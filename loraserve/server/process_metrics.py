@@ -30,7 +30,7 @@ class CoreMemoryCollector(Collector):
         self.engine = engine
 
     def collect(self):
-        pid = getattr(self.engine, "core_pid", None)
+        pid = self.engine.core_pid
         rss = rss_bytes(pid) if pid is not None else None
         if rss is not None:
             g = GaugeMetricFamily("loraserve_engine_core_rss_bytes",

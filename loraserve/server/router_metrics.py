@@ -41,10 +41,10 @@ LabelledSnapshot = tuple[dict[str, str], EngineSnapshot]
 def labelled_snapshots(engine) -> list[LabelledSnapshot]:
     """(extra labels, snapshot) per engine behind `engine`: one unlabelled snapshot for a single
     engine; one per replica, labelled `replica`, for a facade with `replica_snapshots()`."""
-    replicas = getattr(engine, "replica_snapshots", None)
+    replicas = engine.replica_snapshots()
     if replicas is None:
         return [({}, engine.snapshot)]
-    return [({REPLICA_LABEL: rid}, snap) for rid, snap in sorted(replicas().items())]
+    return [({REPLICA_LABEL: rid}, snap) for rid, snap in sorted(replicas.items())]
 
 
 def label_names(snaps: list[LabelledSnapshot]) -> list[str]:
@@ -63,7 +63,7 @@ class RouterMetricsCollector(Collector):
         snaps = labelled_snapshots(self.engine)
         extra = label_names(snaps)
         model = self.engine.model_name
-        block_size = str(getattr(getattr(self.engine, "config", None), "block_size", 0))
+        block_size = str(self.engine.config.block_size)
         gauges = [("vllm:num_requests_running", "Number of requests in model execution batches.",
                    lambda s: s.running),
                   ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",

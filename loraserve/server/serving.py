@@ -8,14 +8,15 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from loraserve.engine.config import EngineConfig
+from loraserve.engine.interface import EngineInterface
 from loraserve.engine.structured import check_spec
 from loraserve.engine.types import (SEED_MAX, EngineError, GenerateRequest, GrammarSpec,
-                                    RequestOutput, ResolvedModel, SamplingParams)
+                                    ResolvedModel, SamplingParams)
 from loraserve.server.errors import APIError, clip
 from loraserve.server.metrics import ServerMetrics
 from loraserve.server.names import lookup_error
@@ -27,20 +28,7 @@ from loraserve.server.streaming import ShutdownDeadline
 request_log = logging.getLogger("loraserve.server.requests")
 
 
-class Engine(Protocol):
-    """The AsyncEngine facade the server is written against (loraserve/engine/async_engine.py)."""
-
-    model_name: str
-    tokenizer: Any
-    max_model_len: int
-    vocab_size: int
-
-    async def resolve(self, model: str, principal: Any) -> ResolvedModel: ...
-    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]: ...
-    def stats(self) -> dict[str, Any]: ...
-    def list_models(self) -> list[str]: ...
-    async def start(self) -> None: ...
-    async def shutdown(self) -> None: ...
+Engine = EngineInterface  # the engine as the server sees it: loraserve/engine/interface.py
 
 
 def _config_default(name: str) -> Any:
@@ -77,7 +65,7 @@ class ServerContext:
     def for_engine(cls, engine: Engine, metrics: ServerMetrics, max_n: int = 16) -> ServerContext:
         """The context of `engine`, its limits read from `engine.config` (an EngineConfig) where
         it has one; EngineConfig's defaults otherwise (a test double)."""
-        config = getattr(engine, "config", None)
+        config = engine.config  # None: a test double without one (EngineConfig's defaults)
         limits = {name: getattr(config, name, _config_default(name))
                   for name in ("max_request_bytes", "max_seqs_per_request", "shutdown_timeout")}
         return cls(engine=engine, metrics=metrics, max_n=max_n, **limits)

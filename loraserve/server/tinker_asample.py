@@ -40,7 +40,8 @@ def owner_of(request: Request) -> str | None:
 def base_model_name(engine: Any) -> str:
     """What `base_model` tells the SDK: `--tokenizer-name` (its get_tokenizer() loads that with
     AutoTokenizer), else the served name."""
-    return getattr(getattr(engine, "config", None), "tokenizer_name", None) or engine.model_name
+    config = engine.config  # None: a test double without one
+    return (config.tokenizer_name if config is not None else None) or engine.model_name
 
 
 def new_id(prefix: str) -> str:

@@ -16,7 +16,7 @@ from loraserve.catalog.errors import CatalogError
 from loraserve.catalog.errors import InvalidAdapterId
 from loraserve.catalog.ids import parse_model_ref
 from loraserve.engine.directory import not_found
-from loraserve.engine.types import GenerateRequest, RequestOutput, ResolvedModel, TokenLogprob
+from loraserve.engine.types import EngineError, GenerateRequest, RequestOutput, ResolvedModel, TokenLogprob
 
 EOS_ID = 95
 NEWLINE_ID = 96
@@ -72,6 +72,27 @@ class FakeEngine:
     started: bool = False
     shut_down: bool = False
     config: Any = None  # server limits as EngineConfig names them (max_request_bytes, ...)
+
+    # the optional parts of engine/interface.py's EngineInterface: "not here" for this fake
+    adapter_manager = None
+    ready = True
+    snapshot = None
+    core_pid = None
+
+    def unavailable(self) -> EngineError:
+        return EngineError("the fake engine is not ready", status=503, code="engine_unavailable")
+
+    def supervision(self) -> None:
+        return None
+
+    def replica_snapshots(self) -> None:
+        return None
+
+    def describe_adapter(self, adapter_id: str) -> dict:
+        raise EngineError(f"adapter {adapter_id} not found", status=404, code="model_not_found")
+
+    async def unload_adapter(self, adapter_id: str) -> int:
+        raise EngineError(f"adapter {adapter_id} not found", status=404, code="model_not_found")
 
     async def start(self) -> None:
         self.started = True

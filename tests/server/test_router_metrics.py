@@ -94,6 +94,7 @@ def test_running_adapter_shows_the_name_the_client_sent(http) -> None:
 def test_parked_requests_count_as_waiting() -> None:
     """A sequence waiting for its adapter to page in is waiting to a router."""
     engine = type("E", (), {"model_name": "m", "config": EngineConfig(model_dir="m"),
+                            "replica_snapshots": lambda self: None,  # one engine
                             "snapshot": EngineSnapshot(waiting=2, parked=3, running=1,
                                                        waiting_adapters=("t/a", "t/b@r2"))})()
     fams = {m.name: m.samples for m in RouterMetricsCollector(engine).collect()}

@@ -1,0 +1,52 @@
+"""The engine as the server sees it: every member the HTTP side uses, in one Protocol.
+
+Three hostings implement it: `AsyncEngine` (the engine on a thread of the API process),
+`CoreClient` (an engine-core process) and `RayEngineFrontend` (Ray Serve replicas); the server's
+tests use a fake with the same members. The server reads members, it never probes for them:
+a part that only some hostings have is a member of all of them whose value says "not here".
+
+Required:
+    model_name, max_model_len, vocab_size, tokenizer, config     what is served, and how
+    resolve(model, principal) -> ResolvedModel                  the edge's one resolver
+    generate(request) -> async iterator of RequestOutput        one request's deltas
+    stats() -> dict, list_models() -> list[str]                 gauges, the base and resident ids
+    start(), shutdown()                                         lifecycle
+Optional, explicit:
+    ready: bool, unavailable() -> EngineError                   False / the 503 while no engine takes requests
+    snapshot: EngineSnapshot | None                             None: no engine publishes one (a test double)
+    replica_snapshots() -> dict | None                          per replica (Ray), None: one engine
+    adapter_manager: object | None                              None: no catalog (base only)
+    describe_adapter(id), unload_adapter(id)                    only with an adapter_manager
+    core_pid: int | None, supervision() -> dict | None          the engine-core process, None in process
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from .snapshot import EngineSnapshot
+from .types import EngineError, GenerateRequest, RequestOutput, ResolvedModel
+
+
+class EngineInterface(Protocol):
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any
+    config: Any
+    adapter_manager: Any | None
+    ready: bool
+    snapshot: EngineSnapshot | None
+    core_pid: int | None
+
+    async def resolve(self, model: str, principal: Any) -> ResolvedModel: ...
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]: ...
+    def stats(self) -> dict[str, Any]: ...
+    def list_models(self) -> list[str]: ...
+    async def start(self) -> None: ...
+    async def shutdown(self) -> None: ...
+    def unavailable(self) -> EngineError: ...
+    def replica_snapshots(self) -> dict[str, EngineSnapshot] | None: ...
+    def supervision(self) -> dict | None: ...
+    def describe_adapter(self, adapter_id: str) -> dict: ...
+    async def unload_adapter(self, adapter_id: str) -> int: ...
