@@ -3,12 +3,15 @@
     disk (catalog) --Pager threads--> CpuCache --engine thread, at admission--> AdapterPool
 
 Ownership (one writer per piece of state):
-- `resolve` and `describe` are catalog reads with no state of ours: any thread.
-- Everything else (`is_ready`, `fetch`, `accept`, the `AdapterGate` methods, `pin`, `unload`)
-  runs on the engine thread only. It is the only writer of the device pool and of the staged
-  weights below. The pager's threads touch none of it: a finished page-in is put on `page_ins`
-  (and `notify` wakes the engine thread, once for all the page-ins that land before it looks:
-  `PageIns`), and the engine thread drains it and calls `settle`.
+- `resolve` and `describe` are catalog reads with no state of ours: any thread. (A request's
+  model is resolved before it reaches the engine, by `engine.directory.AdapterDirectory`; the
+  manager's `resolve` serves `pin` and `warm`.)
+- Everything else (`is_ready`, `fetch`, `accept`, the `AdapterGate` methods, `pin`, `unload`,
+  `quarantine`) runs on the engine thread only. It is the only writer of the device pool and of
+  the staged weights below. The pager's threads only read blobs (`decode_on_engine_thread`): the
+  engine thread decodes them in `finish_reads`, and each finished page-in is put on `page_ins`
+  (a read batch wakes the engine thread through `notify`, once for all the page-ins that land
+  before it looks: `PageIns`), which the engine thread drains, calling `settle`.
 - `CpuCache` and `Pager` are self-locking monitors shared with the pager's threads.
 
 It is the scheduler's `AdapterGate`: a sequence is admitted only once its adapter has a pool

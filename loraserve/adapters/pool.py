@@ -8,8 +8,8 @@ on `k`. Rows are shared across layers. Each kind has its own free list, so an ad
 its rank in the kinds it targets.
 
 Residency: an adapter is pinned by refcount while sequences use it (`acquire`/`release`) and by
-`pin` while the operator wants it kept. `load` evicts least-recently-used adapters that are neither
-to make room; it never evicts an in-use or pinned adapter.
+`pin` while the operator wants it kept. To make room, `load` evicts the least recently used
+adapters that are neither in use nor pinned; it never evicts an in-use or pinned adapter.
 
 Ownership: the pool belongs to the engine thread (no locks). Other threads read the pool's
 residency and stats from the engine's published snapshot, never from the pool.
