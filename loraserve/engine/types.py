@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 # torch.Generator.manual_seed takes any integer in [-2**63, 2**64)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_TOKENS_LIMIT = 2**31 - 1
+DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default, and the engine's (chat uses the room left)
 FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, without importing torch here
 FLOAT32_MAX = 3.4028234663852886e+38
 # stop strings are searched after every token of the request, on the API server's event loop
@@ -75,7 +76,7 @@ class SamplingParams:
     one's). `structured` (a GrammarSpec) masks each step's logits to the tokens its grammar
     allows, after the others, before the temperature. Logprobs stay the model's raw distribution."""
 
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1

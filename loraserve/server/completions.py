@@ -6,7 +6,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from loraserve.engine.types import RequestOutput
+from loraserve.engine.types import DEFAULT_MAX_TOKENS, RequestOutput
 from loraserve.server import serving as sv
 from loraserve.server.endpoint import Endpoint, Plan, serve
 from loraserve.server.errors import APIError
@@ -104,7 +104,7 @@ def _concat(acc: LegacyLogprobs | None, piece: LegacyLogprobs) -> LegacyLogprobs
 
 def _plan(req: CompletionRequest, engine: sv.Engine) -> Plan:
     """The prompts (each checked) and sampling; logprobs of the echoed prompt when asked."""
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     sv.check_max_tokens(max_tokens)
     prompts = normalize_prompts(req.prompt, engine.tokenizer, engine.vocab_size, req.echo,
                                 engine.max_model_len)

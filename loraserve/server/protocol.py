@@ -46,6 +46,7 @@ from pydantic_core import PydanticCustomError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from loraserve.engine.types import DEFAULT_MAX_TOKENS
 from loraserve.server.errors import APIError, BodyError, validation_error
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
@@ -202,7 +203,7 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
     prompt: PromptInput
-    max_tokens: int | None = 16
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
