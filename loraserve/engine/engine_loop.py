@@ -19,18 +19,17 @@ from collections.abc import Callable
 
 from .llm_engine import LLMEngine
 from .sequence import Sequence
-from .types import RequestOutput
+from .types import FIRST, RequestOutput, coalesce
 
 log = logging.getLogger(__name__)
 
 
-_FIRST = object()  # a quiet request whose first delta is not out yet
 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        # quiet requests -> _FIRST, None (nothing held) or the merged deltas since the first
+        # quiet requests -> FIRST, None (nothing held) or the merged deltas since the first (`coalesce`)
         self._quiet: dict[str, object] = {}
 
     def add(self, seq: Sequence, stream: bool = True) -> list[RequestOutput]:
@@ -39,7 +38,7 @@ class EngineLoop:
         except Exception as exc:  # e.g. a duplicate request id: that request alone fails
             return [self.engine.output.error(seq, exc)]
         if not stream and not seq.params.stop:
-            self._quiet[seq.request_id] = _FIRST
+            self._quiet[seq.request_id] = FIRST
         return []
 
     def abort(self, request_id: str) -> None:
@@ -71,14 +70,12 @@ class EngineLoop:
             if rid not in self._quiet:
                 sent.append(out)
                 continue
-            held = self._quiet[rid]
             last = out.finish_reason is not None or out.error is not None
-            if held is _FIRST or last:
-                sent.append(out if held is _FIRST or held is None else held.merged(out))
-            else:
-                out = out if held is None else held.merged(out)
+            held, send = coalesce(self._quiet[rid], out, last)
+            if send is not None:
+                sent.append(send)
             if last:
                 del self._quiet[rid]
             else:
-                self._quiet[rid] = None if held is _FIRST else out
+                self._quiet[rid] = held
         return sent

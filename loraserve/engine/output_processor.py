@@ -22,9 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
-from .types import GenerateRequest, RequestOutput
-
-_FIRST = object()  # a non-streamed request whose first delta is not out yet
+from .types import FIRST, GenerateRequest, RequestOutput, coalesce
 
 
 @dataclass(slots=True, eq=False)
@@ -37,9 +35,9 @@ class _RequestState:
     num_tokens: int = 0              # output tokens detokenized so far
     text: str = ""                   # output text so far, cut at a stop string
     num_text_emitted: int = 0
-    # non-streamed: _FIRST (first delta not out yet), None (nothing held) or the merged deltas
+    # non-streamed: FIRST (first delta not out yet), None (nothing held) or the merged deltas
     # since the first
-    held: object = _FIRST
+    held: object = FIRST
 
 
 class OutputProcessor:
@@ -120,14 +118,8 @@ class OutputProcessor:
     def _coalesce(st: _RequestState, out: RequestOutput, last: bool) -> RequestOutput | None:
         """Non-streamed: the first delta as it is, then nothing until the last, which carries
         every delta since the first merged."""
-        held = st.held
-        if last:
-            return out if held is _FIRST or held is None else held.merged(out)
-        if held is _FIRST:
-            st.held = None
-            return out
-        st.held = out if held is None else held.merged(out)
-        return None
+        st.held, send = coalesce(st.held, out, last)
+        return send
 
 
 def _truncated(out: RequestOutput, n: int) -> RequestOutput:

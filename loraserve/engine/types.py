@@ -261,3 +261,19 @@ class RequestOutput:
                              else later.prompt_logprobs, later.finish_reason, later.num_prompt_tokens,
                              later.num_output_tokens, later.adapter_revision or self.adapter_revision,
                              later.error)
+
+
+FIRST = object()  # a non-streamed request whose first delta is not out yet (`coalesce`)
+
+
+def coalesce(held: object, out: RequestOutput, last: bool) -> tuple[object, RequestOutput | None]:
+    """The non-streamed merge rule, one copy for the engine core (`EngineLoop`) and the API side
+    (`OutputProcessor`): the first delta goes out as it is, then nothing until the last, which
+    carries every delta since the first merged. `held` is FIRST (the first is not out yet), None
+    (nothing held) or the deltas merged since the first; returns (what to hold now, what to hand
+    over now or None)."""
+    if last:
+        return None, (out if held is FIRST or held is None else held.merged(out))
+    if held is FIRST:
+        return None, out
+    return (out if held is None else held.merged(out)), None

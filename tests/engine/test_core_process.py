@@ -347,7 +347,9 @@ def test_a_core_killed_again_and_again_is_restarted_with_backoff_without_request
         assert client.restarts == 8 and sum(client.restart_causes.values()) == 8
         for gap, wait in zip(gaps, expected):
             assert gap >= wait, (gaps, expected)
-        assert gaps[-1] > gaps[0] + 0.5, gaps  # the waits grew
+        # the waits grew to the cap (the gaps add each start's own time, which load stretches
+        # unevenly, so the growth is read from the backoff, its floor from the gaps above)
+        assert backoff.delay == backoff.cap, (backoff.delay, gaps)
         assert not _zombie_children()
         replies = [None] * 4
 
