@@ -48,11 +48,15 @@ async def _collect(engine: AsyncEngine, req: GenerateRequest) -> list[int]:
 async def _run(engine: AsyncEngine, reqs: list[GenerateRequest], churn=None) -> list[list[int]]:
     await engine.start()
     try:
-        stop = asyncio.Event()
-        churner = asyncio.create_task(churn(engine, stop)) if churn else None
+        stop, done = asyncio.Event(), [0]  # done[0]: churn operations finished so far
+        churner = asyncio.create_task(churn(engine, stop, done)) if churn else None
         results = []
-        for i in range(0, len(reqs), 8):  # waves of concurrent requests
+        for wave, i in enumerate(range(0, len(reqs), 8)):  # waves of concurrent requests
+            while churner is not None and done[0] < wave and not churner.done():
+                await asyncio.sleep(0.01)  # each wave starts after one more churn operation
             results += await asyncio.gather(*(_collect(engine, r) for r in reqs[i:i + 8]))
+        while churner is not None and done[0] < 3 and not churner.done():
+            await asyncio.sleep(0.01)
         stop.set()
         if churner is not None:
             n = await churner
@@ -64,7 +68,7 @@ async def _run(engine: AsyncEngine, reqs: list[GenerateRequest], churn=None) -> 
 
 
 def _churner(peft_dirs):
-    async def churn(engine: AsyncEngine, stop: asyncio.Event) -> int:
+    async def churn(engine: AsyncEngine, stop: asyncio.Event, done: list[int]) -> int:
         rng, n = random.Random(3), 0
         mgr = engine.adapter_manager
         while not stop.is_set():
@@ -76,6 +80,7 @@ def _churner(peft_dirs):
                                               str(engine.config.model_dir), promote=True)
                 await asyncio.to_thread(mgr.warm, f"{aid}@{rec.revision}")
             n += 1
+            done[0] = n
             await asyncio.sleep(0)
         return n
     return churn
