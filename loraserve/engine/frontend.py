@@ -12,7 +12,6 @@ path is this class's, so both give the same outputs.
 from __future__ import annotations
 
 import asyncio
-import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
@@ -140,16 +139,7 @@ class EngineFrontend(ABC):
         """`directory.resolve(model, principal)`: on the event loop while recent reads were fast
         (`WarmRefs`: a catalog read can cost less than the thread hop around it), else on a
         worker thread."""
-        if self._warm.inline(model):
-            started = time.perf_counter()
-            try:
-                resolved = self.directory.resolve(model, principal)
-            finally:
-                self._warm.timed(time.perf_counter() - started)
-        else:
-            resolved = await asyncio.to_thread(self.directory.resolve, model, principal)
-        self._warm.touch(model)
-        return resolved
+        return await self._warm.call(model, self.directory.resolve, model, principal)
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         """Event loop: the engine's token-id deltas of one step -> text deltas, each handed to

@@ -19,6 +19,7 @@ the fact that a read was recent or slow): a promote or rollback is seen at once.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 
 from loraserve.catalog.lru import BoundedLRU
@@ -43,6 +44,20 @@ class WarmRefs:
         if self.is_warm(ref):
             return True
         return self.inline_cold and time.monotonic() >= self._slow_until
+
+    async def call(self, ref: str, fn, *args):
+        """`fn(*args)`, the read for `ref`: on the event loop while `inline(ref)`, timed (`timed`),
+        else on a worker thread; `ref` is warm afterwards (`touch`)."""
+        if self.inline(ref):
+            started = time.perf_counter()
+            try:
+                result = fn(*args)
+            finally:
+                self.timed(time.perf_counter() - started)
+        else:
+            result = await asyncio.to_thread(fn, *args)
+        self.touch(ref)
+        return result
 
     def timed(self, seconds: float) -> None:
         """An inline resolve took `seconds`: past `slow_s`, cold refs go to a thread for a while."""

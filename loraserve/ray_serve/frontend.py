@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import time
 from collections.abc import AsyncIterator
 
 from ray.exceptions import RayActorError, RayTaskError
@@ -208,18 +207,8 @@ class RayEngineFrontend:
                 gen.cancel()
 
     async def resolve(self, model: str, principal) -> ResolvedModel:
-        """`directory.resolve(model, principal)`, inline while recent reads were fast (as
-        `EngineFrontend.resolve`)."""
-        if self._warm.inline(model):
-            started = time.perf_counter()
-            try:
-                resolved = self.directory.resolve(model, principal)
-            finally:
-                self._warm.timed(time.perf_counter() - started)
-        else:
-            resolved = await asyncio.to_thread(self.directory.resolve, model, principal)
-        self._warm.touch(model)
-        return resolved
+        """`directory.resolve(model, principal)`, inline while recent reads were fast (`WarmRefs`)."""
+        return await self._warm.call(model, self.directory.resolve, model, principal)
 
     def _warm_on(self, rec) -> None:
         """Blocking: page `rec` into the CPU tier of the replica Serve routes its adapter to (the
