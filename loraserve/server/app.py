@@ -36,6 +36,7 @@ from loraserve.server.serving import Engine, ServerContext
 from loraserve.server.tenancy import (TenancyConfig, check_visible, principal_of, scoped_listing,
                                       visible_ids)
 from loraserve.server.tinker import install_tinker
+from loraserve.server.tokenize import tokenize_router
 
 API_KEY_ENV = "LORASERVE_API_KEY"
 OAI_PREFIX = "/oai/api/v1"  # where Tinker's docs put its OpenAI-compatible endpoint
@@ -226,6 +227,7 @@ def build_app(engine: Engine, *, api_key: str | None = None, max_n: int = 16,
     app.include_router(_api_router())
     app.include_router(_api_router(OAI_PREFIX), include_in_schema=False)  # the same handlers
     app.include_router(_ops_router())
+    app.include_router(tokenize_router())  # vLLM's /tokenize and /detokenize
     install_tinker(app)
     if engine.snapshot is not None:  # vLLM's gauges, for endpoint pickers
         ctx.metrics.register(RouterMetricsCollector(engine))

@@ -46,8 +46,8 @@ class FakeTokenizer:
             return chr(token_id + 32)
         return "\n" if token_id == NEWLINE_ID else f"<special{token_id}>"
 
-    def decode(self, ids: list[int]) -> str:
-        return "".join(self.token_text(t) for t in ids if t != EOS_ID)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.token_text(t) for t in ids if t != EOS_ID or not skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if messages[0]["role"] == "tool":
