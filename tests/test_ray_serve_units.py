@@ -395,3 +395,67 @@ def test_kill_descendants_finds_the_orphans_of_the_tree() -> None:
         out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                              timeout=60, cwd=cwd)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# -- the engine deployment's request router (router.AffinityRouter), no cluster ----------------
+
+def test_routing_options() -> None:
+    scale = from_args(_serve_args("--replicas", "2"))
+    assert (scale.routing, scale.load_bound_c) == ("affinity", 1.25)
+    scale = from_args(_serve_args("--replicas", "2", "--replica-routing", "multiplex",
+                                  "--load-bound", "1.5"))
+    assert (scale.routing, scale.load_bound_c) == ("multiplex", 1.5)
+    for argv, message in [(["--replica-routing", "multiplex"], "needs --replicas"),
+                          (["--replicas", "2", "--load-bound", "0.5"], ">= 1")]:
+        with pytest.raises(ValueError, match=message):
+            from_args(_serve_args(*argv))
+
+
+def _router_and_replicas(names: list[str], c: float = 1.25):
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+    from loraserve.ray_serve.router import AffinityRouter
+    dep = DeploymentID(name="LoraServeEngine", app_name="loraserve")
+    router = AffinityRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(c=c)
+    return router, [SimpleNamespace(replica_id=ReplicaID(n, dep)) for n in names]
+
+
+def _choose(router, replicas, model_id: str) -> list[str]:
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    async def choose():  # a PendingRequest's future needs a running loop
+        pr = PendingRequest(args=[], kwargs={}, metadata=RequestMetadata(
+            request_id="r", internal_request_id="r", multiplexed_model_id=model_id))
+        return pr, await router.choose_replicas(replicas, pr)
+
+    pr, ranks = asyncio.run(choose())
+    assert pr.routing_context.should_backoff  # every rank offered: Serve backs off before asking again
+    assert all(len(rank) == 1 for rank in ranks)
+    return [rank[0].replica_id.unique_id for rank in ranks]
+
+
+def test_the_router_ranks_replicas_in_the_adapters_rendezvous_order() -> None:
+    from loraserve.ray_serve.routing import preference
+    router, reps = _router_and_replicas(["rep-a", "rep-b", "rep-c"])
+    for key in ("t/one", "t/two", "t/three"):
+        assert _choose(router, reps, key) == preference(key, ["rep-a", "rep-b", "rep-c"])
+
+
+def test_the_router_spills_past_the_bound_and_counts_completions() -> None:
+    from loraserve.ray_serve.routing import preference
+    router, reps = _router_and_replicas(["rep-a", "rep-b"], c=1.0)
+    first, second = preference("t/hot", ["rep-a", "rep-b"])
+    by_name = {r.replica_id.unique_id: r.replica_id for r in reps}
+    router.on_send_request(by_name[first])   # one in flight on the first choice; bound = 1
+    assert _choose(router, reps, "t/hot") == [second, first]
+    router.on_request_completed(by_name[first], "r")
+    assert _choose(router, reps, "t/hot") == [first, second]
+    router.on_request_completed(by_name[first], "r")  # a completion never sent: no negative load
+    assert router.in_flight[by_name[first]] == 0
+
+
+def test_the_router_sends_base_only_calls_to_the_least_loaded() -> None:
+    router, reps = _router_and_replicas(["rep-a", "rep-b"])
+    router.on_send_request(reps[0].replica_id)
+    assert _choose(router, reps, "") == ["rep-b", "rep-a"]

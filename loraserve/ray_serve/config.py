@@ -12,6 +12,11 @@ APP_NAME = "loraserve"
 INGRESS_DEPLOYMENT = "LoraServeIngress"
 REPLICA_DEPLOYMENT = "LoraServeEngine"
 
+# the engine deployment's request router: `affinity` (router.AffinityRouter: rendezvous hashing
+# with bounded loads, routing.py) or `multiplex` (Serve's default: power of two choices among
+# the replicas that reported holding the adapter, kept to compare against)
+ROUTING = ("affinity", "multiplex")
+
 
 @dataclass(slots=True)
 class ScaleOutConfig:
@@ -35,8 +40,14 @@ class ScaleOutConfig:
     report_interval_s: float = 0.5
     stale_after_s: float = 5.0
     object_store_mb: int | None = None  # local Ray's object store; None: Ray's default
+    routing: str = "affinity"   # ROUTING: the engine deployment's Serve request router
+    load_bound_c: float = 1.25  # affinity: a replica takes no request past c x the mean load
 
     def __post_init__(self) -> None:
+        if self.routing not in ROUTING:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING)}, got {self.routing!r}")
+        if not self.load_bound_c >= 1:
+            raise ValueError(f"the load bound's c must be >= 1, got {self.load_bound_c}")
         if self.replicas < 2:
             raise ValueError(f"--replicas must be >= 2 (one engine is plain `loraserve serve`), "
                              f"got {self.replicas}")
@@ -95,6 +106,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="object store of the local Ray, MiB (default: Ray's, 30%% of memory)")
     g.add_argument("--replica-cpus", type=float, default=1.0,
                    help="CPUs each engine replica reserves (default: 1)")
+    g.add_argument("--replica-routing", choices=ROUTING,
+                   help="how requests pick a replica: affinity (each adapter to its rendezvous-"
+                        "hash replica, spilling in its own order past the load bound) or multiplex "
+                        "(Ray Serve's default multiplexed routing) (default: affinity)")
+    g.add_argument("--load-bound", type=float, metavar="C",
+                   help="affinity: no replica takes a request past C x the mean load while "
+                        "another is under it (default: 1.25)")
     g.add_argument("--replica-gpus", type=float,
                    help="GPUs each engine replica reserves (default: 1 when the engine runs on "
                         "CUDA, else 0)")
@@ -104,7 +122,8 @@ def from_args(args: argparse.Namespace) -> ScaleOutConfig | None:
     """The ScaleOutConfig `serve`'s options ask for; None without --replicas (ValueError for
     bad values, before anything loads)."""
     if args.replicas is None:
-        for flag in ("ray_address", "ray_num_cpus", "ray_object_store_mb", "replica_gpus"):
+        for flag in ("ray_address", "ray_num_cpus", "ray_object_store_mb", "replica_gpus",
+                     "replica_routing", "load_bound"):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --replicas")
         return None
@@ -116,4 +135,6 @@ def from_args(args: argparse.Namespace) -> ScaleOutConfig | None:
     return ScaleOutConfig(replicas=args.replicas, ray_address=args.ray_address,
                           num_cpus=args.ray_num_cpus, replica_cpus=args.replica_cpus,
                           replica_gpus=args.replica_gpus, host=args.host, port=args.port,
-                          object_store_mb=args.ray_object_store_mb)
+                          object_store_mb=args.ray_object_store_mb,
+                          routing=args.replica_routing or "affinity",
+                          load_bound_c=1.25 if args.load_bound is None else args.load_bound)

@@ -30,7 +30,7 @@ from typing import NoReturn
 import psutil  # Ray's dependency (ray.thirdparty_files, on sys.path once ray is imported)
 import ray
 from ray import serve
-from ray.serve.config import HTTPOptions
+from ray.serve.config import HTTPOptions, RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from ..engine.config import EngineConfig
@@ -38,6 +38,7 @@ from ..server.app import DRAIN_FLUSH_S
 from .config import INGRESS_DEPLOYMENT, REPLICA_DEPLOYMENT, ScaleOutConfig, ServerOptions
 from .ingress import Ingress
 from .replica import engine_config_dict, replica_class
+from .router import ROUTER_PATH
 from .shutdown import (EXIT_FAILED, EXIT_STOPPED, HeadWatch, StopSignals, become_subreaper, bounded,
                        exit_now, kill_descendants, reap_adopted)
 
@@ -68,7 +69,8 @@ def application(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions
         max_ongoing_requests=cfg.max_batch_size,
         max_queued_requests=max(1, scale.replicas * cfg.max_waiting),
         graceful_shutdown_timeout_s=cfg.shutdown_timeout,
-        ray_actor_options={"num_cpus": scale.replica_cpus, "num_gpus": scale.gpus_per_replica(cfg)})
+        ray_actor_options={"num_cpus": scale.replica_cpus, "num_gpus": scale.gpus_per_replica(cfg)},
+        **routing)
     ingress = serve.deployment(
         Ingress, name=INGRESS_DEPLOYMENT, num_replicas=1,
         max_ongoing_requests=scale.replicas * (cfg.max_batch_size + cfg.max_waiting + _INGRESS_SLACK),
