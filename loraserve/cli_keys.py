@@ -1,20 +1,23 @@
-"""`loraserve keys create`: make an API key and add its entry to a keys file.
+"""`loraserve keys create | list | revoke | rotate`: the keys file of `serve --keys`.
 
-The key is printed once, on stdout, and stored nowhere: the file gets its SHA-256 only (see
-loraserve/keys.py for the format). A running server picks the new key up on SIGHUP or
-`POST /admin/reload-keys`.
+A key is printed once, on stdout, and stored nowhere: the file gets its SHA-256 only (see
+loraserve/keys.py for the format). A running server picks every change up on SIGHUP or
+`POST /admin/reload-keys`: a revoked or rotated-away key gets 401 from then on (requests it
+started before run to their end).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import secrets
 import sys
 
-from loraserve.keys import ALL_TENANTS, Limits, Principal, append_key
+from loraserve.keys import (ALL_TENANTS, KeyEntry, Limits, Principal, append_key, load_keys,
+                            revoke_key, rotate_key)
 
 
 def add_subcommand(sub: argparse._SubParsersAction) -> None:
-    """Register `keys` (with `create`) on the main parser's subcommands."""
+    """Register `keys` (create, list, revoke, rotate) on the main parser's subcommands."""
     keys = sub.add_parser("keys", help="manage API keys (a keys file for `serve --keys`)")
     ksub = keys.add_subparsers(dest="keys_command", required=True, metavar="SUBCOMMAND")
     p = ksub.add_parser("create", help="make a key, print it once, append its hash to the file")
@@ -35,6 +38,25 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--id", help="the key's id in the file and the audit log "
                                 "(default: the first tenant and a random suffix)")
     p.set_defaults(func=cmd_create)
+    _add_maintenance(ksub)
+
+
+def _add_maintenance(ksub: argparse._SubParsersAction) -> None:
+    p = ksub.add_parser("list", help="the keys of a file: id, role, tenants, limits (no secrets)")
+    p.add_argument("--keys", required=True, metavar="FILE", help="the keys file")
+    p.add_argument("--json", action="store_true", help="one JSON object per key, a line each")
+    p.set_defaults(func=cmd_list)
+    p = ksub.add_parser("revoke", help="remove a key from the file (401 from the server's next "
+                                       "reload on)")
+    p.add_argument("key_id")
+    p.add_argument("--keys", required=True, metavar="FILE", help="the keys file")
+    p.set_defaults(func=cmd_revoke)
+    p = ksub.add_parser("rotate", help="give a key id a new key, print it once; the old key is "
+                                       "refused from the server's next reload on")
+    p.add_argument("key_id")
+    p.add_argument("--keys", required=True, metavar="FILE", help="the keys file")
+    p.add_argument("--prefix", default="ls-", help="the new key's prefix (default: ls-)")
+    p.set_defaults(func=cmd_rotate)
 
 
 def principal_from(args: argparse.Namespace) -> Principal:
@@ -58,4 +80,48 @@ def cmd_create(args: argparse.Namespace) -> int:
     role = "admin" if principal.admin else "user"
     print(f"added key {principal.key_id!r} ({role}, tenants {', '.join(principal.tenants)}) to "
           f"{args.keys}; it is shown only this once", file=sys.stderr)
+    return 0
+
+
+def key_row(entry: KeyEntry) -> dict:
+    """What `keys list` shows of an entry: never the hash whole (8 hex digits name it)."""
+    p = entry.principal
+    row = {"id": p.key_id, "role": "admin" if p.admin else "user", "tenants": list(p.tenants),
+           "load": p.load, "weight": p.weight, "sha256": entry.digest.hex()[:8]}
+    row.update({name: getattr(p.limits, name) for name in
+                ("max_concurrent", "requests_per_second", "tokens_per_minute")
+                if getattr(p.limits, name) is not None})
+    return row
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    for entry in load_keys(args.keys).entries:
+        row = key_row(entry)
+        if args.json:
+            print(json.dumps(row))
+            continue
+        extra = " ".join(f"{k}={v}" for k, v in row.items()
+                         if k not in ("id", "role", "tenants", "load", "weight", "sha256"))
+        print(f"{row['id']}\t{row['role']}\ttenants={','.join(row['tenants'])}"
+              f"\tload={str(row['load']).lower()}\tweight={row['weight']:g}"
+              f"\tsha256={row['sha256']}" + (f"\t{extra}" if extra else ""))
+    return 0
+
+
+def _reload_hint(path: str) -> str:
+    return (f"{path} written; a running server applies it on SIGHUP or "
+            "POST /admin/reload-keys")
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    revoke_key(args.keys, args.key_id)
+    print(f"revoked key {args.key_id!r}: {_reload_hint(args.keys)}", file=sys.stderr)
+    return 0
+
+
+def cmd_rotate(args: argparse.Namespace) -> int:
+    key = rotate_key(args.keys, args.key_id, args.prefix)
+    print(key)
+    print(f"rotated key {args.key_id!r} (shown only this once): {_reload_hint(args.keys)}",
+          file=sys.stderr)
     return 0

@@ -371,3 +371,98 @@ def append_key(path: str | os.PathLike, principal: Principal, prefix: str = KEY_
         os.fsync(f.fileno())
     load_keys(path)  # the file as written must read back
     return key
+
+
+# -- listing, revoking, rotating -----------------------------------------------------------------
+# The file is edited as text, table by table, so comments and the layout of the other entries
+# stay as they were; every edit is checked by parsing the result (only the intended entry may
+# differ) before the file is replaced, atomically and with its mode kept.
+
+_HEADER = re.compile(r"\s*\[")  # a table or array-of-tables header starts a new section
+
+
+def _key_header(key_id: str) -> re.Pattern[str]:
+    quoted = re.escape(key_id)
+    return re.compile(rf'\s*\[\s*keys\s*\.\s*(?:{quoted}|"{quoted}"|\'{quoted}\')\s*\]\s*(?:#.*)?')
+
+
+def _section(lines: list[str], key_id: str, path: Path) -> tuple[int, int]:
+    """[start, end) of the lines of `[keys.<key_id>]` (header to the next header); KeyFileError
+    when the key is not written as one table of its own."""
+    header = _key_header(key_id)
+    starts = [i for i, line in enumerate(lines) if header.fullmatch(line.rstrip("\n"))]
+    if len(starts) != 1:
+        raise KeyFileError(f"keys file {path}: no [keys.{key_id}] table to edit (edit the file "
+                           "by hand if the key is written another way)")
+    end = next((i for i in range(starts[0] + 1, len(lines)) if _HEADER.match(lines[i])),
+               len(lines))
+    return starts[0], end
+
+
+def _replace_file(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically (temporary file, fsync, rename), keeping its mode."""
+    mode = path.stat().st_mode & 0o777
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _edited(path: Path, text: str, expect: KeyStore) -> None:
+    """Check that `text` parses to exactly `expect`, then write it over `path`."""
+    try:
+        got = parse_keys(tomllib.loads(text))
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise KeyFileError(f"keys file {path}: the edit would not parse ({_one_line(exc)}); "
+                           "file left as it was") from None
+    if got != expect:
+        raise KeyFileError(f"keys file {path}: the edit would change other entries; file left "
+                           "as it was (edit it by hand)")
+    _replace_file(path, text)
+
+
+def _entry(store: KeyStore, key_id: str, path: Path) -> KeyEntry:
+    for e in store.entries:
+        if e.principal.key_id == key_id:
+            return e
+    raise KeyFileError(f"keys file {path}: no key with id {key_id!r}")
+
+
+def revoke_key(path: str | os.PathLike, key_id: str) -> KeyEntry:
+    """Remove the entry of `key_id` from the keys file; returns it. A running server refuses
+    the key (401) from its next reload (SIGHUP or `POST /admin/reload-keys`) on."""
+    path = Path(path)
+    store = load_keys(path)
+    gone = _entry(store, key_id, path)
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    start, end = _section(lines, key_id, path)
+    rest = KeyStore(tuple(e for e in store.entries if e is not gone), store.tenants)
+    _edited(path, "".join(lines[:start] + lines[end:]), rest)
+    return gone
+
+
+def rotate_key(path: str | os.PathLike, key_id: str, prefix: str = KEY_PREFIX) -> str:
+    """Give `key_id` a new key (same role, tenants and limits), write its hash in place of the
+    old one and return it (stored nowhere). The old key is refused from the next reload on."""
+    path = Path(path)
+    store = load_keys(path)
+    old = _entry(store, key_id, path)
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    start, end = _section(lines, key_id, path)
+    sha_line = re.compile(r'(\s*sha256\s*=\s*)(["\'])[0-9A-Fa-f]{64}\2(.*)', re.DOTALL)
+    at = [i for i in range(start, end) if sha_line.fullmatch(lines[i])]
+    if len(at) != 1:
+        raise KeyFileError(f"keys file {path}: [keys.{key_id}] has no one-line sha256 to replace")
+    key = new_key(prefix)
+    new = KeyEntry(old.principal, digest(key))
+    lines[at[0]] = sha_line.sub(lambda m: f'{m[1]}"{new.digest.hex()}"{m[3]}', lines[at[0]])
+    expect = KeyStore(tuple(new if e is old else e for e in store.entries), store.tenants)
+    _edited(path, "".join(lines), expect)
+    return key

@@ -3,7 +3,10 @@ its hash only, and opens a server; a bad keys file stops `serve` with a one-line
 the model loads."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
+import json
 import stat
 import subprocess
 import sys
@@ -12,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loraserve.cli import main
 from loraserve.server import build_app
 from loraserve.keys import Limits, load_keys
 
@@ -84,3 +88,82 @@ def test_serve_with_a_good_keys_file_goes_on_to_the_model(tmp_path: Path) -> Non
     keys.write_text(f'[keys.a]\nsha256 = "{GOOD_HASH}"\nrole = "admin"\n')
     out = _run("serve", "--keys", str(keys), "--model", str(tmp_path / "no-model"), "--port", "0")
     assert out.returncode == 1 and "no-model" in out.stderr.splitlines()[-1]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """`loraserve ARGS` in this process (a subprocess pays seconds of imports on a busy host)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(list(args))
+    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
+
+
+def _keys_file(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A keys file with a hand-written comment and tenant table, and three created keys."""
+    path = tmp_path / "keys.toml"
+    path.write_text("# the team's keys\n[tenants.acme]\nmax_concurrent = 4  # all of acme\n")
+    path.chmod(0o600)
+    made = {}
+    for key_id, extra in (("ops", ["--admin"]), ("acme-a", ["--tenant", "acme", "--load"]),
+                          ("acme-b", ["--tenant", "acme", "--max-concurrent", "2"])):
+        out = _cli("keys", "create", "--keys", str(path), "--id", key_id, *extra)
+        assert out.returncode == 0, out.stderr
+        made[key_id] = out.stdout.strip()
+    return path, made
+
+
+def test_keys_list_shows_every_key_without_its_secret(tmp_path: Path) -> None:
+    path, made = _keys_file(tmp_path)
+    out = _cli("keys", "list", "--keys", str(path), "--json")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [(r["id"], r["role"], r["tenants"], r["load"]) for r in rows] == [
+        ("ops", "admin", ["*"], False), ("acme-a", "user", ["acme"], True),
+        ("acme-b", "user", ["acme"], False)]
+    assert rows[2]["max_concurrent"] == 2 and "max_concurrent" not in rows[1]
+    assert rows[1]["sha256"] == hashlib.sha256(made["acme-a"].encode()).hexdigest()[:8]
+    text = _cli("keys", "list", "--keys", str(path)).stdout
+    assert "acme-b\tuser\ttenants=acme\tload=false\tweight=1" in text
+    assert not any(key in out.stdout + text for key in made.values())
+
+
+def test_revoke_and_rotate_edit_one_entry_and_a_reload_applies_them(tmp_path: Path) -> None:
+    path, made = _keys_file(tmp_path)
+    engine = FakeEngine(adapters=("acme/support",))
+    body = {"model": "acme/support", "prompt": "hi", "max_tokens": 2}
+    with LiveServer(build_app(engine, keys=path)) as live, \
+            httpx.Client(base_url=live.url, timeout=30) as http:
+        def status(key: str) -> int:
+            return http.post("/v1/completions", json=body,
+                             headers={"Authorization": f"Bearer {key}"}).status_code
+
+        assert status(made["acme-a"]) == status(made["acme-b"]) == 200
+        out = _cli("keys", "revoke", "acme-a", "--keys", str(path))
+        assert out.returncode == 0 and "revoked key 'acme-a'" in out.stderr
+        rotated = _cli("keys", "rotate", "acme-b", "--keys", str(path))
+        assert rotated.returncode == 0, rotated.stderr
+        new_b = rotated.stdout.strip()
+        assert new_b.startswith("ls-") and new_b != made["acme-b"]
+        assert status(made["acme-a"]) == 200  # the server has not reloaded yet
+        reload = http.post("/admin/reload-keys", headers={"X-API-Key": made["ops"]})
+        assert reload.status_code == 200, reload.text
+        assert status(made["acme-a"]) == 401 and status(made["acme-b"]) == 401
+        assert status(new_b) == 200
+    store = load_keys(path)
+    assert [e.principal.key_id for e in store.entries] == ["ops", "acme-b"]
+    assert store.find(new_b).limits == Limits(max_concurrent=2)  # the same principal
+    text = path.read_text()
+    assert text.startswith("# the team's keys\n") and "max_concurrent = 4  # all of acme" in text
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    missing = _cli("keys", "revoke", "nobody", "--keys", str(path))
+    assert missing.returncode == 1 and "no key with id 'nobody'" in missing.stderr
+
+
+def test_an_edit_that_would_touch_other_entries_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "keys.toml"
+    inline = (f'keys.a = {{ sha256 = "{GOOD_HASH}", role = "admin" }}\n'
+              f'[keys.b]\nsha256 = "{hashlib.sha256(b"b").hexdigest()}"\nrole = "admin"\n')
+    path.write_text(inline)
+    out = _cli("keys", "revoke", "a", "--keys", str(path))
+    assert out.returncode == 1 and "no [keys.a] table to edit" in out.stderr
+    assert path.read_text() == inline
