@@ -1,7 +1,7 @@
 """Routing multi-LoRA traffic over R engine replicas: a discrete-event simulation (no engine).
 
     python bench/cluster_sim.py                        # R in 2, 16, 128; every policy
-    python bench/cluster_sim.py --replicas 16 --requests 50000 --policies ray chwbl
+    python bench/cluster_sim.py --replicas 16 --requests 50000 --policies ray affinity
 
 Each replica holds K adapters (an LRU of its device pool; a request for another one pages it in,
 evicting the least recently used) and runs up to C requests at once (its batch); more queue at
@@ -16,9 +16,12 @@ Policies (where a request goes):
                  (affinity, then spill): two random replicas among those holding the adapter
                  with room (< C in flight), the less loaded one; none holds it: two random
                  replicas among all with room; the holders are all full: spill the same way
-  chwbl          consistent hashing with bounded loads (Mirrokni et al. 2018): the adapter's
-                 point on a ring of 100 virtual nodes per replica, walking on past replicas
-                 holding more than ceil(c x (in flight + 1) / R) requests (c = 1.25)
+  affinity       what `loraserve serve --replicas` routes with (loraserve/ray_serve/routing.py,
+                 run here as is): rendezvous hashing with bounded loads, the adapter's first
+                 choice among the replicas, spilling in its own order past replicas holding
+                 ceil(c x (in flight + 1) / R) requests or more (c = 1.25), and past those
+                 whose batch is full (C running), as Serve's router skips a replica at its
+                 max_ongoing_requests
 
 Reported per (R, policy), over the requests after the first `warmup` fraction:
   hit rate            requests whose adapter was resident on the replica they went to
@@ -29,7 +32,6 @@ Reported per (R, policy), over the requests after the first `warmup` fraction:
 from __future__ import annotations
 
 import argparse
-import bisect
 import heapq
 import math
 import random
@@ -38,9 +40,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
-import xxhash
+from loraserve.ray_serve.routing import bounded, preference
 
-POLICIES = ("random", "least_loaded", "ray", "chwbl")
+POLICIES = ("random", "least_loaded", "ray", "affinity")
 
 
 @dataclass(slots=True)
@@ -55,8 +57,7 @@ class SimConfig:
     page_in_s: float = 0.05     # added to a request whose adapter was not resident
     requests: int = 100_000
     warmup: float = 0.2         # fraction of requests before measuring
-    chwbl_c: float = 1.25
-    vnodes: int = 100
+    load_bound_c: float = 1.25
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -66,8 +67,8 @@ class SimConfig:
             raise ValueError("load must be in (0, 1)")
         if self.zipf <= 0 or self.service_s <= 0 or self.page_in_s < 0:
             raise ValueError("need zipf > 0, service_s > 0, page_in_s >= 0")
-        if not 0 <= self.warmup < 1 or self.requests < 10 or self.chwbl_c < 1:
-            raise ValueError("need 0 <= warmup < 1, requests >= 10, chwbl_c >= 1")
+        if not 0 <= self.warmup < 1 or self.requests < 10 or self.load_bound_c < 1:
+            raise ValueError("need 0 <= warmup < 1, requests >= 10, load_bound_c >= 1")
 
 
 @dataclass(slots=True)
@@ -90,9 +91,8 @@ class Cluster:
         self.replicas = [Replica() for _ in range(cfg.replicas)]
         self.holders: dict[int, set[int]] = {}
         self.in_flight = 0
-        self.ring = sorted((xxhash.xxh3_64_intdigest(f"{r}/{v}".encode()), r)
-                           for r in range(cfg.replicas) for v in range(cfg.vnodes))
-        self.ring_keys = [h for h, _ in self.ring]
+        self.names = [f"replica-{r}" for r in range(cfg.replicas)]
+        self.preferences: dict[int, list[int]] = {}  # adapter -> its rendezvous order, cached
 
     def touch(self, r: int, adapter: int) -> bool:
         """Use adapter on replica r: True for a hit; a miss pages it in, evicting the LRU."""
@@ -133,14 +133,17 @@ class Cluster:
         free = [i for i, r in enumerate(self.replicas) if r.running < cap]
         return self._two_choices(free or list(range(self.cfg.replicas)))
 
-    def _chwbl(self, adapter: int) -> int:
-        bound = math.ceil(self.cfg.chwbl_c * (self.in_flight + 1) / self.cfg.replicas)
-        start = bisect.bisect(self.ring_keys, xxhash.xxh3_64_intdigest(str(adapter).encode()))
-        for step in range(len(self.ring)):
-            r = self.ring[(start + step) % len(self.ring)][1]
-            if self.replicas[r].load < bound:
-                return r
-        return self.ring[start % len(self.ring)][1]
+    def _affinity(self, adapter: int) -> int:
+        order = self.preferences.get(adapter)
+        if order is None:
+            names = preference(f"t/{adapter}", self.names)
+            order = self.preferences[adapter] = [int(n.rsplit("-", 1)[1]) for n in names]
+        loads = {r: rep.load for r, rep in enumerate(self.replicas)}
+        ranked = bounded(order, loads, self.cfg.load_bound_c)
+        # Serve takes the first rank with room (< max_ongoing_requests = C running), else
+        # waits; here the wait is at the first choice
+        return next((r for r in ranked if self.replicas[r].running < self.cfg.concurrency),
+                    ranked[0])
 
 
 def zipf_draws(cfg: SimConfig, n: int, seed: int) -> np.ndarray:

@@ -58,10 +58,16 @@ def spill_order(key: str, loads: Mapping[R, int], c: float = DEFAULT_C) -> list[
     `key`'s preference order, then those at or over it in the same order (tried only when
     none under it can take the request, e.g. every one is at its own concurrency cap).
     `loads`: replica -> requests it holds now (running and queued)."""
+    return bounded(preference(key, loads), loads, c)
+
+
+def bounded(order: Sequence[R], loads: Mapping[R, int], c: float = DEFAULT_C) -> list[R]:
+    """`order` (a key's preference over the replicas of `loads`) with the replicas at or over
+    the load bound moved last, keeping their order (a caller that caches preferences, like the
+    simulator, skips the hashing)."""
     if not loads:
         return []
     bound = load_bound(sum(loads.values()), len(loads), c)
-    order = preference(key, loads)
     return [r for r in order if loads[r] < bound] + [r for r in order if loads[r] >= bound]
 
 
