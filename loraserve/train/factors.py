@@ -1,0 +1,83 @@
+"""A run's LoRA factors: one (A [r, in], B [out, r]) pair per target module, float32 masters.
+
+Initialised as PEFT initialises LoRA (A kaiming-uniform with a = sqrt(5), so U(-1/sqrt(in),
+1/sqrt(in)); B zero), drawn from a generator seeded by the run's seed in a fixed module order,
+so a seed names the initial factors. `serving_weights` turns them into the catalog's serving
+layout (scale folded into B, the serving dtype): the same layout `catalog.export` makes of a
+PEFT adapter, so a run's revision and an imported one are served alike.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from loraserve.catalog.export import fold
+from loraserve.catalog.layout import AdapterWeights
+from loraserve.catalog.targets import module_path, parse_module_path, tensor_names
+from loraserve.model import CausalLM
+from loraserve.train.config import RunConfig
+
+
+def _linear_shape(model: CausalLM, path: str) -> tuple[int, int]:
+    """(in, out) of the target module at catalog module path `path` (wrappers and packing aside)."""
+    module = model.get_submodule(path if path == "lm_head" else f"model.{path}")
+    inner = getattr(module, "base", module)  # a serving LoRA wrapper keeps its target as .base
+    return inner.in_features, inner.out_features
+
+
+class LoRAFactors:
+    """The trainable tensors of one run, keyed by catalog module path (`layers.0.self_attn.q_proj`)."""
+
+    def __init__(self, model: CausalLM, config: RunConfig, device: torch.device | None = None):
+        self.config = config
+        self.kinds = config.kinds(model.config.is_moe)
+        device = device or model.model.embed_tokens.weight.device
+        gen = torch.Generator().manual_seed(config.seed)
+        self.pairs: dict[str, tuple[nn.Parameter, nn.Parameter]] = {}
+        for path in self._paths(model.config.num_layers):
+            fan_in, fan_out = _linear_shape(model, path)
+            bound = 1.0 / math.sqrt(fan_in)
+            a = (torch.rand(config.rank, fan_in, generator=gen) * 2 - 1) * bound
+            b = torch.zeros(fan_out, config.rank)
+            self.pairs[path] = (nn.Parameter(a.to(device)), nn.Parameter(b.to(device)))
+
+    def _paths(self, num_layers: int) -> list[str]:
+        layer_kinds = [k for k in self.kinds if k != "lm_head"]
+        paths = [module_path(k, l) for l in range(num_layers) for k in layer_kinds]
+        return paths + (["lm_head"] if "lm_head" in self.kinds else [])
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Every factor, A then B per module, in module order (the optimizer's order)."""
+        return [p for pair in self.pairs.values() for p in pair]
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """Blob-style names (`layers.0.self_attn.q_proj.lora_A`) -> the factor (unscaled)."""
+        out = {}
+        for path, (a, b) in self.pairs.items():
+            a_name, b_name = tensor_names(*parse_module_path(path))
+            out[a_name], out[b_name] = a, b
+        return out
+
+    @torch.no_grad()
+    def load_named(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy saved factors in; ValueError unless names and shapes are exactly this run's."""
+        mine = self.named_tensors()
+        if set(tensors) != set(mine):
+            raise ValueError(f"saved factors name {len(tensors)} tensors, this run has {len(mine)} "
+                             "(another rank, base or target set)")
+        for name, t in mine.items():
+            if tensors[name].shape != t.shape:
+                raise ValueError(f"{name}: saved shape {list(tensors[name].shape)}, run has {list(t.shape)}")
+            t.copy_(tensors[name])
+
+    @torch.no_grad()
+    def serving_weights(self, base_fingerprint: str, dtype: torch.dtype, source: str) -> AdapterWeights:
+        """The serving layout of the current factors: A cast, B * alpha/r folded and cast once."""
+        tensors = {}
+        for path, (a, b) in self.pairs.items():
+            a_name, b_name = tensor_names(*parse_module_path(path))
+            tensors[a_name] = a.detach().to(dtype).contiguous()
+            tensors[b_name] = fold(b.detach().float(), self.config.scale, dtype).contiguous()
+        return AdapterWeights(base_fingerprint, self.config.rank, list(self.kinds), dtype, tensors, source)

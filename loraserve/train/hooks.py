@@ -1,0 +1,72 @@
+"""Attach a run's factors to the resident serving model for one forward, and take them off.
+
+Forward hooks on the target modules add `scale * B(A x)` to each output; nothing of the model is
+replaced or copied, so decode steps between training slices see the model exactly as before.
+The hooks go on whatever sits at the target path: a plain `nn.Linear`, a `PackedLinear`, or the
+serving LoRA wrapper around either (the host clears the serving LoRA state first, so the wrapper
+adds nothing of its own during a training forward).
+
+`PackedLinear` (model/prepack.py) multiplies through a oneDNN op with no autograd formula: the
+gradient would silently stop there. `_PackedInputGrad` gives it one: dx = dy W, with W unpacked
+for that one backward product and dropped after (one layer's transient copy, never a resident
+second base). Plain `nn.Linear` weights are frozen Parameters and differentiate as they are.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from loraserve.model import CausalLM
+from loraserve.model.prepack import PackedLinear
+from loraserve.train.factors import LoRAFactors
+
+
+class _PackedInputGrad(torch.autograd.Function):
+    """Identity on the packed op's output y; backward gives x its gradient dy @ W."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, y: Tensor, module: PackedLinear) -> Tensor:  # noqa: ARG004
+        ctx.module = module
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        w = ctx.module.packed.to_dense()  # [out, in], this product only
+        return dy.reshape(-1, dy.shape[-1]).mm(w.to(dy.dtype)).view(*dy.shape[:-1], w.shape[1]), None, None
+
+
+def _packed_hook(module: PackedLinear, args: tuple, output: Tensor) -> Tensor | None:
+    x = args[0]
+    if not x.requires_grad:
+        return None
+    return _PackedInputGrad.apply(x, output.detach(), module)
+
+
+def _lora_hook(a: nn.Parameter, b: nn.Parameter, scale: float):
+    def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+        x = args[0]
+        delta = F.linear(F.linear(x.to(a.dtype), a), b) * scale
+        return output + delta.to(output.dtype)
+    return hook
+
+
+def _target(model: CausalLM, path: str) -> nn.Module:
+    return model.get_submodule(path if path == "lm_head" else f"model.{path}")
+
+
+@contextmanager
+def attached(model: CausalLM, factors: LoRAFactors) -> Iterator[None]:
+    """Within the block, `model(...)` computes base + this run's LoRA, differentiable in the factors
+    (and in every activation, packed layers included). Hooks are removed on exit, error or not."""
+    handles = [m.register_forward_hook(_packed_hook) for m in model.modules() if isinstance(m, PackedLinear)]
+    try:
+        for path, (a, b) in factors.pairs.items():
+            handles.append(_target(model, path).register_forward_hook(_lora_hook(a, b, factors.config.scale)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()

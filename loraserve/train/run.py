@@ -1,0 +1,224 @@
+"""A training run on the resident base: forward / forward_backward in token-bounded slices,
+optim_step, and its training state.
+
+A pass (`TrainingRun.start`) works through its datums a slice at a time (`Pass.advance(budget)`),
+so the host can run decode steps between slices. Its gradients collect in the pass's own buffer
+and reach the run only when the whole pass is done and finite: a diverging batch (NaN/Inf loss
+or gradient) fails its own call and leaves the run as it was, so no later save can serve it.
+Gradients of successive passes add up, as Tinker's forward_backward calls do, until optim_step.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from loraserve.model import CausalLM
+from loraserve.train.config import RunConfig, TrainingError
+from loraserve.train.factors import LoRAFactors
+from loraserve.train.hooks import attached
+from loraserve.train.losses import loss_spec
+
+
+@dataclass(frozen=True, slots=True)
+class Datum:
+    """One sequence: input tokens [N] and the loss inputs, each [N] (target_tokens int64, the rest float32)."""
+
+    tokens: Tensor
+    inputs: dict[str, Tensor]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+
+@dataclass(frozen=True, slots=True)
+class AdamParams:
+    """The SDK's AdamParams: decoupled weight decay (AdamW), optional global grad-norm clip (0 = off)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+@dataclass(slots=True)
+class PassResult:
+    """Per datum `logprobs` and `elementwise_loss` [N] (float32), and the pass's metrics."""
+
+    outputs: list[dict[str, Tensor]]
+    metrics: dict[str, float]
+
+
+def _target_logprobs(model: CausalLM, datum: Datum) -> Tensor:
+    """log p(target_tokens[i] | tokens[:i+1]) for every position, in float32."""
+    n = datum.num_tokens
+    positions = torch.arange(n, device=datum.tokens.device)
+    logits = model.compute_logits(model(datum.tokens, positions))                   # [N, V] float32
+    return torch.log_softmax(logits, -1).gather(1, datum.inputs["target_tokens"].view(n, 1)).view(n)
+
+
+@dataclass
+class Pass:
+    """One forward or forward_backward call in progress."""
+
+    run: TrainingRun
+    data: list[Datum]
+    loss: str
+    loss_config: dict[str, float]
+    backward: bool
+    done_datums: int = 0
+    outputs: list[dict[str, Tensor]] = field(default_factory=list)
+    grads: list[Tensor] | None = None
+    loss_sum: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.done_datums == len(self.data)
+
+    def advance(self, max_tokens: int) -> bool:
+        """Run datums while they fit in `max_tokens` (at least one); True once every datum ran.
+        TrainingError if a loss or gradient is not finite (the run is left untouched)."""
+        used = 0
+        while not self.done and (used == 0 or used + self.data[self.done_datums].num_tokens <= max_tokens):
+            datum = self.data[self.done_datums]
+            self._one(datum)
+            used += datum.num_tokens
+            self.done_datums += 1
+        return self.done
+
+    def _one(self, datum: Datum) -> None:
+        spec, run = loss_spec(self.loss), self.run
+        with torch.inference_mode(False), torch.set_grad_enabled(self.backward), attached(run.model, run.factors):
+            target_lp = _target_logprobs(run.model, datum)
+            elementwise = spec.fn(target_lp, datum.inputs, self.loss_config)
+            loss = elementwise.sum()
+            if not math.isfinite(loss.item()):
+                raise TrainingError(f"{self.loss} loss of datum {self.done_datums} is {loss.item()}: "
+                                    "the step failed and the run is unchanged")
+            if self.backward:
+                self._accumulate(torch.autograd.grad(loss, run.factors.parameters()))
+        self.loss_sum += loss.item()
+        self.outputs.append({"logprobs": target_lp.detach().float(), "elementwise_loss": elementwise.detach().float()})
+
+    def _accumulate(self, grads: tuple[Tensor, ...]) -> None:
+        if self.grads is None:
+            self.grads = [g.detach().clone() for g in grads]
+        else:
+            for acc, g in zip(self.grads, grads):
+                acc.add_(g)
+
+    def finish(self) -> PassResult:
+        """Hand the gradients to the run (checked finite first) and return the outputs."""
+        if not self.done:
+            raise RuntimeError("finish() before every datum ran")
+        if self.grads is not None:
+            bad = [i for i, g in enumerate(self.grads) if not bool(torch.isfinite(g).all())]
+            if bad:
+                raise TrainingError(f"non-finite gradient in {len(bad)} LoRA factor(s): the step failed "
+                                    "and the run is unchanged")
+            self.run._add_grads(self.grads)
+        return PassResult(self.outputs, {"loss:sum": self.loss_sum})
+
+
+class TrainingRun:
+    """LoRA factors on the resident `model` (frozen, shared with serving), gradients, Adam state."""
+
+    def __init__(self, model: CausalLM, config: RunConfig):
+        self.model, self.config = model, config
+        self.factors = LoRAFactors(model, config)
+        self.grads: list[Tensor] | None = None
+        self.optimizer = torch.optim.AdamW(self.factors.parameters(), lr=1e-4, foreach=False)
+        self.steps = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def start(self, data: list[Datum], loss: str, loss_config: Mapping[str, float] | None = None,
+              *, backward: bool = True) -> Pass:
+        """A pass over `data`, checked up front (TrainingError naming the bad datum)."""
+        spec = loss_spec(loss)
+        cfg = spec.config(loss, loss_config)
+        if not data:
+            raise TrainingError("no datums given")
+        for i, datum in enumerate(data):
+            self._check(i, datum, ("target_tokens", *spec.inputs))
+        return Pass(self, data, loss, cfg, backward)
+
+    def _check(self, i: int, datum: Datum, needed: tuple[str, ...]) -> None:
+        n = datum.num_tokens
+        if datum.tokens.dim() != 1 or n == 0:
+            raise TrainingError(f"datum {i}: model_input must be a non-empty token list")
+        missing = [k for k in needed if k not in datum.inputs]
+        if missing:
+            raise TrainingError(f"datum {i}: loss_fn_inputs lacks {missing}")
+        for key, t in datum.inputs.items():
+            if key not in needed:
+                raise TrainingError(f"datum {i}: loss_fn_inputs has {key!r}, which this loss does not read")
+            if tuple(t.shape) != (n,):
+                raise TrainingError(f"datum {i}: {key} has shape {list(t.shape)}, model_input has {n} tokens")
+        for key in ("tokens", "target_tokens"):
+            t = datum.tokens if key == "tokens" else datum.inputs[key]
+            if int(t.min()) < 0 or int(t.max()) >= self.vocab_size:
+                raise TrainingError(f"datum {i}: {key} outside the vocabulary [0, {self.vocab_size})")
+
+    def _add_grads(self, grads: list[Tensor]) -> None:
+        if self.grads is None:
+            self.grads = grads
+        else:
+            for acc, g in zip(self.grads, grads):
+                acc.add_(g)
+
+    @torch.no_grad()
+    def optim_step(self, params: AdamParams) -> dict[str, float]:
+        """One AdamW step on the accumulated gradients (none accumulated: a zero gradient, as
+        Tinker's step then still decays and moves by the moments); gradients cleared after."""
+        ps = self.factors.parameters()
+        grads = self.grads or [torch.zeros_like(p) for p in ps]
+        for p, g in zip(ps, grads):
+            p.grad = g
+        norm = torch.nn.utils.clip_grad_norm_(ps, params.grad_clip_norm) if params.grad_clip_norm > 0 \
+            else torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        for group in self.optimizer.param_groups:
+            group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
+                         weight_decay=params.weight_decay)
+        self.optimizer.step()
+        for p in ps:
+            p.grad = None
+        self.grads = None
+        self.steps += 1
+        return {"grad_norm:mean": float(norm)}
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        """Training state by name: each factor and its two Adam moments (`.exp_avg`,
+        `.exp_avg_sq`); the optimizer's step count is `steps` (saved beside, not a tensor)."""
+        out = {}
+        for name, p in self.factors.named_tensors().items():
+            out[name] = p.detach()
+            for moment, t in self.optimizer.state.get(p, {}).items():
+                if moment != "step":
+                    out[f"{name}.{moment}"] = t
+        return out
+
+    @torch.no_grad()
+    def load_state(self, tensors: Mapping[str, Tensor], steps: int, *, optimizer: bool = True) -> None:
+        """Put saved factors (and, with `optimizer`, Adam moments and step count) back; gradients
+        in progress are dropped. ValueError if the state is not of a run shaped like this one."""
+        names = self.factors.named_tensors()
+        self.factors.load_named({k: v for k, v in tensors.items() if k in names})
+        self.optimizer.state.clear()
+        self.grads = None
+        if not optimizer:
+            return
+        for name, p in names.items():
+            moments = {m: tensors.get(f"{name}.{m}") for m in ("exp_avg", "exp_avg_sq")}
+            if all(t is not None for t in moments.values()) and steps > 0:
+                self.optimizer.state[p] = {"step": torch.tensor(float(steps)),
+                                           **{m: t.clone() for m, t in moments.items()}}
+        self.steps = steps
