@@ -1,7 +1,8 @@
 """The CPU tier: a byte-bounded LRU of checksum-verified adapter revisions in serving layout.
 
 Entries are `AdapterWeights` keyed by `(adapter_id, revision)`; revisions are immutable, so an
-entry never goes stale. The total `nbytes` of the entries never exceeds `max_bytes`: `put` evicts
+entry never goes stale. The total `nbytes` of the entries never exceeds `max_bytes`, nor their
+number `max_entries` when one is set (vLLM's `--max-cpu-loras` counts adapters): `put` evicts
 least-recently-used entries to make room, and an entry larger than the whole cache is not kept.
 With `pin_memory` (CUDA only) tensors are copied into page-locked memory so the copy to the device
 pool can run asynchronously. Thread-safe: pager workers `put`, the engine thread `get`s.
@@ -23,12 +24,15 @@ __all__ = ["CpuCache"]
 class CpuCache:
     """Byte-bounded LRU of adapter weights (see module doc)."""
 
-    def __init__(self, max_bytes: int, pin_memory: bool = False):
+    def __init__(self, max_bytes: int, pin_memory: bool = False, max_entries: int | None = None):
         if max_bytes < 0:
             raise ValueError(f"CPU cache size must be >= 0 bytes, got {max_bytes}")
+        if max_entries is not None and max_entries < 1:
+            raise ValueError(f"CPU cache entry bound must be >= 1, got {max_entries}")
         if pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory needs CUDA; there is no CUDA device here")
         self.max_bytes = max_bytes
+        self.max_entries = max_entries
         self.pin_memory = pin_memory
         self._lock = threading.Lock()
         self._entries: OrderedDict[AdapterKey, tuple[object, int]] = OrderedDict()  # LRU first
@@ -64,13 +68,17 @@ class CpuCache:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._stats.bytes -= old[1]
-            while self._stats.bytes + nbytes > self.max_bytes:
+            while self._stats.bytes + nbytes > self.max_bytes or self._full():
                 _, (_, freed) = self._entries.popitem(last=False)
                 self._stats.bytes -= freed
                 self._stats.evictions += 1
             self._entries[key] = (weights, nbytes)
             self._stats.bytes += nbytes
             return True
+
+    def _full(self) -> bool:
+        """No room for one more entry under `max_entries` (lock held)."""
+        return self.max_entries is not None and len(self._entries) >= self.max_entries
 
     def discard(self, key: AdapterKey) -> bool:
         """Drop `key` (not counted as an eviction); returns whether it was cached."""

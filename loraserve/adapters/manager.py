@@ -176,6 +176,14 @@ class AdapterManager:
         """Whether key can be admitted without a page-in."""
         return key in self.pool or key in self._staged or key in self.cpu_cache
 
+    def tier_of(self, key: AdapterKey) -> str:
+        """The tier a request for key is served from, as it arrives: "device" (in the pool),
+        "cpu" (the CPU cache, or staged for admission) or "catalog" (it must be paged in from
+        disk). For the request's log line; admission decides nothing by it."""
+        if key in self.pool:
+            return "device"
+        return "cpu" if key in self._staged or key in self.cpu_cache else "catalog"
+
     def fetch(self, record: RevisionRecord) -> None:
         """Page record in to the CPU tier (once per key until `settle`); `(key, weights, err)`
         arrives on `page_ins` when it is there (at once on a CPU hit)."""
@@ -209,7 +217,8 @@ class AdapterManager:
         weights left every tier since they were fetched (then `record` is paged in again)."""
         slot = self.pool.slot_of(key)
         if slot is None:
-            weights = self._staged.get(key)
+            weights = self._staged.get(key)  # paged in for this request: counted by its fetch
+            from_cpu = weights is None
             weights = weights if weights is not None else self.cpu_cache.get(key)
             if weights is None:
                 if record is not None:
@@ -218,7 +227,9 @@ class AdapterManager:
             try:
                 self.pool.load(key, weights)
             except PoolFull:
-                return None
+                return None  # not served yet: a retry that loads it counts the hit once
+            if from_cpu:
+                self.pager.count_cpu_hit()
             self._staged.pop(key, None)
         return self.pool.acquire(key)
 

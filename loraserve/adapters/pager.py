@@ -136,6 +136,13 @@ class Pager:
                 self._pool.submit(self._drain)
             return future
 
+    def count_cpu_hit(self) -> None:
+        """Count a revision served from the CPU tier outside `fetch`: the manager loading a
+        cached revision into the device pool (`AdapterManager.try_acquire`). `cpu_hits` is the
+        tier's one hit counter, so every CPU-tier hit lands here."""
+        with self._lock:
+            self._stats.cpu_hits += 1
+
     @property
     def stats(self) -> PagerStats:
         """A snapshot of the counters, with the number of loads queued or running right now."""
