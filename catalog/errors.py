@@ -83,6 +83,14 @@ class SourceTooLarge(CatalogError):
     status = 413
 
 
+class SourceUnavailable(CatalogError):
+    """An adapter source (an object store, the Hub; catalog.sources) cannot be reached, times out
+    or refuses us; other sources and the local catalog keep serving."""
+
+    status = 503
+    code = "source_unavailable"
+
+
 class ShardUnavailable(CatalogError):
     """A shard's files are missing or damaged (truncated, replaced, removed); other shards keep serving.
 

@@ -57,11 +57,12 @@ def adapter_blob(source: str | Path | AdapterSource, base: BaseInfo, dtype: str 
 def import_peft(
     catalog: Catalog, adapter_id: str, peft_dir: str | Path | AdapterSource, model_dir: str | Path,
     revision: str | None = None, promote: bool = True, *, base: BaseInfo | None = None, dtype: str | None = None,
-    admit: Admit | None = None,
+    admit: Admit | None = None, source: str | None = None,
 ) -> RevisionRecord:
     """Export `peft_dir` against the base in `model_dir` and store it as a new revision of `adapter_id`.
 
     `admit(rank, targets)` runs after the export and before the write; if it raises, nothing is written.
+    `source`: the provenance the record keeps (default `peft:<dir name>`).
     """
     validate_adapter_id(adapter_id)
     base = base or BaseInfo.from_dir(model_dir)
@@ -69,5 +70,6 @@ def import_peft(
     if admit is not None:
         meta = read_adapter_meta(blob)
         admit(meta["rank"], meta["targets"])
-    name = peft_dir.name if isinstance(peft_dir, AdapterSource) else Path(peft_dir).name
-    return catalog.put_revision(adapter_id, blob, revision=revision, promote=promote, source=f"peft:{name}")
+    if source is None:
+        source = f"peft:{peft_dir.name if isinstance(peft_dir, AdapterSource) else Path(peft_dir).name}"
+    return catalog.put_revision(adapter_id, blob, revision=revision, promote=promote, source=source)
