@@ -25,7 +25,7 @@ import time
 import torch
 
 from loraserve.engine.config import EngineConfig
-from loraserve.engine.llm_engine import LLMEngine
+from loraserve.engine.core.llm_engine import LLMEngine
 from loraserve.engine.types import GenerateRequest, SamplingParams
 
 

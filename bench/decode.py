@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from loraserve.engine.build import build_engine
+from loraserve.engine.core.build import build_engine
 from loraserve.engine.config import EngineConfig
-from loraserve.engine.llm_engine import LLMEngine
+from loraserve.engine.core.llm_engine import LLMEngine
 from loraserve.engine.types import GenerateRequest, SamplingParams
 
 

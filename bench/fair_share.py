@@ -10,8 +10,8 @@ requests with `--b-prompt`-token prompts (16 tokens each) in flight, each sent a
 it is answered. Prints A's latency (p50, p95, max) in both phases and B's requests and prompt
 tokens per second under the second.
 
-`--scheduler FILE` serves with another `loraserve/engine/scheduler.py` (e.g. an older one, for
-an A/B: `git show REV:loraserve/engine/scheduler.py > old.py`): its `Scheduler` class replaces
+`--scheduler FILE` serves with another `loraserve/engine/core/scheduler.py` (e.g. an older one, for
+an A/B: `git show REV:loraserve/engine/core/scheduler.py > old.py`): its `Scheduler` class replaces
 the current one in the server and the engine core (a sitecustomize on their PYTHONPATH).
 
 `--simulate` runs the same two closed loops against the scheduler alone, with no model and no
@@ -48,7 +48,7 @@ SITECUSTOMIZE = """
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("_bench_scheduler", {path!r})
 module = importlib.util.module_from_spec(spec)
-import loraserve.engine.scheduler as current
+import loraserve.engine.core.scheduler as current
 module.__package__ = "loraserve.engine"
 spec.loader.exec_module(module)
 current.Scheduler = module.Scheduler
@@ -154,8 +154,8 @@ def simulate(scheduler_cls, args: argparse.Namespace, budget: int, with_b: bool)
     import heapq
     import itertools
 
-    from loraserve.engine.block_manager import BlockManager
-    from loraserve.engine.sequence import Sequence
+    from loraserve.engine.core.block_manager import BlockManager
+    from loraserve.engine.core.sequence import Sequence
     from loraserve.engine.types import SamplingParams
 
     sch = scheduler_cls(BlockManager(1 << 20, 16), max_batch_size=64, max_batched_tokens=budget)
@@ -203,7 +203,7 @@ def simulate(scheduler_cls, args: argparse.Namespace, budget: int, with_b: bool)
 
 
 def load_scheduler(path: str | None):
-    import loraserve.engine.scheduler as current
+    import loraserve.engine.core.scheduler as current
     if path is None:
         return current.Scheduler
     import importlib.util

@@ -36,7 +36,7 @@ SHAPES = {  # name -> (layers, hidden, q out, kv out, intermediate)
 
 
 def hot_path(model: str, batches: list[int], steps: int, repeats: int) -> None:
-    from loraserve.engine.build import build_engine
+    from loraserve.engine.core.build import build_engine
     from loraserve.engine.config import EngineConfig
     from loraserve.engine.types import GenerateRequest, SamplingParams
 

@@ -279,7 +279,7 @@ CATEGORIES = [
     ("metrics (prometheus_client)", ("prometheus_client", "RequestClock", "metrics.py")),
     ("HTTP response write (uvicorn -> socket)", ("RequestResponseCycle.send",)),
     ("HTTP parsing (uvicorn/httptools/h11)", ("uvicorn/protocols/http", "h11/", "httptools")),
-    ("engine frontend + streaming glue", ("engine/frontend.py", "server/streaming.py", "tenancy.py")),
+    ("engine frontend + streaming glue", ("engine/client/frontend.py", "server/streaming.py", "tenancy.py")),
     ("loraserve handlers (endpoint, completions, app)", ("loraserve/server/",)),
     ("ASGI middleware + routing (starlette, fastapi)", ("starlette/", "fastapi/", "anyio/")),
     ("asyncio/uvloop scheduling", ("asyncio/", "uvloop", "Runner.run")),

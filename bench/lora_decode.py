@@ -70,7 +70,7 @@ def engine_decode(base: Path, catalog: Path, ids: list[str], batch: int, tokens:
 
 def _engine(base: Path, catalog: Path, batch: int, tokens: int, distinct: list[int], device: str,
             max_rank: int, compile: str):
-    from loraserve.engine.build import build_engine
+    from loraserve.engine.core.build import build_engine
     from loraserve.engine.config import EngineConfig
 
     t0 = time.perf_counter()

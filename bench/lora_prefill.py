@@ -28,7 +28,7 @@ import time
 
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.types import GenerateRequest, SamplingParams
-from loraserve.engine.build import build_engine
+from loraserve.engine.core.build import build_engine
 
 TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 

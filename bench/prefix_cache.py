@@ -24,7 +24,7 @@ import time
 import torch
 
 from loraserve.engine.config import EngineConfig
-from loraserve.engine.llm_engine import LLMEngine
+from loraserve.engine.core.llm_engine import LLMEngine
 from loraserve.engine.types import GenerateRequest, SamplingParams
 
 
@@ -53,7 +53,7 @@ def main() -> None:
     cfg = EngineConfig(model_dir=model, device=args.device, catalog_dir=args.catalog, max_batch_size=args.batch,
                        max_model_len=args.prefix + args.suffix + 8)
     if args.catalog:
-        from loraserve.engine.build import build_engine
+        from loraserve.engine.core.build import build_engine
         eng = build_engine(cfg)
     else:
         eng = LLMEngine(cfg)

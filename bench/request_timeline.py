@@ -39,10 +39,10 @@ signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
 TARGETS = {
     "loraserve.server.app": [(None, "_answer")],
     "loraserve.server.endpoint": [(None, "serve")],
-    "loraserve.engine.core_client": [("CoreClient", "_submit"), ("CoreClient", "_flush"),
+    "loraserve.engine.client.core_client": [("CoreClient", "_submit"), ("CoreClient", "_flush"),
                                      ("CoreClient", "_deliver")],
-    "loraserve.engine.core": [("EngineCore", "_add"), ("EngineCore", "_send_step")],
-    "loraserve.engine.engine_loop": [("EngineLoop", "step")],
+    "loraserve.engine.core.process": [("EngineCore", "_add"), ("EngineCore", "_send_step")],
+    "loraserve.engine.core.engine_loop": [("EngineLoop", "step")],
 }
 def _wrap(mod, cls, name):
     owner = getattr(mod, cls) if cls else mod

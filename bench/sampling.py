@@ -36,9 +36,9 @@ import time
 
 import torch
 
-import loraserve.engine.llm_engine as llm_engine
-from loraserve.engine import sampler as new
-from loraserve.engine.sequence import Sequence
+import loraserve.engine.core.llm_engine as llm_engine
+from loraserve.engine.core import sampler as new
+from loraserve.engine.core.sequence import Sequence
 from loraserve.engine.types import SamplingParams
 
 BEFORE = "924a661"  # the last commit before the extensions
@@ -47,7 +47,7 @@ BEFORE = "924a661"  # the last commit before the extensions
 def load_before(rev: str):
     """The sampler module of git revision `rev`, importable beside this tree's."""
     root = Path(__file__).resolve().parents[1]
-    src = subprocess.run(["git", "show", f"{rev}:loraserve/engine/sampler.py"], cwd=root,
+    src = subprocess.run(["git", "show", f"{rev}:loraserve/engine/core/sampler.py"], cwd=root,
                          check=True, capture_output=True, text=True).stdout
     spec = importlib.util.spec_from_loader("loraserve.engine._sampler_before", loader=None)
     module = importlib.util.module_from_spec(spec)
@@ -132,7 +132,7 @@ def section_sample(before, vocabs: list[int], batches: list[int], rounds: int, r
 
 
 def section_decode(before, model: str, batches: list[int], rounds: int) -> None:
-    from loraserve.engine.build import build_engine
+    from loraserve.engine.core.build import build_engine
     from loraserve.engine.config import EngineConfig
     from loraserve.engine.types import GenerateRequest
 

@@ -27,9 +27,9 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 import tokenizers  # noqa: E402
 import torch  # noqa: E402
 
-from loraserve.engine.sampler import sample  # noqa: E402
-from loraserve.engine.sequence import Sequence  # noqa: E402
-from loraserve.engine.structured import GrammarEngine, check_spec  # noqa: E402
+from loraserve.engine.core.sampler import sample  # noqa: E402
+from loraserve.engine.core.sequence import Sequence  # noqa: E402
+from loraserve.engine.core.structured import GrammarEngine, check_spec  # noqa: E402
 from loraserve.engine.types import GrammarSpec, SamplingParams  # noqa: E402
 from loraserve.model.tiny import _bytes_to_unicode, byte_level_tokenizer  # noqa: E402
 from loraserve.tokenizer import Tokenizer  # noqa: E402

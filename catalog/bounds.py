@@ -21,7 +21,7 @@ limit (`GAIN_LIMITS`):
 
 The bound is per target. Targets compose (v_proj's delta feeds o_proj's), so a revision under
 the limit can still drive a sequence to Inf at run time; that sequence fails alone and its
-revision is quarantined (`loraserve.engine.llm_engine.LLMEngine._screen`).
+revision is quarantined (`loraserve.engine.core.llm_engine.LLMEngine._screen`).
 
 Ordinary adapters have gains of 0.01-100; `catalog audit` used to find the rest (`error inf`)
 only after they were served. Export and import (`save_revision`, every writer's path), a runtime

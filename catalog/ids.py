@@ -15,6 +15,9 @@ _PART = re.compile(r"[A-Za-z0-9._-]+")
 TENANT_MAX = 64
 NAME_MAX = 128
 REVISION_MAX = 64
+# the tenant of an adapter named without one (vLLM's habit: `lora_name: "sql-lora"`,
+# `--lora-modules sql-lora=DIR`, `"model": "sql-lora"`): `default/sql-lora`
+DEFAULT_TENANT = "default"
 
 
 def _check_part(value: str, what: str, max_len: int, whole: str) -> None:
@@ -61,3 +64,10 @@ def parse_model_ref(s: str) -> tuple[str, str | None]:
     if "@" in rev:
         raise InvalidAdapterId(f"invalid model reference {s!r}: more than one '@'")
     return adapter_id, validate_revision(rev)
+
+
+def with_default_tenant(name: str) -> str:
+    """`name` with the default tenant in front when it names no tenant (`sql-lora`,
+    `sql-lora@r2` -> `default/sql-lora[@r2]`); any other name unchanged. Only the adapter part
+    (before any `@`) is looked at, so a tag holding a `/` is no tenant."""
+    return name if "/" in name.split("@", 1)[0] else f"{DEFAULT_TENANT}/{name}"

@@ -133,7 +133,7 @@ def _help(f: Field, default: Any, text: str | None) -> str:
 
 def _serve(args: argparse.Namespace) -> int:
     from .engine.async_engine import AsyncEngine
-    from .engine.core_client import CoreClient
+    from .engine.client.core_client import CoreClient
     from .server.app import run_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -38,7 +38,7 @@ PROBE = textwrap.dedent('''
     import kernels
     assert kernels.IS_STAND_IN
     import loraserve.kernels as lk, loraserve.catalog.store, loraserve.catalog.format
-    from loraserve.engine.build import build_engine
+    from loraserve.engine.core.build import build_engine
     from loraserve.lora.layers import LoRAState
     from loraserve.server.app import build_app
     assert lk is not kernels and not hasattr(lk, "IS_STAND_IN"), lk.__file__

@@ -15,11 +15,11 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from .build import build_engine
+from .core.build import build_engine
 from .config import EngineConfig
-from .engine_loop import EngineLoop
-from .frontend import EngineFrontend
-from .llm_engine import LLMEngine
+from .core.engine_loop import EngineLoop
+from .client.frontend import EngineFrontend
+from .core.llm_engine import LLMEngine
 from .snapshot import EngineSnapshot
 from .types import GenerateRequest, RequestOutput
 

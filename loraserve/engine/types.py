@@ -43,7 +43,7 @@ STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 
 
 class GrammarSpec(NamedTuple):
-    """Structured output (engine/structured.py): kind in STRUCTURED_KINDS; text: the JSON
+    """Structured output (engine/core/structured.py): kind in STRUCTURED_KINDS; text: the JSON
     schema (JSON text), the regex, the choices (a JSON list of strings), the EBNF grammar; ""
     for json_object. `param`: the request field it came from (the 400 names it); not part of
     the compiled-grammar cache key. A NamedTuple: it travels on the engine-core wire as an array."""

@@ -31,12 +31,12 @@ from loraserve.catalog.base import base_fingerprint
 
 from ..adapters.pool import PoolLimits
 from ..adapters.stats import CacheStats, PagerStats, PoolStats
-from ..engine.catalog_view import CatalogView
+from ..engine.client.catalog_view import CatalogView
 from ..engine.config import EngineConfig
 from ..engine.directory import EVERYONE, AdapterDirectory
 from ..engine.snapshot import EngineSnapshot
 from ..engine.types import EngineError, GenerateRequest, RequestOutput, ResolvedModel
-from ..engine.warm_refs import WarmRefs
+from ..engine.client.warm_refs import WarmRefs
 from ..engine.wire import error_from_wire, output_from_wire, request_to_wire, snapshot_from_wire
 from ..model.config import ModelConfig
 from ..tokenizer import Tokenizer

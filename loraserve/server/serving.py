@@ -14,7 +14,7 @@ from typing import Any
 
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.interface import EngineInterface
-from loraserve.engine.structured import check_spec
+from loraserve.engine.core.structured import check_spec
 from loraserve.engine.types import (SEED_MAX, EngineError, GenerateRequest, GrammarSpec,
                                     ResolvedModel, SamplingParams)
 from loraserve.server.errors import APIError, clip

@@ -6,7 +6,7 @@ import asyncio
 
 from loraserve.engine.async_engine import AsyncEngine
 from loraserve.engine.config import EngineConfig
-from loraserve.engine.llm_engine import LLMEngine
+from loraserve.engine.core.llm_engine import LLMEngine
 from loraserve.engine.types import GenerateRequest, SamplingParams
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from loraserve.engine.config import EngineConfig
-from loraserve.engine.llm_engine import LLMEngine
+from loraserve.engine.core.llm_engine import LLMEngine
 from loraserve.engine.types import GenerateRequest, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

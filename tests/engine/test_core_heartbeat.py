@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from loraserve.engine.core import EngineCore
-from loraserve.engine.core_client import Backoff
+from loraserve.engine.core.process import EngineCore
+from loraserve.engine.client.core_client import Backoff
 from loraserve.engine.heartbeat import LOOP_WAITING, PROGRESS, Heartbeat
 from loraserve.engine.snapshot import EngineSnapshot
 from loraserve.engine.types import GenerateRequest, RequestOutput, SamplingParams

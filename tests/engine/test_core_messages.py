@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import pytest
 
 from loraserve.demo import build_demo
-from loraserve.engine import core as core_module
+from loraserve.engine.core import process as core_module
 from loraserve.engine.config import EngineConfig
-from loraserve.engine.core import EngineCore
-from loraserve.engine.core_client import CoreClient
+from loraserve.engine.core.process import EngineCore
+from loraserve.engine.client.core_client import CoreClient
 from loraserve.engine.snapshot import EngineSnapshot
 from loraserve.engine.types import GenerateRequest, RequestOutput, SamplingParams
 from loraserve.engine.wire import pack, request_to_wire, unpacker

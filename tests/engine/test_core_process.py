@@ -1,4 +1,4 @@
-"""The engine core in its own process (`CoreClient` + `loraserve.engine.core`).
+"""The engine core in its own process (`CoreClient` + `loraserve.engine.core.process`).
 
 Outputs equal the in-process engine's; the core killed under load ends each request in flight
 with one clean 503 and no torn connection, a new core starts, and new requests succeed. The
@@ -22,7 +22,7 @@ import pytest
 from loraserve.demo import build_demo
 from loraserve.engine.async_engine import AsyncEngine
 from loraserve.engine.config import EngineConfig
-from loraserve.engine.core_client import Backoff, CoreClient
+from loraserve.engine.client.core_client import Backoff, CoreClient
 from loraserve.engine.types import EngineError, GenerateRequest, SamplingParams
 from loraserve.server import build_app
 from loraserve.tokenizer import Tokenizer

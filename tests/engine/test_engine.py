@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from loraserve.engine.config import EngineConfig
-from loraserve.engine.llm_engine import LLMEngine
-from loraserve.engine.output_processor import OutputProcessor
+from loraserve.engine.core.llm_engine import LLMEngine
+from loraserve.engine.client.output_processor import OutputProcessor
 from loraserve.engine.types import GenerateRequest, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

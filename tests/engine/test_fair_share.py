@@ -14,11 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loraserve.engine.block_manager import BlockManager
+from loraserve.engine.core.block_manager import BlockManager
 from loraserve.engine.config import EngineConfig
-from loraserve.engine.llm_engine import LLMEngine
-from loraserve.engine.scheduler import Scheduler
-from loraserve.engine.sequence import Sequence
+from loraserve.engine.core.llm_engine import LLMEngine
+from loraserve.engine.core.scheduler import Scheduler
+from loraserve.engine.core.sequence import Sequence
 from loraserve.engine.types import GenerateRequest, SamplingParams
 from loraserve.server import build_app
 

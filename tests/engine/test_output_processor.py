@@ -14,10 +14,10 @@ import pytest
 
 from loraserve.engine.async_engine import AsyncEngine
 from loraserve.engine.config import EngineConfig
-from loraserve.engine.llm_engine import LLMEngine
-from loraserve.engine.output import TokenOutputs
-from loraserve.engine.output_processor import OutputProcessor
-from loraserve.engine.sequence import Sequence
+from loraserve.engine.core.llm_engine import LLMEngine
+from loraserve.engine.core.output import TokenOutputs
+from loraserve.engine.client.output_processor import OutputProcessor
+from loraserve.engine.core.sequence import Sequence
 from loraserve.engine.types import GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
 from loraserve.tokenizer import Tokenizer
 

@@ -6,10 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loraserve.engine.block_manager import BlockManager
+from loraserve.engine.core.block_manager import BlockManager
 from loraserve.engine.config import EngineConfig
-from loraserve.engine.llm_engine import LLMEngine
-from loraserve.engine.sequence import Sequence
+from loraserve.engine.core.llm_engine import LLMEngine
+from loraserve.engine.core.sequence import Sequence
 from loraserve.engine.types import GenerateRequest, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -13,11 +13,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loraserve.engine import sampler
-from loraserve.engine.output import TokenOutputs
-from loraserve.engine.output_processor import OutputProcessor
-from loraserve.engine.sampler import adjust_logits, sample
-from loraserve.engine.sequence import Sequence
+from loraserve.engine.core import sampler
+from loraserve.engine.core.output import TokenOutputs
+from loraserve.engine.client.output_processor import OutputProcessor
+from loraserve.engine.core.sampler import adjust_logits, sample
+from loraserve.engine.core.sequence import Sequence
 from loraserve.engine.types import (EngineError, GenerateRequest, SamplingParams, TokenLogprob)
 from loraserve.engine.wire import pack, request_from_wire, request_to_wire, unpack
 

@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loraserve.engine.sampler import sample
-from loraserve.engine.sequence import Sequence
+from loraserve.engine.core.sampler import sample
+from loraserve.engine.core.sequence import Sequence
 from loraserve.engine.types import EngineError, SamplingParams
 
 VOCAB = 50

@@ -7,9 +7,9 @@ from __future__ import annotations
 import itertools
 import time
 
-from loraserve.engine.block_manager import BlockManager
-from loraserve.engine.scheduler import Scheduler
-from loraserve.engine.sequence import SeqStatus, Sequence
+from loraserve.engine.core.block_manager import BlockManager
+from loraserve.engine.core.scheduler import Scheduler
+from loraserve.engine.core.sequence import SeqStatus, Sequence
 from loraserve.engine.types import SamplingParams
 
 _PROMPTS = itertools.count(1)

@@ -10,12 +10,12 @@ import re
 import pytest
 import torch
 
-from loraserve.engine import sampler
+from loraserve.engine.core import sampler
 from loraserve.engine.config import EngineConfig
-from loraserve.engine.llm_engine import LLMEngine
-from loraserve.engine.sampler import sample, token_logprobs
-from loraserve.engine.sequence import Sequence
-from loraserve.engine.structured import GrammarEngine, check_spec
+from loraserve.engine.core.llm_engine import LLMEngine
+from loraserve.engine.core.sampler import sample, token_logprobs
+from loraserve.engine.core.sequence import Sequence
+from loraserve.engine.core.structured import GrammarEngine, check_spec
 from loraserve.engine.types import EngineError, GenerateRequest, GrammarSpec, SamplingParams
 from loraserve.engine.wire import pack, request_from_wire, request_to_wire, unpack
 
@@ -140,7 +140,7 @@ def test_through_the_engine_core_process(demo_dense) -> None:
     request alone, as a 400 naming its field."""
     import asyncio
 
-    from loraserve.engine.core_client import CoreClient
+    from loraserve.engine.client.core_client import CoreClient
 
     cfg = EngineConfig(model_dir=str(demo_dense), device="cpu", max_model_len=128,
                        max_batch_size=4, torch_threads=1)

@@ -8,11 +8,11 @@ import threading
 import time
 from types import SimpleNamespace
 
-from loraserve.engine import warm_refs
-from loraserve.engine.frontend import EngineFrontend
+from loraserve.engine.client import warm_refs
+from loraserve.engine.client.frontend import EngineFrontend
 from loraserve.engine.snapshot import EngineSnapshot
 from loraserve.engine.types import GenerateRequest, RequestOutput, SamplingParams
-from loraserve.engine.warm_refs import WarmRefs
+from loraserve.engine.client.warm_refs import WarmRefs
 from loraserve.model.tiny import byte_level_tokenizer
 from loraserve.tokenizer import Tokenizer
 

@@ -10,7 +10,7 @@ import threading
 from loraserve.catalog.errors import CorruptBlob
 from loraserve.catalog.layout import load_revision, save_revision
 from loraserve.catalog.store import Catalog
-from loraserve.engine.build import build_engine
+from loraserve.engine.core.build import build_engine
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.types import GenerateRequest, SamplingParams
 

@@ -1,4 +1,4 @@
-"""The compiled decode step (engine.decode_graphs) gives what the eager step gives: the same greedy
+"""The compiled decode step (engine.core.decode_graphs) gives what the eager step gives: the same greedy
 tokens and logprobs within 1e-5, for base-only batches and batches mixing adapters (LoRA on every
 target kind, lm_head included), and PEFT's greedy continuations.
 
@@ -13,9 +13,9 @@ import shutil
 import pytest
 import torch
 
-from loraserve.engine.build import build_engine
+from loraserve.engine.core.build import build_engine
 from loraserve.engine.config import EngineConfig
-from loraserve.engine.decode_graphs import DecodeGraphs, batch_buckets, context_buckets
+from loraserve.engine.core.decode_graphs import DecodeGraphs, batch_buckets, context_buckets
 from loraserve.engine.types import GenerateRequest, SamplingParams
 from loraserve.model.prepack import PackedLinear
 
@@ -36,7 +36,7 @@ def _engine(aset, compile: str, catalog, **kw):
 def engines(dense_set, tmp_path_factory):
     """(eager, compiled) engines over the same base and a copy each of one catalog (LMDB opens
     an environment once per process). The compiled one runs LoRA steps through graphs too,
-    which the CPU leaves eager by default (see engine.decode_graphs). Its base weights start
+    which the CPU leaves eager by default (see engine.core.decode_graphs). Its base weights start
     packed for oneDNN, which the graphs undo: inductor lowers plain GEMMs."""
     copy = tmp_path_factory.mktemp("compiled") / "catalog"
     shutil.copytree(dense_set.catalog, copy)
@@ -117,7 +117,7 @@ def test_buckets():
 def test_what_compiles_by_default(engines, moe_set):
     """auto: CUDA graphs on CUDA (LoRA steps included), eager on the CPU; on: the CPU compiles
     base-only steps; MoE bases never compile; off is off."""
-    from loraserve.engine.build import compiles
+    from loraserve.engine.core.build import compiles
 
     eager, _ = engines
     eng = build_engine(EngineConfig(model_dir=str(moe_set.base), device="cpu", compile="on",

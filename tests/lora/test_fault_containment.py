@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-import loraserve.engine.llm_engine as llm_engine
-from loraserve.engine.build import build_engine
+import loraserve.engine.core.llm_engine as llm_engine
+from loraserve.engine.core.build import build_engine
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.types import EngineError, GenerateRequest, SamplingParams
 

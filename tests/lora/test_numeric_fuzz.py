@@ -29,7 +29,7 @@ from loraserve.catalog.base import BaseInfo
 from loraserve.catalog.layout import AdapterWeights, save_revision
 from loraserve.catalog.store import Catalog
 from loraserve.catalog.targets import parse_module_path, tensor_names
-from loraserve.engine.build import build_engine
+from loraserve.engine.core.build import build_engine
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.types import GenerateRequest, SamplingParams
 

@@ -8,7 +8,7 @@ import torch
 
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.types import GenerateRequest, SamplingParams
-from loraserve.engine.build import build_engine
+from loraserve.engine.core.build import build_engine
 from loraserve.model.prepack import PackedLinear
 
 TOKENS = 6

@@ -8,9 +8,9 @@ import threading
 
 from loraserve.catalog.importer import import_peft
 from loraserve.engine.config import EngineConfig
-from loraserve.engine.sequence import SeqStatus
+from loraserve.engine.core.sequence import SeqStatus
 from loraserve.engine.types import GenerateRequest, SamplingParams
-from loraserve.engine.build import build_engine
+from loraserve.engine.core.build import build_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

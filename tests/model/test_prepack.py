@@ -87,7 +87,7 @@ def test_auto_packs_a_base_whose_linear_weights_outgrow_the_last_level_cache(tmp
 
 
 def test_default_threads_follow_the_same_rule(monkeypatch):
-    from loraserve.engine.llm_engine import default_torch_threads, usable_cpus
+    from loraserve.engine.core.llm_engine import default_torch_threads, usable_cpus
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     mask = len(os.sched_getaffinity(0))
     assert usable_cpus() == mask
@@ -104,7 +104,7 @@ def test_default_threads_follow_the_same_rule(monkeypatch):
 
 def test_engine_packed_gives_the_unpacked_tokens(demo_dense):
     from loraserve.engine.config import EngineConfig
-    from loraserve.engine.llm_engine import LLMEngine
+    from loraserve.engine.core.llm_engine import LLMEngine
     from loraserve.engine.types import GenerateRequest, SamplingParams
 
     def run(prepack: str):

@@ -36,6 +36,7 @@ class FakeTokenizer:
 
     vocab_size = VOCAB_SIZE
     eos_token_ids = [EOS_ID]
+    chat_template = None  # renders no tools: a request with tools is refused
 
     def encode(self, text: str) -> list[int]:
         return [NEWLINE_ID if c == "\n" else (ord(c) - 32 if 32 <= ord(c) < 127 else 31)

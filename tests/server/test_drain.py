@@ -234,7 +234,7 @@ def test_a_drain_ends_in_time_with_its_engine_core_stopped(tmp_path: Path) -> No
     reaped."""
     from loraserve.demo import build_demo
     from loraserve.engine.config import EngineConfig
-    from loraserve.engine.core_client import CoreClient
+    from loraserve.engine.client.core_client import CoreClient
 
     demo = build_demo(tmp_path / "demo")
     cfg = EngineConfig(model_dir=str(demo.qwen3), catalog_dir=str(demo.catalog), device="cpu",

@@ -31,7 +31,7 @@ from openai.types.chat import ChatCompletionStreamOptionsParam
 from openai.types.chat import completion_create_params as chat_schema
 
 from loraserve.engine.async_engine import AsyncEngine
-from loraserve.engine.sampler import sample
+from loraserve.engine.core.sampler import sample
 from loraserve.engine.types import SamplingParams
 from loraserve.server import build_app
 from loraserve.server.errors import clip
@@ -102,7 +102,7 @@ CASES: list[tuple[str, str, Any, Check | str, dict]] = [
     ("chat", "modalities", ["text", "audio"], REFUSED, {}),
     ("chat", "moderation", {"mode": "block"}, REFUSED, {}),
     ("chat", "n", 3, lambda p, r, e: len(r.json()["choices"]) == 3, {}),
-    ("chat", "parallel_tool_calls", False, REFUSED, {}),
+    ("chat", "parallel_tool_calls", False, params_has(), {}),  # no tools: nothing to call
     ("chat", "prediction", {"type": "content", "content": "x"}, REFUSED, {}),
     ("chat", "presence_penalty", 2.0, params_has(presence_penalty=2.0), {}),
     ("chat", "prompt_cache_key", "conv-7", logged, {}),
@@ -127,8 +127,9 @@ CASES: list[tuple[str, str, Any, Check | str, dict]] = [
     ("chat", "stream_options", {"include_obfuscation": True}, REFUSED, {"stream": True}),
     ("chat", "temperature", 0.0, params_has(temperature=0.0), {}),
     ("chat", "tool_choice", "none", params_has(), {}),
-    ("chat", "tool_choice", "auto", REFUSED, {}),
+    ("chat", "tool_choice", "auto", params_has(), {}),
     ("chat", "tools", [], params_has(), {}),
+    # the fake's chat template renders no tools (test_tools.py: a template that does)
     ("chat", "tools", [{"type": "function", "function": {"name": "f"}}], REFUSED, {}),
     ("chat", "top_logprobs", 2, params_has(logprobs=2), {"logprobs": True}),
     ("chat", "top_p", 0.9, params_has(top_p=0.9), {}),
@@ -463,7 +464,7 @@ def test_mixed_adapter_batch_gives_each_sequence_its_own(rhttp: httpx.Client, ba
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Base and two adapters, with and without extensions, greedy and seeded, at once: each
     gets what it gets alone (and they did share sampling batches)."""
-    import loraserve.engine.llm_engine as llm_engine
+    import loraserve.engine.core.llm_engine as llm_engine
 
     batches: list[tuple[int, int, int]] = []  # (sequences, adapters incl. base, with extensions)
 

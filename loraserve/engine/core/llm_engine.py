@@ -14,23 +14,23 @@ import time
 
 import torch
 
-from ..adapters.manager import RevisionQuarantined
-from ..model.config import ModelConfig
-from ..model.loader import load_model, resolve_dtype
-from ..model.prepack import can_prepack, outgrows_last_level_cache, prepack_linears
-from ..tokenizer import Tokenizer
+from ...adapters.manager import RevisionQuarantined
+from ...model.config import ModelConfig
+from ...model.loader import load_model, resolve_dtype
+from ...model.prepack import can_prepack, outgrows_last_level_cache, prepack_linears
+from ...tokenizer import Tokenizer
 from .attention import KVCache
 from .block_manager import BlockManager
-from .config import EngineConfig
-from .directory import EVERYONE, AdapterDirectory
+from ..config import EngineConfig
+from ..directory import EVERYONE, AdapterDirectory
 from .model_runner import ModelRunner, StepResult
 from .output import TokenOutputs
 from .sampler import sample, token_logprobs
 from .structured import GrammarEngine
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .snapshot import PUBLISH_EVERY_S, EngineSnapshot
-from .types import EngineError, GenerateRequest, RequestOutput, SamplingParams
+from ..snapshot import PUBLISH_EVERY_S, EngineSnapshot
+from ..types import EngineError, GenerateRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 AdapterKey = tuple[str, str]
@@ -98,7 +98,7 @@ class LLMEngine:
         self.vocab_size = mc.vocab_size
         blocks = _num_kv_blocks(cfg, mc, self.dtype)
         # one block more than the block manager hands out: the compiled decode step's pad rows
-        # write their K/V there (engine.decode_graphs), never into a sequence's block
+        # write their K/V there (engine.core.decode_graphs), never into a sequence's block
         self.scratch_block = blocks
         self.cache = KVCache(mc.num_layers, blocks + 1, cfg.block_size, mc.num_kv_heads, mc.head_dim,
                              self.dtype, self.device)

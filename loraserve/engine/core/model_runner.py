@@ -39,7 +39,7 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.lora = None  # set by the engine when multi-LoRA is on (loraserve.lora.LoRAState)
-        self.graphs = None  # DecodeGraphs when the decode step is compiled (engine.decode_graphs)
+        self.graphs = None  # DecodeGraphs when the decode step is compiled (engine.core.decode_graphs)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> StepResult:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .types import SamplingParams, TokenLogprob
+from ..types import SamplingParams, TokenLogprob
 
 
 class SeqStatus(enum.Enum):

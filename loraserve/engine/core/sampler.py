@@ -26,7 +26,7 @@ import torch
 
 from .sequence import Sequence
 from .structured import mask_rows as grammar_mask
-from .types import TokenLogprob
+from ..types import TokenLogprob
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor,

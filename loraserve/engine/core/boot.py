@@ -3,7 +3,7 @@
 neither of them imports it back."""
 from __future__ import annotations
 
-from .heartbeat import HEARTBEAT_S, Beat
+from ..heartbeat import HEARTBEAT_S, Beat
 
 
 def boot_core(cfg, conn, parent_pid: int, slots, heartbeat_s: float = HEARTBEAT_S) -> None:
@@ -12,7 +12,7 @@ def boot_core(cfg, conn, parent_pid: int, slots, heartbeat_s: float = HEARTBEAT_
     fraction of a second after the process does."""
     beat = Beat(slots, heartbeat_s)
     try:
-        from .core import run_core
+        from .process import run_core
         run_core(cfg, conn, parent_pid, slots, beat)
     finally:
         beat.stop()

@@ -13,7 +13,7 @@ import torch
 
 from .sampler import token_logprobs
 from .sequence import Sequence
-from .types import RequestOutput, TokenLogprob
+from ..types import RequestOutput, TokenLogprob
 
 
 class TokenOutputs:

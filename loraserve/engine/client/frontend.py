@@ -15,11 +15,11 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
-from .config import EngineConfig
-from .directory import EVERYONE, AdapterDirectory, Viewer
+from ..config import EngineConfig
+from ..directory import EVERYONE, AdapterDirectory, Viewer
 from .output_processor import OutputProcessor
-from .snapshot import EngineSnapshot
-from .types import EngineError, GenerateRequest, RequestOutput, ResolvedModel
+from ..snapshot import EngineSnapshot
+from ..types import EngineError, GenerateRequest, RequestOutput, ResolvedModel
 from .warm_refs import WarmRefs
 
 

@@ -1,4 +1,4 @@
-"""The API server's side of an engine-core process (`loraserve.engine.core`).
+"""The API server's side of an engine-core process (`loraserve.engine.core.process`).
 
 `CoreClient` is an `EngineFrontend`: the server uses it exactly as it uses `AsyncEngine`. It
 starts the core process, speaks to it over a Unix socket pair (msgpack, see `wire`), and
@@ -37,19 +37,19 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from ..adapters.pool import PoolLimits
-from ..adapters.stats import CacheStats, PagerStats, PoolStats
-from ..model.config import ModelConfig
-from ..tokenizer import Tokenizer
+from ...adapters.pool import PoolLimits
+from ...adapters.stats import CacheStats, PagerStats, PoolStats
+from ...model.config import ModelConfig
+from ...tokenizer import Tokenizer
 from .catalog_view import CatalogView
-from .config import EngineConfig
-from .core_boot import boot_core
-from .directory import AdapterDirectory
+from ..config import EngineConfig
+from ..core.boot import boot_core
+from ..directory import AdapterDirectory
 from .frontend import EngineFrontend
-from .heartbeat import HEARTBEAT_S, Heartbeat, heartbeat_slots
-from .snapshot import EngineSnapshot
-from .types import EngineError, GenerateRequest
-from .wire import (error_from_wire, output_from_wire, pack, request_to_wire, snapshot_from_wire,
+from ..heartbeat import HEARTBEAT_S, Heartbeat, heartbeat_slots
+from ..snapshot import EngineSnapshot
+from ..types import EngineError, GenerateRequest
+from ..wire import (error_from_wire, output_from_wire, pack, request_to_wire, snapshot_from_wire,
                    unpacker)
 
 log = logging.getLogger(__name__)

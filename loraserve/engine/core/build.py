@@ -9,12 +9,12 @@ from loraserve.catalog.base import base_fingerprint
 from loraserve.catalog.isolated import open_for_serving
 from loraserve.catalog.targets import EXPERT_KINDS
 
-from ..adapters.cpu_cache import CpuCache
-from ..adapters.manager import AdapterManager
-from ..adapters.pager import Pager
-from ..adapters.pool import AdapterPool, PoolConfig, TargetSpec
-from ..lora.layers import LoRAState, attach_lora, target_modules
-from .config import EngineConfig
+from ...adapters.cpu_cache import CpuCache
+from ...adapters.manager import AdapterManager
+from ...adapters.pager import Pager
+from ...adapters.pool import AdapterPool, PoolConfig, TargetSpec
+from ...lora.layers import LoRAState, attach_lora, target_modules
+from ..config import EngineConfig
 from .decode_graphs import DecodeGraphs, batch_buckets, context_buckets
 from .llm_engine import LLMEngine
 

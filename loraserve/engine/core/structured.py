@@ -25,8 +25,8 @@ import torch
 
 from loraserve.catalog.lru import BoundedLRU
 
-from .types import STRUCTURED_KINDS as KINDS
-from .types import EngineError, GrammarSpec
+from ..types import STRUCTURED_KINDS as KINDS
+from ..types import EngineError, GrammarSpec
 
 __all__ = ["GrammarEngine", "GrammarSpec", "check_spec", "mask_rows", "tokenizer_info"]
 GRAMMAR_CACHE_SIZE = 256

@@ -2,7 +2,7 @@
 
 `EngineLoop` applies commands (add, abort, call) and runs steps, returning the token-id deltas to
 hand over. `AsyncEngine` runs it on a thread of the API process; the engine-core process
-(`loraserve.engine.core`) runs it on its main thread behind a Unix socket. Either way it is
+(`loraserve.engine.core.process`) runs it on its main thread behind a Unix socket. Either way it is
 the only code that touches the `LLMEngine`.
 
 A non-streamed request without stop strings is *quiet*: its first delta goes out at once (errors
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from .llm_engine import LLMEngine
 from .sequence import Sequence
-from .types import FIRST, RequestOutput, coalesce
+from ..types import FIRST, RequestOutput, coalesce
 
 log = logging.getLogger(__name__)
 

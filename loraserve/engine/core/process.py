@@ -35,14 +35,14 @@ import time
 
 from loraserve.catalog.records import RevisionRecord
 
-from ..heap import settle_heap
+from ...heap import settle_heap
 from .build import build_engine
-from .config import EngineConfig
+from ..config import EngineConfig
 from .engine_loop import EngineLoop
-from .heartbeat import ALIVE, HEARTBEAT_S, LOOP_WAITING, PROGRESS, Beat
+from ..heartbeat import ALIVE, HEARTBEAT_S, LOOP_WAITING, PROGRESS, Beat
 from .llm_engine import LLMEngine
-from .types import EngineError, RequestOutput
-from .wire import (error_to_wire, output_to_wire, pack, request_from_wire, snapshot_to_wire,
+from ..types import EngineError, RequestOutput
+from ..wire import (error_to_wire, output_to_wire, pack, request_from_wire, snapshot_to_wire,
                    unpacker)
 
 log = logging.getLogger(__name__)

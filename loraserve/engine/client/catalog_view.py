@@ -14,9 +14,9 @@ from collections.abc import Callable
 from loraserve.catalog.isolated import open_for_serving
 from loraserve.catalog.records import RevisionRecord
 
-from ..adapters.manager import describe_adapter
-from ..adapters.pool import PoolLimits
-from .directory import EVERYONE, AdapterDirectory
+from ...adapters.manager import describe_adapter
+from ...adapters.pool import PoolLimits
+from ..directory import EVERYONE, AdapterDirectory
 
 
 class CatalogView:

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..tokenizer import IncrementalDetokenizer, Tokenizer
-from .types import FIRST, GenerateRequest, RequestOutput, coalesce
+from ...tokenizer import IncrementalDetokenizer, Tokenizer
+from ..types import FIRST, GenerateRequest, RequestOutput, coalesce
 
 
 @dataclass(slots=True, eq=False)
