@@ -19,6 +19,8 @@ Modules (none imports `loraserve` outside this package):
     isolated    IsolatedCatalog (open_for_serving): Catalog's API, no shard mapped in-process
     source      an adapter directory read confined to a root, non-blocking, size-bounded
     aliases     other names (URIs, e.g. MinT's tinker:// checkpoint names) of revisions
+    tombstones  ids of deleted revisions (never reused) and when they were deleted
+    deletes     delete an adapter or revision (records at once), gc their blobs
     export      PEFT dir -> AdapterWeights; importer puts it into a Catalog
     materialize bulk synthetic revisions (worker processes own shards)
 This package import is light on purpose: import the submodule you need.

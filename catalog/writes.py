@@ -13,6 +13,7 @@ from .errors import AdapterNotFound, BaseMismatch, RevisionExists, RevisionNotFo
 from .format import blob_checksum, read_adapter_meta
 from .records import PolicyRecord, RevisionRecord
 from .shards import Dbs, add_blob_bytes
+from .tombstones import read_tombstones
 
 _AUTO_REV = re.compile(r"r(\d+)")
 
@@ -68,7 +69,10 @@ def put_revision_in_txn(txn, dbs: Dbs, adapter_id: str, blob: bytes, revision: s
             f"adapter {adapter_id!r} is for base {policy.base_fingerprint}, "
             f"new revision is for base {meta['base_fingerprint']}"
         )
-    rev = revision or next_revision_id(policy.revisions)
+    deleted = read_tombstones(txn, dbs, adapter_id)  # ids of deleted revisions stay taken
+    rev = revision or next_revision_id([*policy.revisions, *deleted])
+    if rev in deleted:
+        raise RevisionExists(f"{adapter_id}@{rev} was deleted; a revision id is never reused")
     if rev in policy.revisions:
         existing = read_revision(txn, dbs, adapter_id, rev)
         if existing.checksum != checksum:

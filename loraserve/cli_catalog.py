@@ -25,7 +25,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     cat = sub.add_parser("catalog", help="manage an adapter catalog (init, import, materialize, audit, ...)")
     csub = cat.add_subparsers(dest="catalog_command", required=True, metavar="SUBCOMMAND")
     for add in (_add_init, _add_import, _add_materialize, _add_audit, _add_show, _add_list, _add_stats,
-                _add_promote, _add_rollback, _add_tag):
+                _add_promote, _add_rollback, _add_tag, _add_delete, _add_gc):
         add(csub)
 
 
@@ -125,6 +125,27 @@ def _add_tag(csub) -> None:
     p.add_argument("tag")
     p.add_argument("revision")
     p.set_defaults(func=cmd_tag)
+
+
+def _add_delete(csub) -> None:
+    p = csub.add_parser("delete", help="delete an adapter, or one revision of it (404 at once "
+                                       "everywhere; `catalog gc` frees the space)")
+    p.add_argument("dir")
+    p.add_argument("ref", help="tenant/name (every revision) or tenant/name@rev (a revision or tag)")
+    p.add_argument("--force", action="store_true",
+                   help="delete the promoted revision too (the adapter is left with none promoted)")
+    p.add_argument("--audit-log", metavar="FILE", help="append the action here (JSON lines)")
+    p.set_defaults(func=cmd_delete)
+
+
+def _add_gc(csub) -> None:
+    p = csub.add_parser("gc", help="delete the blobs of deleted revisions (LMDB reuses the pages)")
+    p.add_argument("dir")
+    p.add_argument("--min-age", type=float, default=60.0, metavar="S",
+                   help="only blobs of revisions deleted at least S seconds ago, so requests that "
+                        "resolved them just before the delete still read them (default: 60)")
+    p.add_argument("--audit-log", metavar="FILE", help="append the action here (JSON lines)")
+    p.set_defaults(func=cmd_gc)
 
 
 # -- commands -------------------------------------------------------------------------------
@@ -268,6 +289,50 @@ def cmd_tag(args) -> int:
 
     with Catalog.open(args.dir) as cat:
         print(_policy_line(cat.tag(args.adapter_id, args.tag, args.revision)))
+    return 0
+
+
+def _audited(path: str | None, action: str, fn, adapter: str | None = None,
+             revision: str | None = None):
+    """`fn()`, its outcome appended to the audit log at `path` (when given) either way."""
+    from loraserve.server.audit_log import FAILED, AuditLog
+
+    audit = AuditLog(path) if path else None
+    try:
+        result = fn()
+    except Exception as exc:
+        if audit is not None:
+            audit.record(key=None, action=action, adapter=adapter, revision=revision,
+                         outcome=FAILED, status=getattr(exc, "status", 500), error=str(exc))
+        raise
+    if audit is not None:
+        audit.record(key=None, action=action, adapter=adapter, revision=revision)
+    return result
+
+
+def cmd_delete(args) -> int:
+    from loraserve.catalog.deletes import delete
+    from loraserve.catalog.ids import parse_model_ref
+    from loraserve.catalog.store import Catalog
+
+    adapter_id, rev = parse_model_ref(args.ref)
+    with Catalog.open(args.dir) as cat:
+        done = _audited(args.audit_log, "delete",
+                        lambda: delete(cat, adapter_id, rev, force=args.force), adapter_id, rev)
+    left = "adapter removed" if done.policy is None else _policy_line(done.policy)
+    print(f"deleted {', '.join(f'{adapter_id}@{r}' for r in done.revisions)} "
+          f"({done.bytes} blob bytes, freed by `catalog gc`); {left}")
+    return 0
+
+
+def cmd_gc(args) -> int:
+    from loraserve.catalog.deletes import collect_garbage
+    from loraserve.catalog.store import Catalog
+
+    with Catalog.open(args.dir) as cat:
+        rep = _audited(args.audit_log, "gc", lambda: collect_garbage(cat, args.min_age))
+    print(f"blobs deleted: {rep.blobs_deleted} ({rep.bytes_freed} bytes, pages reused by the "
+          f"next writes); pending (deleted < {args.min_age:g} s ago): {rep.blobs_pending}")
     return 0
 
 
