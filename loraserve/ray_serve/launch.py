@@ -61,9 +61,13 @@ def application(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions
 
     Engine replicas: `max_ongoing_requests` = the engine's batch (more wait in Serve's router,
     still free to go to another replica), `max_queued_requests` = replicas x max_waiting (past
-    it: 429), multiplexed capacity = the engine's device adapter slots. The ingress runs on
-    this machine (it opens the catalog read-write and reads the model's tokenizer here)."""
+    it: 429), multiplexed capacity = the engine's device adapter slots, request router =
+    router.AffinityRouter (`--replica-routing affinity`) or Serve's default (`multiplex`). The
+    ingress runs on this machine (it opens the catalog read-write and reads the model's
+    tokenizer here)."""
     config = engine_config_dict(cfg)
+    routing = {} if scale.routing == "multiplex" else {"request_router_config": RequestRouterConfig(
+        request_router_class=ROUTER_PATH, request_router_kwargs={"c": scale.load_bound_c})}
     engine = serve.deployment(
         replica_class(cfg.max_gpu_adapters), name=REPLICA_DEPLOYMENT, num_replicas=scale.replicas,
         max_ongoing_requests=cfg.max_batch_size,
