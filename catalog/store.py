@@ -24,7 +24,7 @@ import heapq
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .errors import AdapterNotFound, CatalogError, CorruptBlob, RevisionNotFound, ShardUnavailable
@@ -169,6 +169,9 @@ class Catalog:
         self._shards = [Shard(self.path, i, opts) for i in range(self.shards)]
         self._checked_at = float("-inf")  # monotonic time of the last full health check
         self.resolved = ResolveCache()
+        # called with the adapter id after each write committed through the methods below (the
+        # durable tier publishes it: store_s3.StoreTier); an observer's error fails the call
+        self.observers: list[Callable[[str], None]] = []
 
     @classmethod
     def create(cls, path: str | Path, shards: int = 100, options: ShardOptions | None = None) -> Catalog:
@@ -362,31 +365,37 @@ class Catalog:
         if revision is not None:
             validate_revision(revision)
         now = time.time()
-        return self._shard_for(adapter_id).write(
+        return self._wrote(adapter_id, self._shard_for(adapter_id).write(
             functools.partial(put_revision_in_txn, adapter_id=adapter_id, blob=blob, revision=revision,
                               promote=promote, source=source, now=now),
             reserve=len(blob),
-        )
+        ))
 
     def promote(self, adapter_id: str, revision: str) -> PolicyRecord:
         """Make `revision` (id or tag) the served one; the old one becomes `previous`."""
         validate_revision(revision)
         now = time.time()
-        return self._shard_for(adapter_id).write(
-            functools.partial(promote_in_txn, adapter_id=adapter_id, revision=revision, now=now))
+        return self._wrote(adapter_id, self._shard_for(adapter_id).write(
+            functools.partial(promote_in_txn, adapter_id=adapter_id, revision=revision, now=now)))
 
     def rollback(self, adapter_id: str) -> PolicyRecord:
         """Promote `previous` again (the rolled-back revision becomes `previous`)."""
         now = time.time()
-        return self._shard_for(adapter_id).write(functools.partial(rollback_in_txn, adapter_id=adapter_id, now=now))
+        return self._wrote(adapter_id, self._shard_for(adapter_id).write(
+            functools.partial(rollback_in_txn, adapter_id=adapter_id, now=now)))
 
     def tag(self, adapter_id: str, tag: str, revision: str) -> PolicyRecord:
         """Point tag `tag` at `revision`; a tag resolves like a revision id."""
         validate_revision(tag, "tag")
         validate_revision(revision)
         now = time.time()
-        return self._shard_for(adapter_id).write(
-            functools.partial(tag_in_txn, adapter_id=adapter_id, tag=tag, revision=revision, now=now))
+        return self._wrote(adapter_id, self._shard_for(adapter_id).write(
+            functools.partial(tag_in_txn, adapter_id=adapter_id, tag=tag, revision=revision, now=now)))
+
+    def _wrote(self, adapter_id: str, result):
+        for observe in self.observers:
+            observe(adapter_id)
+        return result
 
     def sync(self) -> None:
         for s in self._shards:
