@@ -27,7 +27,7 @@ from loraserve.server.engine_metrics import EngineSupervisorCollector
 from loraserve.server.errors import APIError, as_api_error, install_error_handlers
 from loraserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from loraserve.heap import settle_heap
-from loraserve.server.middleware import BodyLimitMiddleware, RequestCountMiddleware
+from loraserve.server.middleware import BodyLimitMiddleware, RequestMiddleware
 from loraserve.server.names import canonical_model, lookup_error, not_found
 from loraserve.server.process_metrics import CoreMemoryCollector
 from loraserve.server.router_metrics import RouterMetricsCollector
@@ -240,7 +240,7 @@ def build_app(engine: Engine, *, api_key: str | None = None, max_n: int = 16,
     app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.max_request_bytes)
     install_tenancy(app, TenancyConfig(api_key=api_key, keys_file=keys, metrics_key=metrics_key,
                                        audit_log=audit_log))
-    app.add_middleware(RequestCountMiddleware, metrics=ctx.metrics)  # outermost: counts 401s
+    app.add_middleware(RequestMiddleware, metrics=ctx.metrics)  # outermost: counts 401s
     return app
 
 
@@ -305,13 +305,15 @@ def run_server(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, *, max_n: int = 16, log_level: str = "info",
                keys: str | os.PathLike | None = None, metrics_key: str | None = None,
                audit_log: str | os.PathLike | None = None,
-               connections: ConnectionLimits | None = None) -> None:
+               connections: ConnectionLimits | None = None, log_format: str = "text") -> None:
     """Serve `engine` with uvicorn until interrupted (draining on SIGTERM, see DrainingServer).
     `api_key` defaults to $LORASERVE_API_KEY; `connections` bounds the HTTP connections
-    (default: ConnectionLimits(), `loraserve serve`'s defaults)."""
+    (default: ConnectionLimits(), `loraserve serve`'s defaults). With `log_format` "json"
+    uvicorn leaves logging as `request_log.configure_logging` set it, so its lines are JSON too."""
     app = build_app(engine, api_key=resolve_api_key(api_key), max_n=max_n, keys=keys,
                     metrics_key=metrics_key, audit_log=audit_log)
+    uvicorn_logging = {"log_config": None} if log_format == "json" else {}
     server = draining_server(app, host=host, port=port, log_level=log_level,
-                             connections=connections)
+                             connections=connections, **uvicorn_logging)
     settle_heap()  # start-up is over: freeze its heap, collect less often (loraserve.heap)
     server.run()

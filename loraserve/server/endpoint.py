@@ -27,6 +27,7 @@ from loraserve.server.fastjson import FastJSONResponse
 from loraserve.server.logprobs import TokenRenderer
 from loraserve.server.names import lookup_error
 from loraserve.server.protocol import SamplingFields
+from loraserve.server.request_log import RequestRecord, current_record
 from loraserve.server.serving import (Engine, Prompt, RequestClock, ServerContext, check_request,
                                       fan_out, new_id, now, resolve_model, usage)
 from loraserve.server.streaming import DONE, PrimedStream, merge, sse, start_all
@@ -89,16 +90,21 @@ async def serve(req: SamplingFields, ctx: ServerContext, endpoint: Endpoint, pri
     """Answer one generation request, acting for `principal`, as JSON or as an SSE stream (see
     module doc)."""
     clock = RequestClock(ctx.metrics)
+    log = current_record() or RequestRecord("")  # the request's log line (request_log.py)
     engine = ctx.engine
+    log.model = req.model
     check_request(req, ctx)
     # the model, decided once: 404 for a name the key may not see as for one that names nothing
     resolved = await resolve_model(req.model, principal, engine)
+    log.adapter, log.tenant = resolved.ref, resolved.tenant or None
     if req.input_size() > OFF_LOOP_INPUT:
         plan = await asyncio.to_thread(endpoint.plan, req, engine)
     else:
         plan = endpoint.plan(req, engine)
     request_id = new_id(endpoint.id_prefix)
+    log.prompt_tokens = sum(len(p.token_ids) for p in plan.prompts)
     admitted = admit(resolved, principal, plan.prompts, req.n, plan.params.max_tokens)  # 429
+    log.tenant = admitted.tenant or None
     try:
         streams = await ctx.deadline.run(start_all(admitted.engine(engine), fan_out(
             request_id, plan.prompts, req.n, plan.params, resolved, bool(req.stream))))
@@ -108,37 +114,39 @@ async def serve(req: SamplingFields, ctx: ServerContext, endpoint: Endpoint, pri
             raise
         raise err from exc
     clock.first_output()
-    prompt_tokens = sum(len(p.token_ids) for p in plan.prompts)
+    log.ttft_s = log.since_start()
+    prompt_tokens = log.prompt_tokens
     ctx.metrics.prompt_tokens.inc(prompt_tokens)
     render = TokenRenderer(engine.tokenizer, req.return_tokens_as_token_ids)
     choices = [plan.new_choice(i, plan.prompts[i // req.n], render) for i in range(len(streams))]
     created = now()
     if req.stream:
         head = endpoint.head(request_id, created, req.model, True)
-        body = _stream(head, streams, choices, prompt_tokens, req.include_usage(), ctx, clock)
+        body = _stream(head, streams, choices, prompt_tokens, req.include_usage(), ctx, clock, log)
         return StreamingResponse(body, media_type="text/event-stream")
-    await _collect(streams, choices, ctx, clock)
-    completion_tokens = sum(c.num_tokens for c in choices)
+    await _collect(streams, choices, ctx, clock, log)
+    completion_tokens = log.completion_tokens
     return FastJSONResponse({**endpoint.head(request_id, created, req.model, False),
                          "choices": [c.to_json() for c in choices],
                          "usage": usage(prompt_tokens, completion_tokens)})
 
 
 async def _collect(streams: Sequence[PrimedStream], choices: Sequence[Choice], ctx: ServerContext,
-                   clock: RequestClock) -> None:
+                   clock: RequestClock, log: RequestRecord) -> None:
     """Non-streamed answer: feed every delta to its choice, counting generated tokens; the clock
-    records the end even if the client leaves."""
+    and the log record the end even if the client leaves."""
     try:
         async for index, out in merge(streams, ctx.deadline):
             choices[index].apply(out)
             ctx.metrics.generation_tokens.inc(len(out.token_ids))
     finally:
         clock.finished()
+        log.completion_tokens = sum(c.num_tokens for c in choices)
 
 
 async def _stream(head: dict[str, Any], streams: Sequence[PrimedStream],
                   choices: Sequence[Choice], prompt_tokens: int, include_usage: bool,
-                  ctx: ServerContext, clock: RequestClock) -> AsyncIterator[str]:
+                  ctx: ServerContext, clock: RequestClock, log: RequestRecord) -> AsyncIterator[str]:
     """Opening chunks, one chunk per engine delta, usage (if asked), then [DONE]."""
     extra = {"usage": None} if include_usage else {}
     try:
@@ -157,4 +165,5 @@ async def _stream(head: dict[str, Any], streams: Sequence[PrimedStream],
         yield sse_error(exc)
     finally:
         clock.finished()
+        log.completion_tokens = sum(c.num_tokens for c in choices)
     yield DONE

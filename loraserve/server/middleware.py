@@ -1,17 +1,20 @@
-"""Pure ASGI middleware (streaming-safe): body size limit and per-status counting (keys and
-tenants: tenancy.py)."""
+"""Pure ASGI middleware (streaming-safe): body size limit; request ids, per-status counting and
+the per-request log line (keys and tenants: tenancy.py)."""
 from __future__ import annotations
 
 import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from loraserve.server import request_log
 from loraserve.server.errors import APIError, BodyError
 from loraserve.server.metrics import ServerMetrics
+from loraserve.server.request_log import RequestRecord, request_id_of
 
 API_PREFIX = "/v1"
-# the API's prefixes: OpenAI's, the same under Tinker's /oai/api/v1, and the Tinker SDK's
-API_PREFIXES = (API_PREFIX, "/oai/", "/api/v1/")
+# the API's prefixes: OpenAI's, the same under Tinker's /oai/api/v1, the Tinker SDK's, and
+# vLLM's utility routes
+API_PREFIXES = (API_PREFIX, "/oai/", "/api/v1/", "/tokenize", "/detokenize")
 
 
 def _is_api(scope: Scope) -> bool:
@@ -108,32 +111,51 @@ async def _discard_body(receive: Receive, budget: int) -> None:
             return
 
 
-class RequestCountMiddleware:
-    """Count /v1 responses by status in `loraserve_requests_total{status}`."""
+class RequestMiddleware:
+    """Every HTTP request's id, and for the API's routes its count and its log line.
+
+    The id (`request_log.request_id_of`: the client's X-Request-Id, else a new one) is echoed in
+    the response's `X-Request-Id` header, whatever the route. An API request (OpenAI's, Tinker's,
+    vLLM's /tokenize and /detokenize) is counted by status in `loraserve_requests_total{status}`
+    and, once its response has ended (a stream's last byte included), writes its one line
+    (`request_log.write`), which the handlers fill through `request_log.current_record()`.
+    Outermost, so a 401 is counted, logged and carries the id too.
+    """
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics):
         self.app = app
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not _is_api(scope):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        counted = False
+        record = RequestRecord(request_id_of(scope["headers"]), scope["method"], scope["path"])
+        scope.setdefault("state", {})["request_id"] = record.request_id
+        api = _is_api(scope)
+        id_header = (b"x-request-id", record.request_id.encode("ascii"))
 
         async def counting_send(message: Message) -> None:
-            nonlocal counted
-            if message["type"] == "http.response.start" and not counted:
-                counted = True
-                self.metrics.count_request(message["status"])
+            if message["type"] == "http.response.start" and record.status is None:
+                record.status = message["status"]
+                message["headers"] = [*message.get("headers", ()), id_header]
+                if api:
+                    self.metrics.count_request(record.status)
             await send(message)
 
+        token = request_log.begin(record)
         try:
             await self.app(scope, receive, counting_send)
         except Exception:
-            if not counted:  # the outer error middleware answers 500
+            if record.status is None and api:  # the outer error middleware answers 500
                 self.metrics.count_request(500)
+            record.status = record.status or 500
             raise
+        finally:
+            request_log.end(token)
+            if api:
+                record.total_s = record.since_start()
+                request_log.write(record)
 
 
 async def _send_json(send: Send, status: int, body: dict, close: bool = False) -> None:

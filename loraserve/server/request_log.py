@@ -1,0 +1,164 @@
+"""One log line per request, and the request's id: what an OpenAI server's operators expect.
+
+Each HTTP request gets an id: the client's `X-Request-Id` when it sends a usable one (printable
+ASCII, at most REQUEST_ID_MAX characters), else a new one. The response echoes it in
+`X-Request-Id`, and every line logged about the request names it. When the response has ended
+(the last byte of a stream included), one INFO line goes to the `loraserve.server.access`
+logger:
+
+    {"request_id": "...", "method": "POST", "path": "/v1/chat/completions", "status": 200,
+     "tenant": "acme", "model": "acme/support", "adapter": "acme/support@r3", "tier": "cpu",
+     "prompt_tokens": 12, "completion_tokens": 40, "ttft_s": 0.031, "total_s": 0.412}
+
+`adapter` is the revision the request ran (`adapter@revision`, or the base's name); `tier` is
+where that revision was when the request reached the engine: `device` (already in the pool),
+`cpu` (the CPU cache) or `catalog` (read from disk), null for the base. Fields a request never
+reached stay null (a 401 has no tenant, a 400 no tokens). With `serve --log-format json` every
+log line is one JSON object (`JsonFormatter`), the request line's fields at its top level;
+otherwise the request line reads `request id=... status=... ...`.
+
+The record is filled by whoever learns a fact (the endpoint: tenant, revision, tokens, times);
+it lives in a ContextVar the middleware sets, so the handler reaches it without plumbing and
+work outside a request (a test calling the endpoint directly) finds none and records nothing.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+access_log = logging.getLogger("loraserve.server.access")
+
+REQUEST_ID_HEADER = b"x-request-id"
+REQUEST_ID_MAX = 128
+LOG_FORMATS = ("text", "json")
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What the request's log line says (module doc); times in seconds."""
+
+    request_id: str
+    method: str = ""
+    path: str = ""
+    status: int | None = None
+    tenant: str | None = None
+    model: str | None = None
+    adapter: str | None = None
+    tier: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    ttft_s: float | None = None
+    total_s: float | None = None
+    start: float = field(default_factory=time.perf_counter, repr=False)
+
+    def fields(self) -> dict[str, Any]:
+        """The line's fields, in order, times rounded to the microsecond."""
+        out = asdict(self)
+        del out["start"]
+        for name in ("ttft_s", "total_s"):
+            if out[name] is not None:
+                out[name] = round(out[name], 6)
+        return out
+
+    def since_start(self) -> float:
+        return time.perf_counter() - self.start
+
+
+_CURRENT: ContextVar[RequestRecord | None] = ContextVar("loraserve_request_record", default=None)
+
+
+def current_record() -> RequestRecord | None:
+    """The record of the HTTP request this code runs for (None outside one)."""
+    return _CURRENT.get()
+
+
+def request_id_of(headers: list[tuple[bytes, bytes]]) -> str:
+    """The client's X-Request-Id when usable (printable ASCII, 1..REQUEST_ID_MAX characters),
+    else a new one: an id that could break a log line or a header is never echoed."""
+    for name, value in headers:
+        if name.lower() == REQUEST_ID_HEADER:
+            if 0 < len(value) <= REQUEST_ID_MAX and all(0x21 <= c < 0x7F for c in value):
+                return value.decode("ascii")
+            break
+    return uuid.uuid4().hex
+
+
+def begin(record: RequestRecord) -> object:
+    """Make `record` the current request's; returns the token `end` takes."""
+    return _CURRENT.set(record)
+
+
+def end(token: object) -> None:
+    _CURRENT.reset(token)  # type: ignore[arg-type]
+
+
+def write(record: RequestRecord) -> None:
+    """Log the request's one line (module doc)."""
+    fields = record.fields()
+    text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None and k != "request_id")
+    access_log.info("request id=%s %s", record.request_id, text, extra={"request": fields})
+
+
+class RequestIdFilter(logging.Filter):
+    """Stamps each log record with the id of the HTTP request it was logged for (`request_id`,
+    "" outside one), so every line about a request names it, whichever logger wrote it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not hasattr(record, "request_id"):
+            current = _CURRENT.get()
+            record.request_id = current.request_id if current is not None else ""
+        return True
+
+
+class TextFormatter(logging.Formatter):
+    """`time LEVEL logger: message`, with `[request <id>]` before the message inside a request."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        text = super().formatMessage(record)
+        rid = getattr(record, "request_id", "")
+        if rid and record.name != access_log.name:  # the request line names it itself
+            head, sep, message = text.partition(": ")
+            text = f"{head}{sep}[request {rid}] {message}"
+        return text
+
+
+class JsonFormatter(logging.Formatter):
+    """Each record as one JSON object: time, level, logger, message, and a request line's fields
+    at the top level (`extra={"request": {...}}`); an exception's traceback under `exc_info`."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(
+                timespec="milliseconds"),
+            "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        if getattr(record, "request_id", ""):
+            line["request_id"] = record.request_id
+        request = getattr(record, "request", None)
+        if isinstance(request, dict):
+            line.update(request)
+        if record.exc_info:
+            line["exc_info"] = self.formatException(record.exc_info)
+        return json.dumps(line, ensure_ascii=False, default=str)
+
+
+def configure_logging(level: str, fmt: str = "text") -> None:
+    """The root logger at `level`, its lines as `fmt` ("text" or "json"), each stamped with its
+    request's id. (uvicorn's loggers keep their own handlers unless uvicorn is told to leave
+    logging alone, as `run_server` does for json.)"""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {LOG_FORMATS}, got {fmt!r}")
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.addFilter(RequestIdFilter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
