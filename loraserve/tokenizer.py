@@ -108,11 +108,15 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise TokenizerError(f"chat template does not compile: {e}") from None
         self._variables = variables
+        self.source = source
 
-    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool,
+               tools: list[dict] | None = None) -> str:
+        """The prompt text; `tools` (OpenAI's tool objects) go to the template as `tools`, as
+        transformers passes them (None: the template renders no tools)."""
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self._variables)
+                                         tools=tools, **self._variables)
         except jinja2.TemplateError as e:
             raise TokenizerError(f"chat template failed: {e}") from None
 
@@ -186,13 +190,21 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render `messages` ([{"role", "content"}, ...]) with the model's chat template."""
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's source (None: the model has none); its tool-call markers tell
+        which format the model calls tools in (server/tool_calls.family_of)."""
+        return None if self._chat is None else self._chat.source
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render `messages` ([{"role", "content"}, ...]) and `tools` with the model's chat
+        template."""
         if self._chat is None:
             raise TokenizerError("this model has no chat template (tokenizer_config.json "
                                  "chat_template or chat_template.jinja); use /v1/completions")
         _check_messages(messages)
-        return self._chat.render(messages, add_generation_prompt)
+        return self._chat.render(messages, add_generation_prompt, tools)
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._tok, skip_special_tokens)

@@ -19,16 +19,43 @@ from loraserve.model.transformer import CausalLM
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]   # ids 256, 257, 258
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 256, 257, 258
-CHATML_TEMPLATE = (
-    "{%- for message in messages %}\n"
-    "{%- if message['content'] is not string %}"
-    "{{- raise_exception('message content must be a string') }}{%- endif %}\n"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}\n"
-    "{%- endfor %}\n"
-    "{%- if add_generation_prompt %}\n"
-    "{{- '<|im_start|>assistant\\n' }}\n"
-    "{%- endif %}\n"
-)
+# ChatML as Qwen3 writes it, tools included (Hermes-style <tool_call> blocks, tool results as
+# <tool_response> in a user turn); without tools a conversation renders as plain ChatML.
+CHATML_TEMPLATE = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}
+{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}
+{{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and ' }}
+{{- 'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n' }}
+{{- '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message['content'] is not string %}
+{{- raise_exception('message content must be a string') }}
+{%- endif %}
+{%- if message['role'] == 'system' and tools and loop.first %}
+{%- elif message['role'] == 'assistant' and message['tool_calls'] %}
+{{- '<|im_start|>assistant\\n' + message['content'] }}
+{%- for call in message['tool_calls'] %}
+{%- set fn = call['function'] if call['function'] is defined else call %}
+{{- '\\n<tool_call>\\n{"name": "' + fn['name'] + '", "arguments": ' }}
+{%- if fn['arguments'] is string %}{{- fn['arguments'] }}{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message['role'] == 'tool' %}
+{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}
+{%- else %}
+{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
 
 
 def tiny_config(arch: str = "qwen3", **overrides: object) -> ModelConfig:

@@ -1,6 +1,9 @@
-"""POST /v1/chat/completions: the tokenizer's chat template, chat logprobs, SSE chunks."""
+"""POST /v1/chat/completions: the tokenizer's chat template, chat logprobs, tool calls, SSE
+chunks. Tools go through the chat template; `tool_calls.plan_tools` decides whether the answer
+is constrained (a forced call) and whether it is parsed for calls (`auto`), per family."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +16,8 @@ from loraserve.server.endpoint import Endpoint, Plan, serve
 from loraserve.server.errors import APIError, clip
 from loraserve.server.logprobs import TokenRenderer, chat_content
 from loraserve.server.protocol import ChatCompletionRequest, ChatMessage
+from loraserve.server.tool_calls import (ToolPlan, ToolStream, new_call_id, parse, plan_tools,
+                                         tool_call_json)
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -34,14 +39,17 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Any,
-                max_model_len: int | None = None) -> sv.Prompt:
-    """The templated prompt; a template that rejects the conversation is the client's 400.
-    With `max_model_len`, a text too long for the context is refused before it is tokenized."""
+def chat_prompt(req: Any, tokenizer: Any, max_model_len: int | None = None,
+                tools: list[dict[str, Any]] | None = None) -> sv.Prompt:
+    """The templated prompt (`tools` rendered by the template when given); a template that
+    rejects the conversation is the client's 400. With `max_model_len`, a text too long for the
+    context is refused before it is tokenized."""
     messages = message_dicts(req.messages)
+    extra = {} if tools is None else {"tools": tools}
     try:
         text = tokenizer.apply_chat_template(messages,
-                                             add_generation_prompt=req.add_generation_prompt)
+                                             add_generation_prompt=req.add_generation_prompt,
+                                             **extra)
     except (TemplateError, ValueError, TypeError, KeyError) as exc:
         raise APIError(400, f"messages do not fit the chat template: {clip(exc)}",
                        param="messages") from exc
@@ -52,15 +60,21 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Any,
 
 @dataclass(slots=True)
 class ChatChoice:
-    """One choice's state: turns engine deltas into message text and chat logprobs."""
+    """One choice's state: turns engine deltas into message text, tool calls and chat logprobs."""
 
     index: int
     render: TokenRenderer
     top_k: int | None  # None = logprobs off
+    tools: ToolPlan | None = None  # parsed for tool calls when tools.family is set
     text: list[str] = field(default_factory=list)
     content: list[dict[str, Any]] = field(default_factory=list)
     num_tokens: int = 0
     finish_reason: str | None = None
+    stream: ToolStream | None = None
+
+    def __post_init__(self) -> None:
+        if self.tools is not None and self.tools.family is not None:
+            self.stream = ToolStream(self.tools.family, self.tools.max_calls)
 
     def apply(self, out: RequestOutput) -> list[dict[str, Any]] | None:
         """Account `out`; returns its logprobs content entries (None when off)."""
@@ -74,11 +88,16 @@ class ChatChoice:
         return piece
 
     def delta(self, out: RequestOutput) -> dict[str, Any]:
-        """Account `out`; returns its streamed choice entry (a content delta)."""
+        """Account `out`; returns its streamed choice entry (content and tool-call deltas)."""
         piece = self.apply(out)
-        return {"index": self.index, "delta": {"content": out.text} if out.text else {},
+        if self.stream is None:
+            fields = {"content": out.text} if out.text else {}
+        else:
+            fields = self.stream.feed(out.text, final=out.finish_reason is not None)
+        return {"index": self.index, "delta": fields,
                 "logprobs": {"content": piece} if piece is not None else None,
-                "finish_reason": out.finish_reason}
+                "finish_reason": _finish(out.finish_reason,
+                                         self.stream is not None and self.stream.called)}
 
     def opening(self) -> dict[str, Any]:
         """The role entry each choice's stream starts with."""
@@ -86,10 +105,21 @@ class ChatChoice:
                 "logprobs": None, "finish_reason": None}
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index,
-                "message": {"role": "assistant", "content": "".join(self.text)},
+        text = "".join(self.text)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        calls = []
+        if self.tools is not None and self.tools.family is not None:
+            message["content"], calls = parse(self.tools.family, text, self.tools.max_calls)
+        if calls:
+            message["tool_calls"] = [tool_call_json(c, new_call_id()) for c in calls]
+        return {"index": self.index, "message": message,
                 "logprobs": {"content": self.content} if self.top_k is not None else None,
-                "finish_reason": self.finish_reason}
+                "finish_reason": _finish(self.finish_reason, bool(calls))}
+
+
+def _finish(reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish reason: an answer that ended with tool calls ends `tool_calls`."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def _logprobs_k(req: ChatCompletionRequest) -> int | None:
@@ -99,19 +129,28 @@ def _logprobs_k(req: ChatCompletionRequest) -> int | None:
 
 
 def _plan(req: ChatCompletionRequest, engine: sv.Engine) -> Plan:
-    """The templated prompt (checked) and sampling; max_tokens defaults to the room left."""
+    """The templated prompt (checked), tools and sampling; max_tokens defaults to the room left."""
     top_k = _logprobs_k(req)
-    prompt = chat_prompt(req, engine.tokenizer, engine.max_model_len)
+    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                       engine.tokenizer.chat_template)
+    prompt = chat_prompt(req, engine.tokenizer, engine.max_model_len,
+                         None if tools is None else tools.tools)
     max_tokens = req.requested_max_tokens()
     if max_tokens is None:  # vLLM: whatever room the context leaves
         max_tokens = max(engine.max_model_len - len(prompt.token_ids), 1)
     sv.check_max_tokens(max_tokens, minimum=1)
     sv.check_prompt(prompt, max_tokens, engine, "messages")
+    params = sv.sampling_params(req, max_tokens, top_k)
+    if tools is not None and tools.spec is not None:  # a forced call: its grammar
+        if params.structured is not None:
+            raise APIError(400, f"tool_choice: a forced tool call and {params.structured.param} "
+                           "both constrain the answer; give one", param="tool_choice")
+        params = dataclasses.replace(params, structured=tools.spec)
 
     def new_choice(index: int, prompt: sv.Prompt, render: TokenRenderer) -> ChatChoice:
-        return ChatChoice(index, render, top_k)
+        return ChatChoice(index, render, top_k, tools)
 
-    return Plan([prompt], sv.sampling_params(req, max_tokens, top_k), new_choice)
+    return Plan([prompt], params, new_choice)
 
 
 def _head(request_id: str, created: int, model: str, chunk: bool) -> dict[str, Any]:

@@ -18,6 +18,8 @@ Structured output (`response_format` json_object / json_schema, vLLM's `guided_j
 `serving.structured_spec` (at most one per request; a grammar that does not parse is a 400
 naming its field). vLLM extensions honoured: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
 `stop_token_ids`, `ignore_eos`, `return_tokens_as_token_ids`, (chat) `add_generation_prompt`.
+Tool calling (chat `tools`, `tool_choice`, `parallel_tool_calls`) is read and checked by
+`tool_calls.plan_tools`.
 OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias` are honoured as OpenAI defines
 them. End-user identifiers (`user`; on chat also `safety_identifier`, `prompt_cache_key`,
 `metadata`) are accepted and logged (`identifiers()`, logger `loraserve.server.requests`).
@@ -286,10 +288,11 @@ class ChatCompletionRequest(SamplingFields):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     metadata: dict[str, str] | None = None
-    # refused (REFUSED): declared so that the 400 says why
+    # tool calling (server/tool_calls.plan_tools reads and checks them)
     tools: Any = None
     tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    parallel_tool_calls: bool | None = None
+    # refused (REFUSED): declared so that the 400 says why
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -306,13 +309,10 @@ class ChatCompletionRequest(SamplingFields):
 
     REFUSED: ClassVar[dict[str, Refused]] = {
         **SamplingFields.REFUSED,
-        "tools": Refused("tool calling is not implemented yet", lambda v: v == []),
-        "tool_choice": Refused("tool calling is not implemented yet; only \"none\"",
-                               lambda v: v == "none"),
-        "parallel_tool_calls": Refused("tool calling is not implemented yet"),
-        "functions": Refused("function calling is not implemented", lambda v: v == []),
-        "function_call": Refused("function calling is not implemented; only \"none\"",
-                                 lambda v: v == "none"),
+        "functions": Refused("the deprecated functions API is not implemented; use tools",
+                             lambda v: v == []),
+        "function_call": Refused("the deprecated functions API is not implemented; use "
+                                 "tool_choice; only \"none\"", lambda v: v == "none"),
         "audio": Refused("audio output is not implemented"),
         "modalities": Refused("text output only: only [\"text\"]", lambda v: v == ["text"]),
         "prediction": Refused("predicted outputs are not implemented"),
