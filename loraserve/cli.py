@@ -42,6 +42,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "after S seconds without progress, and the core is killed and replaced "
                         "(restarts back off from 0.5 s to 30 s) (default: 30)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--config", metavar="FILE",
+                   help="a TOML file of these flags, flag names as keys (e.g. max-batch-size = 32); "
+                        "$LORASERVE_<FLAG> variables override it, flags override both")
     from .server.connections import add_arguments as add_connection_bounds
     add_connection_bounds(p)
     from .ray_serve.config import add_arguments as add_scale_out  # no Ray import
@@ -202,7 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    if args.command == "serve":  # its settings from --config FILE and $LORASERVE_<FLAG>
+        from .cli_config import reparse
+        args = reparse(parser, argv, "serve")
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
