@@ -107,8 +107,13 @@ class Ingress:
         return self._loraserve_app
 
     async def report(self, replica_id: str, snapshot: dict, seen: int, results: dict) -> list:
-        """An engine replica's periodic report (board.ReplicaBoard.report)."""
-        return self.frontend.report(replica_id, snapshot, seen, results)
+        """An engine replica's periodic report (board.ReplicaBoard.report); its resident
+        adapters' use is noted for /v1/residency's `top` at each one."""
+        commands = self.frontend.report(replica_id, snapshot, seen, results)
+        snap = self.frontend.board.live().get(replica_id)
+        if snap is not None:
+            self._loraserve_app.state.residency.observe(replica_id, snap)
+        return commands
 
     async def drain(self, timeout_s: float, flush_s: float) -> dict:
         """Shutdown's first step (drain.Drain.run): new requests 503, those in flight run on

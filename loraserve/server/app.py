@@ -31,6 +31,7 @@ from loraserve.server.middleware import BodyLimitMiddleware, RequestMiddleware
 from loraserve.server.names import canonical_model, lookup_error, not_found
 from loraserve.server.process_metrics import CoreMemoryCollector
 from loraserve.server.router_metrics import RouterMetricsCollector
+from loraserve.server.residency import install_residency
 from loraserve.server.protocol import ChatCompletionRequest, CompletionRequest, JSONBodyRoute
 from loraserve.server.serving import Engine, ServerContext
 from loraserve.server.tenancy import (TenancyConfig, check_visible, principal_of, scoped_listing,
@@ -231,6 +232,7 @@ def build_app(engine: Engine, *, api_key: str | None = None, max_n: int = 16,
     install_tinker(app)
     if engine.snapshot is not None:  # vLLM's gauges, for endpoint pickers
         ctx.metrics.register(RouterMetricsCollector(engine))
+        install_residency(app)  # resident adapters as bounded digests: GET /v1/residency
     if engine.adapter_manager is not None:
         app.include_router(adapter_router())
         ctx.metrics.register(AdapterCollector(engine))

@@ -46,6 +46,8 @@ from loraserve.server.tokens import TokenIssuer, looks_like_jwt
 # the Tinker SDK's probes: it asks for its config before it has a token (server/tinker.py)
 OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json", "/api/v1/healthz",
                         "/api/v1/client/config"})
+# what an admin or the metrics key may read, routers' state (open where /metrics is open)
+METRICS_PATHS = frozenset({"/metrics", "/v1/residency"})
 API_KEY_ID = "api-key"  # the key id of --api-key in audit lines
 NOBODY = Principal(key_id=None, admin=False, tenants=())  # an unauthenticated caller
 
@@ -131,12 +133,12 @@ class Tenancy:
         if not (cfg.guarded or cfg.metrics_guarded):
             return OPEN
         principal = self.find(key)
-        if path == "/metrics" and cfg.metrics_guarded:
+        if path in METRICS_PATHS and cfg.metrics_guarded:
             if (principal is not None and principal.admin) or self._is_metrics_key(key):
                 return principal or NOBODY
-            raise forbidden("/metrics needs an admin key or the metrics key") \
+            raise forbidden(f"{path} needs an admin key or the metrics key") \
                 if principal is not None else unauthorized()
-        if method == "OPTIONS" or path in OPEN_PATHS or path == "/metrics":
+        if method == "OPTIONS" or path in OPEN_PATHS or path in METRICS_PATHS:
             return principal or NOBODY
         if not cfg.guarded:
             return OPEN
