@@ -17,6 +17,15 @@ from .engine.config import EngineConfig
 
 DEFAULT_DEMO_DIR = ".loraserve/demo"
 
+# vLLM's names for `serve` options, accepted as aliases of ours (one option each, one table):
+# EngineConfig field -> the vLLM flag that sets it
+VLLM_ALIASES = {
+    "max_gpu_adapters": "--max-loras",
+    "max_cpu_adapters": "--max-cpu-loras",
+    "max_batch_size": "--max-num-seqs",
+    "max_batched_tokens": "--max-num-batched-tokens",
+}
+
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API")
@@ -26,7 +35,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     _add_engine_options(p)
     p.add_argument("--api-key", default=os.environ.get("LORASERVE_API_KEY"),
-                   help="one admin key (default: $LORASERVE_API_KEY)")
+                   help="one admin key, sent as 'Authorization: Bearer KEY' (vLLM's --api-key) "
+                        "(default: $LORASERVE_API_KEY)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="accepted for vLLM command lines and does nothing: LoRA is always on")
+    from .server.lora_modules import parse_lora_module
+    p.add_argument("--lora-modules", nargs="+", action="extend", type=parse_lora_module,
+                   default=[], metavar="NAME=PATH",
+                   help="PEFT directories imported into --catalog at start-up and served as NAME "
+                        "(a NAME without a tenant is the default tenant's: default/NAME); also "
+                        "vLLM's JSON form '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
     p.add_argument("--keys", metavar="FILE", help="API keys file (TOML: hashed keys, roles, tenants, "
                    "limits; see `loraserve keys create`); re-read on SIGHUP")
     p.add_argument("--metrics-key", default=os.environ.get("LORASERVE_METRICS_KEY"),
@@ -45,6 +63,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", metavar="FILE",
                    help="a TOML file of these flags, flag names as keys (e.g. max-batch-size = 32); "
                         "$LORASERVE_<FLAG> variables override it, flags override both")
+    p.add_argument("--log-format", choices=["text", "json"], default="text",
+                   help="text lines, or one JSON object per line (each request's line with its "
+                        "fields at the top level) (default: text)")
     from .server.connections import add_arguments as add_connection_bounds
     add_connection_bounds(p)
     from .ray_serve.config import add_arguments as add_scale_out  # no Ray import
@@ -62,7 +83,7 @@ def _positive_seconds(text: str) -> float:
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     """The `serve` options that set an EngineConfig field; default, type and help come from it."""
     def option(name: str, **kwargs: Any) -> None:
-        _add_config_option(p, name, **kwargs)
+        _add_config_option(p, name, alias=VLLM_ALIASES.get(name), **kwargs)
 
     option("device", choices=["auto", "cpu", "cuda"])
     option("dtype", choices=["auto", *SERVING_DTYPES])
@@ -70,6 +91,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     option("gpu_adapter_mb")
     option("max_lora_rank")
     option("cpu_cache_mb")
+    option("max_cpu_adapters")
     option("max_batch_size")
     option("max_waiting")
     option("max_model_len")
@@ -96,20 +118,21 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_config_option(p: argparse.ArgumentParser, name: str, *, flag: str | None = None,
-                       help: str | None = None, **kwargs: Any) -> None:
+                       help: str | None = None, alias: str | None = None, **kwargs: Any) -> None:
     """An option setting EngineConfig field `name`, its dest the field's name.
 
     The flag is `--field-name` unless given. Type and action follow the field's type (int, str;
     bool: a switch away from the default; list: repeatable). The default is the field's; the help
     is `help` or the field's `metadata["help"]`, then "(default: X)", X the field's
     `metadata["default"]` (how an unset value reads) or else its default value. Other keywords
-    go to `add_argument` (e.g. `choices`).
+    go to `add_argument` (e.g. `choices`). `alias` is a second name of the same option (vLLM's).
     """
     f = next(f for f in dataclasses.fields(EngineConfig) if f.name == name)
     default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
     hint = get_type_hints(EngineConfig)[name]
-    p.add_argument(flag or "--" + name.replace("_", "-"), dest=name, default=default,
-                   help=_help(f, default, help), **_action(hint, default), **kwargs)
+    flags = [flag or "--" + name.replace("_", "-"), *([alias] if alias else [])]
+    p.add_argument(*flags, dest=name, default=default, help=_help(f, default, help),
+                   **_action(hint, default), **kwargs)
 
 
 def _action(hint: Any, default: Any) -> dict[str, Any]:
@@ -139,7 +162,8 @@ def _serve(args: argparse.Namespace) -> int:
     from .engine.client.core_client import CoreClient
     from .server.app import run_server
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .server.request_log import configure_logging
+    configure_logging(args.log_level, args.log_format)
     from .ray_serve.config import from_args as scale_out
     scale = scale_out(args)  # None: one engine; bad --replicas values stop here
     from .server.connections import from_args as connection_bounds, plan_connections
@@ -161,6 +185,9 @@ def _serve(args: argparse.Namespace) -> int:
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
                if hasattr(args, f.name)}  # the dests of _add_engine_options
     cfg = EngineConfig(model_dir=model, catalog_dir=catalog, **options)
+    from .server.lora_modules import import_lora_modules
+    for ref in import_lora_modules(args.lora_modules, catalog, model, cfg.model_name):
+        logging.getLogger("loraserve").info("--lora-modules: serving %s", ref)
     if scale is not None:  # Ray Serve: N engine replicas behind the same app
         from .ray_serve.config import ServerOptions
         from .ray_serve.launch import run
@@ -171,7 +198,7 @@ def _serve(args: argparse.Namespace) -> int:
               else CoreClient(cfg, engine_timeout_s=args.engine_timeout))
     run_server(engine, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level.lower(),
                keys=args.keys, metrics_key=args.metrics_key, audit_log=args.audit_log,
-               connections=connections)
+               connections=connections, log_format=args.log_format)
     return 0
 
 

@@ -68,6 +68,6 @@ def test_serve_defaults_are_the_engine_config_defaults() -> None:
 
 def test_serve_help_shows_each_default() -> None:
     out = " ".join(_run("serve", "--help").stdout.split())  # unwrapped
-    assert ("--max-gpu-adapters MAX_GPU_ADAPTERS adapters resident in the device pool at once "
-            "(default: 32)") in out
+    assert ("--max-gpu-adapters MAX_GPU_ADAPTERS, --max-loras MAX_GPU_ADAPTERS adapters resident "
+            "in the device pool at once (default: 32)") in out  # vLLM's name: an alias
     assert "(default: 512)" in out and "else all cores but one)" in out

@@ -50,6 +50,9 @@ class EngineConfig:
         "default": "max-gpu-adapters slots of max-lora-rank, capped at 2048 MiB"})
     cpu_cache_mb: int = field(default=512, metadata={
         "help": "byte bound of the CPU adapter cache, in MiB"})
+    max_cpu_adapters: int | None = field(default=None, metadata={
+        "help": "count bound of the CPU adapter cache, in adapters (on top of --cpu-cache-mb)",
+        "default": "none, only the byte bound"})
     lora_backend: str = field(default="auto", metadata={
         "help": "LoRA kernels: auto (triton on CUDA, else torch) | triton | torch"})
     lora_targets: list[str] | None = field(default=None, metadata={
@@ -123,5 +126,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.shutdown_timeout < 0:
             raise ValueError("shutdown_timeout must be >= 0")
+        if self.max_cpu_adapters is not None and self.max_cpu_adapters < 1:
+            raise ValueError("max_cpu_adapters must be >= 1")
         if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
             raise ValueError("kv_cache_mb must be >= 1")

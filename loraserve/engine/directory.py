@@ -2,7 +2,8 @@
 
     model (as the client wrote it)
       -> name: a recorded alias (`tinker://<run>/sampler_weights/<ckpt>`), `tinker://tenant/name`,
-         `tinker://<base>`, the base's served name, or `tenant/name[@rev]`
+         `tinker://<base>`, the base's served name, or `tenant/name[@rev]`; a name without a
+         tenant (vLLM's `sql-lora`) is the default tenant's (`default/sql-lora`)
       -> visibility: the principal must see the adapter's tenant
       -> the revision record (promoted, or the `@rev` / tag asked for), built for the served base
          (409 otherwise) and within this server's pool limits (400 otherwise)
@@ -26,7 +27,7 @@ from typing import Protocol
 
 from loraserve.catalog.aliases import is_alias, lookup_alias
 from loraserve.catalog.errors import AdapterNotFound, InvalidAdapterId
-from loraserve.catalog.ids import parse_model_ref
+from loraserve.catalog.ids import parse_model_ref, with_default_tenant
 
 from ..adapters.pager import check_base
 from ..adapters.pool import PoolLimits
@@ -80,7 +81,7 @@ class AdapterDirectory:
     def canonical(self, model: str) -> str:
         """The loraserve name `model` stands for (an alias's revision, `tinker://` cut off)."""
         if not is_alias(model):
-            return model
+            return model if model == self.base_name else with_default_tenant(model)
         if self.catalog is not None and (ref := lookup_alias(self.catalog, model)) is not None:
             return ref
         return model.removeprefix(TINKER_SCHEME)

@@ -2,6 +2,8 @@
 
 Mounted by `build_app` when the engine serves a catalog (`engine.adapter_manager` is not None).
 
+A `lora_path` that is a URI (`s3://`, `hf://`, `file://`) is fetched from the `--adapter-source`
+template it is `lora_name`'s location in, and refused (403) when it is in none (fetch_adapter).
 Runtime imports (`POST /v1/load_lora_adapter`) are confined and bounded: files are read only
 inside `--adapter-root`, never through a link leaving it, only regular files, at most
 `--max-adapter-mb` in all (catalog.source); the adapter is checked against this server's pool
@@ -19,12 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from loraserve.catalog.base import BaseInfo
 from loraserve.catalog.errors import CatalogError, InvalidAdapterId
 from loraserve.catalog.importer import import_peft
-from loraserve.catalog.ids import validate_adapter_id
+from loraserve.catalog.ids import validate_adapter_id, with_default_tenant
 from loraserve.catalog.records import RevisionRecord
 from loraserve.catalog.source import AdapterSource
 from loraserve.engine.types import EngineError
@@ -48,15 +50,20 @@ async def _off_loop(fn, *args, **kw):
         raise as_api_error(exc) from exc
 
 
-class LoadLoRARequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    lora_name: str
-    lora_path: str
-
-
 class UnloadLoRARequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     lora_name: str
+
+    @field_validator("lora_name")
+    @classmethod
+    def _tenant(cls, name: str) -> str:
+        """vLLM's names have no tenant: `sql-lora` is the default tenant's `default/sql-lora`
+        (the key's tenant checks and the audit line see that id)."""
+        return with_default_tenant(name)
+
+
+class LoadLoRARequest(UnloadLoRARequest):
+    lora_path: str
 
 
 def _engine(request: Request):
@@ -157,6 +164,19 @@ def import_adapter(engine, name: str, lora_path: str, deadline: float) -> Revisi
     return rec
 
 
+def fetch_adapter(engine, name: str, uri: str, deadline: float) -> RevisionRecord:
+    """Blocking: `uri` fetched from the adapter source it is `name`'s location in (403 when it
+    is none: the key's tenants were checked against `name`, so a URI only fetches inside them),
+    verified, exported, admitted against this server's pool, imported, promoted and paged in."""
+    validate_adapter_id(name)
+    if engine.sourcing is None:
+        raise APIError(403, f"{uri!r} is not a path under --adapter-root, and no --adapter-source is configured",
+                       param="lora_path", code="forbidden")
+    rec = engine.sourcing.load(name, uri)
+    engine.adapter_manager.warm(f"{rec.adapter_id}@{rec.revision}")
+    return rec
+
+
 def _import_error(exc: CatalogError | EngineError) -> APIError:
     """The API error of a failed import, its `param` the request field at fault."""
     err = as_api_error(exc)
@@ -182,12 +202,14 @@ def adapter_router() -> APIRouter:
     @control_action("load", adapter=lambda kw: kw["body"].lora_name)  # keys, tenants, audit
     async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> dict:
         engine = _engine(request)
-        if not engine.config.adapter_root:
+        remote = "://" in body.lora_path  # a URI of an --adapter-source; else a dir under --adapter-root
+        if not remote and not engine.config.adapter_root:
             raise APIError(403, "runtime adapter loading is disabled: start the server with --adapter-root DIR",
                            param="lora_path", code="forbidden")
+        load = fetch_adapter if remote else import_adapter
         try:
             rec = await _runner(request).run(
-                lambda deadline: import_adapter(engine, body.lora_name, body.lora_path, deadline))
+                lambda deadline: load(engine, body.lora_name, body.lora_path, deadline))
         except (CatalogError, EngineError) as exc:
             raise _import_error(exc) from exc
         return {"status": "ok", "message": f"Success: LoRA adapter '{body.lora_name}' added successfully.",

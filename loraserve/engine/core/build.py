@@ -72,7 +72,8 @@ def _enable_lora(engine: LLMEngine, cfg: EngineConfig) -> None:
         device=str(engine.device), dtype=engine.dtype))
     catalog = open_for_serving(cfg.catalog_dir, readonly=cfg.catalog_readonly)  # shard hosts map the shards
     fingerprint = base_fingerprint(cfg.model_dir)
-    cpu_cache = CpuCache(cfg.cpu_cache_mb * 2**20, pin_memory=engine.device.type == "cuda")
+    cpu_cache = CpuCache(cfg.cpu_cache_mb * 2**20, pin_memory=engine.device.type == "cuda",
+                         max_entries=cfg.max_cpu_adapters)
     pager = Pager(catalog, cpu_cache, fingerprint, workers=cfg.pager_workers, batch=cfg.pager_batch,
                   compute_dtype=str(engine.dtype).removeprefix("torch."))
     manager = AdapterManager(catalog, pool, cpu_cache, pager, fingerprint)

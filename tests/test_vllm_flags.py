@@ -1,0 +1,134 @@
+"""vLLM's habits: its `serve` flag names as aliases of ours (one option each), --enable-lora
+accepted, --lora-modules imported at start-up and served by their names, --api-key a bearer key,
+and names without a tenant belonging to the default tenant."""
+from __future__ import annotations
+
+import argparse
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loraserve.catalog.ids import DEFAULT_TENANT, with_default_tenant
+from loraserve.catalog.store import Catalog
+from loraserve.cli import VLLM_ALIASES, build_parser
+from loraserve.engine.config import EngineConfig
+from loraserve.server import build_app
+from loraserve.server.lora_modules import LoraModule, import_lora_modules, parse_lora_module
+
+from lora.conftest import make_peft
+from server.fake_engine import FakeEngine
+from server.live import LiveServer
+
+
+def _serve_args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_vllm_names_set_our_options() -> None:
+    args = _serve_args("--max-loras", "3", "--max-cpu-loras", "5", "--max-num-seqs", "7",
+                       "--max-num-batched-tokens", "99", "--enable-lora")
+    assert (args.max_gpu_adapters, args.max_cpu_adapters, args.max_batch_size,
+            args.max_batched_tokens) == (3, 5, 7, 99)
+    ours = _serve_args("--max-gpu-adapters", "3", "--max-batch-size", "7")
+    assert (ours.max_gpu_adapters, ours.max_batch_size) == (3, 7)
+    assert _serve_args().max_cpu_adapters is None  # only the byte bound unless asked
+
+
+def test_each_alias_is_the_same_option_in_help() -> None:
+    serve = next(a for a in build_parser()._subparsers._group_actions[0].choices.items()
+                 if a[0] == "serve")[1]
+    by_dest = {a.dest: a.option_strings for a in serve._actions}
+    for field, alias in VLLM_ALIASES.items():
+        assert alias in by_dest[field], field  # an alias, not a second option
+        assert sum(alias in strings for strings in by_dest.values()) == 1
+    text = " ".join(serve.format_help().split())
+    assert "LoRA is always on" in text and "--lora-modules" in text
+
+
+def test_a_cpu_count_bound_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_cpu_adapters"):
+        EngineConfig(model_dir="m", max_cpu_adapters=0)
+
+
+def test_lora_modules_forms() -> None:
+    assert parse_lora_module("sql-lora=/p") == LoraModule("default/sql-lora", "/p")
+    assert parse_lora_module("acme/x=/p") == LoraModule("acme/x", "/p")
+    assert parse_lora_module('{"name": "j", "path": "/q", "base_model_name": "qwen3"}') == \
+        LoraModule("default/j", "/q", "qwen3")
+    for bad in ("no-equals", "=/p", '{"name": "j"}', '{"name": "j", "path": "/q", "x": 1}',
+                "bad name=/p"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_lora_module(bad)
+    args = _serve_args("--lora-modules", "a=/1", "b=/2", "--lora-modules", "c=/3")
+    assert [m.adapter_id for m in args.lora_modules] == ["default/a", "default/b", "default/c"]
+
+
+def test_default_tenant_names() -> None:
+    assert DEFAULT_TENANT == "default"
+    assert with_default_tenant("sql-lora@r2") == "default/sql-lora@r2"
+    assert with_default_tenant("acme/x@r2") == "acme/x@r2"
+
+
+def test_lora_modules_need_a_catalog_and_the_served_base(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--catalog"):
+        import_lora_modules([LoraModule("default/a", str(tmp_path))], None, "m", "qwen3")
+    with pytest.raises(ValueError, match="base_model_name"):
+        import_lora_modules([LoraModule("default/a", str(tmp_path), "llama")], "c", "m", "qwen3")
+    with pytest.raises(ValueError, match="not a directory"):
+        import_lora_modules([LoraModule("default/a", str(tmp_path / "none"))], "c", "m", "qwen3")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, hf_dense: Path) -> Iterator[str]:
+    """A real engine over a catalog that --lora-modules filled (twice: the same revision), with
+    a CPU tier bounded by --max-cpu-loras and runtime loading from an adapter root."""
+    from loraserve.engine.async_engine import AsyncEngine
+
+    root = tmp_path_factory.mktemp("vllm_flags")
+    peft = make_peft(hf_dense, root / "peft_root" / "qv", seed=3, r=4, lora_alpha=8,
+                     target_modules=["q_proj", "v_proj"])
+    Catalog.create(root / "catalog", shards=4).close()
+    modules = [parse_lora_module(f"sql-lora={peft}")]
+    first = import_lora_modules(modules, str(root / "catalog"), str(hf_dense), "qwen3")
+    again = import_lora_modules(modules, str(root / "catalog"), str(hf_dense), "qwen3")
+    assert first == again == ["default/sql-lora@r1"]  # a restart with the same flags: no new revision
+    args = _serve_args("--max-cpu-loras", "2", "--max-loras", "2")
+    engine = AsyncEngine.from_model_dir(
+        str(hf_dense), catalog_dir=str(root / "catalog"), device="cpu", dtype="float32",
+        max_model_len=64, max_batch_size=4, max_lora_rank=8, adapter_root=str(root / "peft_root"),
+        max_gpu_adapters=args.max_gpu_adapters, max_cpu_adapters=args.max_cpu_adapters)
+    assert engine.adapter_manager.cpu_cache.max_entries == 2
+    with LiveServer(build_app(engine, api_key="vllm-key")) as live:
+        yield live.url
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_vllm_names_are_served(served: str) -> None:
+    auth = {"Authorization": "Bearer vllm-key"}
+    with httpx.Client(base_url=served, timeout=120, headers=auth) as c:
+        body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+        bare = c.post("/v1/completions", json={"model": "sql-lora", **body})
+        full = c.post("/v1/completions", json={"model": "default/sql-lora", **body})
+        assert bare.status_code == full.status_code == 200, bare.text
+        assert bare.json()["choices"][0]["text"] == full.json()["choices"][0]["text"]
+        loaded = c.post("/v1/load_lora_adapter", json={"lora_name": "fresh", "lora_path": "qv"})
+        assert loaded.status_code == 200, loaded.text
+        assert loaded.json()["id"] == "default/fresh"
+        assert c.post("/v1/completions", json={"model": "fresh", **body}).status_code == 200
+        assert c.post("/v1/unload_lora_adapter", json={"lora_name": "fresh"}).status_code == 200
+        missing = c.post("/v1/completions", json={"model": "nothing-here", **body})
+        assert missing.status_code == 404
+        assert missing.json()["error"]["message"] == "The model `nothing-here` does not exist."
+
+
+def test_api_key_is_a_bearer_key() -> None:
+    args = _serve_args("--api-key", "vllm-key")
+    with LiveServer(build_app(FakeEngine(), api_key=args.api_key)) as live, \
+            httpx.Client(base_url=live.url, timeout=30) as c:
+        body = {"model": "fake-base", "prompt": "x", "max_tokens": 1}
+        assert c.post("/v1/completions", json=body).status_code == 401
+        ok = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer vllm-key"})
+        assert ok.status_code == 200
