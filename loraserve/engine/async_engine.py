@@ -110,6 +110,14 @@ class AsyncEngine(EngineFrontend):
 
     # -- EngineFrontend -------------------------------------------------------------------------
     def _submit(self, req: GenerateRequest, record) -> None:
+        spec = req.params.structured
+        compiled = None if spec is None else self.engine.grammars.prepare(spec)
+        if compiled is not None and not compiled.done():
+            # compiled on the grammar workers, then admitted by the engine thread: neither the
+            # event loop nor a step waits for a compile
+            compiled.add_done_callback(
+                lambda fut: self._cmds.put(("compiled", (req, record, fut))))
+            return
         self._cmds.put(("add", (self.engine.make_sequence(req, record), req.stream)))
 
     def _abort(self, request_id: str) -> None:
@@ -146,6 +154,16 @@ class AsyncEngine(EngineFrontend):
         loop = self._loop_state
         if kind == "add":
             return loop.add(*arg)
+        if kind == "compiled":  # a request whose grammar was compiled after it was submitted
+            req, record, fut = arg
+            try:
+                if fut.exception() is not None:
+                    raise fut.exception()
+                seq = self.engine.make_sequence(req, record)  # its grammar is cached now
+            except Exception as exc:  # a grammar that does not compile: that request alone fails
+                return [RequestOutput(req.request_id, [], "", finish_reason="error",
+                                      num_prompt_tokens=len(req.prompt_token_ids), error=exc)]
+            return loop.add(seq, req.stream)
         if kind == "abort":
             loop.abort(arg)
         elif kind == "call":

@@ -116,7 +116,9 @@ class LLMEngine:
         self.last_batch_size = 0
         self._notify = lambda: None  # wakes the owner thread when a page-in completes
         self.snapshot = EngineSnapshot(max_lora=0)
-        self._grammars: GrammarEngine | None = None
+        # structured output's compiler: its tokenizer info is built now, on its own worker, so
+        # the first constrained request does not wait for it
+        self.grammars = GrammarEngine(self.tokenizer, self.vocab_size, sorted(self.output.eos))
 
     def enable_lora(self, manager, state) -> None:
         """Serve adapters: admission goes through the manager, the runner feeds the wrappers."""
@@ -148,18 +150,11 @@ class LLMEngine:
                        adapter_ref=req.adapter if key is not None else None, generator=gen,
                        adapter_record=record, tenant=req.tenant, tenant_weight=req.tenant_weight)
         if req.params.structured is not None:
-            # compiled here (cached by kind and text), on the thread that admits the request:
-            # never inside a step. Raises EngineError 400 for a grammar that does not compile.
+            # compiled (cached by kind and text) on the grammar workers; the engine core admits
+            # a request once its grammar is compiled (`grammars.prepare`), so this waits only
+            # for a caller that did not. EngineError 400 for a grammar that does not compile.
             seq.matcher = self.grammars.matcher(req.params.structured)
         return seq
-
-    @property
-    def grammars(self) -> GrammarEngine:
-        """Structured output's compiler and compiled-grammar LRU, built on first use (the
-        vocabulary's xgrammar tokenizer info, once per engine)."""
-        if self._grammars is None:
-            self._grammars = GrammarEngine(self.tokenizer, self.vocab_size, sorted(self.output.eos))
-        return self._grammars
 
     # -- requests and commands: engine thread ---------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:

@@ -32,6 +32,7 @@ import select
 import signal
 import socket
 import time
+from concurrent.futures import Future
 
 from loraserve.catalog.records import RevisionRecord
 
@@ -41,7 +42,7 @@ from ..config import EngineConfig
 from .engine_loop import EngineLoop
 from ..heartbeat import ALIVE, HEARTBEAT_S, LOOP_WAITING, PROGRESS, Beat
 from .llm_engine import LLMEngine
-from ..types import EngineError, RequestOutput
+from ..types import EngineError, GenerateRequest, RequestOutput
 from ..wire import (error_to_wire, output_to_wire, pack, request_from_wire, snapshot_to_wire,
                    unpacker)
 
@@ -91,6 +92,8 @@ class EngineCore:
         self._poll.register(self._wake_r, select.POLLIN)
         engine.set_notify(self._wake)
         self.returns: queue.SimpleQueue = queue.SimpleQueue()  # (call id, value, error)
+        # requests whose grammar compiles on the grammar workers: admitted when it is done
+        self._compiling: dict[str, tuple[GenerateRequest, bytes | None, Future, float]] = {}
         self._snapshot = None  # the last snapshot sent (None: send the next one whatever it is)
         self._snapshot_sent_at = float("-inf")
         self._running = True
@@ -128,6 +131,8 @@ class EngineCore:
             outs: list[RequestOutput] = []
             for msg in self._receive():
                 outs.extend(self._handle(msg))
+            if self._compiling:
+                outs.extend(self._admit_compiled())
             outs.extend(self.loop.step())
             self._send_step(outs)
             self._send_returns()
@@ -180,7 +185,8 @@ class EngineCore:
         elif kind == "add":
             return self._add(msg[1], msg[2])
         elif kind == "abort":
-            self.loop.abort(msg[1])
+            if self._compiling.pop(msg[1], None) is None:
+                self.loop.abort(msg[1])
         elif kind == "call":
             self._call(msg[1], msg[2], msg[3])
         elif kind == "stop":
@@ -189,6 +195,16 @@ class EngineCore:
 
     def _add(self, wire_req: dict, record_json: bytes | None) -> list[RequestOutput]:
         req = request_from_wire(wire_req)
+        spec = req.params.structured
+        if spec is not None:
+            compiled = self.engine.grammars.prepare(spec)
+            if not compiled.done():  # admitted once compiled: a step never waits for a compile
+                self._compiling[req.request_id] = (req, record_json, compiled, time.monotonic())
+                compiled.add_done_callback(lambda _: self._wake())
+                return []
+        return self._admit(req, record_json)
+
+    def _admit(self, req: GenerateRequest, record_json: bytes | None) -> list[RequestOutput]:
         record = RevisionRecord.from_json(record_json) if record_json is not None else None
         try:  # a grammar that does not compile (structured output): that request alone fails
             seq = self.engine.make_sequence(req, record)
@@ -196,6 +212,26 @@ class EngineCore:
             return [RequestOutput(req.request_id, [], "", finish_reason="error",
                                   num_prompt_tokens=len(req.prompt_token_ids), error=exc)]
         return self.loop.add(seq, req.stream)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Admit the requests whose grammar is now compiled; fail those whose grammar did not
+        compile, or not within the grammar engine's timeout (400s naming the field)."""
+        outs: list[RequestOutput] = []
+        grammars = self.engine.grammars
+        for request_id, (req, record_json, compiled, since) in list(self._compiling.items()):
+            late = time.monotonic() - since > grammars.compile_timeout_s
+            if not compiled.done() and not late:
+                continue
+            del self._compiling[request_id]
+            error = compiled.exception() if compiled.done() else \
+                grammars.timeout_error(req.params.structured)
+            if error is None:
+                outs.extend(self._admit(req, record_json))
+            else:
+                outs.append(RequestOutput(request_id, [], "", finish_reason="error",
+                                          num_prompt_tokens=len(req.prompt_token_ids),
+                                          error=error))
+        return outs
 
     def _info(self) -> dict:
         mgr = self.engine.adapters

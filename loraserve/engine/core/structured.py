@@ -4,10 +4,15 @@ choice of strings, an EBNF grammar), run by xgrammar on the CPU.
 `GrammarSpec` (kind, text) is what a request carries (`SamplingParams.structured`, a NamedTuple
 so that it travels on the engine-core wire as a two-item array). `check_spec` validates one
 without a tokenizer (the API process, before the request is queued: a 400 naming `param`).
-`GrammarEngine` is one per engine: the xgrammar tokenizer info built once from the model's
-`tokenizers.Tokenizer` vocabulary, a compiler, and a bounded LRU of compiled grammars by
-(kind, text). `GrammarEngine.matcher(spec)` compiles on a miss (the sequence's admission,
-`LLMEngine.make_sequence`: the caller's thread, not the step) and returns a fresh matcher.
+`GrammarEngine` is one per engine, built with it: the xgrammar tokenizer info (from the model's
+`tokenizers.Tokenizer` vocabulary) and the compiler are built on a worker thread at once, so the
+first constrained request does not pay for them, and a bounded LRU holds compiled grammars by
+(kind, text). Compiling runs on the same workers (`prepare`: a future; one compile per key at a
+time, however many requests ask for it): the engine core admits a request whose grammar is not
+compiled yet once its future is done (`process.EngineCore._add`), so the step never waits for a
+compile. `matcher(spec)` waits for it at most `compile_timeout_s`: a grammar that takes longer
+(a pathological schema or regex) is a 400 naming the request's field, as one that does not
+compile is.
 
 In the step (`sampler.adjust_logits`), a constrained row's logits are masked with its matcher's
 allowed-token bitmask before sampling (greedy and random alike); `output.TokenOutputs.append`
@@ -18,7 +23,10 @@ model's raw distribution.
 from __future__ import annotations
 
 import json
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -31,6 +39,7 @@ from ..types import EngineError, GrammarSpec
 __all__ = ["GrammarEngine", "GrammarSpec", "check_spec", "mask_rows", "tokenizer_info"]
 GRAMMAR_CACHE_SIZE = 256
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, regex, choice list or grammar longer than this: 400
+COMPILE_TIMEOUT_S = 10.0  # a grammar that does not compile against the vocabulary in this: 400
 
 
 def _xgr():
@@ -57,6 +66,11 @@ def _grammar_of(spec: GrammarSpec):
     return xgr.Grammar.from_ebnf(spec.text)
 
 
+def _compile_error(spec: GrammarSpec, exc: BaseException) -> EngineError:
+    return EngineError(f"{spec.param}: the {spec.kind.replace('_', ' ')} does not compile: "
+                       f"{str(exc).strip()[:500]}", param=spec.param)
+
+
 def check_spec(spec: GrammarSpec) -> None:
     """Raise EngineError (400, param = spec.param) unless spec's grammar parses."""
     if spec.kind not in KINDS:
@@ -67,8 +81,7 @@ def check_spec(spec: GrammarSpec) -> None:
     try:
         _grammar_of(spec)
     except Exception as exc:  # xgrammar raises RuntimeError / ValueError with its parser's text
-        raise EngineError(f"{spec.param}: the {spec.kind.replace('_', ' ')} does not compile: "
-                          f"{str(exc).strip()[:500]}", param=spec.param) from None
+        raise _compile_error(spec, exc) from None
 
 
 def _vocab_type(tokenizer_json: str, vocab: list[str]):
@@ -99,36 +112,86 @@ def tokenizer_info(tok: Any, vocab_size: int, stop_token_ids: list[int]):
 
 
 class GrammarEngine:
-    """Compiles and caches grammars for one tokenizer; hands out per-sequence matchers."""
+    """Compiles and caches grammars for one tokenizer on its own worker threads; hands out
+    per-sequence matchers. Any thread may call it."""
 
     def __init__(self, tok: Any, vocab_size: int, stop_token_ids: list[int],
-                 cache_size: int = GRAMMAR_CACHE_SIZE):
-        xgr = _xgr()
-        self.info = tokenizer_info(tok, vocab_size, stop_token_ids)
+                 cache_size: int = GRAMMAR_CACHE_SIZE,
+                 compile_timeout_s: float = COMPILE_TIMEOUT_S):
         self.vocab_size = vocab_size
-        # xgrammar's own cache is off: ours is bounded by count and keyed by (kind, text)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
+        self.compile_timeout_s = compile_timeout_s
         self.cache: BoundedLRU[tuple[str, str], Any] = BoundedLRU(cache_size)
         self.compile_seconds = 0.0  # total spent compiling (misses), for the bench
         self.compiles = 0
+        self._lock = threading.Lock()  # guards _pending (the cache has its own)
+        self._pending: dict[tuple[str, str], Future] = {}
+        # two workers: the tokenizer info first, then compiles; a compile that runs long holds
+        # one of them, and the requests waiting on it time out
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="loraserve-grammar")
+        self._compiler = self._pool.submit(self._new_compiler, tok, vocab_size, stop_token_ids)
 
-    def compile(self, spec: GrammarSpec):
+    @staticmethod
+    def _new_compiler(tok: Any, vocab_size: int, stop_token_ids: list[int]) -> tuple[Any, Any]:
+        """(TokenizerInfo, GrammarCompiler). xgrammar's own cache is off: ours is bounded by
+        count and keyed by (kind, text)."""
+        info = tokenizer_info(tok, vocab_size, stop_token_ids)
+        return info, _xgr().GrammarCompiler(info, max_threads=2, cache_enabled=False)
+
+    @property
+    def info(self):
+        """The xgrammar TokenizerInfo (waits for the worker that builds it)."""
+        return self._compiler.result()[0]
+
+    def prepare(self, spec: GrammarSpec) -> Future:
+        """The compiled grammar of `spec`, as a future: done at once on a cache hit, else
+        compiled on a worker (one compile per key, shared by every request that asks)."""
         compiled = self.cache.get(spec.key)
         if compiled is not None:
-            return compiled
-        t0 = time.perf_counter()
+            done: Future = Future()
+            done.set_result(compiled)
+            return done
+        with self._lock:
+            fut = self._pending.get(spec.key)
+            if fut is None:
+                fut = self._pool.submit(self._compile, spec)
+                self._pending[spec.key] = fut
+        return fut
+
+    def _compile(self, spec: GrammarSpec):
+        """Worker: compile, cache, and leave the pending table (whatever the outcome)."""
         try:
-            compiled = self.compiler.compile_grammar(_grammar_of(spec))
-        except Exception as exc:
-            raise EngineError(f"{spec.param}: the {spec.kind.replace('_', ' ')} does not compile: "
-                              f"{str(exc).strip()[:500]}", param=spec.param) from None
-        self.compile_seconds += time.perf_counter() - t0
-        self.compiles += 1
-        self.cache.put(spec.key, compiled)
-        return compiled
+            compiler = self._compiler.result()[1]
+            t0 = time.perf_counter()
+            try:
+                compiled = compiler.compile_grammar(_grammar_of(spec))
+            except Exception as exc:  # xgrammar: RuntimeError / ValueError with its parser's text
+                raise _compile_error(spec, exc) from None
+            self.compile_seconds += time.perf_counter() - t0
+            self.compiles += 1
+            self.cache.put(spec.key, compiled)
+            return compiled
+        finally:
+            with self._lock:
+                self._pending.pop(spec.key, None)
+
+    def compile(self, spec: GrammarSpec):
+        """The compiled grammar, waiting at most `compile_timeout_s`; EngineError (400 naming
+        the field) for a grammar that does not compile, or not in time."""
+        try:
+            return self.prepare(spec).result(timeout=self.compile_timeout_s)
+        except FutureTimeout:
+            raise self.timeout_error(spec) from None
+
+    def timeout_error(self, spec: GrammarSpec) -> EngineError:
+        return EngineError(f"{spec.param}: the {spec.kind.replace('_', ' ')} did not compile "
+                           f"within {self.compile_timeout_s:g} s", param=spec.param)
 
     def matcher(self, spec: GrammarSpec):
         return _xgr().GrammarMatcher(self.compile(spec))
+
+    def close(self) -> None:
+        """Stop the workers (a compile under way finishes on its own)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
