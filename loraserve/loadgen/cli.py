@@ -6,7 +6,11 @@ Open loop (`--rate R`: Poisson arrivals at R req/s, whatever the server's pace) 
 adapter drawn `uniform`ly or `zipf:S` (the i-th adapter listed has weight 1/i^S) from `--catalog DIR`
 (its promoted adapters) or `--adapters FILE` (one model reference per line). The report: ok / errors,
 req/s, output tokens/s, TTFT and end-to-end p50/p90/p99, and the server's per-tier adapter hit rates
-over the run, from the `loraserve_adapter_{hits,misses}_total{tier=...}` counters on `/metrics`.
+over the run, from the `loraserve_adapter_{hits,misses}_total{tier=...}` counters on `/metrics`;
+also inter-token latency, tokens/s and median latencies over time, cold (the run's first request
+for an adapter) against hot requests, and goodput: requests within `--slo-ttft` / `--slo-itl`
+(loraserve/loadgen/latency.py). `--max-error-rate R` makes the command fail (exit 1) when more than
+R of the requests failed.
 
 The generator must not be what limits the rate: by default (`--client raw`) it speaks HTTP/1.1
 over asyncio itself (loraserve/loadgen/client.py: httptools, orjson, uvloop when installed);
@@ -76,6 +80,12 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
                    help="raw: built-in HTTP/1.1 client (default); httpx; wrk: drive wrk for raw rate "
                         "(closed loop, no TTFT; falls back to raw when wrk is not installed)")
     p.add_argument("--wrk-threads", type=int, default=1, help="wrk's threads (--client wrk)")
+    p.add_argument("--slo-ttft", type=float, metavar="S",
+                   help="goodput: a request counts when its TTFT is at most S seconds")
+    p.add_argument("--slo-itl", type=float, metavar="S",
+                   help="goodput: ... and its mean inter-token latency at most S seconds")
+    p.add_argument("--max-error-rate", type=float, metavar="R",
+                   help="exit non-zero when more than this share of requests (0..1) failed")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=_main)
 
@@ -94,7 +104,8 @@ def _main(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, temperature=args.temperature,
         model_field=args.model_field, api_key=args.api_key, timeout=args.timeout, seed=args.seed,
         progress=not args.no_progress, client=args.client, report_dir=args.report,
-        scrape_interval=args.scrape_interval, wrk_threads=args.wrk_threads, stream=args.stream)
+        scrape_interval=args.scrape_interval, wrk_threads=args.wrk_threads, stream=args.stream,
+        slo_ttft=args.slo_ttft, slo_itl=args.slo_itl, max_error_rate=args.max_error_rate)
     report = run_loadtest(cfg)
     print(format_report(report))
     if args.out:
@@ -103,4 +114,13 @@ def _main(args: argparse.Namespace) -> int:
         print(f"report: {report['report_html']}")
     if report["ok"] == 0:
         raise RuntimeError(f"no request succeeded ({report['errors']} errors: {report['error_kinds']})")
+    check_error_rate(report, cfg.max_error_rate)
     return 0
+
+
+def check_error_rate(report: dict, max_error_rate: float | None) -> None:
+    """RuntimeError (the command exits 1) when the run's error rate passed `max_error_rate`."""
+    if max_error_rate is not None and report["error_rate"] > max_error_rate:
+        raise RuntimeError(f"error rate {report['error_rate']:.1%} is above --max-error-rate "
+                           f"{max_error_rate:.1%} ({report['errors']} of {report['requests']} "
+                           f"requests: {report['error_kinds']})")

@@ -34,6 +34,9 @@ class LoadTestConfig:
     scrape_interval: float = 1.0  # seconds between /metrics scrapes for the report's timelines
     wrk_threads: int = 1
     stream: bool = True  # False: plain JSON answers (TTFT = end to end; built-in client and wrk)
+    slo_ttft: float | None = None  # goodput: a request's TTFT within this (seconds)
+    slo_itl: float | None = None   # goodput: its mean inter-token latency within this (seconds)
+    max_error_rate: float | None = None  # the command fails when errors / requests exceed this
     zipf_s: float | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -62,6 +65,11 @@ class LoadTestConfig:
             raise ValueError("--report draws with matplotlib: pip install 'loraserve[report]'")
         if not self.scrape_interval > 0 or self.wrk_threads < 1:
             raise ValueError("--scrape-interval and --wrk-threads must be positive")
+        for name in ("slo_ttft", "slo_itl"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds")
+        if self.max_error_rate is not None and not 0 <= self.max_error_rate <= 1:
+            raise ValueError(f"--max-error-rate must be in [0, 1], got {self.max_error_rate}")
         self.zipf_s = _parse_dist(self.dist)
 
 

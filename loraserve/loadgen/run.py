@@ -99,10 +99,15 @@ async def _drive(send, work: _Workload, record) -> None:
         budget[0] -= 1
         return True
 
+    seen: set[str | None] = set()  # adapters asked for so far: the first request of each is cold
+
     async def one() -> None:
         start = time.perf_counter() - t0
-        sample = await send(*work.draw())
-        sample.start = start
+        adapter, prompt = work.draw()
+        cold = adapter not in seen
+        seen.add(adapter)
+        sample = await send(adapter, prompt)
+        sample.start, sample.cold = start, cold
         record(sample)
 
     if cfg.concurrency is not None:

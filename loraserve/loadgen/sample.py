@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httptools
 import httpx
@@ -24,12 +24,14 @@ class Sample:
     output_tokens: int = 0
     error: str | None = None  # "http 404", "ReadTimeout", ...
     start: float = 0.0  # seconds from the start of the run
+    itl: list[float] = field(default_factory=list)  # gaps between streamed text chunks
+    cold: bool = False  # the run's first request for its adapter (or the base)
 
 
 async def request_httpx(client: httpx.AsyncClient, body: dict) -> Sample:
     """Stream one completion with httpx (`--client httpx`), timing the first text and the end."""
     start = time.perf_counter()
-    ttft, chunks, usage = None, 0, None
+    ttft, chunks, usage, itl, last = None, 0, None, [], 0.0
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -44,17 +46,21 @@ async def request_httpx(client: httpx.AsyncClient, body: dict) -> Sample:
                 usage = (event.get("usage") or {}).get("completion_tokens", usage)
                 if any(c.get("text") for c in event.get("choices", ())):
                     chunks += 1
-                    ttft = ttft if ttft is not None else time.perf_counter() - start
+                    now = time.perf_counter()
+                    if ttft is not None:
+                        itl.append(now - last)
+                    ttft, last = (ttft if ttft is not None else now - start), now
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         return Sample(False, time.perf_counter() - start, error=type(e).__name__)
     e2e = time.perf_counter() - start
-    return Sample(True, e2e, ttft if ttft is not None else e2e, usage if usage is not None else chunks)
+    return Sample(True, e2e, ttft if ttft is not None else e2e, usage if usage is not None else chunks,
+                  itl=itl)
 
 
 class _Events:
     """The sink of one streamed response (built-in client): SSE events parsed as they arrive."""
 
-    __slots__ = ("start", "buf", "ttft", "chunks", "usage", "error", "stream")
+    __slots__ = ("start", "buf", "ttft", "chunks", "usage", "error", "stream", "itl", "last")
 
     def __init__(self, start: float, stream: bool = True):
         self.start = start
@@ -64,6 +70,8 @@ class _Events:
         self.chunks = 0
         self.usage: int | None = None
         self.error: str | None = None
+        self.itl: list[float] = []  # inter-token latency: the gaps between text chunks
+        self.last = 0.0
 
     def feed(self, data: bytes) -> None:
         if not self.stream:
@@ -94,8 +102,13 @@ class _Events:
             self.usage = usage.get("completion_tokens", self.usage)
         if any(c.get("text") for c in event.get("choices", ())):
             self.chunks += 1
-            if self.ttft is None and self.stream:
-                self.ttft = time.perf_counter() - self.start
+            if self.stream:
+                now = time.perf_counter()
+                if self.ttft is None:
+                    self.ttft = now - self.start
+                else:
+                    self.itl.append(now - self.last)
+                self.last = now
 
     def finish(self) -> None:
         if not self.stream:  # one JSON answer
@@ -123,4 +136,5 @@ async def request_raw(client: HTTPClient, data: bytes, stream: bool = True) -> S
     if events.error is not None:
         return Sample(False, e2e, error=events.error)
     ttft = events.ttft if events.ttft is not None else e2e
-    return Sample(True, e2e, ttft, events.usage if events.usage is not None else events.chunks)
+    return Sample(True, e2e, ttft, events.usage if events.usage is not None else events.chunks,
+                  itl=events.itl)

@@ -4,17 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-import numpy as np
-
+from loraserve.loadgen import latency
 from loraserve.loadgen.config import LoadTestConfig
+from loraserve.loadgen.latency import percentiles as _percentiles
 from loraserve.loadgen.sample import Sample
-
-
-def _percentiles(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p90": None, "p99": None, "mean": None}
-    p50, p90, p99 = np.percentile(values, [50, 90, 99]).tolist()
-    return {"p50": p50, "p90": p90, "p99": p99, "mean": float(np.mean(values))}
 
 
 def _hit_rates(before: dict | None, after: dict | None) -> dict[str, float | None] | None:
@@ -50,6 +43,11 @@ def summarize(cfg: LoadTestConfig, samples: list[Sample], wall: float,
         "output_tokens": tokens, "output_tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "ttft_s": _percentiles([s.ttft for s in ok if s.ttft is not None]),
         "e2e_s": _percentiles([s.e2e for s in ok]),
+        "itl_s": latency.itl(samples),
+        "error_rate": (len(samples) - len(ok)) / len(samples) if samples else 0.0,
+        "goodput": latency.goodput(samples, wall, cfg.slo_ttft, cfg.slo_itl),
+        "hot_cold": latency.hot_cold(samples),
+        "over_time": latency.over_time(samples, wall),
         "adapter_hit_rate": _hit_rates(before, after),
     }
 
@@ -80,6 +78,9 @@ def summarize_wrk(cfg: LoadTestConfig, result: dict, wall: float,
         "ttft_s": dict(none),
         "e2e_s": none if ok == 0 else {"p50": pct.get(50.0), "p90": pct.get(90.0), "p99": pct.get(99.0),
                                        "mean": result["latency_us"]["mean"] / 1e6},
+        "itl_s": dict(none),  # wrk reads no events: no ITL, goodput, hot/cold or timeline
+        "error_rate": failed / (ok + failed) if ok + failed else 0.0,
+        "goodput": None, "hot_cold": None, "over_time": None,
         "adapter_hit_rate": _hit_rates(before, after),
     }
 
@@ -98,9 +99,15 @@ def format_report(report: dict) -> str:
              f"req/s     {report['req_per_s']:.2f}",
              f"tokens/s  {report['output_tokens_per_s']:.1f}  (output)",
              f"{'ms':<9} {'p50':>9} {'p90':>9} {'p99':>9} {'mean':>9}"]
-    for name, key in (("ttft", "ttft_s"), ("e2e", "e2e_s")):
+    for name, key in (("ttft", "ttft_s"), ("itl", "itl_s"), ("e2e", "e2e_s")):
         p = report[key]
         lines.append(f"{name:<9} {ms(p['p50']):>9} {ms(p['p90']):>9} {ms(p['p99']):>9} {ms(p['mean']):>9}")
+    for name, group in (report.get("hot_cold") or {}).items():
+        for what, key in (("ttft", "ttft_s"), ("e2e", "e2e_s")):
+            p = group[key]
+            lines.append(f"{name + ' ' + what:<9} {ms(p['p50']):>9} {ms(p['p90']):>9} "
+                         f"{ms(p['p99']):>9} {ms(p['mean']):>9}  ({group['requests']} requests)")
+    lines += _goodput_lines(report.get("goodput")) + _timeline_lines(report.get("over_time"))
     cpu = report.get("generator_cpu_us_per_request")
     lines.append(f"client    {cfg.get('client', 'httpx')}"
                  + ("" if cpu is None else f"  (generator CPU {cpu:.0f} us/request)"))
@@ -111,3 +118,27 @@ def format_report(report: dict) -> str:
         shown = {t: "-" if r is None else f"{r:.1%}" for t, r in sorted(rates.items())}
         lines.append("adapter hit rate: " + ("  ".join(f"{t} {r}" for t, r in shown.items()) or "no counters"))
     return "\n".join(lines)
+
+
+def _goodput_lines(good: dict | None) -> list[str]:
+    if good is None:
+        return []
+    slo = ", ".join(f"{k} <= {v * 1000:.0f} ms" for k, v in
+                    (("ttft", good["slo_ttft_s"]), ("mean itl", good["slo_itl_s"])) if v is not None)
+    share = "-" if good["share"] is None else f"{good['share']:.1%}"
+    return [f"goodput   {good['good_per_s']:.2f} req/s  {share} of requests"
+            f"  ({slo or 'no SLO given: every ok request'})"]
+
+
+def _timeline_lines(series: dict | None) -> list[str]:
+    """Tokens/s and median latencies per window of the run."""
+    if series is None:
+        return []
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1000:.1f}"
+
+    lines = [f"{'until s':>9} {'ok':>6} {'tok/s':>9} {'ttft p50':>9} {'e2e p50':>9}"]
+    for t, n, tps, ttft, e2e in zip(series["t_s"], series["ok"], series["output_tokens_per_s"],
+                                    series["ttft_p50_s"], series["e2e_p50_s"]):
+        lines.append(f"{t:>9.1f} {n:>6} {tps:>9.1f} {ms(ttft):>9} {ms(e2e):>9}")
+    return lines
