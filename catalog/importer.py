@@ -32,14 +32,16 @@ def check_base(blob_fingerprint: str, base: BaseInfo, what: str) -> None:
         )
 
 
-def adapter_blob(source: str | Path | AdapterSource, base: BaseInfo, dtype: str | None = None) -> bytes:
-    """Serving blob for `source`: a PEFT dir (or AdapterSource) is exported; an exported
-    `.safetensors` file is checked as is (base, targets, finite values)."""
+def adapter_blob(source: str | Path | AdapterSource, base: BaseInfo, dtype: str | None = None,
+                 label: str = "") -> bytes:
+    """Serving blob for `source`: a PEFT dir (or AdapterSource) is exported (`label`: the
+    provenance its header keeps, default `peft:<dir name>`); an exported `.safetensors` file is
+    checked as is (base, targets, finite values)."""
     if isinstance(source, AdapterSource):
-        return save_revision(export_peft(source, base, dtype=dtype))
+        return save_revision(export_peft(source, base, dtype=dtype, source=label))
     source = Path(source)
     if source.is_dir():
-        return save_revision(export_peft(source, base, dtype=dtype))
+        return save_revision(export_peft(source, base, dtype=dtype, source=label))
     if source.is_file():
         blob = source.read_bytes()
         weights = load_revision(blob)
@@ -66,7 +68,7 @@ def import_peft(
     """
     validate_adapter_id(adapter_id)
     base = base or BaseInfo.from_dir(model_dir)
-    blob = adapter_blob(peft_dir, base, dtype)
+    blob = adapter_blob(peft_dir, base, dtype, label=source or "")
     if admit is not None:
         meta = read_adapter_meta(blob)
         admit(meta["rank"], meta["targets"])

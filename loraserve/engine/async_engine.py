@@ -19,6 +19,7 @@ from .core.build import build_engine
 from .config import EngineConfig
 from .core.engine_loop import EngineLoop
 from .client.frontend import EngineFrontend
+from .client.sourcing import Sourcing
 from .core.llm_engine import LLMEngine
 from .snapshot import EngineSnapshot
 from .types import GenerateRequest, RequestOutput
@@ -36,6 +37,7 @@ class AsyncEngine(EngineFrontend):
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.directory = engine.directory  # the engine's catalog, in this process
+        self.sourcing = Sourcing.open(engine.cfg, engine.adapters, self.directory)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -91,6 +93,8 @@ class AsyncEngine(EngineFrontend):
         self._cmds.put(("wake", None))
         await asyncio.to_thread(self._thread.join, 10)
         self._thread = None
+        if self.sourcing is not None:
+            self.sourcing.close()
         if self.engine.adapters is not None:
             self.engine.adapters.close()
 

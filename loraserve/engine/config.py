@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loraserve.catalog.dtypes import SERVING_DTYPES
+from loraserve.catalog.sources import Template
 
 
 @dataclass(slots=True)
@@ -64,6 +65,16 @@ class EngineConfig:
         "default": "runtime adapter loading disabled"})
     max_adapter_mb: int = field(default=1024, metadata={
         "help": "largest adapter /v1/load_lora_adapter reads, in MiB (all its files); larger is a 413"})
+    adapter_sources: list[str] = field(default_factory=list, metadata={
+        "help": "where a requested adapter the catalog lacks is fetched from, tried in order "
+                "(repeatable): s3://bucket/prefix/{tenant}/{name} (boto3: AWS_ENDPOINT_URL and the "
+                "standard AWS credentials), hf://{tenant}/{name} (huggingface_hub: HF_ENDPOINT, its "
+                "cache), /dir/{tenant}/{name}; imported as a revision and served. "
+                "/v1/load_lora_adapter takes these URIs as lora_path", "default": "none"})
+    catalog_store: str | None = field(default=None, metadata={
+        "help": "s3://bucket/prefix, the catalog's durable tier: every write is published there, "
+                "an adapter missing here is faulted in from it, promotes there are followed "
+                "within ~2 s (polling its change log)", "default": "none"})
     pager_workers: int = field(default=4, metadata={"help": "threads paging adapters in"})
     pager_batch: int = field(default=16, metadata={
         "help": "cold adapters one pager thread reads at a time (one catalog transaction per shard); "
@@ -130,3 +141,7 @@ class EngineConfig:
             raise ValueError("max_cpu_adapters must be >= 1")
         if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
             raise ValueError("kv_cache_mb must be >= 1")
+        for uri in self.adapter_sources:
+            Template(uri)  # CatalogError naming what is wrong with the template
+        if self.catalog_store is not None and not self.catalog_store.startswith("s3://"):
+            raise ValueError(f"catalog_store must be s3://bucket[/prefix], got {self.catalog_store!r}")

@@ -16,6 +16,9 @@ Optional, explicit:
     snapshot: EngineSnapshot | None                             None: no engine publishes one (a test double)
     replica_snapshots() -> dict | None                          per replica (Ray), None: one engine
     adapter_manager: object | None                              None: no catalog (base only)
+    sourcing: object | None                                     fetches adapters the catalog lacks
+                                                                (client/sourcing.py); None: no
+                                                                --adapter-source / --catalog-store
     describe_adapter(id), unload_adapter(id)                    only with an adapter_manager
     core_pid: int | None, supervision() -> dict | None          the engine-core process, None in process
 """
@@ -35,6 +38,7 @@ class EngineInterface(Protocol):
     tokenizer: Any
     config: Any
     adapter_manager: Any | None
+    sourcing: Any | None
     ready: bool
     snapshot: EngineSnapshot | None
     core_pid: int | None

@@ -76,6 +76,7 @@ class FakeEngine:
 
     # the optional parts of engine/interface.py's EngineInterface: "not here" for this fake
     adapter_manager = None
+    sourcing = None
     ready = True
     snapshot = None
     core_pid = None

@@ -42,6 +42,7 @@ from ...adapters.stats import CacheStats, PagerStats, PoolStats
 from ...model.config import ModelConfig
 from ...tokenizer import Tokenizer
 from .catalog_view import CatalogView
+from .sourcing import Sourcing
 from ..config import EngineConfig
 from ..core.boot import boot_core
 from ..directory import AdapterDirectory
@@ -125,6 +126,7 @@ class CoreClient(EngineFrontend):
             lambda rec: self.call_from_thread("warm", [rec.to_json()])) if cfg.catalog_dir else None
         self.directory = (self.adapter_manager.directory if self.adapter_manager is not None
                           else AdapterDirectory(self.model_name))
+        self.sourcing = Sourcing.open(cfg, self.adapter_manager, self.directory)
         self.start_timeout_s = start_timeout_s
         self.engine_timeout_s = engine_timeout_s
         self.heartbeat_s = heartbeat_s if heartbeat_s is not None else min(HEARTBEAT_S,
@@ -231,6 +233,8 @@ class CoreClient(EngineFrontend):
             if not self._stopping.done():
                 self._stopping.set_result(None)
             await asyncio.gather(supervisor, return_exceptions=True)
+        if self.sourcing is not None:
+            self.sourcing.close()
         if self.adapter_manager is not None:
             self.adapter_manager.close()
 

@@ -15,6 +15,8 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
+from loraserve.catalog.errors import CatalogError
+
 from ..config import EngineConfig
 from ..directory import EVERYONE, AdapterDirectory, Viewer
 from .output_processor import OutputProcessor
@@ -86,6 +88,7 @@ class EngineFrontend(ABC):
 
     # the optional parts of `interface.EngineInterface`, "not here" unless a hosting has them
     adapter_manager = None  # the catalog side of the adapter tiers; None: base only
+    sourcing = None  # client.sourcing.Sourcing: adapters the catalog lacks, fetched on a miss
     core_pid: int | None = None  # the engine-core process (CoreClient)
 
     def supervision(self) -> dict | None:
@@ -138,7 +141,15 @@ class EngineFrontend(ABC):
     async def resolve(self, model: str, principal: Viewer) -> ResolvedModel:
         """`directory.resolve(model, principal)`: on the event loop while recent reads were fast
         (`WarmRefs`: a catalog read can cost less than the thread hop around it), else on a
-        worker thread."""
+        worker thread. A name the catalog lacks is fetched (`sourcing`: the durable tier, the
+        adapter sources) off the event loop and resolved again; still missing, the one 404."""
+        try:
+            return await self._warm.call(model, self.directory.resolve, model, principal)
+        except (EngineError, CatalogError) as exc:  # CatalogError: RevisionNotFound
+            if exc.status != 404 or self.sourcing is None:
+                raise
+            if not await self.sourcing.fetch_missing(model, principal):
+                raise
         return await self._warm.call(model, self.directory.resolve, model, principal)
 
     def _deliver(self, outs: list[RequestOutput]) -> None:

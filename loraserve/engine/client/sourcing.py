@@ -1,0 +1,147 @@
+"""Adapters the catalog lacks, fetched on a miss: the durable tier, then the adapter sources.
+
+A request whose model names `tenant/name[@rev]` that this process's catalog does not hold
+(the directory's 404) comes here, off the event loop, on this object's own threads (so a slow
+store never takes a thread that other requests' resolves or page-ins need):
+
+1. the name is decided as the directory decides it (an alias resolved), and the principal must
+   see its tenant, else nothing is fetched and the answer stays the one 404 (a template then
+   only ever yields ids inside the requesting key's tenants);
+2. `--catalog-store`: the revision is faulted in from the durable tier (catalog.store_s3);
+3. `--adapter-source` (a bare `tenant/name` only: a source holds one version of an adapter):
+   the PEFT directory is fetched (catalog.sources, verified by catalog.fetchers), exported
+   against the served base, checked against the pool's limits and imported as a new promoted
+   revision, its record's source the URI;
+
+then the directory resolves the name again and the request goes on as any request for a cold
+adapter: its revision is paged in while it waits parked. Concurrent misses for one id fetch it
+once (single flight in AdapterSources). A store that is down is a 503 (retry later); a bad
+adapter a 400 naming why; no source holding it the usual 404. Past `deadline_s` a request
+stops waiting with a 503 (the fetch finishes and is kept for the next request).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from loraserve.catalog.base import BaseInfo
+from loraserve.catalog.errors import (AdapterNotFound, CatalogError, InvalidAdapterId, RevisionNotFound,
+                                      SourceNotFound)
+from loraserve.catalog.ids import parse_model_ref
+from loraserve.catalog.records import RevisionRecord
+from loraserve.catalog.sources import AdapterSources, importer
+
+from ..config import EngineConfig
+from ..directory import AdapterDirectory, Viewer
+from ..types import EngineError
+
+log = logging.getLogger(__name__)
+MiB = 1 << 20
+FETCH_WORKERS = 4
+FETCH_MAX_PENDING = 64  # queued + running; more is a 503, not an ever longer queue
+FETCH_DEADLINE_S = 120.0
+
+
+class Sourcing:
+    """The miss path of one API process (module doc). `manager`: the adapter manager or
+    CatalogView whose catalog the fetched revisions go into (`catalog`, `pool`)."""
+
+    def __init__(self, cfg: EngineConfig, manager, directory: AdapterDirectory, *,
+                 deadline_s: float = FETCH_DEADLINE_S) -> None:
+        self.cfg, self.manager, self.directory = cfg, manager, directory
+        self.deadline_s = deadline_s
+        self.sources = (AdapterSources(cfg.adapter_sources, max_bytes=cfg.max_adapter_mb * MiB)
+                        if cfg.adapter_sources else None)
+        self.tier = None
+        if cfg.catalog_store:
+            from loraserve.catalog.store_s3 import ObjectStore, StoreTier
+            self.tier = StoreTier(ObjectStore(cfg.catalog_store), manager.catalog)
+            self.tier.start()
+        self._pool = ThreadPoolExecutor(FETCH_WORKERS, thread_name_prefix="loraserve-fetch")
+        self._lock = threading.Lock()
+        self._pending = 0
+
+    @classmethod
+    def open(cls, cfg: EngineConfig, manager, directory: AdapterDirectory) -> Sourcing | None:
+        """The process's Sourcing, or None when nothing is configured; a source or store without a
+        catalog to import into is refused at start-up."""
+        if not cfg.adapter_sources and not cfg.catalog_store:
+            return None
+        if manager is None:
+            raise ValueError("--adapter-source and --catalog-store need a catalog (--catalog DIR) to import into")
+        return cls(cfg, manager, directory)
+
+    async def fetch_missing(self, model: str, principal: Viewer) -> bool:
+        """Whether `model`, which the directory did not find, is now in the catalog (module doc)."""
+        with self._lock:
+            if self._pending >= FETCH_MAX_PENDING:
+                raise EngineError(f"{self._pending} adapter fetches in progress; retry later",
+                                  status=503, code="overloaded")
+            self._pending += 1
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(self._pool, self._fetch, model, principal)
+            return await asyncio.wait_for(asyncio.shield(fut), self.deadline_s)
+        except asyncio.TimeoutError:
+            raise EngineError(f"adapter {model!r} is still being fetched after {self.deadline_s:g} s; "
+                              "retry later", status=503, code="source_unavailable") from None
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def _fetch(self, model: str, principal: Viewer) -> bool:
+        """Blocking, on a fetch thread: fault in from the tier, else fetch from the sources."""
+        try:
+            adapter_id, revision = parse_model_ref(self.directory.canonical(model))
+        except InvalidAdapterId:
+            return False
+        if not principal.sees(adapter_id.split("/", 1)[0]):
+            return False
+        try:
+            if self.tier is not None and self._fault_in(adapter_id, revision):
+                return True
+            if self.sources is None or revision is not None:
+                return False
+            self.sources.fetch(adapter_id, self.into(adapter_id))
+            return True
+        except SourceNotFound:
+            return False
+        except CatalogError as exc:
+            if exc.status >= 500:
+                raise
+            raise EngineError(f"adapter {adapter_id!r} cannot be served: {exc}", status=exc.status,
+                              param="model") from exc
+
+    def _fault_in(self, adapter_id: str, revision: str | None) -> bool:
+        try:
+            self.tier.fault_in(adapter_id, revision)
+        except (AdapterNotFound, RevisionNotFound):
+            return False
+        return True
+
+    def into(self, adapter_id: str):
+        """How a fetched directory becomes a revision here: exported against the served base,
+        admitted against the pool's limits (400 otherwise), imported and promoted."""
+        base = BaseInfo.from_dir(self.cfg.model_dir, fingerprint=self.manager.base_fingerprint)
+
+        def admit(rank: int, targets: list[str]) -> None:
+            try:
+                self.manager.pool.check_admissible(rank, targets)
+            except ValueError as exc:
+                raise EngineError(f"adapter {adapter_id!r} cannot be served here: {exc}; nothing was "
+                                  "imported", status=400, param="model") from None
+        return importer(self.manager.catalog, adapter_id, self.cfg.model_dir, base, admit)
+
+    def load(self, adapter_id: str, uri: str) -> RevisionRecord:
+        """Blocking: `/v1/load_lora_adapter` with a source URI: fetched from the one template it
+        is `adapter_id`'s location in (403 otherwise), imported and promoted."""
+        if self.sources is None:
+            raise EngineError("no adapter sources are configured (start the server with --adapter-source)",
+                              status=403, code="forbidden", param="lora_path")
+        return self.sources.fetch(adapter_id, self.into(adapter_id), only=self.sources.template_of(uri, adapter_id))
+
+    def close(self) -> None:
+        if self.tier is not None:
+            self.tier.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
