@@ -104,6 +104,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     option("pinned_adapters", flag="--pin", metavar="ID", help="keep this adapter resident (repeatable)")
     option("adapter_root")
     option("max_adapter_mb")
+    option("adapter_sources", flag="--adapter-source", metavar="URI")
+    option("catalog_store", metavar="s3://BUCKET/PREFIX")
     option("pager_workers")
     option("pager_batch")
     option("compile", choices=["auto", "on", "off"])
@@ -188,6 +190,9 @@ def _serve(args: argparse.Namespace) -> int:
     from .server.lora_modules import import_lora_modules
     for ref in import_lora_modules(args.lora_modules, catalog, model, cfg.model_name):
         logging.getLogger("loraserve").info("--lora-modules: serving %s", ref)
+    if scale is not None and (cfg.adapter_sources or cfg.catalog_store):
+        raise ValueError("--adapter-source and --catalog-store are not served with --replicas (the "
+                         "Ray Serve ingress has no miss path yet); run one engine")
     if scale is not None:  # Ray Serve: N engine replicas behind the same app
         from .ray_serve.config import ServerOptions
         from .ray_serve.launch import run

@@ -140,3 +140,18 @@ def test_load_lora_adapter_takes_source_uris_inside_the_template_only(served) ->
     missing = load("acme/nothing", "s3://adapters/prod/acme/nothing")
     assert missing.status_code == 404
     assert load("beta/support", "s3://adapters/prod/beta/support").status_code in (403, 404)
+
+
+def test_the_flags_reach_the_engine_config_and_bad_templates_stop_the_start() -> None:
+    from loraserve.catalog.errors import CatalogError
+    from loraserve.cli import build_parser
+    from loraserve.engine.config import EngineConfig
+    args = build_parser().parse_args(["serve", "--adapter-source", SOURCE, "--adapter-source",
+                                      "hf://{tenant}/{name}", "--catalog-store", "s3://catalog/prod"])
+    assert args.adapter_sources == [SOURCE, "hf://{tenant}/{name}"]
+    assert args.catalog_store == "s3://catalog/prod"
+    for bad in (["s3://adapters/{name}"], ["gs://b/{tenant}/{name}"]):
+        with pytest.raises(CatalogError):
+            EngineConfig(model_dir="m", adapter_sources=bad)
+    with pytest.raises(ValueError):
+        EngineConfig(model_dir="m", catalog_store="/local/dir")
