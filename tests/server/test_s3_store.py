@@ -1,0 +1,94 @@
+"""`--catalog-store`: a server whose catalog is a cache of the durable tier, beside a second "host"
+(a catalog joined to the same moto bucket prefix) that writes, over HTTP.
+
+A revision the other host commits is faulted in by the server on the first request for it; a
+promote there is followed by the server (its poll of the change log); an adapter the server
+imports is published and the other host faults it in; a corrupt blob in the store is refused
+and never cached.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from loraserve.catalog.base import BaseInfo
+from loraserve.catalog.errors import AdapterNotFound
+from loraserve.catalog.importer import adapter_blob
+from loraserve.catalog.store import Catalog
+from loraserve.catalog.store_s3 import ObjectStore, StoreTier
+from loraserve.engine.async_engine import AsyncEngine
+from loraserve.server import build_app
+
+from .adapter_files import write_peft
+from .live import LiveServer
+from s3_testing import moto_s3
+
+STORE = "s3://catalog/prod"
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory, hf_dense) -> Iterator[tuple[httpx.Client, AsyncEngine, StoreTier, list[bytes]]]:
+    """(client, the server's engine, the other host's tier, three blobs over hf_dense)."""
+    tmp = tmp_path_factory.mktemp("s3-store")
+    base = BaseInfo.from_dir(hf_dense)
+    blobs = [adapter_blob(write_peft(tmp / "peft" / f"s{i}", hf_dense, seed=i), base) for i in range(3)]
+    write_peft(tmp / "root" / "local", hf_dense, seed=7)
+    Catalog.create(tmp / "server", shards=2).close()
+    with moto_s3() as s3:
+        s3.client().create_bucket(Bucket="catalog")
+        other = StoreTier(ObjectStore(STORE), Catalog.create(tmp / "other", shards=2))
+        engine = AsyncEngine.from_model_dir(
+            str(hf_dense), catalog_dir=str(tmp / "server"), device="cpu", dtype="float32", max_model_len=64,
+            max_batch_size=4, max_gpu_adapters=2, max_lora_rank=16, adapter_root=str(tmp / "root"),
+            catalog_store=STORE)
+        with LiveServer(build_app(engine, max_n=2)) as server, \
+                httpx.Client(base_url=server.url, timeout=120) as http:
+            yield http, engine, other, blobs
+        other.close()
+        other.catalog.close()
+
+
+def complete(http: httpx.Client, model: str) -> httpx.Response:
+    return http.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 4, "temperature": 0})
+
+
+def served_revision(engine: AsyncEngine, adapter_id: str) -> str:
+    return engine.adapter_manager.catalog.resolve(adapter_id).revision
+
+
+def test_a_revision_written_elsewhere_faults_in_and_its_promotes_are_followed(hosts) -> None:
+    http, engine, other, blobs = hosts
+    r1 = other.catalog.put_revision("acme/a", blobs[0])
+    with pytest.raises(AdapterNotFound):
+        engine.adapter_manager.catalog.resolve("acme/a")
+    assert complete(http, "acme/a").status_code == 200
+    assert engine.adapter_manager.catalog.resolve("acme/a").checksum == r1.checksum
+    r2 = other.catalog.put_revision("acme/a", blobs[1])  # promoted there: the server follows
+    deadline = time.monotonic() + 60
+    while served_revision(engine, "acme/a") != r2.revision:
+        assert time.monotonic() < deadline, "the promote never reached the server"
+        time.sleep(0.1)
+    assert complete(http, f"acme/a@{r1.revision}").status_code == 200
+
+
+def test_an_import_here_is_published_for_the_other_host(hosts) -> None:
+    http, engine, other, _ = hosts
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "acme/local", "lora_path": "local"})
+    assert r.status_code == 200, r.text
+    got = other.fault_in("acme/local")
+    assert got.checksum == engine.adapter_manager.catalog.resolve("acme/local").checksum
+
+
+def test_a_corrupt_blob_in_the_store_is_refused_and_never_cached(hosts) -> None:
+    http, engine, other, blobs = hosts
+    rec = other.catalog.put_revision("acme/c", blobs[2])
+    bad = bytearray(blobs[2])
+    bad[-1] ^= 0xFF
+    other.store.put(other.store.key("blobs", rec.checksum), bytes(bad))
+    r = complete(http, "acme/c")
+    assert r.status_code >= 500 and "checksum" in r.json()["error"]["message"]
+    with pytest.raises(AdapterNotFound):
+        engine.adapter_manager.catalog.resolve("acme/c")
