@@ -10,7 +10,8 @@
 a name the key may not see, or that names nothing, is the same 404, so these routes reveal no
 more than generation does. The ids are exactly those a generation request for the same input
 sends to the engine: the prompt as /v1/completions tokenizes it, the messages through the chat
-template as /v1/chat/completions renders them (`chat.chat_prompt`). The served base's tokenizer
+template as /v1/chat/completions renders them (`chat.chat_prompt`, `tools` included, checked by
+the chat endpoint's rule: `tool_calls.plan_tools`). The served base's tokenizer
 and template serve every adapter of it (an adapter carries no tokenizer of its own), so the
 model is resolved for its answer, not for a different tokenizer.
 
@@ -32,6 +33,7 @@ from loraserve.server.errors import APIError
 from loraserve.server.protocol import ChatMessage, JSONBodyRoute, Refused, StrictBody, _refused_field
 from loraserve.server.request_log import current_record
 from loraserve.server.tenancy import principal_of
+from loraserve.server.tool_calls import plan_tools
 
 # add_special_tokens: loraserve's generation never adds BOS/EOS around a prompt (the tokenizer's
 # `encode`; a chat template writes its own), so only the value that asks for that is accepted
@@ -49,12 +51,12 @@ class TokenizeRequest(StrictBody):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: Any = None  # checked as chat's (tool_calls.plan_tools)
     # refused (REFUSED): declared so that the 400 says why
     add_special_tokens: Any = None
     continue_final_message: Any = None
     chat_template: Any = None
     chat_template_kwargs: Any = None
-    tools: Any = None
     mm_processor_kwargs: Any = None
 
     REFUSED: ClassVar[dict[str, Refused]] = {
@@ -63,8 +65,6 @@ class TokenizeRequest(StrictBody):
                                           "chat endpoint does; only false", lambda v: v is False),
         "chat_template": Refused("the served base's chat template is the only one"),
         "chat_template_kwargs": Refused("the chat template takes no extra variables"),
-        "tools": Refused("tool definitions are not rendered into the prompt here; only []",
-                         lambda v: v == []),
         "mm_processor_kwargs": Refused("the served models take text only"),
     }
 
@@ -86,9 +86,14 @@ def _input(req: TokenizeRequest, engine: sv.Engine) -> list[int]:
                        "`messages` (as /v1/chat/completions takes them)",
                        param="prompt" if req.prompt is None else "messages")
     if req.prompt is not None:
+        if req.tools:
+            raise APIError(400, "tools are rendered by the chat template: send `messages`",
+                           param="tools")
         return normalize_prompts(req.prompt, engine.tokenizer, engine.vocab_size, False,
                                  engine.max_model_len)[0].token_ids
-    return chat_prompt(req, engine.tokenizer, engine.max_model_len).token_ids  # type: ignore[arg-type]
+    tools = plan_tools(req.tools, None, None, engine.tokenizer.chat_template)
+    return chat_prompt(req, engine.tokenizer, engine.max_model_len,
+                       None if tools is None else tools.tools).token_ids
 
 
 def tokenize(req: TokenizeRequest, engine: sv.Engine) -> dict[str, Any]:

@@ -89,6 +89,41 @@ def test_accepted_defaults(http: httpx.Client) -> None:
     assert r.status_code == 200 and r.json()["tokens"] == [88]
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tools_follow_the_chat_endpoints_rule(http: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "x"}]
+    on_prompt = http.post("/tokenize", json={"prompt": "x", "tools": [TOOL]})
+    assert on_prompt.status_code == 400 and on_prompt.json()["error"]["param"] == "tools"
+    # the fake's template renders no tools: the chat endpoint's 400, word for word
+    tok = http.post("/tokenize", json={"messages": messages, "tools": [TOOL]})
+    chat = http.post("/v1/chat/completions", json={"model": "fake-base", "messages": messages,
+                                                   "tools": [TOOL]})
+    assert tok.status_code == chat.status_code == 400
+    assert tok.json()["error"] == chat.json()["error"]
+
+
+def test_tools_are_rendered_as_chat_renders_them(demo_dense) -> None:
+    """With the demo base's real tokenizer (Qwen3's template, which renders tools), /tokenize's
+    ids are the chat endpoint's prompt ids, tools included."""
+    from loraserve.server.chat import CHAT_COMPLETIONS
+    from loraserve.server.protocol import ChatCompletionRequest
+    from loraserve.server.tokenize import TokenizeRequest, tokenize
+    from loraserve.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(demo_dense)
+    engine = FakeEngine(max_model_len=4096, vocab_size=tokenizer.vocab_size, tokenizer=tokenizer)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    with_tools = tokenize(TokenizeRequest(messages=messages, tools=[TOOL]), engine)["tokens"]
+    without = tokenize(TokenizeRequest(messages=messages), engine)["tokens"]
+    chat = CHAT_COMPLETIONS.plan(ChatCompletionRequest(model="qwen3", messages=messages,
+                                                       tools=[TOOL], max_tokens=8), engine)
+    assert with_tools == chat.prompts[0].token_ids
+    assert len(with_tools) > len(without)  # the tool's definition is in the prompt
+
+
 def test_bad_ids_and_long_text_are_400(http: httpx.Client, engine: FakeEngine) -> None:
     r = http.post("/detokenize", json={"tokens": [1, 100]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
