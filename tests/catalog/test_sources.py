@@ -64,6 +64,9 @@ def test_s3_fetch_imports_the_same_blob_as_a_local_import(s3, catalog, dense_bas
     rec = fetch(sources, catalog, "acme/support", dense_base)
     assert rec.source == "s3://adapters/prod/acme/support"
     assert catalog.resolve("acme/support") == rec
+    again = sources.fetch("acme/support", importer(catalog, "acme/support", dense_base, BaseInfo.from_dir(dense_base)),
+                          only=0)  # the same files again: the same revision (the header keeps the URI, not a temp dir)
+    assert again.revision == rec.revision
     with Catalog.create(tmp_path / "local", shards=2) as local:
         ref = import_peft(local, "acme/support", peft_dir, dense_base)
     fetched, imported = (load_revision(bytearray(c.read_blob(r))) for c, r in ((catalog, rec), (local, ref)))
@@ -204,3 +207,27 @@ def test_hub_corrupt_file_is_refused(hub, catalog, dense_base, tmp_path, monkeyp
         fetch(sources, catalog, "acme/corrupt", dense_base)
     with pytest.raises(AdapterNotFound):
         catalog.resolve("acme/corrupt")
+
+
+def test_hub_offline_serves_from_its_cache_and_checks_it(hub, dense_base, tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE (read by huggingface_hub at import: set here on its constants): the cache a
+    first fetch filled (the Hub's layout: blobs named by ETag, snapshots linking to them) serves
+    alone, each file checked against its blob name; an uncached repo is a 503, not a 404."""
+    from huggingface_hub import constants
+    sources = hub_sources(hub, tmp_path, monkeypatch)
+    with Catalog.create(tmp_path / "first", shards=2) as first:
+        fetch(sources, first, "acme/support", dense_base)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    asked = len(hub.requests)
+    with Catalog.create(tmp_path / "offline", shards=2) as offline:
+        offline_sources = hub_sources(hub, tmp_path, monkeypatch)
+        assert fetch(offline_sources, offline, "acme/support", dense_base).source == "hf://acme/support"
+        with pytest.raises(SourceUnavailable):
+            fetch(offline_sources, offline, "acme/never-cached", dense_base)
+        assert len(hub.requests) == asked
+        blob = next((tmp_path / "hf-cache").glob("models--acme--support/blobs/*"))
+        data = bytearray(blob.read_bytes())
+        data[-1] ^= 1
+        blob.write_bytes(bytes(data))
+        with pytest.raises(ExportError, match="checksum mismatch"):
+            fetch(hub_sources(hub, tmp_path, monkeypatch), offline, "acme/support", dense_base)
