@@ -79,19 +79,20 @@ def record_alias(catalog: Catalog, alias: str, adapter_id: str, revision: str) -
     validate_adapter_id(adapter_id)
     validate_revision(revision)
     ref = catalog.resolve(adapter_id, revision).ref  # a tag resolves to its revision id
-    value = json.dumps({"alias": alias, "ref": ref}, separators=(",", ":")).encode()
-
-    def write(txn, dbs) -> str:
-        raw = txn.get(_key(alias), db=dbs.meta)
-        if raw is not None:
-            held = json.loads(bytes(raw)).get("ref")
-            if held != ref:
-                raise AliasConflict(f"alias {alias!r} already names {held}, not {ref}")
-            return ref
-        txn.put(_key(alias), value, db=dbs.meta)
-        return ref
-
+    # a module-level body, so an IsolatedCatalog's shard host can run it (it pickles the call)
+    write = functools.partial(_write_alias, alias=alias, ref=ref)
     return catalog.shard(shard_of(alias, catalog.shards)).write(write)
+
+
+def _write_alias(txn, dbs, alias: str, ref: str) -> str:
+    raw = txn.get(_key(alias), db=dbs.meta)
+    if raw is not None:
+        held = json.loads(bytes(raw)).get("ref")
+        if held != ref:
+            raise AliasConflict(f"alias {alias!r} already names {held}, not {ref}")
+        return ref
+    txn.put(_key(alias), json.dumps({"alias": alias, "ref": ref}, separators=(",", ":")).encode(), db=dbs.meta)
+    return ref
 
 
 def check_alias_free(catalog: Catalog, alias: str, adapter_id: str) -> None:

@@ -9,7 +9,7 @@ threads (pager workers decoding at once, the catalog's readers); `lock=False` is
 by one thread or event loop, where a lock is pure cost.
 
 Users: `catalog.store.ResolveCache`, `catalog.layout` (the checked layouts),
-`engine.client.warm_refs.WarmRefs`, `server.tinker_state.Recent`. The CPU cache
+`engine.client.warm_refs.WarmRefs`, `server.tinker.state.Recent`. The CPU cache
 (`adapters.cpu_cache.CpuCache`) is bounded by bytes, not entries, and counts hits, misses,
 evictions and rejections under the same lock: it keeps its own policy.
 

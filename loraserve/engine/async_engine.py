@@ -21,7 +21,9 @@ from .core.engine_loop import EngineLoop
 from .client.frontend import EngineFrontend
 from .client.sourcing import Sourcing
 from .core.llm_engine import LLMEngine
+from .core.training import trainer_of
 from .snapshot import EngineSnapshot
+from .training import Trainer
 from .types import GenerateRequest, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ class AsyncEngine(EngineFrontend):
         self._stop = threading.Event()
         self._loop_state = EngineLoop(engine)  # engine thread only
         engine.set_notify(lambda: self._cmds.put(("wake", None)))
+        self.trainer = Trainer(self._train, engine.cfg.train_max_tokens)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> AsyncEngine:
@@ -105,6 +108,10 @@ class AsyncEngine(EngineFrontend):
         fut: Future = Future()
         self._cmds.put(("call", (fn, fut)))
         return await asyncio.wrap_future(fut)
+
+    async def _train(self, op: str, args: list):
+        """One training operation on the engine thread, between two steps (engine/training.py)."""
+        return await self.call(lambda eng: trainer_of(eng).handle(op, args))
 
     async def unload_adapter(self, adapter_id: str) -> int:
         """Evict adapter_id's idle revisions from the device pool and the CPU tier (catalog

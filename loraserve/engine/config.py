@@ -28,6 +28,12 @@ class EngineConfig:
         "help": "prompt + output tokens per sequence"})
     max_batched_tokens: int = field(default=4096, metadata={
         "help": "tokens one prefill step computes; longer prompts are prefilled in chunks"})
+    train_state_dir: str | None = field(default=None, metadata={
+        "help": "where Tinker save_weights writes training state (factors, Adam moments)",
+        "default": "a new temporary directory"})
+    train_max_tokens: int = field(default=512, metadata={
+        "help": "tokens of a training pass (Tinker forward/forward_backward) run between two "
+                "decode steps: the most a training step holds serving back"})
     block_size: int = field(default=16, metadata={"help": "KV cache tokens per block"})
     kv_cache_mb: int | None = field(default=None, metadata={
         "help": "KV cache size in MiB",
@@ -132,7 +138,7 @@ class EngineConfig:
             raise ValueError("max_waiting must be >= 0")
         for name in ("max_batch_size", "max_model_len", "max_batched_tokens", "block_size",
                      "max_gpu_adapters", "max_lora_rank", "cpu_cache_mb", "max_adapter_mb", "pager_workers",
-                     "pager_batch", "max_request_bytes", "max_seqs_per_request"):
+                     "pager_batch", "max_request_bytes", "max_seqs_per_request", "train_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.shutdown_timeout < 0:

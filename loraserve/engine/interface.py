@@ -21,6 +21,9 @@ Optional, explicit:
                                                                 --adapter-source / --catalog-store
     describe_adapter(id), unload_adapter(id)                    only with an adapter_manager
     core_pid: int | None, supervision() -> dict | None          the engine-core process, None in process
+    trainer: Trainer | None                                     training runs on the resident base
+                                                                (engine/training.py); None: this
+                                                                hosting does not train (Ray replicas)
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from .snapshot import EngineSnapshot
+from .training import Trainer
 from .types import EngineError, GenerateRequest, RequestOutput, ResolvedModel
 
 
@@ -42,6 +46,7 @@ class EngineInterface(Protocol):
     ready: bool
     snapshot: EngineSnapshot | None
     core_pid: int | None
+    trainer: Trainer | None
 
     async def resolve(self, model: str, principal: Any) -> ResolvedModel: ...
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]: ...

@@ -86,6 +86,7 @@ class RayEngineFrontend:
         return bool(self.board.live())
 
     core_pid = None  # engines run in replicas: no engine-core process of this one
+    trainer = None  # training runs beside one resident base; not across replicas (yet)
 
     def supervision(self) -> dict | None:
         """Replicas are Ray Serve's to supervise: None."""

@@ -80,6 +80,7 @@ class FakeEngine:
     ready = True
     snapshot = None
     core_pid = None
+    trainer = None
 
     def unavailable(self) -> EngineError:
         return EngineError("the fake engine is not ready", status=503, code="engine_unavailable")

@@ -220,11 +220,10 @@ def test_unknown_adapter_fails_within_seconds(service: mint.ServiceClient) -> No
     assert time.monotonic() - start < 10
 
 
-def test_training_fails_at_once_with_a_clear_message(service: mint.ServiceClient) -> None:
-    start = time.monotonic()
-    with pytest.raises(tinker.BadRequestError, match="only samples"):
-        service.create_lora_training_client(base_model="qwen3")
-    assert time.monotonic() - start < 10
+def test_unsupported_routes_fail_at_once_with_a_clear_message(server: Server) -> None:
+    with server.http("user") as http:
+        r = http.get("/api/v1/training_runs/run-x/checkpoints/sampler_weights/c/archive")
+    assert r.status_code == 400 and "not supported by this server" in r.json()["error"]["message"]
 
 
 def test_keys_wrong_refused_right_works_tenants_apply(server: Server) -> None:

@@ -13,9 +13,9 @@ from loraserve.server.errors import APIError
 from loraserve.server.metrics import ServerMetrics
 from loraserve.server.names import canonical_model
 from loraserve.server.tenancy import Tenancy, TenancyConfig
-from loraserve.server.tinker_sampling import (SampleBody, SequenceAborted, SequenceOutput,
+from loraserve.server.tinker.sampling import (SampleBody, SequenceAborted, SequenceOutput,
                                               failure, plan_sample, sample_response)
-from loraserve.server.tinker_state import Future, FutureStore, Recent
+from loraserve.server.tinker.state import Future, FutureStore, Recent
 from loraserve.server.tokens import TokenIssuer
 
 from .fake_engine import FakeEngine

@@ -49,6 +49,7 @@ from ..directory import AdapterDirectory
 from .frontend import EngineFrontend
 from ..heartbeat import HEARTBEAT_S, Heartbeat, heartbeat_slots
 from ..snapshot import EngineSnapshot
+from ..training import Trainer
 from ..types import EngineError, GenerateRequest
 from ..wire import (error_from_wire, output_from_wire, pack, request_to_wire, snapshot_from_wire,
                    unpacker)
@@ -132,6 +133,8 @@ class CoreClient(EngineFrontend):
         self.heartbeat_s = heartbeat_s if heartbeat_s is not None else min(HEARTBEAT_S,
                                                                            engine_timeout_s / 4)
         self.backoff = backoff or Backoff()
+        # training runs live in the core, beside the model: lost with it when the core restarts
+        self.trainer = Trainer(lambda op, args: self.call("train", [op, args]), cfg.train_max_tokens)
         self.restarts = 0
         self.restart_causes = dict.fromkeys(CAUSES, 0)
         self.state = "stopped"  # starting | up | down (a backoff before the next start) | stopped

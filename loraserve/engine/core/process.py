@@ -42,6 +42,7 @@ from ..config import EngineConfig
 from .engine_loop import EngineLoop
 from ..heartbeat import ALIVE, HEARTBEAT_S, LOOP_WAITING, PROGRESS, Beat
 from .llm_engine import LLMEngine
+from .training import trainer_of
 from ..types import EngineError, GenerateRequest, RequestOutput
 from ..wire import (error_to_wire, output_to_wire, pack, request_from_wire, snapshot_to_wire,
                    unpacker)
@@ -247,6 +248,8 @@ class EngineCore:
         try:
             if name == "unload_adapter":
                 self._return(call_id, self.engine.unload_adapter(args[0]))
+            elif name == "train":  # a training operation (engine/training.py), between steps
+                self._return(call_id, trainer_of(self.engine).handle(args[0], args[1]))
             elif name == "residency":
                 self._return(call_id, [self._residency(tuple(k)) for k in args[0]])
             elif name == "warm":  # page into the CPU tier without blocking the loop

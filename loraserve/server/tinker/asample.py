@@ -1,7 +1,7 @@
 """A Tinker request against the app's state: which model a name pins, the sampling session a
 request names, and `asample`'s future (started, de-duplicated, answered) and its long poll.
 
-See tinker.py for the protocol; this module holds what its handlers do.
+See routes.py for the protocol; this module holds what its handlers do.
 """
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from fastapi import Request
 
 from loraserve.engine.types import ResolvedModel
 from loraserve.server import serving as sv
-from loraserve.server import tinker_sampling as ts
+from loraserve.server.tinker import sampling as ts
 from loraserve.server.errors import APIError, clip
 from loraserve.server.names import lookup_error
 from loraserve.server.streaming import start_all
 from loraserve.server.tenancy import admit, detach_leases, principal_of
-from loraserve.server.tinker_state import Future, FutureStore, SamplingSession, TinkerState
+from loraserve.server.tinker.state import Future, FutureStore, SamplingSession, TinkerState
 
 LONG_POLL_S = 30.0   # below the SDK's 45 s per retrieve_future call
 ADMIT_WAIT_S = 0.05  # how long asample waits for the engine to take (or refuse, 429) the work

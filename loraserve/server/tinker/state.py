@@ -10,13 +10,16 @@ Expired entries are dropped as the maps are used (no background sweeper).
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from loraserve.catalog.lru import BoundedLRU
+from loraserve.server.tinker.runs import RunRegistry
 from loraserve.server.tokens import TokenIssuer
 
 V = TypeVar("V")
@@ -170,3 +173,4 @@ class TinkerState:
         default_factory=lambda: Recent(100_000, 24 * 3600.0))
     futures: FutureStore = field(default_factory=FutureStore)
     tokens: TokenIssuer = field(default_factory=TokenIssuer)  # used on an app without tenancy
+    runs: RunRegistry = field(default_factory=lambda: RunRegistry(Path(tempfile.mkdtemp(prefix="loraserve-train-"))))

@@ -10,42 +10,46 @@ futures: `asample` answers a request id at once and `retrieve_future` long-polls
 - `asample` is de-duplicated on (sampling_session_id, seq_id), so a client retry never starts a
   second generation; over the engine's or the key's capacity it answers 429, which the SDK
   backs off from quietly.
-- `retrieve_future` holds the call up to LONG_POLL_S (tinker_asample.py), then answers try_again; 410 for an id
+- `retrieve_future` holds the call up to LONG_POLL_S (asample.py), then answers try_again; 410 for an id
   unknown, expired (answers are kept FutureStore.keep_s after they finish) or another key's.
-- Training routes answer 400 with a JSON body saying this server only samples (never a 5xx,
-  which the SDK would retry for minutes).
+- Training (create_model, forward_backward, optim_step, save_weights_for_sampler, ...) is
+  training.py's. Routes of the SDK this server lacks answer 400 with a JSON body saying so
+  (never a 5xx, which the SDK would retry for minutes).
 Names: `tinker://tenant/name[@rev]` and catalog aliases (names.py). Auth, tenants, limits and
-metrics apply as on /v1. State lives on the event loop (tinker_state.py).
+metrics apply as on /v1. State lives on the event loop (state.py).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import tempfile
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 
 from loraserve.keys import KeyStore
-from loraserve.server import tinker_asample as ta
-from loraserve.server import tinker_sampling as ts
+from loraserve.server.tinker import asample as ta
+from loraserve.server.tinker import sampling as ts
 from loraserve.server.errors import APIError, clip
 from loraserve.server.protocol import JSONBodyRoute
 from loraserve.server.tenancy import principal_of
-from loraserve.server.tinker_state import SamplingSession, TinkerState
+from loraserve.server.tinker.runs import RunRegistry
+from loraserve.server.tinker.state import SamplingSession, TinkerState
+from loraserve.server.tinker.training import training_routes
 
 PREFIX = "/api/v1"
 # what the SDK reads at ServiceClient(): JWT login (so `sk-` keys work), plain REST over httpx
 CLIENT_CONFIG = {"pjwt_auth_enabled": True, "credential_default_source": "api_key",
                  "grpc_target": None, "enable_grpc_retrieve_future": False,
                  "use_pyqwest_transport": False, "sample_no_retries": False}
-TRAINING_ROUTES = ("/create_model", "/forward", "/forward_backward", "/optim_step",
-                   "/save_weights", "/save_weights_for_sampler", "/load_weights",
-                   "/unload_model", "/get_info", "/weights_info", "/audit",
-                   "/training_runs", "/training_runs/{rest:path}", "/checkpoints",
-                   "/checkpoints/{rest:path}", "/sessions", "/sessions/{rest:path}",
-                   "/mint/forward_backward_reverse_kl", "/mint/checkpoints/interpolate")
+# routes of the SDK this server does not have (checkpoint archives and publishing, sessions and
+# audit listings, MinT's extra losses): a 400 saying so, never a 5xx the SDK would retry
+UNSUPPORTED_ROUTES = ("/audit", "/checkpoints", "/checkpoints/{rest:path}", "/sessions",
+                      "/sessions/{rest:path}", "/training_runs/{model_id}/checkpoints/{rest:path}",
+                      "/mint/forward_backward_reverse_kl", "/mint/checkpoints/interpolate")
 
 
 class Lenient(BaseModel):
@@ -76,9 +80,9 @@ def tinker_router() -> APIRouter:
     router = APIRouter(prefix=PREFIX, route_class=JSONBodyRoute, include_in_schema=False)
     _login_routes(router)
     _sampling_routes(router)
-    for path in TRAINING_ROUTES:
-        router.add_api_route(path, training_only,
-                             methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    training_routes(router)
+    for path in UNSUPPORTED_ROUTES:
+        router.add_api_route(path, unsupported, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     return router
 
 
@@ -123,11 +127,11 @@ def _login_routes(router: APIRouter) -> None:
                                       "max_context_length": engine.max_model_len}]}
 
 
-async def training_only(request: Request) -> None:
-    raise APIError(400, f"{clip(request.url.path)} is training-only; this server (loraserve) "
-                   "only samples: use ServiceClient().create_sampling_client(model_path="
-                   "'tinker://tenant/name') with an adapter imported into its catalog",
-                   code="training_not_supported")
+async def unsupported(request: Request) -> None:
+    raise APIError(400, f"{clip(request.url.path)} is not supported by this server (loraserve): "
+                   "it trains (create_model, forward_backward, optim_step, save_weights*, "
+                   "load_weights, training_runs) and samples, nothing more",
+                   code="not_supported")
 
 
 def _sampling_routes(router: APIRouter) -> None:
@@ -175,7 +179,9 @@ def _sampling_routes(router: APIRouter) -> None:
 def install_tinker(app: FastAPI) -> TinkerState:
     """Serve the Tinker SDK routes on `app` (built by build_app: `app.state.ctx` set); futures
     still running when the app stops end with an error answer."""
-    state = TinkerState()
+    config = app.state.ctx.engine.config  # None: a test double without one
+    state_dir = getattr(config, "train_state_dir", None) or tempfile.mkdtemp(prefix="loraserve-train-")
+    state = TinkerState(runs=RunRegistry(Path(state_dir)))
     app.state.tinker = state
     app.include_router(tinker_router())
     lifespan = app.router.lifespan_context

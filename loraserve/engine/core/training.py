@@ -1,0 +1,148 @@
+"""Training runs in the engine core: LoRA factors on the engine's own model, between decode steps.
+
+`TrainerCore` lives beside the `LLMEngine` and is only touched on the engine's owner thread
+(the engine thread in process, the core's main thread in the engine-core process), so a training
+slice and a decode step never run at once and the model needs no lock. Each call is one bounded
+piece of work: `advance` runs a pass's datums up to the per-call token budget
+(`EngineConfig.train_max_tokens`) and returns, and the owner thread runs a decode step before the
+next slice, so serving keeps going while a run trains (engine/training.py drives the slices).
+
+Every argument and result is plain data (lists, dicts, bytes): the same calls travel over the
+engine-core socket (`call("train", [op, args])`) as they run in process. Errors the caller made
+are EngineError 400 (`training_error`); a run id this core does not hold is a 404.
+"""
+from __future__ import annotations
+
+import json
+import struct
+import weakref
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from ...catalog.layout import save_revision
+from ...train.config import RunConfig, TrainingError
+from ...train.run import AdamParams, Datum, Pass, TrainingRun
+from ..types import EngineError
+from .llm_engine import LLMEngine
+
+_CORES: weakref.WeakKeyDictionary[LLMEngine, TrainerCore] = weakref.WeakKeyDictionary()
+
+
+def trainer_of(engine: LLMEngine) -> TrainerCore:
+    """The engine's TrainerCore (made on first use: an engine that never trains holds none)."""
+    core = _CORES.get(engine)
+    if core is None:
+        core = _CORES[engine] = TrainerCore(engine)
+    return core
+
+
+def _refused(exc: Exception) -> EngineError:
+    return EngineError(str(exc), status=400, code="training_error")
+
+
+class TrainerCore:
+    """The engine's training runs and their passes in progress, by id (owner thread only)."""
+
+    OPS = ("create", "begin", "advance", "optim_step", "sampler_blob", "state_blob", "load_state", "drop")
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.runs: dict[str, TrainingRun] = {}
+        self.passes: dict[str, Pass] = {}
+
+    def handle(self, op: str, args: list) -> Any:
+        """Run one operation; TrainingError / ValueError become a 400 EngineError."""
+        if op not in self.OPS:
+            raise EngineError(f"unknown training operation {op!r}", status=400, code="training_error")
+        try:
+            return getattr(self, op)(*args)
+        except (TrainingError, ValueError) as exc:
+            raise _refused(exc) from exc
+
+    def _run(self, run_id: str) -> TrainingRun:
+        run = self.runs.get(run_id)
+        if run is None:
+            raise EngineError(f"training run {run_id!r} is not loaded on this engine (unloaded, or "
+                              "the server restarted)", status=404, code="model_not_found")
+        return run
+
+    def create(self, run_id: str, config: dict) -> dict:
+        """A new run with fresh factors; refused when the serving pool could not serve its
+        revisions (rank or targets beyond what it holds), so every save is servable."""
+        cfg = RunConfig(**config)
+        run = TrainingRun(self.engine.model, cfg)
+        mgr = self.engine.adapters
+        if mgr is not None:
+            mgr.pool.check_admissible(cfg.rank, run.factors.kinds)
+        self.runs[run_id] = run
+        return {"kinds": run.factors.kinds, "trainable": sum(p.numel() for p in run.factors.parameters())}
+
+    def begin(self, run_id: str, pass_id: str, data: list, loss: str, loss_config: dict | None,
+              backward: bool) -> None:
+        """Check a pass (datums as [tokens, {input: values}]) and hold it for `advance`."""
+        device = self.engine.device
+        datums = [Datum(torch.tensor(tokens, dtype=torch.long, device=device),
+                        {k: torch.tensor(v, dtype=torch.long if k == "target_tokens" else torch.float32,
+                                         device=device) for k, v in inputs.items()})
+                  for tokens, inputs in data]
+        self.passes[pass_id] = self._run(run_id).start(datums, loss, loss_config, backward=backward)
+
+    def advance(self, pass_id: str, max_tokens: int) -> dict | None:
+        """Run one slice of the pass; its result (outputs as lists, metrics) once the last ran.
+        A failure ends the pass (its gradients never reach the run)."""
+        p = self.passes.get(pass_id)
+        if p is None:
+            raise EngineError(f"no training pass {pass_id!r}", status=404, code="not_found")
+        if self.engine.runner.lora is not None:  # the wrappers add nothing during a training forward
+            self.engine.runner.lora.set_slots([])
+        try:
+            result = p.finish() if p.advance(max_tokens) else None
+        except BaseException:  # a failed slice fails the whole pass: its gradients never count
+            del self.passes[pass_id]
+            raise
+        if result is None:
+            return None
+        del self.passes[pass_id]
+        return {"outputs": [{k: v.cpu().tolist() for k, v in out.items()} for out in result.outputs],
+                "metrics": result.metrics}
+
+    def optim_step(self, run_id: str, adam: dict) -> dict:
+        return self._run(run_id).optim_step(AdamParams(**adam))
+
+    def sampler_blob(self, run_id: str, source: str) -> bytes:
+        """The run's current factors as a catalog revision blob (serving layout, checked servable)."""
+        mgr = self.engine.adapters
+        if mgr is None:
+            raise EngineError("this server has no adapter catalog: start it with --catalog to save "
+                              "weights for sampling", status=400, code="training_error")
+        weights = self._run(run_id).factors.serving_weights(mgr.base_fingerprint, self.engine.dtype, source)
+        return save_revision(weights)
+
+    def state_blob(self, run_id: str) -> bytes:
+        """Training state (factors, Adam moments; step count in the metadata) as safetensors."""
+        run = self._run(run_id)
+        tensors = {k: v.detach().cpu().contiguous() for k, v in run.state_tensors().items()}
+        cfg = run.config
+        meta = {"steps": str(run.steps), "rank": str(cfg.rank), "alpha": str(cfg.alpha),
+                "train_attn": str(cfg.train_attn), "train_mlp": str(cfg.train_mlp),
+                "train_unembed": str(cfg.train_unembed)}
+        return safetensors.torch.save(tensors, metadata=meta)
+
+    def load_state(self, run_id: str, blob: bytes, optimizer: bool) -> None:
+        run = self._run(run_id)
+        tensors = safetensors.torch.load(bytes(blob))
+        steps = int(_metadata(blob).get("steps", "0"))
+        run.load_state({k: v.to(self.engine.device) for k, v in tensors.items()}, steps, optimizer=optimizer)
+
+    def drop(self, run_id: str) -> bool:
+        """Forget a run (and its passes); True if it was here."""
+        self.passes = {k: p for k, p in self.passes.items() if p.run is not self.runs.get(run_id)}
+        return self.runs.pop(run_id, None) is not None
+
+
+def _metadata(blob: bytes) -> dict[str, str]:
+    """A safetensors blob's `__metadata__` (its header: an 8-byte length, then JSON)."""
+    n = struct.unpack("<Q", bytes(blob[:8]))[0]
+    return json.loads(bytes(blob[8:8 + n])).get("__metadata__", {}) or {}

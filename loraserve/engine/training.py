@@ -1,0 +1,60 @@
+"""The engine's training part as the API side drives it, the same on every hosting that trains.
+
+`Trainer` sends `engine.core.training.TrainerCore` operations through the hosting's call channel
+(`call(op, args)`: the engine thread's command queue in process, the engine-core socket out of
+process). A forward or forward_backward is a pass of slices: each `advance` call runs at most
+`max_tokens` tokens of it on the engine's owner thread and returns, and the owner thread runs a
+decode step before it takes the next call, so one training step never holds serving back by more
+than one slice (`--train-max-tokens`). Passes of different runs interleave slice by slice.
+
+A hosting that cannot train has `trainer = None` (engine/interface.py), and the server refuses
+training routes there with a 400 that says so.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+Call = Callable[[str, list], Awaitable[Any]]  # (op, args) -> the op's result, on the owner thread
+
+
+class Trainer:
+    """Training runs on the engine's resident base, by run id (the API side names them)."""
+
+    def __init__(self, call: Call, max_tokens: int):
+        if max_tokens < 1:
+            raise ValueError(f"train_max_tokens must be >= 1, got {max_tokens}")
+        self._call = call
+        self.max_tokens = max_tokens
+        self._pass_ids = itertools.count()
+
+    async def create(self, run_id: str, config: dict) -> dict:
+        """A run with `config` (RunConfig's fields): {kinds, trainable}."""
+        return await self._call("create", [run_id, config])
+
+    async def run_pass(self, run_id: str, data: list, loss: str, loss_config: dict | None,
+                       backward: bool) -> dict:
+        """forward (backward=False) or forward_backward over `data` ([tokens, {input: values}]),
+        slice by slice: {outputs: [{logprobs, elementwise_loss}], metrics}."""
+        pass_id = f"{run_id}#{next(self._pass_ids)}"
+        await self._call("begin", [run_id, pass_id, data, loss, loss_config, backward])
+        while (result := await self._call("advance", [pass_id, self.max_tokens])) is None:
+            pass
+        return result
+
+    async def optim_step(self, run_id: str, adam: dict) -> dict:
+        return await self._call("optim_step", [run_id, adam])
+
+    async def sampler_blob(self, run_id: str, source: str) -> bytes:
+        """The run's factors as a catalog revision blob (the serving layout)."""
+        return await self._call("sampler_blob", [run_id, source])
+
+    async def state_blob(self, run_id: str) -> bytes:
+        return await self._call("state_blob", [run_id])
+
+    async def load_state(self, run_id: str, blob: bytes, optimizer: bool) -> None:
+        await self._call("load_state", [run_id, blob, optimizer])
+
+    async def drop(self, run_id: str) -> bool:
+        return await self._call("drop", [run_id])

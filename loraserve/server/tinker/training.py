@@ -1,0 +1,402 @@
+"""The Tinker SDK's training routes: runs on the served base, their futures and checkpoints.
+
+Every operation that touches a run answers a future at once (`{request_id, model_id}`) and runs
+on in the run's order (runs.RunRecord.chain); its answer comes through the same
+`retrieve_future` long poll as sampling's. The work itself is the engine's (`engine.trainer`,
+engine/training.py): the run's LoRA factors live beside the resident base, in the engine core.
+
+- `save_weights_for_sampler` writes the run's factors in the serving layout as a new catalog
+  revision of the run's adapter (`<tenant>/<run>@<name>`, promoted), records
+  `tinker://<run>/sampler_weights/<name>` as its alias and warms it: servable at once by `/v1`,
+  the OpenAI-compatible routes and the SDK's sampling clients. Without a name (the SDK's
+  `save_weights_and_get_sampling_client`) the revision is `s<n>` and the answer is a sampling
+  session pinned to it, so a sampler made before a later save keeps its revision.
+- `save_weights` / `load_weights`: training state (factors and Adam moments) in a file per
+  checkpoint under the state directory, named `tinker://<run>/weights/<name>`.
+- A hosting without a trainer (Ray replicas) answers every training route 400, saying so.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict
+
+from loraserve.catalog.aliases import record_alias
+from loraserve.server.errors import APIError, clip
+from loraserve.server.tenancy import principal_of
+from loraserve.server.tinker import asample as ta
+from loraserve.server.tinker import sampling as ts
+from loraserve.server.tinker.runs import (RunRecord, RunRegistry, checkpoint_name, parse_weights_path,
+                                          tenant_of)
+from loraserve.server.tinker.state import Future, SamplingSession
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class LoraConfigBody(Strict):
+    rank: int
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class CreateModelBody(Strict):
+    session_id: str
+    model_seq_id: int
+    base_model: str
+    user_metadata: dict[str, Any] | None = None
+    lora_config: LoraConfigBody | None = None
+    type: str = "create_model"
+
+
+class TensorBody(Strict):
+    data: list[float] | list[int]
+    dtype: str
+    shape: list[int] | None = None
+    sparse_crow_indices: list[int] | None = None
+    sparse_col_indices: list[int] | None = None
+
+
+class DatumBody(Strict):
+    model_input: ts.Prompt
+    loss_fn_inputs: dict[str, TensorBody] = {}
+
+
+class PassInput(Strict):
+    data: list[DatumBody]
+    loss_fn: str
+    loss_fn_config: dict[str, float] | None = None
+
+
+class ForwardBackwardBody(Strict):
+    forward_backward_input: PassInput
+    model_id: str
+    seq_id: int | None = None
+    type: str | None = None
+
+
+class ForwardBody(Strict):
+    forward_input: PassInput
+    model_id: str
+    seq_id: int | None = None
+    type: str | None = None
+
+
+class AdamBody(Strict):
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+class OptimStepBody(Strict):
+    adam_params: AdamBody
+    model_id: str
+    seq_id: int | None = None
+    type: str = "optim_step"
+
+
+class SaveBody(Strict):
+    model_id: str
+    path: str | None = None
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    sampling_session_seq_id: int | None = None
+    overwrite: bool = False
+    type: str | None = None
+
+
+class LoadBody(Strict):
+    model_id: str
+    path: str
+    optimizer: bool
+    seq_id: int | None = None
+    weights_access_token: str | None = None
+    type: str = "load_weights"
+
+
+class ModelBody(Strict):
+    model_id: str
+    type: str | None = None
+
+
+class WeightsInfoBody(Strict):
+    tinker_path: str
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+def registry(request: Request) -> RunRegistry:
+    return ta.state_of(request).runs
+
+
+def trainer(request: Request) -> Any:
+    """The engine's trainer; 400 on a hosting that has none."""
+    engine = ta.ctx_of(request).engine
+    if engine.trainer is None:
+        raise APIError(400, f"{clip(request.url.path)}: this server's hosting (Ray replicas, --replicas) "
+                       "does not train; serve with one engine (loraserve serve) to train",
+                       code="training_not_supported")
+    return engine.trainer
+
+
+def _run(request: Request, model_id: str) -> RunRecord:
+    trainer(request)
+    return registry(request).get(model_id, principal_of(request))
+
+
+def submit(request: Request, run: RunRecord, op: Callable[[], Awaitable[dict]]) -> dict:
+    """A future for `op`, run after the run's earlier operations; its answer or error body."""
+    state = ta.state_of(request)
+    if state.futures.pending >= state.futures.max_pending:
+        raise APIError(429, "too many requests in flight; retry later")
+    future = Future(ta.new_id("req"), ta.owner_of(request))
+    state.futures.add(future)
+
+    async def answer() -> None:
+        try:
+            body = await op()
+        except asyncio.CancelledError:
+            state.futures.finish(future, {"error": "the server stopped before this request "
+                                          "finished", "category": "server"})
+            raise
+        except Exception as exc:  # the SDK raises it as RequestFailedError
+            body = ts.failure(exc)
+        state.futures.finish(future, body)
+
+    future.task = run.chain(answer)
+    return {"request_id": future.request_id, "model_id": run.model_id}
+
+
+def tensor(name: str, body: TensorBody, n: int, i: int) -> list:
+    """A loss input as a flat list of `n` values; 400 unless it is a dense [n] tensor."""
+    if body.sparse_crow_indices is not None or (body.shape is not None and body.shape != [n]) \
+            or len(body.data) != n:
+        raise APIError(400, f"datum {i}: loss_fn_inputs.{name} must be a dense tensor of shape [{n}] "
+                       "(one value per model_input token)", param=f"data.{i}.loss_fn_inputs.{name}")
+    return body.data
+
+
+def datums(body: PassInput) -> list:
+    """The datums as the trainer takes them: [tokens, {input: values}]."""
+    out = []
+    for i, d in enumerate(body.data):
+        tokens = ts.prompt_ids(d.model_input)
+        out.append([tokens, {k: tensor(k, v, len(tokens), i) for k, v in d.loss_fn_inputs.items()}])
+    return out
+
+
+def pass_output(result: dict) -> dict:
+    """The SDK's ForwardBackwardOutput."""
+    outputs = [{k: {"data": v, "dtype": "float32", "shape": [len(v)]} for k, v in out.items()}
+               for out in result["outputs"]]
+    return {"loss_fn_output_type": "TorchLossReturn", "loss_fn_outputs": outputs,
+            "metrics": result["metrics"]}
+
+
+def _config(body: CreateModelBody) -> dict:
+    cfg = body.lora_config or LoraConfigBody(rank=32)  # the SDK's default rank
+    seed = cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(4), "little")
+    return {"rank": cfg.rank, "seed": seed, "train_attn": cfg.train_attn, "train_mlp": cfg.train_mlp,
+            "train_unembed": cfg.train_unembed}
+
+
+async def create_model(body: CreateModelBody, request: Request) -> dict:
+    """A new run on the served base (any other base_model: 404), in the key's tenant."""
+    engine, train = ta.ctx_of(request).engine, trainer(request)
+    if body.base_model not in (ta.base_model_name(engine), engine.model_name):
+        raise APIError(404, f"base model {clip(body.base_model)!r} is not served here; this server "
+                       f"trains LoRA on {ta.base_model_name(engine)!r}", code="model_not_found",
+                       param="base_model")
+    principal = principal_of(request)
+    meta = {str(k): str(v) for k, v in (body.user_metadata or {}).items()} or None
+    run = RunRecord(ta.new_id("run")[:20], ta.owner_of(request), tenant_of(principal),
+                    body.base_model, _config(body), meta)
+    runs = registry(request)
+    runs.add(run)  # 429 over the tenant's runs
+
+    async def create() -> dict:
+        try:
+            await train.create(run.model_id, run.config)
+        except BaseException:
+            runs.runs.pop(run.model_id, None)
+            raise
+        return {"model_id": run.model_id, "type": "create_model"}
+
+    return submit(request, run, create)
+
+
+async def run_pass(request: Request, model_id: str, body: PassInput, backward: bool) -> dict:
+    run, train = _run(request, model_id), trainer(request)
+    data = datums(body)  # 400s now, not in the future
+    if not data:
+        raise APIError(400, "data must hold at least one datum", param="data")
+
+    async def op() -> dict:
+        return pass_output(await train.run_pass(model_id, data, body.loss_fn, body.loss_fn_config, backward))
+
+    return submit(request, run, op)
+
+
+async def optim_step(body: OptimStepBody, request: Request) -> dict:
+    run, train = _run(request, body.model_id), trainer(request)
+
+    async def op() -> dict:
+        return {"metrics": await train.optim_step(run.model_id, body.adam_params.model_dump()),
+                "type": "optim_step"}
+
+    return submit(request, run, op)
+
+
+async def save_for_sampler(body: SaveBody, request: Request) -> dict:
+    """A new promoted revision of the run's adapter, warmed; named (with its tinker:// alias) or
+    `s<n>` with a sampling session pinned to it (save_weights_and_get_sampling_client)."""
+    run, train = _run(request, body.model_id), trainer(request)
+    engine = ta.ctx_of(request).engine
+    mgr = engine.adapter_manager
+    if mgr is None:
+        raise APIError(400, "this server has no adapter catalog: start it with --catalog to save "
+                       "weights for sampling", code="training_error")
+    name = checkpoint_name(body.path) if body.path is not None else None
+    state, owner = ta.state_of(request), ta.owner_of(request)
+
+    async def op() -> dict:
+        if name is None:
+            run.sampler_saves += 1
+        revision = name or f"s{run.sampler_saves}"
+        blob = await train.sampler_blob(run.model_id, f"tinker:{run.model_id}")
+        rec = await asyncio.to_thread(mgr.catalog.put_revision, run.adapter_id, blob, revision=revision,
+                                      promote=True, source=f"tinker:{run.model_id}")
+        entry = run.add_checkpoint("sampler", revision, len(blob))
+        if name is not None:
+            await asyncio.to_thread(record_alias, mgr.catalog, entry["tinker_path"], run.adapter_id, rec.revision)
+        await asyncio.to_thread(mgr.warm, rec.ref)  # the first sample needs no catalog read
+        if name is not None:
+            return {"path": entry["tinker_path"], "type": "save_weights_for_sampler"}
+        session = SamplingSession(ta.new_id("samp"), owner, rec.ref, entry["tinker_path"], None)
+        state.samplers.put(session.id, session)
+        return {"path": None, "sampling_session_id": session.id, "type": "save_weights_for_sampler"}
+
+    return submit(request, run, op)
+
+
+async def save_weights(body: SaveBody, request: Request) -> dict:
+    """Training state (factors, Adam moments) to `<state dir>/<tenant>/<run>/<name>.safetensors`."""
+    run, train = _run(request, body.model_id), trainer(request)
+    runs = registry(request)
+    name = checkpoint_name(body.path) if body.path is not None else None
+
+    async def op() -> dict:
+        label = name or f"{sum(c['checkpoint_type'] == 'training' for c in run.checkpoints) + 1:06d}"
+        target = runs.state_file(run.tenant, run.model_id, label)
+        if target.exists() and not body.overwrite and name is not None:
+            raise APIError(409, f"checkpoint {label!r} of {run.model_id} exists; pass overwrite=True",
+                           code="checkpoint_exists", param="path")
+        blob = await train.state_blob(run.model_id)
+        await asyncio.to_thread(_write_atomic, target, blob)
+        entry = run.add_checkpoint("training", label, len(blob))
+        return {"path": entry["tinker_path"], "type": "save_weights"}
+
+    return submit(request, run, op)
+
+
+def _write_atomic(path, blob: bytes) -> None:
+    """A checkpoint appears whole or not at all (a run killed mid-save keeps the last one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(blob)
+    os.replace(tmp, path)
+
+
+async def load_weights(body: LoadBody, request: Request) -> dict:
+    """Training state of a checkpoint this key's tenant saved (of any of its runs) into a run."""
+    run, train = _run(request, body.model_id), trainer(request)
+    source = registry(request).checkpoint_file(body.path, principal_of(request))
+
+    async def op() -> dict:
+        blob = await asyncio.to_thread(source.read_bytes)
+        await train.load_state(run.model_id, blob, body.optimizer)
+        return {"path": body.path, "type": "load_weights"}
+
+    return submit(request, run, op)
+
+
+async def unload_model(body: ModelBody, request: Request) -> dict:
+    run, train = _run(request, body.model_id), trainer(request)
+    runs = registry(request)
+
+    async def op() -> dict:
+        await train.drop(run.model_id)
+        runs.runs.pop(run.model_id, None)
+        return {"model_id": run.model_id, "type": "unload_model"}
+
+    return submit(request, run, op)
+
+
+async def get_info(body: ModelBody, request: Request) -> dict:
+    run = _run(request, body.model_id)
+    engine = ta.ctx_of(request).engine
+    name = ta.base_model_name(engine)
+    return {"type": "get_info", "model_id": run.model_id, "is_lora": True, "lora_rank": run.config["rank"],
+            "model_name": name, "model_data": {"arch": None, "model_name": name, "tokenizer_id": name}}
+
+
+async def weights_info(body: WeightsInfoBody, request: Request) -> dict:
+    trainer(request)
+    meta = registry(request).checkpoint_meta(body.tinker_path, principal_of(request))
+    flag = lambda k: meta.get(k) == "True"  # noqa: E731
+    return {"base_model": ta.base_model_name(ta.ctx_of(request).engine), "is_lora": True,
+            "lora_rank": int(meta["rank"]), "train_unembed": flag("train_unembed"),
+            "train_mlp": flag("train_mlp"), "train_attn": flag("train_attn")}
+
+
+def _owner_name(run: RunRecord) -> str:
+    return run.owner or "anonymous"
+
+
+async def list_runs(request: Request, limit: int = 20, offset: int = 0) -> dict:
+    trainer(request)
+    runs = registry(request).visible(principal_of(request))
+    page = runs[offset:offset + limit]
+    return {"training_runs": [r.describe(_owner_name(r)) for r in page],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)}}
+
+
+async def get_run(model_id: str, request: Request) -> dict:
+    run = _run(request, model_id)
+    return run.describe(_owner_name(run))
+
+
+async def list_checkpoints(model_id: str, request: Request) -> dict:
+    return {"checkpoints": _run(request, model_id).checkpoints, "cursor": None}
+
+
+def training_routes(router: APIRouter) -> None:
+    """Mount the training routes (before the catch-all of routes the server does not have)."""
+    router.add_api_route("/create_model", create_model, methods=["POST"])
+
+    async def forward_backward(body: ForwardBackwardBody, request: Request) -> dict:
+        return await run_pass(request, body.model_id, body.forward_backward_input, backward=True)
+
+    async def forward(body: ForwardBody, request: Request) -> dict:
+        return await run_pass(request, body.model_id, body.forward_input, backward=False)
+
+    router.add_api_route("/forward_backward", forward_backward, methods=["POST"])
+    router.add_api_route("/forward", forward, methods=["POST"])
+    for path, fn in (("/optim_step", optim_step), ("/save_weights_for_sampler", save_for_sampler),
+                     ("/save_weights", save_weights), ("/load_weights", load_weights),
+                     ("/unload_model", unload_model), ("/get_info", get_info),
+                     ("/weights_info", weights_info)):
+        router.add_api_route(path, fn, methods=["POST"])
+    router.add_api_route("/training_runs", list_runs, methods=["GET"])
+    router.add_api_route("/training_runs/{model_id}", get_run, methods=["GET"])
+    router.add_api_route("/training_runs/{model_id}/checkpoints", list_checkpoints, methods=["GET"])
