@@ -12,9 +12,9 @@ from typing import Callable
 from .base import BaseInfo
 from .bounds import check_servable
 from .dtypes import dtype_name
-from .errors import BaseMismatch, ExportError
+from .errors import AdapterNotFound, BaseMismatch, ExportError, RevisionNotFound
 from .export import check_finite, export_peft
-from .format import read_adapter_meta
+from .format import blob_checksum, read_adapter_meta
 from .ids import validate_adapter_id
 from .layout import load_revision, save_revision
 from .records import RevisionRecord
@@ -56,15 +56,26 @@ def adapter_blob(source: str | Path | AdapterSource, base: BaseInfo, dtype: str 
     raise ExportError(f"{source}: no such PEFT directory or adapter file")
 
 
+def promoted_if_equal(catalog: Catalog, adapter_id: str, blob: bytes) -> RevisionRecord | None:
+    """`adapter_id`'s promoted revision when it holds exactly `blob`, else None."""
+    try:
+        record = catalog.resolve(adapter_id)
+    except (AdapterNotFound, RevisionNotFound):
+        return None
+    return record if record.checksum == blob_checksum(blob) else None
+
+
 def import_peft(
     catalog: Catalog, adapter_id: str, peft_dir: str | Path | AdapterSource, model_dir: str | Path,
     revision: str | None = None, promote: bool = True, *, base: BaseInfo | None = None, dtype: str | None = None,
-    admit: Admit | None = None, source: str | None = None,
+    admit: Admit | None = None, source: str | None = None, keep_promoted: bool = False,
 ) -> RevisionRecord:
     """Export `peft_dir` against the base in `model_dir` and store it as a new revision of `adapter_id`.
 
     `admit(rank, targets)` runs after the export and before the write; if it raises, nothing is written.
-    `source`: the provenance the record keeps (default `peft:<dir name>`).
+    `source`: the provenance the record keeps (default `peft:<dir name>`). `keep_promoted`: when
+    the export is byte for byte the promoted revision (the same files imported again), that
+    revision is the answer and nothing is written.
     """
     validate_adapter_id(adapter_id)
     base = base or BaseInfo.from_dir(model_dir)
@@ -72,6 +83,8 @@ def import_peft(
     if admit is not None:
         meta = read_adapter_meta(blob)
         admit(meta["rank"], meta["targets"])
+    if keep_promoted and (same := promoted_if_equal(catalog, adapter_id, blob)) is not None:
+        return same
     if source is None:
         source = f"peft:{peft_dir.name if isinstance(peft_dir, AdapterSource) else Path(peft_dir).name}"
     return catalog.put_revision(adapter_id, blob, revision=revision, promote=promote, source=source)

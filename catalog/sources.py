@@ -198,8 +198,9 @@ class AdapterSources:
 def importer(catalog: Catalog, adapter_id: str, model_dir: str | Path, base: BaseInfo,
              admit: Admit | None = None) -> Callable[[AdapterSource, str], RevisionRecord]:
     """The `into` of `AdapterSources.fetch` that imports the fetched directory as a new, promoted
-    revision of `adapter_id` (checked against `base`, then `admit`), its record's source the URI."""
+    revision of `adapter_id` (checked against `base`, then `admit`), its record's source the URI;
+    the same files fetched again are the promoted revision, not a new one."""
     def into(peft_dir: AdapterSource, uri: str) -> RevisionRecord:
         return import_peft(catalog, adapter_id, peft_dir, model_dir, promote=True, base=base,
-                           admit=admit, source=uri)
+                           admit=admit, source=uri, keep_promoted=True)
     return into
