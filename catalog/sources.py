@@ -122,7 +122,7 @@ class LocalFetcher:
 class AdapterSources:
     """The configured sources, in order, with single flight and a short memory of misses."""
 
-    def __init__(self, templates: list[str], *, max_bytes: int, timeout_s: float = 30.0,
+    def __init__(self, templates: list[str], *, max_bytes: int, timeout_s: float = 10.0,
                  negative_ttl_s: float = 5.0, fetchers: dict[str, Fetcher] | None = None) -> None:
         self.templates = [Template(t) for t in templates]
         if not self.templates:
