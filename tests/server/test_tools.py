@@ -11,7 +11,7 @@ client against a live server on the random demo Qwen3 base and two adapters:
 - what is not honoured is a 400 naming the field.
 
 The random model never writes a tool call on its own, so `auto` is checked through the parser
-and the stream's hold-back in tests/server/test_tool_parsers.py.
+and the stream's hold-back in tests/server/test_tools_parsers.py.
 """
 from __future__ import annotations
 
@@ -191,6 +191,19 @@ def test_a_tool_conversation_renders_as_transformers_renders_it(hf_dense) -> Non
     assert ours == hf
     assert '"name": "get_weather"' in ours and "<tool_response>\nsunny\n</tool_response>" in ours
     assert ours.index("# Tools") < ours.index("<|im_start|>user")
+
+
+def test_a_tool_conversation_is_served(client: openai.OpenAI, base: str, hf_dense) -> None:
+    """The same conversation over HTTP: the prompt the engine got is the template's."""
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    r = client.chat.completions.create(model=base, messages=messages, tools=TOOLS, max_tokens=2,
+                                       tool_choice="none")
+    req = ChatCompletionRequest(model=base, messages=messages)
+    rendered = chat_prompt(req, Tokenizer.from_dir(hf_dense), tools=TOOLS)
+    assert r.usage.prompt_tokens == len(rendered.token_ids) and r.choices[0].message.tool_calls is None
 
 
 @pytest.mark.parametrize(("fields", "param", "code"), [
