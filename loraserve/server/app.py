@@ -311,11 +311,14 @@ def run_server(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
     """Serve `engine` with uvicorn until interrupted (draining on SIGTERM, see DrainingServer).
     `api_key` defaults to $LORASERVE_API_KEY; `connections` bounds the HTTP connections
     (default: ConnectionLimits(), `loraserve serve`'s defaults). With `log_format` "json"
-    uvicorn leaves logging as `request_log.configure_logging` set it, so its lines are JSON too."""
+    uvicorn leaves logging as `request_log.configure_logging` set it, so its lines are JSON too;
+    uvicorn's access lines are off (the app writes one line per request)."""
     app = build_app(engine, api_key=resolve_api_key(api_key), max_n=max_n, keys=keys,
                     metrics_key=metrics_key, audit_log=audit_log)
     uvicorn_logging = {"log_config": None} if log_format == "json" else {}
+    # each request's line is the app's own (server/request_log.py): uvicorn's access line, with
+    # less in it, would be a second line per request
     server = draining_server(app, host=host, port=port, log_level=log_level,
-                             connections=connections, **uvicorn_logging)
+                             connections=connections, access_log=False, **uvicorn_logging)
     settle_heap()  # start-up is over: freeze its heap, collect less often (loraserve.heap)
     server.run()

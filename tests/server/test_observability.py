@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -30,8 +31,15 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield live.url
 
 
-def _lines(caplog: pytest.LogCaptureFixture) -> list[dict]:
-    return [r.request for r in caplog.records if r.name == ACCESS]
+def _lines(caplog: pytest.LogCaptureFixture, count: int = 0) -> list[dict]:
+    """The access lines so far; with `count`, once that many are written (a line goes out as the
+    server finishes the response, which the client may have read whole a moment before)."""
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [r.request for r in caplog.records if r.name == ACCESS]
+        if len(lines) >= count or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.01)
 
 
 def test_the_clients_request_id_is_echoed_and_logged(http: httpx.Client,
@@ -41,7 +49,7 @@ def test_the_clients_request_id_is_echoed_and_logged(http: httpx.Client,
                   json={"model": "acme/support", "prompt": "Hi", "max_tokens": 3})
     assert r.status_code == 200
     assert r.headers["x-request-id"] == "trace-42"
-    [line] = _lines(caplog)
+    [line] = _lines(caplog, 1)
     assert line["request_id"] == "trace-42"
     assert line | {"ttft_s": 0, "total_s": 0} == {
         "request_id": "trace-42", "method": "POST", "path": "/v1/completions", "status": 200,
@@ -67,8 +75,8 @@ def test_a_stream_is_logged_once_when_it_ends(http: httpx.Client,
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.headers["x-request-id"]
         chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
-        assert not _lines(caplog) or len(chunks) > 1
-    [line] = _lines(caplog)
+        assert len(chunks) > 1
+    [line] = _lines(caplog, 1)
     assert (line["status"], line["adapter"], line["tenant"]) == (200, "fake-base", None)
     assert line["completion_tokens"] == 5
     assert line["request_id"] == r.headers["x-request-id"]
@@ -80,7 +88,7 @@ def test_refusals_are_logged_with_what_was_known(http: httpx.Client,
     missing = http.post("/v1/completions", json={"model": "acme/none", "prompt": "x"})
     bad = http.post("/tokenize", json={"model": "fake-base"})
     assert (missing.status_code, bad.status_code) == (404, 400)
-    first, second = _lines(caplog)
+    first, second = _lines(caplog, 2)
     assert (first["status"], first["model"], first["adapter"]) == (404, "acme/none", None)
     assert first["prompt_tokens"] is None and first["ttft_s"] is None
     assert (second["status"], second["path"], second["model"]) == (400, "/tokenize", "fake-base")
@@ -94,7 +102,7 @@ def test_a_401_is_logged_and_carries_the_id(keyed: str, caplog: pytest.LogCaptur
         ok = c.post("/v1/completions", headers={"Authorization": "Bearer acme-key"},
                     json={"model": "fake-base", "prompt": "x", "max_tokens": 1})
     assert (r.status_code, r.headers["x-request-id"]) == (401, "no-key")
-    first, second = _lines(caplog)
+    first, second = _lines(caplog, 2)
     assert (first["request_id"], first["status"], first["tenant"]) == ("no-key", 401, None)
     assert (second["status"], second["tenant"]) == (200, "acme")  # the key's home tenant
 
