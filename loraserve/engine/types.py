@@ -215,19 +215,36 @@ class GenerateRequest:
     def check(self, vocab_size: int, max_model_len: int) -> None:
         """The checks that need the model's sizes. Raises EngineError (400)."""
         ids, p = self.prompt_token_ids, self.params
-        if not ids:
-            raise EngineError("prompt must not be empty", param="prompt")
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise EngineError(f"token id {bad} is outside the vocabulary [0, {vocab_size})",
-                              param="prompt")
+        check_prompt_ids(ids, vocab_size, "prompt")
         if p.top_k > vocab_size:
             raise EngineError(f"top_k must be at most the vocabulary size {vocab_size}", param="top_k")
-        if len(ids) + p.max_tokens > max_model_len:
-            raise EngineError(
-                f"This model's maximum context length is {max_model_len} tokens. However, you "
-                f"requested {len(ids) + p.max_tokens} tokens ({len(ids)} in the prompt, "
-                f"{p.max_tokens} for the completion).", param="max_tokens")
+        check_context(len(ids), p.max_tokens, max_model_len, "max_tokens")
+
+
+# -- the request rules that need the model's sizes: one copy, for the API edge (server.serving,
+# which checks them before a request is built) and the engine (GenerateRequest.check, for an
+# in-process caller) ---------------------------------------------------------------------------
+def check_token_ids(ids, vocab_size: int, param: str) -> None:
+    """Every id inside the vocabulary [0, vocab_size). Raises EngineError (400) naming `param`."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise EngineError(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)
+
+
+def check_prompt_ids(ids, vocab_size: int, param: str) -> None:
+    """A prompt: non-empty, its ids inside the vocabulary."""
+    if not ids:
+        raise EngineError(f"{param} must not be empty", param=param)
+    check_token_ids(ids, vocab_size, param)
+
+
+def check_context(prompt_len: int, max_tokens: int, max_model_len: int, param: str) -> None:
+    """Prompt + completion within the context (vLLM's words and code)."""
+    if prompt_len + max_tokens > max_model_len:
+        raise EngineError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_tokens} for the completion).", param=param, code="context_length_exceeded")
 
 
 @dataclass(slots=True)
@@ -251,16 +268,28 @@ class RequestOutput:
     num_output_tokens: int = 0                  # cumulative
     adapter_revision: str | None = None         # the revision the request runs on
     error: Exception | None = None              # engine-internal: AsyncEngine raises it instead
+    # first delta only: where the revision was as the request reached the engine: "device" (in
+    # the pool), "cpu" (the CPU cache) or "catalog" (paged in from disk); None for the base
+    adapter_tier: str | None = None
+
+    @classmethod
+    def failed(cls, request_id: str, err: Exception, num_prompt_tokens: int = 0) -> RequestOutput:
+        """The last delta of a request that ends in `err` (finish reason "error")."""
+        return cls(request_id=request_id, token_ids=[], text="", finish_reason="error",
+                   num_prompt_tokens=num_prompt_tokens, error=err)
 
     def merged(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by `later`, as one delta (what a reader of both would have seen)."""
         logprobs = None if self.logprobs is None and later.logprobs is None else \
             (self.logprobs or []) + (later.logprobs or [])
-        return RequestOutput(self.request_id, self.token_ids + later.token_ids, self.text + later.text,
-                             logprobs, self.prompt_logprobs if self.prompt_logprobs is not None
-                             else later.prompt_logprobs, later.finish_reason, later.num_prompt_tokens,
-                             later.num_output_tokens, later.adapter_revision or self.adapter_revision,
-                             later.error)
+        return RequestOutput(  # the later delta's state, both deltas' tokens and text
+            request_id=self.request_id, token_ids=self.token_ids + later.token_ids,
+            text=self.text + later.text, logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+            finish_reason=later.finish_reason, num_prompt_tokens=later.num_prompt_tokens,
+            num_output_tokens=later.num_output_tokens,
+            adapter_revision=later.adapter_revision or self.adapter_revision, error=later.error,
+            adapter_tier=self.adapter_tier or later.adapter_tier)
 
 
 FIRST = object()  # a non-streamed request whose first delta is not out yet (`coalesce`)

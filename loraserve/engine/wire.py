@@ -16,8 +16,8 @@ A "step" message carries one engine step's deltas and, when it is due, the engin
 to back over a stream socket: a msgpack value delimits itself, so `unpacker()` splits the
 stream into messages with no framing of ours.
 
-A delta is a list (`output_to_wire`): request id, token ids (a list of ints), text, logprobs,
-prompt logprobs, finish reason, prompt and output token counts, adapter revision, error. From
+A delta is a list (`output_to_wire`): `RequestOutput`'s fields in their declared order (request
+id, token ids, text, logprobs, prompt logprobs, finish reason, ...), read from the dataclass. From
 the core its text is always "" (one byte): the API server's `OutputProcessor` detokenizes the
 token ids and applies stop strings; the same layout carries finished text deltas between Ray
 Serve replicas and their ingress.
@@ -27,6 +27,7 @@ The heartbeat does not travel on the socket: see `heartbeat` (two timestamps in 
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import msgpack
 
@@ -63,17 +64,18 @@ def request_to_wire(req: GenerateRequest, resolved: bool = False) -> dict:
          "adapter": req.adapter, "stream": req.stream, "tenant": req.tenant,
          "weight": req.tenant_weight}
     if resolved and req.resolved is not None:
-        r = req.resolved
-        d["resolved"] = [r.name, r.ref, r.tenant, None if r.record is None else r.record.to_json()]
+        r = req.resolved  # its key is the record's: it travels as the record
+        d["resolved"] = {"name": r.name, "ref": r.ref, "tenant": r.tenant,
+                         "record": None if r.record is None else r.record.to_json()}
     return d
 
 
 def request_from_wire(d: dict) -> GenerateRequest:
     resolved = None
     if (r := d.get("resolved")) is not None:
-        record = None if r[3] is None else RevisionRecord.from_json(r[3])
-        resolved = ResolvedModel(r[0], r[1], None if record is None else (record.adapter_id, record.revision),
-                                 record, r[2])
+        record = None if r["record"] is None else RevisionRecord.from_json(r["record"])
+        resolved = ResolvedModel(r["name"], r["ref"], tenant=r["tenant"], record=record,
+                                 adapter=None if record is None else (record.adapter_id, record.revision))
     return GenerateRequest(d["id"], d["prompt"], SamplingParams(**d["params"]), d["adapter"],
                            d["stream"], d["tenant"], d["weight"], resolved)
 
@@ -110,16 +112,33 @@ def _snake(name: str) -> str:
     return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
 
 
+# A delta's wire layout is RequestOutput's field order, read from the dataclass: one definition
+# of the record, and a field added there travels with no change here. Three fields need a codec
+# (logprob records, the error); the rest are msgpack values as they are.
+_OUT_FIELDS = tuple(f.name for f in dataclasses.fields(RequestOutput))
+_out_values = operator.attrgetter(*_OUT_FIELDS)  # the fields in wire order, in one C call
+_OUT_LOGPROBS = tuple(_OUT_FIELDS.index(name) for name in ("logprobs", "prompt_logprobs"))
+_OUT_ERROR = _OUT_FIELDS.index("error")
+
+
 def output_to_wire(out: RequestOutput) -> list:
-    return [out.request_id, out.token_ids, out.text, _logprobs_to_wire(out.logprobs),
-            _logprobs_to_wire(out.prompt_logprobs), out.finish_reason, out.num_prompt_tokens,
-            out.num_output_tokens, out.adapter_revision,
-            None if out.error is None else error_to_wire(out.error)]
+    o = list(_out_values(out))
+    for i in _OUT_LOGPROBS:
+        if o[i] is not None:
+            o[i] = _logprobs_to_wire(o[i])
+    if o[_OUT_ERROR] is not None:
+        o[_OUT_ERROR] = error_to_wire(o[_OUT_ERROR])
+    return o
 
 
 def output_from_wire(o: list) -> RequestOutput:
-    return RequestOutput(o[0], o[1], o[2], _logprobs_from_wire(o[3]), _logprobs_from_wire(o[4]),
-                         o[5], o[6], o[7], o[8], None if o[9] is None else error_from_wire(o[9]))
+    o = list(o)
+    for i in _OUT_LOGPROBS:
+        if o[i] is not None:
+            o[i] = _logprobs_from_wire(o[i])
+    if o[_OUT_ERROR] is not None:
+        o[_OUT_ERROR] = error_from_wire(o[_OUT_ERROR])
+    return RequestOutput(*o)  # positional in _OUT_FIELDS' order, which output_to_wire wrote
 
 
 def snapshot_to_wire(s: EngineSnapshot) -> dict:

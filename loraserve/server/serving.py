@@ -8,16 +8,18 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraserve.engine import types
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.interface import EngineInterface
 from loraserve.engine.core.structured import check_spec
 from loraserve.engine.types import (SEED_MAX, EngineError, GenerateRequest, GrammarSpec,
                                     ResolvedModel, SamplingParams)
-from loraserve.server.errors import APIError, clip
+from loraserve.server.errors import APIError, as_api_error, clip
 from loraserve.server.metrics import ServerMetrics
 from loraserve.server.names import lookup_error
 from loraserve.server.protocol import (CHARS_PER_TOKEN_MAX, InputLimits, SamplingFields,
@@ -180,23 +182,25 @@ def check_n(n: int, max_n: int) -> None:
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size})",
-                       param=param)
+    """engine.types.check_token_ids at the edge: an APIError (400 naming `param`)."""
+    with _as_api_error():
+        types.check_token_ids(ids, vocab_size, param)
 
 
 def check_prompt(prompt: Prompt, max_tokens: int, engine: Engine, param: str) -> None:
-    """Non-empty, ids inside the vocabulary, prompt + max_tokens within max_model_len (vLLM)."""
-    ids = prompt.token_ids
-    if not ids:
-        raise APIError(400, f"{param} must not be empty", param=param)
-    check_token_ids(ids, engine.vocab_size, param)
-    if len(ids) + max_tokens > engine.max_model_len:
-        raise APIError(400, f"This model's maximum context length is {engine.max_model_len} "
-                       f"tokens. However, you requested {len(ids) + max_tokens} tokens "
-                       f"({len(ids)} in the prompt, {max_tokens} for the completion).",
-                       param=param, code="context_length_exceeded")
+    """Non-empty, ids inside the vocabulary, prompt + max_tokens within max_model_len (vLLM):
+    the engine's own rules (engine.types), checked here before a request is built."""
+    with _as_api_error():
+        types.check_prompt_ids(prompt.token_ids, engine.vocab_size, param)
+        types.check_context(len(prompt.token_ids), max_tokens, engine.max_model_len, param)
+
+
+@contextmanager
+def _as_api_error() -> Iterator[None]:
+    try:
+        yield
+    except EngineError as exc:
+        raise as_api_error(exc) from None
 
 
 def check_max_tokens(max_tokens: int, minimum: int = 0) -> None:

@@ -167,7 +167,7 @@ class EngineFrontend(ABC):
     def _fail_in_flight(self, err: EngineError) -> None:
         """Event loop: end every request in flight with err (one clean error each)."""
         for rid in list(self._queues):
-            self._queues[rid].put_nowait(RequestOutput(rid, [], "", finish_reason="error", error=err))
+            self._queues[rid].put_nowait(RequestOutput.failed(rid, err))
 
     def _admit(self, tenant: str) -> None:
         """Count one more sequence in flight, or refuse it (429) when the queue is full.

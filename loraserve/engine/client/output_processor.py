@@ -19,6 +19,7 @@ the same outputs:
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ...tokenizer import IncrementalDetokenizer, Tokenizer
@@ -125,7 +126,6 @@ class OutputProcessor:
 def _truncated(out: RequestOutput, n: int) -> RequestOutput:
     """out with only its first n tokens (a stop string ended the request at the n-th)."""
     cut = len(out.token_ids) - n
-    return RequestOutput(out.request_id, out.token_ids[:n], "",
-                         None if out.logprobs is None else out.logprobs[:n], out.prompt_logprobs,
-                         out.finish_reason, out.num_prompt_tokens, out.num_output_tokens - cut,
-                         out.adapter_revision, out.error)
+    return dataclasses.replace(out, token_ids=out.token_ids[:n], text="",
+                               logprobs=None if out.logprobs is None else out.logprobs[:n],
+                               num_output_tokens=out.num_output_tokens - cut)

@@ -63,10 +63,10 @@ class TokenOutputs:
             prompt_logprobs=seq.prompt_logprobs if seq.num_emitted == 0 else None,
             finish_reason=seq.finish_reason, num_prompt_tokens=len(seq.prompt_ids),
             num_output_tokens=len(seq.output_ids),
-            adapter_revision=seq.adapter_key[1] if seq.adapter_key else None)
+            adapter_revision=seq.adapter_key[1] if seq.adapter_key else None,
+            adapter_tier=seq.adapter_tier if seq.num_emitted == 0 else None)
         seq.num_emitted = len(seq.output_ids)
         return out
 
     def error(self, seq: Sequence, err: Exception) -> RequestOutput:
-        return RequestOutput(seq.request_id, [], "", finish_reason="error",
-                             num_prompt_tokens=len(seq.prompt_ids), error=err)
+        return RequestOutput.failed(seq.request_id, err, len(seq.prompt_ids))

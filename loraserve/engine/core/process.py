@@ -210,8 +210,7 @@ class EngineCore:
         try:  # a grammar that does not compile (structured output): that request alone fails
             seq = self.engine.make_sequence(req, record)
         except EngineError as exc:
-            return [RequestOutput(req.request_id, [], "", finish_reason="error",
-                                  num_prompt_tokens=len(req.prompt_token_ids), error=exc)]
+            return [RequestOutput.failed(req.request_id, exc, len(req.prompt_token_ids))]
         return self.loop.add(seq, req.stream)
 
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -229,9 +228,7 @@ class EngineCore:
             if error is None:
                 outs.extend(self._admit(req, record_json))
             else:
-                outs.append(RequestOutput(request_id, [], "", finish_reason="error",
-                                          num_prompt_tokens=len(req.prompt_token_ids),
-                                          error=error))
+                outs.append(RequestOutput.failed(request_id, error, len(req.prompt_token_ids)))
         return outs
 
     def _info(self) -> dict:
