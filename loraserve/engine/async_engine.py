@@ -142,6 +142,8 @@ class AsyncEngine(EngineFrontend):
             outs: list[RequestOutput] = []
             while cmd is not None:
                 outs.extend(self._apply(cmd))
+                if cmd[0] == "call":  # a call is a slice of work of its own (a training slice:
+                    break             # engine/training.py): a step runs before the next command
                 try:
                     cmd = self._cmds.get_nowait()
                 except queue.Empty:

@@ -1,0 +1,107 @@
+"""engine.trainer on both hostings that train: in process (AsyncEngine) a pass runs in slices of
+train_max_tokens with decode steps between them, so a streamed generation keeps producing while
+it trains; in the engine-core process (CoreClient) the same operations travel over the socket
+and give the same numbers as in process."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from loraserve.engine.async_engine import AsyncEngine
+from loraserve.engine.client.core_client import CoreClient
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.core.training import trainer_of
+from loraserve.engine.types import EngineError, GenerateRequest, SamplingParams
+
+RUN = {"rank": 4, "seed": 0, "train_attn": True, "train_mlp": True, "train_unembed": True}
+ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+        "grad_clip_norm": 0.0}
+
+
+def _cfg(base, **kw) -> EngineConfig:
+    return EngineConfig(model_dir=str(base), device="cpu", dtype="float32", max_model_len=128,
+                        torch_threads=1, **kw)
+
+
+def _data(n_datums: int = 4, length: int = 12) -> list:
+    out = []
+    for i in range(n_datums):
+        toks = [(7 * i + 3 * j) % 250 + 1 for j in range(length + 1)]
+        out.append([toks[:-1], {"target_tokens": toks[1:], "weights": [1.0] * length}])
+    return out
+
+
+async def _train_steps(trainer, steps: int = 2) -> list[float]:
+    await trainer.create("r", RUN)
+    losses = []
+    for _ in range(steps):
+        result = await trainer.run_pass("r", _data(), "cross_entropy", None, True)
+        losses.append(result["metrics"]["loss:sum"])
+        await trainer.optim_step("r", ADAM)
+    return losses
+
+
+def test_in_process_slices_interleave_with_decoding(demo_dense):
+    """The engine thread's own order of events: after each training slice it runs a decode step
+    of the generation in flight, before it takes the next slice."""
+    eng = AsyncEngine.from_config(_cfg(demo_dense, train_max_tokens=12))
+    events: list[str] = []  # appended on the engine thread only
+    core, loop = trainer_of(eng.engine), eng._loop_state
+    handle, step = core.handle, loop.step
+
+    def traced_handle(op, args):
+        events.append(op)
+        return handle(op, args)
+
+    def traced_step():
+        outs = step()
+        if outs:  # a decode step of the generation
+            events.append("step")
+        return outs
+
+    core.handle, loop.step = traced_handle, traced_step
+
+    async def main():
+        await eng.start()
+        req = GenerateRequest("g", eng.tokenizer.encode("Hi"), SamplingParams(
+            max_tokens=100, temperature=0.0, ignore_eos=True), stream=True)
+        gen = eng.generate(req)
+        await gen.__anext__()  # decoding is under way
+        losses = await _train_steps(eng.trainer)
+        async for _ in gen:
+            pass
+        await eng.shutdown()
+        return losses
+
+    losses = asyncio.run(main())
+    assert losses[1] < losses[0]
+    slices = [i for i, e in enumerate(events) if e == "advance"]
+    assert len(slices) == 8  # 4 datums of 12 tokens, one per 12-token slice, two passes
+    for a, b in zip(slices, slices[1:]):
+        assert "step" in events[a:b], " ".join(events)
+
+
+def test_core_process_trains_as_in_process(demo_dense):
+    async def run(engine):
+        try:
+            await engine.start()
+            losses = await _train_steps(engine.trainer)
+            state = await engine.trainer.state_blob("r")
+            await engine.trainer.create("r2", RUN)
+            await engine.trainer.load_state("r2", state, True)
+            again = await engine.trainer.run_pass("r2", _data(), "cross_entropy", None, False)
+            with pytest.raises(EngineError, match="no adapter catalog") as err:
+                await engine.trainer.sampler_blob("r", "test")
+            assert err.value.status == 400
+            with pytest.raises(EngineError, match="is not loaded") as err:
+                await engine.trainer.run_pass("nope", _data(), "cross_entropy", None, True)
+            assert err.value.status == 404
+            return losses, again["metrics"]["loss:sum"], await engine.trainer.drop("r")
+        finally:
+            await engine.shutdown()
+
+    local = asyncio.run(run(AsyncEngine.from_config(_cfg(demo_dense, train_max_tokens=20))))
+    remote = asyncio.run(run(CoreClient(_cfg(demo_dense, train_max_tokens=20))))
+    assert local[0] == pytest.approx(remote[0], rel=1e-5)
+    assert local[1] == pytest.approx(remote[1], rel=1e-5) and remote[2] is True
