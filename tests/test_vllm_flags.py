@@ -4,7 +4,9 @@ and names without a tenant belonging to the default tenant."""
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -106,7 +108,20 @@ def served(tmp_path_factory: pytest.TempPathFactory, hf_dense: Path) -> Iterator
     shutil.rmtree(root, ignore_errors=True)
 
 
-def test_vllm_names_are_served(served: str) -> None:
+def _access_lines(caplog: pytest.LogCaptureFixture, count: int) -> list[dict]:
+    """The request lines, once `count` are written (each goes out as its response ends)."""
+    deadline = time.monotonic() + 30
+    while True:
+        lines = [r.request for r in caplog.records if r.name == "loraserve.server.access"]
+        if len(lines) >= count or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.01)
+
+
+def test_vllm_names_are_served(served: str, caplog: pytest.LogCaptureFixture) -> None:
+    """...and each request's log line says where its adapter came from: a cold one from the
+    catalog, then from the device pool; one /v1/load_lora_adapter put in the CPU tier from it."""
+    caplog.set_level(logging.INFO, logger="loraserve.server.access")
     auth = {"Authorization": "Bearer vllm-key"}
     with httpx.Client(base_url=served, timeout=120, headers=auth) as c:
         body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
@@ -118,6 +133,11 @@ def test_vllm_names_are_served(served: str) -> None:
         assert loaded.status_code == 200, loaded.text
         assert loaded.json()["id"] == "default/fresh"
         assert c.post("/v1/completions", json={"model": "fresh", **body}).status_code == 200
+        lines = [line for line in _access_lines(caplog, 4) if line["path"] == "/v1/completions"]
+        assert [(line["model"], line["adapter"], line["tier"]) for line in lines] == [
+            ("sql-lora", "default/sql-lora@r1", "catalog"),
+            ("default/sql-lora", "default/sql-lora@r1", "device"),
+            ("fresh", "default/fresh@r1", "cpu")]
         assert c.post("/v1/unload_lora_adapter", json={"lora_name": "fresh"}).status_code == 200
         missing = c.post("/v1/completions", json={"model": "nothing-here", **body})
         assert missing.status_code == 404

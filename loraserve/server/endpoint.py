@@ -115,6 +115,7 @@ async def serve(req: SamplingFields, ctx: ServerContext, endpoint: Endpoint, pri
         raise err from exc
     clock.first_output()
     log.ttft_s = log.since_start()
+    log.tier = next((s.first.adapter_tier for s in streams if s.first is not None), None)
     prompt_tokens = log.prompt_tokens
     ctx.metrics.prompt_tokens.inc(prompt_tokens)
     render = TokenRenderer(engine.tokenizer, req.return_tokens_as_token_ids)

@@ -7,12 +7,13 @@ ASCII, at most REQUEST_ID_MAX characters), else a new one. The response echoes i
 logger:
 
     {"request_id": "...", "method": "POST", "path": "/v1/chat/completions", "status": 200,
-     "tenant": "acme", "model": "acme/support", "adapter": "acme/support@r3",
+     "tenant": "acme", "model": "acme/support", "adapter": "acme/support@r3", "tier": "cpu",
      "prompt_tokens": 12, "completion_tokens": 40, "ttft_s": 0.031, "total_s": 0.412}
 
-`adapter` is the revision the request ran (`adapter@revision`, or the base's name). (The tier
-the revision came from is not in the line yet: the engine knows it, `AdapterManager.tier_of`,
-but does not report it on its outputs.) Fields a request never reached stay null (a 401 has no tenant, a 400 no tokens). With `serve --log-format json` every
+`adapter` is the revision the request ran (`adapter@revision`, or the base's name); `tier` is
+where that revision was when the request reached the engine (`AdapterManager.tier_of`, carried
+on the first output): `device` (already in the pool), `cpu` (the CPU cache) or `catalog` (read
+from disk), null for the base. Fields a request never reached stay null (a 401 has no tenant, a 400 no tokens). With `serve --log-format json` every
 log line is one JSON object (`JsonFormatter`), the request line's fields at its top level;
 otherwise the request line reads `request id=... status=... ...`.
 
@@ -49,6 +50,7 @@ class RequestRecord:
     tenant: str | None = None
     model: str | None = None
     adapter: str | None = None
+    tier: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     ttft_s: float | None = None

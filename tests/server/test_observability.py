@@ -53,7 +53,7 @@ def test_the_clients_request_id_is_echoed_and_logged(http: httpx.Client,
     assert line["request_id"] == "trace-42"
     assert line | {"ttft_s": 0, "total_s": 0} == {
         "request_id": "trace-42", "method": "POST", "path": "/v1/completions", "status": 200,
-        "tenant": "acme", "model": "acme/support", "adapter": "acme/support",
+        "tenant": "acme", "model": "acme/support", "adapter": "acme/support", "tier": None,
         "prompt_tokens": 2, "completion_tokens": 3, "ttft_s": 0, "total_s": 0}
     assert 0 < line["ttft_s"] <= line["total_s"]
 
@@ -132,12 +132,12 @@ def _formatted(formatter: logging.Formatter, logger: str, message: str,
 
 def test_json_lines_carry_the_request_fields_and_id() -> None:
     rec = RequestRecord("abc", "POST", "/v1/completions", 200, "acme", "acme/x", "acme/x@r2",
-                        4, 6, 0.0123456789, 0.5)
+                        "cpu", 4, 6, 0.0123456789, 0.5)
     line = json.loads(_formatted(JsonFormatter(), ACCESS, "", rec))
     assert line["logger"] == ACCESS and line["level"] == "INFO"
-    assert {k: line[k] for k in ("request_id", "tenant", "adapter", "prompt_tokens",
+    assert {k: line[k] for k in ("request_id", "tenant", "adapter", "tier", "prompt_tokens",
                                  "completion_tokens", "ttft_s", "total_s", "status")} == {
-        "request_id": "abc", "tenant": "acme", "adapter": "acme/x@r2",
+        "request_id": "abc", "tenant": "acme", "adapter": "acme/x@r2", "tier": "cpu",
         "prompt_tokens": 4, "completion_tokens": 6, "ttft_s": 0.012346, "total_s": 0.5,
         "status": 200}
     other = json.loads(_formatted(JsonFormatter(), "loraserve.test", "hello", rec))

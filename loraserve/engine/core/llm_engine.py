@@ -163,6 +163,7 @@ class LLMEngine:
         key = seq.adapter_key
         if key is not None:
             self.adapters.check_servable(key)  # a quarantined revision: this request fails alone
+            seq.adapter_tier = self.adapters.tier_of(key)  # for the request's log line
         self.seqs[seq.request_id] = seq
         if key is None or self.adapters.is_ready(key):
             self.scheduler.add(seq)

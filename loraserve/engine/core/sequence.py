@@ -41,6 +41,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_emitted: int = 0                   # output tokens already handed to the caller
     adapter_record: object | None = None   # catalog RevisionRecord of adapter_key (to page it in)
+    adapter_tier: str | None = None        # where adapter_key was on arrival (RequestOutput's)
     tenant: str = ""                       # whose request: the unit of fair share
     tenant_weight: float = 1.0             # the tenant's share relative to others (> 0)
     matcher: object | None = None          # structured output: its grammar's xgrammar matcher
