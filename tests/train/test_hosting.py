@@ -1,18 +1,22 @@
 """engine.trainer on both hostings that train: in process (AsyncEngine) a pass runs in slices of
 train_max_tokens with decode steps between them, so a streamed generation keeps producing while
 it trains; in the engine-core process (CoreClient) the same operations travel over the socket
-and give the same numbers as in process."""
+and give the numbers a TrainingRun gives here."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+import torch
 
 from loraserve.engine.async_engine import AsyncEngine
 from loraserve.engine.client.core_client import CoreClient
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.core.training import trainer_of
 from loraserve.engine.types import EngineError, GenerateRequest, SamplingParams
+from loraserve.model.loader import load_model
+from loraserve.train.config import RunConfig
+from loraserve.train.run import AdamParams, Datum, TrainingRun
 
 RUN = {"rank": 4, "seed": 0, "train_attn": True, "train_mlp": True, "train_unembed": True}
 ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
@@ -101,7 +105,17 @@ def test_core_process_trains_as_in_process(demo_dense):
         finally:
             await engine.shutdown()
 
-    local = asyncio.run(run(AsyncEngine.from_config(_cfg(demo_dense, train_max_tokens=20))))
     remote = asyncio.run(run(CoreClient(_cfg(demo_dense, train_max_tokens=20))))
-    assert local[0] == pytest.approx(remote[0], rel=1e-5)
-    assert local[1] == pytest.approx(remote[1], rel=1e-5) and remote[2] is True
+    local = TrainingRun(load_model(demo_dense), RunConfig(**RUN))  # the same steps, here
+    want = []
+    for _ in range(2):
+        p = local.start([Datum(torch.tensor(t), {k: torch.tensor(v) for k, v in i.items()})
+                         for t, i in _data()], "cross_entropy")
+        p.advance(10_000)
+        want.append(p.finish().metrics["loss:sum"])
+        local.optim_step(AdamParams(**ADAM))
+    assert remote[0] == pytest.approx(want, rel=1e-5) and remote[2] is True
+    p = local.start([Datum(torch.tensor(t), {k: torch.tensor(v) for k, v in i.items()}) for t, i in _data()],
+                    "cross_entropy", backward=False)
+    p.advance(10_000)
+    assert remote[1] == pytest.approx(p.finish().metrics["loss:sum"], rel=1e-5)
