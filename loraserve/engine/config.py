@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loraserve.catalog.dtypes import SERVING_DTYPES
-from loraserve.catalog.sources import Template
 
 
 @dataclass(slots=True)
