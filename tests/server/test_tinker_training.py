@@ -195,6 +195,24 @@ def test_state_round_trip_listings_and_faults(server: Server) -> None:
     assert greedy_text(server, after) == greedy_text(server, good)  # the failed step changed nothing
 
 
+def test_custom_loss_runs_as_cross_entropy(server: Server) -> None:
+    """forward_backward_custom: the SDK's forward, its loss on the client, a cross_entropy whose
+    weights are the loss's gradient; a custom CE gives the built-in CE's loss."""
+    import torch
+
+    trainer = server.service().create_lora_training_client(base_model=BASE, rank=4, seed=4, train_mlp=False)
+    datum = sft_datum(server)
+    weights = torch.tensor(datum.loss_fn_inputs["weights"].tolist())
+
+    def custom(data, logprobs_list):
+        loss = sum((-lp * weights).sum() for lp in logprobs_list)
+        return loss, {"custom:sum": float(loss.detach())}
+
+    out = trainer.forward_backward_custom([datum], custom).result()
+    ce = trainer.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+    assert out.metrics["custom:sum"] == pytest.approx(ce, rel=1e-5)
+
+
 def test_training_on_another_base_fails_at_once(server: Server) -> None:
     start = time.monotonic()
     with pytest.raises(tinker.NotFoundError, match="not served here"):
