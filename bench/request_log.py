@@ -12,6 +12,8 @@ the ratios of one run, not the absolute figures):
   text        the line written, as `loraserve serve` writes it by default (TextFormatter) to
               /dev/null
   json        the same with --log-format json (JsonFormatter)
+  uvicorn     the constant app and uvicorn's own access line (its AccessFormatter, as uvicorn
+              writes it per request; `run_server` turns it off, the app's line replaces it)
 
 Prints microseconds per request (median over rounds) and each target's cost over bare.
 """
@@ -28,6 +30,8 @@ import logging
 import statistics
 import time
 
+from uvicorn.logging import AccessFormatter
+
 from loraserve.server.metrics import ServerMetrics
 from loraserve.server.middleware import RequestMiddleware
 from loraserve.server.request_log import (JsonFormatter, RequestIdFilter, TextFormatter,
@@ -36,6 +40,7 @@ from loraserve.server.request_log import (JsonFormatter, RequestIdFilter, TextFo
 SCOPE = {"type": "http", "method": "POST", "path": "/v1/completions",
          "headers": [(b"content-type", b"application/json"), (b"x-request-id", b"bench-1")]}
 BODY = b'{"id": "cmpl-1"}'
+UVICORN_ACCESS = logging.getLogger("uvicorn.access")
 
 
 async def constant(scope, receive, send) -> None:
@@ -52,11 +57,27 @@ async def _send(message: dict) -> None:
     return None
 
 
+async def uvicorn_line(scope, receive, send) -> None:
+    """The constant app, then the access line uvicorn's httptools protocol writes."""
+    await constant(scope, receive, send)
+    UVICORN_ACCESS.info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:5000", scope["method"],
+                        scope["path"], "1.1", 200)
+
+
 async def _run(app, n: int) -> float:
     start = time.perf_counter()
     for _ in range(n):
         await app(dict(SCOPE), _receive, _send)
     return (time.perf_counter() - start) / n * 1e6
+
+
+def _uvicorn_logging() -> None:
+    handler = logging.StreamHandler(open("/dev/null", "w"))
+    handler.setFormatter(AccessFormatter('%(levelprefix)s %(client_addr)s - "%(request_line)s" '
+                                         '%(status_code)s'))
+    UVICORN_ACCESS.handlers[:] = [handler]
+    UVICORN_ACCESS.propagate = False
+    UVICORN_ACCESS.setLevel(logging.INFO)
 
 
 def _logging(kind: str) -> None:
@@ -79,8 +100,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     wrapped = RequestMiddleware(constant, ServerMetrics())
+    _uvicorn_logging()
     targets = {"bare": (constant, "quiet"), "quiet": (wrapped, "quiet"),
-               "text": (wrapped, "text"), "json": (wrapped, "json")}
+               "text": (wrapped, "text"), "json": (wrapped, "json"),
+               "uvicorn": (uvicorn_line, "quiet")}
     times: dict[str, list[float]] = {name: [] for name in targets}
     for _ in range(args.rounds):
         for name, (app, kind) in targets.items():
