@@ -1,13 +1,14 @@
 """Train a tiny LoRA on our own model and save it exactly as PEFT does (demo adapters).
 
 Training only: `TrainableLoRALinear` wraps an `nn.Linear` target with y = W x + s * B(A x),
-s = alpha / r, A kaiming-uniform and B zero at start (PEFT's default init). The serving path never
-uses this module; it serves the saved adapter through the catalog and the SGMV kernels.
+s = alpha / r, A kaiming-uniform and B zero at start (PEFT's default init, `train.factors.peft_init`).
+The serving path never uses this module; it serves the saved adapter through the catalog and the
+SGMV kernels. (Runs on a served base train through `loraserve.train` instead: hooks on the
+resident model, no module replaced.)
 """
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 
 from loraserve.catalog.targets import DENSE_KINDS, parse_module_path
 from loraserve.model import CausalLM
+from loraserve.train.factors import peft_init
 
 DENSE_TARGETS = DENSE_KINDS  # the kinds this trainer wraps: every nn.Linear target of a decoder layer
 PEFT_PREFIX = "base_model.model."
@@ -54,10 +56,10 @@ class TrainableLoRALinear(nn.Module):
         self.scale = alpha / r
         self.lora_A = nn.Linear(base.in_features, r, bias=False)   # weight [r, in]
         self.lora_B = nn.Linear(r, base.out_features, bias=False)  # weight [out, r]
-        bound = 1.0 / math.sqrt(base.in_features)   # kaiming_uniform(a=sqrt(5)) bound
+        a, b = peft_init(r, base.in_features, base.out_features, gen)
         with torch.no_grad():
-            self.lora_A.weight.copy_(torch.rand(self.lora_A.weight.shape, generator=gen) * 2 * bound - bound)
-            self.lora_B.weight.zero_()
+            self.lora_A.weight.copy_(a)
+            self.lora_B.weight.copy_(b)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.base(x) + self.lora_B(self.lora_A(x)) * self.scale

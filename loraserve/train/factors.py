@@ -20,6 +20,14 @@ from loraserve.model import CausalLM
 from loraserve.train.config import RunConfig
 
 
+def peft_init(rank: int, fan_in: int, fan_out: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's LoRA init: A [rank, in] ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform, a = sqrt(5)),
+    B [out, rank] zero. The one copy of the rule (train_lora's demo adapters draw it too)."""
+    bound = 1.0 / math.sqrt(fan_in)
+    a = torch.rand(rank, fan_in, generator=gen) * 2 * bound - bound
+    return a, torch.zeros(fan_out, rank)
+
+
 def _linear_shape(model: CausalLM, path: str) -> tuple[int, int]:
     """(in, out) of the target module at catalog module path `path` (wrappers and packing aside)."""
     module = model.get_submodule(path if path == "lm_head" else f"model.{path}")
@@ -37,10 +45,7 @@ class LoRAFactors:
         gen = torch.Generator().manual_seed(config.seed)
         self.pairs: dict[str, tuple[nn.Parameter, nn.Parameter]] = {}
         for path in self._paths(model.config.num_layers):
-            fan_in, fan_out = _linear_shape(model, path)
-            bound = 1.0 / math.sqrt(fan_in)
-            a = (torch.rand(config.rank, fan_in, generator=gen) * 2 - 1) * bound
-            b = torch.zeros(fan_out, config.rank)
+            a, b = peft_init(config.rank, *_linear_shape(model, path), gen)
             self.pairs[path] = (nn.Parameter(a.to(device)), nn.Parameter(b.to(device)))
 
     def _paths(self, num_layers: int) -> list[str]:
