@@ -1,7 +1,9 @@
 """`loraserve serve --replicas 2` on a local Ray (2 CPUs): two engine replicas of the demo base
-behind the FastAPI ingress. Adapter affinity, base requests spread, the usual errors, streams,
-one catalog writer, per-replica metrics, losing a replica mid-stream, and last, SIGTERM: the
-drain, exit status 0, and no Ray process left.
+behind the FastAPI ingress. Adapter affinity (router.AffinityRouter: each adapter on its
+rendezvous replica from its first request on, spill only past the load bound, a lost replica's
+adapters alone moving), base requests spread, a tenant's limit held across replicas, the usual
+errors, streams, one catalog writer, per-replica metrics, losing a replica mid-stream, and last,
+SIGTERM: the drain, exit status 0, and no Ray process left.
 
 The server is the real command, in a subprocess of its own session (one start for the module);
 a helper process joins its Ray to kill a replica (the test process never runs Ray).
@@ -23,9 +25,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+import hashlib
 
 import httpx
 import pytest
@@ -35,6 +41,7 @@ ray = pytest.importorskip("ray")
 import psutil  # noqa: E402  (Ray's: on sys.path once ray is imported)
 
 from loraserve.demo import DEMO_ADAPTERS, DemoPaths, build_demo  # noqa: E402
+from loraserve.ray_serve.routing import preference  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -43,7 +50,24 @@ PROMPT = DEMO_ADAPTERS[0][1]
 HEADER = "x-loraserve-replica"
 START_S = 300       # the server's start: Ray, Serve, two engines (~60 s on 2 busy cores)
 SHUTDOWN_TIMEOUT_S = 30
-LONG_TOKENS = 900   # a stream long enough to act on while it runs (max_model_len 1024)
+LONG_TOKENS = 900   # a stream long enough to act on while it runs
+HELD_TOKENS = 4000  # streams read while checks run beside them (max_model_len 4096)
+ADMIN_KEY, ACME_KEY = "ray-admin-key", "ray-acme-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+ACME = {"Authorization": f"Bearer {ACME_KEY}"}
+# tenant acme may hold 2 sequences in flight, in the whole server (the ingress admits them)
+KEYS_FILE = f"""[tenants.acme]
+max_concurrent = 2
+
+[keys.admin]
+sha256 = "{hashlib.sha256(ADMIN_KEY.encode()).hexdigest()}"
+role = "admin"
+
+[keys.acme]
+sha256 = "{hashlib.sha256(ACME_KEY.encode()).hexdigest()}"
+role = "user"
+tenants = ["acme"]
+"""
 
 
 def _free_port() -> int:
@@ -82,14 +106,17 @@ def server(demo: DemoPaths, tmp_path_factory) -> Iterator[Server]:
     work = tmp_path_factory.mktemp("ray-server")
     catalog = work / "catalog"
     shutil.copytree(demo.catalog, catalog)  # the ingress writes to it
+    keys = work / "keys.toml"
+    keys.write_text(KEYS_FILE)
     ray_tmp = tempfile.mkdtemp(prefix="lsray-", dir="/tmp")  # short: Ray's socket paths
     port = _free_port()
     cmd = [sys.executable, "-m", "loraserve.cli", "serve", "--replicas", "2",
            "--ray-num-cpus", "2", "--ray-object-store-mb", "128", "--port", str(port),
            "--model", str(demo.qwen3), "--catalog", str(catalog),
            "--adapter-root", str(demo.root / "adapters"), "--device", "cpu",
-           "--max-model-len", "1024", "--max-batch-size", "4", "--max-gpu-adapters", "2",
-           "--torch-threads", "1", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+           "--max-model-len", "4096", "--max-batch-size", "4", "--max-gpu-adapters", "2",
+           "--torch-threads", "1", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+           "--keys", str(keys)]
     log = work / "server.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -122,7 +149,7 @@ def _ready(url: str) -> bool:
 
 @pytest.fixture(scope="module")
 def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with httpx.Client(base_url=server.url, timeout=60, headers=ADMIN) as c:
         yield c
 
 
@@ -139,13 +166,155 @@ def base_model(http: httpx.Client) -> str:
 def test_each_adapter_answers_its_phrase_from_one_replica(http) -> None:
     for adapter_id, phrase in PHRASES.items():
         seen = {chat(http, adapter_id).headers[HEADER]}
-        time.sleep(0.5)  # the replica's adapter list reaches Serve's router (pushed every 0.1 s)
         for _ in range(3):
             r = chat(http, adapter_id)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["message"]["content"] == phrase
             seen.add(r.headers[HEADER])
-        assert len(seen) == 1, (adapter_id, seen)  # Serve's router keeps it where it is held
+        assert len(seen) == 1, (adapter_id, seen)  # its rendezvous replica, every time
+
+
+# adapter -> the replica that served it, and the replica killed (later tests read these)
+OWNERS: dict[str, str] = {}
+KILLED: list[str] = []
+
+
+def live_replicas(http: httpx.Client, count: int = 2, not_in: tuple[str, ...] = (),
+                  timeout_s: float = 30) -> list[str]:
+    """The engine replicas reporting to the ingress (its /metrics `replica` labels), once there
+    are `count` of them, none in `not_in`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        fams = {f.name: f.samples for f in text_string_to_metric_families(http.get("/metrics").text)}
+        found = sorted({s.labels["replica"] for s in fams.get("vllm:num_requests_running", [])})
+        if (len(found) == count and not set(found) & set(not_in)) or time.monotonic() > deadline:
+            assert len(found) == count and not set(found) & set(not_in), (found, not_in)
+            return found
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def acme_adapters(http) -> tuple[str, str]:
+    """Two adapters of tenant acme (the demo's weights under new ids), loaded through the
+    ingress, named so that each replica is the first choice of one of them."""
+    replicas = live_replicas(http)
+    names = (f"acme/a{i}" for i in range(1000))
+    picked = tuple(next(n for n in names if preference(n, replicas)[0] == r) for r in replicas)
+    for name, source in zip(picked, PHRASES):
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": source})
+        assert r.status_code == 200, r.text
+    return picked
+
+
+def test_every_adapter_goes_to_its_rendezvous_replica_from_its_first_request(http, acme_adapters) -> None:
+    """Issue 26's sequence: single requests with gaps of 0, 0.5 and 2 s. Each adapter is
+    served by one replica throughout, the one routing.preference ranks first, its first request
+    included (Serve's multiplexing learned holders from the replicas' reports, so a new
+    adapter's second request could land on the other replica)."""
+    replicas = live_replicas(http)
+    adapters = [*PHRASES, acme_adapters[0]]
+    served: dict[str, list[str]] = {a: [] for a in adapters}
+    for gap in (0, 0.5, 2):
+        for adapter in adapters:
+            r = chat(http, adapter, max_tokens=4)
+            assert r.status_code == 200, r.text
+            served[adapter].append(r.headers[HEADER])
+            time.sleep(gap)
+    for adapter, seen in served.items():
+        assert seen == [preference(adapter, replicas)[0]] * 3, (adapter, seen)
+        OWNERS[adapter] = seen[0]
+    print("adapter -> replicas serving it:", {a: sorted(set(s)) for a, s in served.items()})
+
+
+def _at_once(http: httpx.Client, models: list[str]) -> list[str]:
+    """Long requests sent together (released by a barrier: Serve routes all of them while the
+    first still runs on its replica); the replica that served each."""
+    barrier = threading.Barrier(len(models))
+
+    def one(model: str) -> str:
+        barrier.wait()
+        r = chat(http, model, max_tokens=LONG_TOKENS, ignore_eos=True)
+        assert r.status_code == 200, r.text
+        return r.headers[HEADER]
+
+    with ThreadPoolExecutor(len(models)) as pool:
+        return list(pool.map(one, models))
+
+
+def test_an_adapter_spills_to_its_second_choice_only_past_the_load_bound(http) -> None:
+    """Three requests of one adapter at once on 2 replicas, c = 1.25: the bound is
+    ceil(1.25 x (k + 1) / 2) with k in flight, so the first choice takes two (bound 1, then 2)
+    and the third goes to the adapter's second choice (the first holds 2, the bound)."""
+    replicas = live_replicas(http)
+    first, second = preference("demo/robot", replicas)
+    seen = _at_once(http, ["demo/robot"] * 3)
+    assert Counter(seen) == {first: 2, second: 1}, (seen, first, second)
+
+
+@contextlib.contextmanager
+def _streams_running(http: httpx.Client, models: list[str], headers: dict) -> Iterator[list[str]]:
+    """Long streams of `models`, opened together (a barrier) and read on (a stream nobody reads
+    is finished by Serve's buffers in a moment; one read runs at the reader's pace) until the
+    block ends; yields the replica serving each. Their HTTP requests, and their tenant's
+    leases, last that long."""
+    barrier, ready, release = threading.Barrier(len(models)), threading.Semaphore(0), threading.Event()
+    seen: dict[int, str] = {}
+    ended: list[str] = []
+
+    def hold(i: int, model: str) -> None:
+        body = {"model": model, "messages": [{"role": "user", "content": PROMPT}],
+                "max_tokens": HELD_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True}
+        barrier.wait()
+        opened = False
+        try:
+            with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+                lines = (line for line in r.iter_lines() if line.startswith("data: "))
+                assert r.status_code == 200 and next(lines)
+                seen[i], opened = r.headers[HEADER], True
+                ready.release()
+                for _ in lines:
+                    if release.is_set():
+                        return
+                ended.append(model)  # ran to its end before the block did
+        finally:
+            if not opened:
+                ready.release()
+
+    threads = [threading.Thread(target=hold, args=(i, m), daemon=True) for i, m in enumerate(models)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in models:
+            assert ready.acquire(timeout=60)
+        assert len(seen) == len(models), "a stream did not open"
+        yield [seen[i] for i in range(len(models))]
+        assert not ended, f"streams ended before the checks did: {ended}"
+    finally:
+        release.set()
+        for t in threads:
+            t.join(60)
+
+
+def test_a_tenants_limit_holds_across_replicas(http, acme_adapters) -> None:
+    """Tenant acme may hold 2 sequences in flight: with one running on each replica, a third
+    is the same 429 whichever replica would have served it (the ingress admits every request)."""
+    replicas = live_replicas(http)
+    model = base_model(http)
+    for adapter in acme_adapters:  # paged in beforehand: the streams start at once
+        assert chat(http, adapter, max_tokens=1).status_code == 200
+    with _streams_running(http, list(acme_adapters), ACME) as on:
+        assert on == replicas  # each adapter on its own first choice: one sequence per replica
+        refused = [http.post("/v1/chat/completions", headers=ACME, json={
+            "model": m, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2})
+            for m in [*acme_adapters, model]]
+    for r in refused:
+        assert r.status_code == 429 and r.headers[HEADER] == "ingress", r.text
+        assert "max_concurrent" in r.json()["error"]["message"]
+    assert len({(r.status_code, r.text) for r in refused}) == 1, [r.text for r in refused]
+    again = http.post("/v1/chat/completions", headers=ACME, json={
+        "model": acme_adapters[0], "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 2})
+    assert again.status_code == 200, again.text  # the streams ended: their leases went back
 
 
 def test_base_requests_reach_both_replicas(http) -> None:
@@ -248,11 +417,12 @@ def replica_killer(server: Server) -> Iterator[Callable[[str], None]]:
 
 def test_a_replica_dying_mid_stream_ends_it_cleanly_and_others_serve(server, http) -> None:
     body = {"model": "demo/pirate", "messages": [{"role": "user", "content": PROMPT}],
-            "max_tokens": LONG_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True}
+            "max_tokens": HELD_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True}
     with replica_killer(server) as kill, http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         lines = (line for line in r.iter_lines() if line.startswith("data: "))
         assert json.loads(next(lines)[6:])["choices"]
+        KILLED.append(r.headers[HEADER])
         kill(r.headers[HEADER])
         rest = [line[6:] for line in lines]
     assert rest[-1] == "[DONE]"
@@ -262,6 +432,21 @@ def test_a_replica_dying_mid_stream_ends_it_cleanly_and_others_serve(server, htt
     for i in range(20):
         r = chat(http, [model, *PHRASES][i % 4], max_tokens=4)
         assert r.status_code == 200, (i, r.text)
+
+
+def test_a_lost_replicas_adapters_alone_move(http) -> None:
+    """Serve replaces the killed replica; each adapter goes to its first choice among the live
+    replicas, so those of the replica that lived on stay where they were, and only the killed
+    one's move (to the survivor, or to the replacement where it now ranks first)."""
+    assert KILLED and OWNERS, "runs after the affinity and the replica-loss tests"
+    replicas = live_replicas(http, not_in=tuple(KILLED), timeout_s=180)
+    time.sleep(1.0)  # Serve's routers learn the replacement from the controller
+    for adapter, owner in OWNERS.items():
+        r = chat(http, adapter, max_tokens=4)
+        assert r.status_code == 200, r.text
+        assert r.headers[HEADER] == preference(adapter, replicas)[0], (adapter, replicas)
+        if owner not in KILLED:
+            assert r.headers[HEADER] == owner, (adapter, owner)
 
 
 # -- last: SIGTERM (the module's server is gone afterwards) -----------------------------------
@@ -308,7 +493,7 @@ def test_sigterm_drains_exits_0_and_leaves_no_ray_process(server: Server, http) 
         body = {"model": "demo/pirate", "messages": [{"role": "user", "content": PROMPT}],
                 "max_tokens": LONG_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True}
         with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
-                          timeout=120) as r:
+                          timeout=120, headers=ADMIN) as r:
             result["status"] = r.status_code
             events = []
             for line in r.iter_lines():
@@ -324,7 +509,7 @@ def test_sigterm_drains_exits_0_and_leaves_no_ray_process(server: Server, http) 
     server.proc.send_signal(signal.SIGTERM)
 
     refused = ready = health = None
-    with httpx.Client(base_url=server.url, timeout=10) as c:
+    with httpx.Client(base_url=server.url, timeout=10, headers=ADMIN) as c:
         while refused is None and reader.is_alive() and time.monotonic() - t0 < 30:
             try:
                 r = c.post("/v1/completions", json={"model": "demo/pirate", "prompt": "x",

@@ -11,6 +11,8 @@ route, auth and tenant check and error body is the single process's. What differ
   another when those are full. Base-only requests carry no model id and go anywhere.
 - A replica that dies before the first output is retried once on another; one that dies
   mid-stream ends the request with one clean 503 (a stream gets its error event and [DONE]).
+- Sequences go to the replicas while the cluster has running slots; past that they wait here
+  and free slots go to tenants by weighted fair share across the whole cluster (fair.py).
 - The catalog is opened read-write here, the one writer (`/v1/load_lora_adapter`, promote,
   rollback); replicas open it read-only and see each commit in their next read.
 - Snapshots come from the replicas' reports (`board.ReplicaBoard`), one per replica; /metrics
@@ -41,6 +43,7 @@ from ..engine.wire import error_from_wire, output_from_wire, request_to_wire, sn
 from ..model.config import ModelConfig
 from ..tokenizer import Tokenizer
 from .board import ReplicaBoard, merged
+from .fair import FairGate
 from .config import ScaleOutConfig
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,8 @@ class RayEngineFrontend:
                           else AdapterDirectory(self.model_name))
         self._warm = WarmRefs()
         self.board = ReplicaBoard(scale.stale_after_s)
+        self.gate = FairGate(lambda: self._replica_count() * cfg.max_batch_size,
+                             lambda: self._replica_count() * cfg.max_waiting)
         self._started = False
 
     # -- what the server reads -------------------------------------------------------------------
@@ -86,6 +91,10 @@ class RayEngineFrontend:
         return bool(self.board.live())
 
     core_pid = None  # engines run in replicas: no engine-core process of this one
+
+    def _replica_count(self) -> int:
+        """The replicas that reported lately (those configured, before any has)."""
+        return len(self.board.live()) or self.scale.replicas
     trainer = None  # training runs beside one resident base; not across replicas (yet)
 
     def supervision(self) -> dict | None:
@@ -161,6 +170,14 @@ class RayEngineFrontend:
             req.resolved = await self.resolve(req.adapter or self.model_name, EVERYONE)
         adapter_id = None if req.resolved.is_base else req.resolved.adapter[0]
         wire = request_to_wire(req, resolved=True)  # the replica runs this record, never resolves
+        async with self.gate.slot(req.tenant, req.tenant_weight):  # the cluster's fair share
+            async for out in self._tries(req, wire, adapter_id):
+                yield out
+
+    async def _tries(self, req: GenerateRequest, wire: dict,
+                     adapter_id: str | None) -> AsyncIterator[RequestOutput]:
+        """The request on a replica; once more on another when its replica dies before the first
+        output, else one clean 503."""
         for attempt in range(RETRIES + 1):
             started = False
             try:
