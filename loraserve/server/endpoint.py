@@ -101,7 +101,7 @@ async def serve(req: SamplingFields, ctx: ServerContext, endpoint: Endpoint, pri
         plan = await asyncio.to_thread(endpoint.plan, req, engine)
     else:
         plan = endpoint.plan(req, engine)
-    request_id = new_id(endpoint.id_prefix)
+    request_id = log.response_id = new_id(endpoint.id_prefix)
     log.prompt_tokens = sum(len(p.token_ids) for p in plan.prompts)
     admitted = admit(resolved, principal, plan.prompts, req.n, plan.params.max_tokens)  # 429
     log.tenant = admitted.tenant or None

@@ -8,12 +8,14 @@ logger:
 
     {"request_id": "...", "method": "POST", "path": "/v1/chat/completions", "status": 200,
      "tenant": "acme", "model": "acme/support", "adapter": "acme/support@r3", "tier": "cpu",
-     "prompt_tokens": 12, "completion_tokens": 40, "ttft_s": 0.031, "total_s": 0.412}
+     "prompt_tokens": 12, "completion_tokens": 40, "ttft_s": 0.031, "total_s": 0.412,
+     "response_id": "chatcmpl-..."}
 
 `adapter` is the revision the request ran (`adapter@revision`, or the base's name); `tier` is
 where that revision was when the request reached the engine (`AdapterManager.tier_of`, carried
 on the first output): `device` (already in the pool), `cpu` (the CPU cache) or `catalog` (read
-from disk), null for the base. Fields a request never reached stay null (a 401 has no tenant, a 400 no tokens). With `serve --log-format json` every
+from disk), null for the base; `response_id` is the answer's `id`, which the engine's own lines
+about the request (a failure naming it) use. Fields a request never reached stay null (a 401 has no tenant, a 400 no tokens). With `serve --log-format json` every
 log line is one JSON object (`JsonFormatter`), the request line's fields at its top level;
 otherwise the request line reads `request id=... status=... ...`.
 
@@ -55,6 +57,7 @@ class RequestRecord:
     completion_tokens: int | None = None
     ttft_s: float | None = None
     total_s: float | None = None
+    response_id: str | None = None  # the answer's `id` (cmpl-..., chatcmpl-...), the engine's
     start: float = field(default_factory=time.perf_counter, repr=False)
 
     def line(self) -> dict[str, Any]:

@@ -51,10 +51,11 @@ def test_the_clients_request_id_is_echoed_and_logged(http: httpx.Client,
     assert r.headers["x-request-id"] == "trace-42"
     [line] = _lines(caplog, 1)
     assert line["request_id"] == "trace-42"
-    assert line | {"ttft_s": 0, "total_s": 0} == {
+    assert line["response_id"] == r.json()["id"]
+    assert line | {"ttft_s": 0, "total_s": 0, "response_id": ""} == {
         "request_id": "trace-42", "method": "POST", "path": "/v1/completions", "status": 200,
         "tenant": "acme", "model": "acme/support", "adapter": "acme/support", "tier": None,
-        "prompt_tokens": 2, "completion_tokens": 3, "ttft_s": 0, "total_s": 0}
+        "prompt_tokens": 2, "completion_tokens": 3, "ttft_s": 0, "total_s": 0, "response_id": ""}
     assert 0 < line["ttft_s"] <= line["total_s"]
 
 
