@@ -115,14 +115,14 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     option("compile_batch_sizes", flag="--compile-batch-size", metavar="N")
     option("weight_prepack", choices=["auto", "on", "off"])
     option("torch_threads")
-    option("max_request_bytes")
+    option("max_request_bytes")  # ServerConfig's, below: the HTTP side's
     option("max_seqs_per_request")
     option("shutdown_timeout")
 
 
 def _add_config_option(p: argparse.ArgumentParser, name: str, *, flag: str | None = None,
                        help: str | None = None, alias: str | None = None, **kwargs: Any) -> None:
-    """An option setting EngineConfig field `name`, its dest the field's name.
+    """An option setting the EngineConfig or ServerConfig field `name`, its dest the field's name.
 
     The flag is `--field-name` unless given. Type and action follow the field's type (int, str;
     bool: a switch away from the default; list: repeatable). The default is the field's; the help
@@ -130,12 +130,28 @@ def _add_config_option(p: argparse.ArgumentParser, name: str, *, flag: str | Non
     `metadata["default"]` (how an unset value reads) or else its default value. Other keywords
     go to `add_argument` (e.g. `choices`). `alias` is a second name of the same option (vLLM's).
     """
-    f = next(f for f in dataclasses.fields(EngineConfig) if f.name == name)
+    cls = next(c for c in _configs() if name in c.__dataclass_fields__)
+    f = cls.__dataclass_fields__[name]
     default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
-    hint = get_type_hints(EngineConfig)[name]
+    hint = get_type_hints(cls)[name]
     flags = [flag or "--" + name.replace("_", "-"), *([alias] if alias else [])]
     p.add_argument(*flags, dest=name, default=default, help=_help(f, default, help),
                    **_action(hint, default), **kwargs)
+
+
+def _configs() -> tuple[type, type]:
+    """The two configurations `serve`'s generated options set: the engine's and the server's."""
+    from .server.config import ServerConfig
+    return EngineConfig, ServerConfig
+
+
+def _server_config(args: argparse.Namespace):
+    """The ServerConfig of `serve`'s flags."""
+    from .server.config import ServerConfig
+    return ServerConfig(api_key=args.api_key or None, keys=args.keys, metrics_key=args.metrics_key,
+                        audit_log=args.audit_log, max_request_bytes=args.max_request_bytes,
+                        max_seqs_per_request=args.max_seqs_per_request,
+                        shutdown_timeout=args.shutdown_timeout)
 
 
 def _action(hint: Any, default: Any) -> dict[str, Any]:
@@ -195,16 +211,13 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError("--adapter-source and --catalog-store are not served with --replicas (the "
                          "Ray Serve ingress has no miss path yet); run one engine")
     if scale is not None:  # Ray Serve: N engine replicas behind the same app
-        from .ray_serve.config import ServerOptions
         from .ray_serve.launch import run
-        run(cfg, scale, ServerOptions(api_key=args.api_key or None, keys=args.keys,
-                                      metrics_key=args.metrics_key, audit_log=args.audit_log))
+        run(cfg, scale, _server_config(args))
         return 0
     engine = (AsyncEngine.from_config(cfg) if args.single_process
               else CoreClient(cfg, engine_timeout_s=args.engine_timeout))
-    run_server(engine, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level.lower(),
-               keys=args.keys, metrics_key=args.metrics_key, audit_log=args.audit_log,
-               connections=connections, log_format=args.log_format)
+    run_server(engine, _server_config(args), host=args.host, port=args.port,
+               log_level=args.log_level.lower(), connections=connections, log_format=args.log_format)
     return 0
 
 

@@ -51,17 +51,22 @@ def test_serve_prefix_caching_flag() -> None:
     assert build_parser().parse_args(["serve", "--no-prefix-caching"]).prefix_caching is False
 
 
-def test_serve_defaults_are_the_engine_config_defaults() -> None:
+def test_serve_defaults_are_the_engine_and_server_config_defaults() -> None:
     import dataclasses
 
     from loraserve.cli import build_parser
     from loraserve.engine.config import EngineConfig
+    from loraserve.server.config import ServerConfig
     args = build_parser().parse_args(["serve"])
-    defaults = EngineConfig(model_dir="m")
+    for defaults in (EngineConfig(model_dir="m"), ServerConfig()):
+        options = [f.name for f in dataclasses.fields(defaults) if f.metadata and hasattr(args, f.name)]
+        assert all(getattr(args, name) == getattr(defaults, name) for name in options)
     options = [f.name for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)]
     assert {"max_gpu_adapters", "cpu_cache_mb", "max_batched_tokens", "pinned_adapters", "prefix_caching",
             "torch_threads"} <= set(options)
-    assert all(getattr(args, name) == getattr(defaults, name) for name in options)
+    assert {"max_request_bytes", "max_seqs_per_request", "shutdown_timeout"} <= set(vars(args))
+    assert not {"max_request_bytes", "max_seqs_per_request", "shutdown_timeout"} & \
+        {f.name for f in dataclasses.fields(EngineConfig)}  # the HTTP side's, not the engine's
     args = build_parser().parse_args(["serve", "--pin", "t/a", "--pin", "t/b", "--kv-cache-mb", "8"])
     assert args.pinned_adapters == ["t/a", "t/b"] and args.kv_cache_mb == 8
 

@@ -1,4 +1,5 @@
-"""Engine configuration: one validated dataclass, passed whole (never **kwargs)."""
+"""Engine configuration: one validated dataclass, passed whole (never **kwargs). The HTTP side's
+settings are `server.config.ServerConfig`'s."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -85,14 +86,6 @@ class EngineConfig:
         "help": "cold adapters one pager thread reads at a time (one catalog transaction per shard); "
                 "1 reads them one by one"})
     seed: int = field(default=0, metadata={"help": "seed of the sampler for unseeded requests"})
-    # HTTP server bounds (read by loraserve.server from engine.config)
-    max_request_bytes: int = field(default=16 * 2**20, metadata={
-        "help": "largest request body in bytes; a larger one gets 413 before it is parsed"})
-    max_seqs_per_request: int = field(default=256, metadata={
-        "help": "sequences (prompts x n) one request may start; more is a 400"})
-    shutdown_timeout: float = field(default=30.0, metadata={
-        "help": "seconds in-flight requests may run on after SIGTERM; then they end with a "
-                "clean error (503, or an error event in a stream)"})
     compile: str = field(default="auto", metadata={
         "help": "compile the decode step over batch and context buckets, at start-up: auto (CUDA "
                 "graphs on CUDA, eager on CPU) | on (also torch.compile on CPU, for steps "
@@ -137,11 +130,9 @@ class EngineConfig:
             raise ValueError("max_waiting must be >= 0")
         for name in ("max_batch_size", "max_model_len", "max_batched_tokens", "block_size",
                      "max_gpu_adapters", "max_lora_rank", "cpu_cache_mb", "max_adapter_mb", "pager_workers",
-                     "pager_batch", "max_request_bytes", "max_seqs_per_request", "train_max_tokens"):
+                     "pager_batch", "train_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.shutdown_timeout < 0:
-            raise ValueError("shutdown_timeout must be >= 0")
         if self.max_cpu_adapters is not None and self.max_cpu_adapters < 1:
             raise ValueError("max_cpu_adapters must be >= 1")
         if self.kv_cache_mb is not None and self.kv_cache_mb < 1:

@@ -80,17 +80,6 @@ class ScaleOutConfig:
         return 0.0
 
 
-@dataclass(slots=True)
-class ServerOptions:
-    """build_app's options (the `serve` command's auth, keys and audit flags)."""
-
-    api_key: str | None = None
-    keys: str | None = None
-    metrics_key: str | None = None
-    audit_log: str | None = None
-    max_n: int = 16
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`serve`'s scale-out options."""
     g = p.add_argument_group("scale out on Ray Serve (needs the extra: pip install 'loraserve[ray]')")

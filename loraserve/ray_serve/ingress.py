@@ -20,8 +20,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..engine.config import EngineConfig
 from ..server.app import build_app
+from ..server.config import ServerConfig
 from ..server.router_metrics import labelled_snapshots, label_names
-from .config import ScaleOutConfig, ServerOptions
+from .config import ScaleOutConfig
 from .drain import Drain, DrainGate
 from .frontend import RayEngineFrontend, served_by
 
@@ -79,11 +80,10 @@ class ReplicaEngineGauges(Collector):
             yield m
 
 
-def ingress_app(frontend: RayEngineFrontend, options: ServerOptions) -> FastAPI:
+def ingress_app(frontend: RayEngineFrontend, options: ServerConfig) -> FastAPI:
     """The single process's app over `frontend`, with per-replica engine gauges on /metrics,
     the replica header on every response, and its drain (`app.state.drain`)."""
-    app = build_app(frontend, api_key=options.api_key, max_n=options.max_n, keys=options.keys,
-                    metrics_key=options.metrics_key, audit_log=options.audit_log)
+    app = build_app(frontend, options)
     metrics = app.state.ctx.metrics
     for attr in _ENGINE_GAUGES:
         metrics.registry.unregister(getattr(metrics, attr))
@@ -99,7 +99,7 @@ class Ingress:
     """The HTTP entry (one replica): routes, auth and tenants as in the single process."""
 
     def __init__(self, replicas: DeploymentHandle, engine_config: dict, scale: ScaleOutConfig,
-                 options: ServerOptions):
+                 options: ServerConfig):
         self.frontend = RayEngineFrontend(EngineConfig(**engine_config), replicas, scale)
         self._loraserve_app = ingress_app(self.frontend, options)
 

@@ -35,7 +35,8 @@ from ray.serve.handle import DeploymentHandle
 
 from ..engine.config import EngineConfig
 from ..server.app import DRAIN_FLUSH_S
-from .config import INGRESS_DEPLOYMENT, REPLICA_DEPLOYMENT, ScaleOutConfig, ServerOptions
+from ..server.config import ServerConfig
+from .config import INGRESS_DEPLOYMENT, REPLICA_DEPLOYMENT, ScaleOutConfig
 from .ingress import Ingress
 from .replica import engine_config_dict, replica_class
 from .router import ROUTER_PATH
@@ -56,7 +57,7 @@ ASK_DELETE_S = 10.0   # a joined cluster given up on: the delete of the applicat
 _INGRESS_SLACK = 64
 
 
-def application(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions):
+def application(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerConfig):
     """The Serve application: the ingress bound to the engine deployment.
 
     Engine replicas: `max_ongoing_requests` = the engine's batch (more wait in Serve's router,
@@ -72,13 +73,13 @@ def application(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions
         replica_class(cfg.max_gpu_adapters), name=REPLICA_DEPLOYMENT, num_replicas=scale.replicas,
         max_ongoing_requests=cfg.max_batch_size,
         max_queued_requests=max(1, scale.replicas * cfg.max_waiting),
-        graceful_shutdown_timeout_s=cfg.shutdown_timeout,
+        graceful_shutdown_timeout_s=options.shutdown_timeout,
         ray_actor_options={"num_cpus": scale.replica_cpus, "num_gpus": scale.gpus_per_replica(cfg)},
         **routing)
     ingress = serve.deployment(
         Ingress, name=INGRESS_DEPLOYMENT, num_replicas=1,
         max_ongoing_requests=scale.replicas * (cfg.max_batch_size + cfg.max_waiting + _INGRESS_SLACK),
-        graceful_shutdown_timeout_s=cfg.shutdown_timeout,
+        graceful_shutdown_timeout_s=options.shutdown_timeout,
         ray_actor_options={"num_cpus": 0,
                            "resources": {f"node:{ray.util.get_node_ip_address()}": 0.001}})
     return ingress.bind(engine.bind(config, scale), config, scale, options)
@@ -149,7 +150,7 @@ class ScaledServer:
         return bounded("ray.shutdown", ray.shutdown, RAY_STOP_S, give_up)
 
 
-def start(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions) -> ScaledServer:
+def start(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerConfig) -> ScaledServer:
     """Connect to (or start) Ray, start Serve's proxy on scale.host:port and deploy; returns
     once every replica is up."""
     owns_ray = not ray.is_initialized() and scale.ray_address is None
@@ -177,10 +178,10 @@ def start(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions) -> S
         raise
     log.info("serving %s with %d engine replicas at http://%s:%d", cfg.model_dir, scale.replicas,
              scale.host, scale.port)
-    return ScaledServer(scale, owns_ray, ingress, cfg.shutdown_timeout)
+    return ScaledServer(scale, owns_ray, ingress, options.shutdown_timeout)
 
 
-def run(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions) -> NoReturn:
+def run(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerConfig) -> NoReturn:
     """Serve until SIGTERM or SIGINT, drain, stop (the local Ray too) and end the process with
     its exit status (see the module's docstring); never returns. An error while starting is
     raised, after cleaning up."""
@@ -216,7 +217,7 @@ def run(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions) -> NoR
             reap_adopted(ray_children)
 
     log.info("%s: draining for up to %g s (send it again to end the requests in flight now)",
-             signals.names[0], cfg.shutdown_timeout)
+             signals.names[0], options.shutdown_timeout)
 
     def give_up() -> bool:
         return signals.abandon.is_set() or watch.lost() is not None
@@ -247,7 +248,7 @@ def run(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions) -> NoR
     exit_now(status)
 
 
-def _start_until_signal(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerOptions,
+def _start_until_signal(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerConfig,
                         signals: StopSignals) -> ScaledServer | None:
     """start() on a thread of its own (which then lives as long as the process), the main
     thread waiting for it or for a signal (None: a signal came first). A signal handler never

@@ -21,6 +21,7 @@ from loraserve.server.adapter_routes import adapter_router, catalog_cards, readi
 from loraserve.server.admin_routes import install_tenancy
 from loraserve.server.chat import create_chat_completion
 from loraserve.server.completions import create_completion
+from loraserve.server.config import ServerConfig
 from loraserve.server.connections import (ConnectionCollector, ConnectionLimits,
                                           plan_connections, protocol_class)
 from loraserve.server.engine_metrics import EngineSupervisorCollector
@@ -199,17 +200,20 @@ def resolve_api_key(api_key: str | None) -> str | None:
     return key or None
 
 
-def build_app(engine: Engine, *, api_key: str | None = None, max_n: int = 16,
-              keys: str | os.PathLike | None = None, metrics_key: str | None = None,
-              audit_log: str | os.PathLike | None = None) -> FastAPI:
-    """The OpenAI-compatible app serving `engine`; `api_key` (one admin key) and the keys file
-    `keys` guard it, `metrics_key` may read /metrics, `audit_log` gets control-plane actions
-    (server/tenancy.py; KeyFileError for a bad keys file).
+def build_app(engine: Engine, config: ServerConfig | None = None, **fields: Any) -> FastAPI:
+    """The OpenAI-compatible app serving `engine`, as `config` says (a ServerConfig, else one
+    made of `fields`: `build_app(engine, keys=path, max_n=4)`): `api_key` (one admin key) and
+    the keys file `keys` guard it, `metrics_key` may read /metrics, `audit_log` gets
+    control-plane actions (server/tenancy.py; KeyFileError for a bad keys file).
 
     `app.state.ctx.metrics` is the app's ServerMetrics (`register` adds collectors).
     The engine is started and shut down by the app's lifespan.
     """
-    ctx = ServerContext.for_engine(engine, ServerMetrics(), max_n=max_n)
+    if config is None:
+        config = ServerConfig(**fields)
+    elif fields:
+        raise TypeError(f"build_app takes a config or its fields, not both: {sorted(fields)}")
+    ctx = ServerContext(engine, ServerMetrics(), config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -240,8 +244,8 @@ def build_app(engine: Engine, *, api_key: str | None = None, max_n: int = 16,
         ctx.metrics.register(CoreMemoryCollector(engine))
         ctx.metrics.register(EngineSupervisorCollector(engine))
     app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.max_request_bytes)
-    install_tenancy(app, TenancyConfig(api_key=api_key, keys_file=keys, metrics_key=metrics_key,
-                                       audit_log=audit_log))
+    install_tenancy(app, TenancyConfig(api_key=config.api_key, keys_file=config.keys,
+                                       metrics_key=config.metrics_key, audit_log=config.audit_log))
     app.add_middleware(RequestMiddleware, metrics=ctx.metrics)  # outermost: counts 401s
     return app
 
@@ -303,18 +307,16 @@ def draining_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *,
                                          + DRAIN_FLUSH_S, **config), ctx)
 
 
-def run_server(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
-               api_key: str | None = None, *, max_n: int = 16, log_level: str = "info",
-               keys: str | os.PathLike | None = None, metrics_key: str | None = None,
-               audit_log: str | os.PathLike | None = None,
+def run_server(engine: Engine, config: ServerConfig | None = None, host: str = "127.0.0.1",
+               port: int = 8000, *, log_level: str = "info",
                connections: ConnectionLimits | None = None, log_format: str = "text") -> None:
     """Serve `engine` with uvicorn until interrupted (draining on SIGTERM, see DrainingServer).
-    `api_key` defaults to $LORASERVE_API_KEY; `connections` bounds the HTTP connections
+    `config.api_key` unset reads $LORASERVE_API_KEY; `connections` bounds the HTTP connections
     (default: ConnectionLimits(), `loraserve serve`'s defaults). With `log_format` "json"
     uvicorn leaves logging as `request_log.configure_logging` set it, so its lines are JSON too;
     uvicorn's access lines are off (the app writes one line per request)."""
-    app = build_app(engine, api_key=resolve_api_key(api_key), max_n=max_n, keys=keys,
-                    metrics_key=metrics_key, audit_log=audit_log)
+    config = config or ServerConfig()
+    app = build_app(engine, dataclasses.replace(config, api_key=resolve_api_key(config.api_key)))
     uvicorn_logging = {"log_config": None} if log_format == "json" else {}
     # each request's line is the app's own (server/request_log.py): uvicorn's access line, with
     # less in it, would be a second line per request

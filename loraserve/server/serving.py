@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraserve.engine import types
-from loraserve.engine.config import EngineConfig
 from loraserve.engine.interface import EngineInterface
 from loraserve.engine.core.structured import check_spec
 from loraserve.engine.types import (SEED_MAX, EngineError, GenerateRequest, GrammarSpec,
                                     ResolvedModel, SamplingParams)
+from loraserve.server.config import ServerConfig
 from loraserve.server.errors import APIError, as_api_error, clip
 from loraserve.server.metrics import ServerMetrics
 from loraserve.server.names import lookup_error
@@ -33,44 +33,33 @@ request_log = logging.getLogger("loraserve.server.requests")
 Engine = EngineInterface  # the engine as the server sees it: loraserve/engine/interface.py
 
 
-def _config_default(name: str) -> Any:
-    return EngineConfig.__dataclass_fields__[name].default
-
-
 @dataclass(slots=True)
 class ServerContext:
-    """What a route handler needs: the engine, the app's metrics and request limits.
-
-    `max_request_bytes` bounds a request body (413), `max_seqs_per_request` the sequences
+    """What a route handler needs: the engine, the app's metrics and the server's configuration
+    (`config.max_request_bytes` bounds a request body (413), `max_seqs_per_request` the sequences
     (prompts x n) one request may start (400); `shutdown_timeout` is how long in-flight requests
-    may run on once shutdown begins before `deadline` ends them (503 / an error event).
-    """
+    may run on once shutdown begins before `deadline` ends them (503 / an error event))."""
 
     engine: Engine
     metrics: ServerMetrics
-    max_n: int = 16
-    max_request_bytes: int = _config_default("max_request_bytes")
-    max_seqs_per_request: int = _config_default("max_seqs_per_request")
-    shutdown_timeout: float = _config_default("shutdown_timeout")
+    config: ServerConfig = field(default_factory=ServerConfig)
     deadline: ShutdownDeadline = field(default_factory=ShutdownDeadline)
 
-    def __post_init__(self) -> None:
-        if self.max_n < 1:
-            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
-        for name in ("max_request_bytes", "max_seqs_per_request"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.shutdown_timeout < 0:
-            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+    @property
+    def max_n(self) -> int:
+        return self.config.max_n
 
-    @classmethod
-    def for_engine(cls, engine: Engine, metrics: ServerMetrics, max_n: int = 16) -> ServerContext:
-        """The context of `engine`, its limits read from `engine.config` (an EngineConfig) where
-        it has one; EngineConfig's defaults otherwise (a test double)."""
-        config = engine.config  # None: a test double without one (EngineConfig's defaults)
-        limits = {name: getattr(config, name, _config_default(name))
-                  for name in ("max_request_bytes", "max_seqs_per_request", "shutdown_timeout")}
-        return cls(engine=engine, metrics=metrics, max_n=max_n, **limits)
+    @property
+    def max_request_bytes(self) -> int:
+        return self.config.max_request_bytes
+
+    @property
+    def max_seqs_per_request(self) -> int:
+        return self.config.max_seqs_per_request
+
+    @property
+    def shutdown_timeout(self) -> float:
+        return self.config.shutdown_timeout
 
     @property
     def limits(self) -> InputLimits:

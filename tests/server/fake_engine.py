@@ -72,7 +72,7 @@ class FakeEngine:
     running: int = 0
     started: bool = False
     shut_down: bool = False
-    config: Any = None  # server limits as EngineConfig names them (max_request_bytes, ...)
+    config: Any = None  # an EngineConfig, where a test needs one (tinker: tokenizer_name)
 
     # the optional parts of engine/interface.py's EngineInterface: "not here" for this fake
     adapter_manager = None

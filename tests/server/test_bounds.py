@@ -28,12 +28,13 @@ JSON = {"content-type": "application/json"}
 
 @pytest.fixture(scope="module")
 def engine() -> FakeEngine:
-    return FakeEngine(config=SimpleNamespace(max_request_bytes=MAX_BYTES, max_seqs_per_request=8))
+    return FakeEngine()
 
 
 @pytest.fixture(scope="module")
 def server(engine: FakeEngine) -> Iterator[LiveServer]:
-    with LiveServer(build_app(engine, max_n=4)) as live:
+    with LiveServer(build_app(engine, max_n=4, max_request_bytes=MAX_BYTES,
+                              max_seqs_per_request=8)) as live:
         yield live
 
 
@@ -471,17 +472,19 @@ def test_error_messages_clip_echoed_values_where_they_stand() -> None:
     assert as_api_error(EngineError("short and sweet")).message == "short and sweet"
 
 
-def test_limits_default_to_engine_config() -> None:
-    from loraserve.engine.config import EngineConfig
+def test_limits_default_to_server_config() -> None:
+    from loraserve.server.config import ServerConfig
 
     ctx = build_app(FakeEngine()).state.ctx
     assert (ctx.max_request_bytes, ctx.max_seqs_per_request, ctx.shutdown_timeout) == \
         (16 * 2**20, 256, 30.0)
-    for name in ("max_request_bytes", "max_seqs_per_request"):
+    for name in ("max_request_bytes", "max_seqs_per_request", "max_n"):
         with pytest.raises(ValueError, match=name):
-            EngineConfig(model_dir="m", **{name: 0})
+            ServerConfig(**{name: 0})
     with pytest.raises(ValueError, match="shutdown_timeout"):
-        EngineConfig(model_dir="m", shutdown_timeout=-1)
+        ServerConfig(shutdown_timeout=-1)
+    with pytest.raises(TypeError, match="not both"):
+        build_app(FakeEngine(), ServerConfig(), max_n=2)
 
 
 def test_serve_flags_set_the_limits() -> None:

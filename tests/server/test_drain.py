@@ -16,7 +16,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 
@@ -80,8 +79,8 @@ def sse_events(response: httpx.Response, first: threading.Event | None = None) -
 
 
 def test_requests_in_flight_finish_after_shutdown_begins() -> None:
-    engine = GatedEngine(config=SimpleNamespace(shutdown_timeout=60))
-    live = LiveServer(build_app(engine), drain=True).__enter__()
+    engine = GatedEngine()
+    live = LiveServer(build_app(engine, shutdown_timeout=60), drain=True).__enter__()
     url, got_first, result = live.url, threading.Event(), {}
 
     def stream() -> None:
@@ -122,8 +121,8 @@ def test_requests_in_flight_finish_after_shutdown_begins() -> None:
 
 
 def test_requests_left_at_the_deadline_end_cleanly() -> None:
-    engine = GatedEngine(config=SimpleNamespace(shutdown_timeout=0.2))  # the gate never opens
-    live = LiveServer(build_app(engine), drain=True).__enter__()
+    engine = GatedEngine()  # the gate never opens
+    live = LiveServer(build_app(engine, shutdown_timeout=0.2), drain=True).__enter__()
     url, got_first, result = live.url, threading.Event(), {}
 
     def stream() -> None:
@@ -166,11 +165,11 @@ def test_requests_left_at_the_deadline_end_cleanly() -> None:
 
 SERVER_SCRIPT = """
 import sys
-from types import SimpleNamespace
 from server.fake_engine import FakeEngine
 from loraserve.server import run_server
-engine = FakeEngine(delay_s=0.05, config=SimpleNamespace(shutdown_timeout=float(sys.argv[1])))
-run_server(engine, port=0, log_level="info")
+from loraserve.server.config import ServerConfig
+engine = FakeEngine(delay_s=0.05)
+run_server(engine, ServerConfig(shutdown_timeout=float(sys.argv[1])), port=0, log_level="info")
 """
 
 
@@ -238,9 +237,9 @@ def test_a_drain_ends_in_time_with_its_engine_core_stopped(tmp_path: Path) -> No
 
     demo = build_demo(tmp_path / "demo")
     cfg = EngineConfig(model_dir=str(demo.qwen3), catalog_dir=str(demo.catalog), device="cpu",
-                       max_model_len=128, max_batch_size=4, torch_threads=1, shutdown_timeout=1.0)
+                       max_model_len=128, max_batch_size=4, torch_threads=1)
     client = CoreClient(cfg, engine_timeout_s=60)  # the drain deadline comes first
-    live = LiveServer(build_app(client), drain=True).__enter__()
+    live = LiveServer(build_app(client, shutdown_timeout=1.0), drain=True).__enter__()
     url, got_first, result = live.url, threading.Event(), {}
 
     def stream() -> None:

@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from loraserve.catalog.errors import (AdapterNotFound, BaseMismatch, CatalogError, CorruptBlob,
                             InvalidAdapterId)
 from loraserve.engine.types import EngineError, SamplingParams, TokenLogprob
+from loraserve.server.config import ServerConfig
 from loraserve.server.errors import APIError, as_api_error, validation_error
 from loraserve.server.logprobs import LOGPROB_FLOOR, LegacyLogprobs, TokenRenderer, chat_content
 from loraserve.server.endpoint import Endpoint, Plan, serve
@@ -91,7 +92,7 @@ def test_fan_out_is_prompt_major_with_seed_per_choice() -> None:
 
 def test_server_context_rejects_bad_max_n() -> None:
     with pytest.raises(ValueError):
-        ServerContext(engine=FakeEngine(), metrics=ServerMetrics(), max_n=0)
+        ServerContext(engine=FakeEngine(), metrics=ServerMetrics(), config=ServerConfig(max_n=0))
 
 
 def test_logprob_shapes_floor_infinities() -> None:
@@ -178,7 +179,7 @@ TOY = Endpoint("toy",
 
 def test_the_skeleton_serves_any_endpoint() -> None:
     """An endpoint supplies its plan, head and choices; the skeleton does the rest."""
-    ctx = ServerContext(engine=FakeEngine(), metrics=ServerMetrics(), max_n=4)
+    ctx = ServerContext(engine=FakeEngine(), metrics=ServerMetrics(), config=ServerConfig(max_n=4))
 
     async def answer(**fields) -> tuple[int, bytes | list[str]]:
         req = CompletionRequest(model="fake-base", prompt="unused", max_tokens=3, n=2, **fields)
