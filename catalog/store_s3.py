@@ -28,10 +28,20 @@
   listing and one blob download of its committing on the writer, given the writers' clocks
   agree within `skew_s` (the log is read from `skew_s` before the cursor; entries are applied once).
 
+- bound: with `cache_mb` (`s3://bucket/prefix?cache_mb=N`), the revisions this tier has seen
+  (faulted in, published, or resolved since: `touch`) are kept in least-recently-used order, and
+  while their bytes exceed the bound the least recent adapter is dropped from the local catalog
+  (after each fault-in and each poll; so the bound is exceeded by at most what one poll interval
+  fetches). Only an adapter the store holds exactly as here (every revision, the promoted one,
+  the tags) is dropped, with no tombstone: a later request faults it in again. Its records go at
+  once and its blobs `blob_grace_s` later, so a page-in that resolved it just before still reads
+  its blob. Adapters this process has not seen since it started are not counted or dropped.
+
 Writes a tier makes while replaying the store (fault-in, poll) are not published again.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -44,9 +54,53 @@ from .fetchers import s3_error
 from .format import blob_checksum
 from .lru import BoundedLRU
 from .records import PolicyRecord, RevisionRecord
+from .shards import add_blob_bytes
 from .store import Catalog
+from .writes import read_policy
 
 log = logging.getLogger("loraserve.catalog.store_s3")
+TRACKED_MAX = 1 << 20  # adapters whose recency a tier keeps (beyond: the least recent untracked)
+
+
+def parse_store_uri(uri: str) -> tuple[str, int | None]:
+    """`s3://bucket/prefix[?cache_mb=N]` -> (the store's URI, the local bound in MiB or None)."""
+    base, sep, query = uri.partition("?")
+    if not sep:
+        return uri, None
+    key, eq, value = query.partition("=")
+    if key != "cache_mb" or not eq or not value.isdigit() or int(value) < 1:
+        raise CatalogError(f"catalog store {uri!r}: the one option is ?cache_mb=N (N >= 1 MiB)")
+    return base, int(value)
+
+
+def drop_records_in_txn(txn, dbs, adapter_id: str) -> list[str]:
+    """Remove `adapter_id`'s policy and revision records, with no tombstone (the store keeps
+    them); their bytes leave the shard's count now. The refs whose blobs `drop_blobs_in_txn`
+    removes later."""
+    policy = read_policy(txn, dbs, adapter_id)
+    if policy is None:
+        return []
+    refs, freed = [], 0
+    for rev in policy.revisions:
+        key = f"{adapter_id}@{rev}".encode()
+        raw = txn.get(key, db=dbs.revision)
+        if raw is not None:
+            freed += RevisionRecord.from_json(raw).size
+            txn.delete(key, db=dbs.revision)
+            refs.append(key.decode())
+    txn.delete(adapter_id.encode(), db=dbs.policy)
+    add_blob_bytes(txn, dbs, -freed)
+    return refs
+
+
+def drop_blobs_in_txn(txn, dbs, refs: list[str]) -> int:
+    """Delete the blobs of `refs` that no record names again (faulted in since: kept)."""
+    dropped = 0
+    for ref in refs:
+        key = ref.encode()
+        if txn.get(key, db=dbs.revision) is None and txn.delete(key, db=dbs.blob):
+            dropped += 1
+    return dropped
 
 
 class ObjectStore:
@@ -126,9 +180,17 @@ class ObjectStore:
 class StoreTier:
     """One host's catalog joined to the store (module doc)."""
 
-    def __init__(self, store: ObjectStore, catalog: Catalog, *, poll_s: float = 2.0, skew_s: float = 10.0) -> None:
+    def __init__(self, store: ObjectStore, catalog: Catalog, *, poll_s: float = 2.0, skew_s: float = 10.0,
+                 max_bytes: int | None = None, blob_grace_s: float = 60.0) -> None:
         self.store, self.catalog = store, catalog
         self.poll_s, self.skew_s = poll_s, skew_s
+        self.max_bytes = max_bytes  # the bound of the counted local bytes (`cache_mb`); None: none
+        self.blob_grace_s = blob_grace_s
+        self._seen: BoundedLRU[str, int] = BoundedLRU(TRACKED_MAX)  # adapter id -> its local bytes
+        self._seen_bytes = 0
+        self._bytes_lock = threading.Lock()
+        self._doomed: list[tuple[float, str, list[str]]] = []  # (due, adapter id, refs): blobs to drop
+        self.dropped = 0  # adapters dropped from the local catalog
         self.host = uuid.uuid4().hex[:12]
         self._replay = threading.local()
         self._sequence = 0
@@ -166,6 +228,7 @@ class StoreTier:
                               local.promoted, local.previous, dict(local.tags), local.created, time.time())
         self.store.put(self.store.key("policies", f"{adapter_id}.json"), policy.to_json())
         self._log(adapter_id)
+        self._track(adapter_id)
 
     def _publish_revision(self, record: RevisionRecord) -> None:
         blob_key = self.store.key("blobs", record.checksum)
@@ -188,10 +251,14 @@ class StoreTier:
         rev = remote.promoted if revision is None else remote.tags.get(revision, revision)
         if rev is None or rev not in remote.revisions:
             raise RevisionNotFound(f"adapter {adapter_id!r} has no revision {revision or 'promoted'!r} in {self.store.uri}")
+        self._untrack(adapter_id)  # never dropped by a concurrent evict while it comes in
         with self.replaying():
             self._copy(remote, rev)
             self._follow(remote)
-        return self.catalog.resolve(adapter_id, rev)
+        record = self.catalog.resolve(adapter_id, rev)
+        self._track(adapter_id)
+        self.evict(keep=adapter_id)
+        return record
 
     def _copy(self, remote: PolicyRecord, rev: str) -> None:
         try:
@@ -284,6 +351,7 @@ class StoreTier:
         while not self._stop.wait(self.poll_s):
             try:
                 self.poll()
+                self.evict()
             except CatalogError as exc:  # the store is down: resident and cached adapters serve on
                 log.warning("catalog store poll failed: %s", exc)
 
@@ -293,3 +361,68 @@ class StoreTier:
             self._thread.join(timeout=self.poll_s + 30)
         if self.published in self.catalog.observers:
             self.catalog.observers.remove(self.published)
+
+    # -- bound -----------------------------------------------------------------------------
+    def touch(self, adapter_id: str) -> None:
+        """A request resolved `adapter_id`: the most recently used (when this tier counts it)."""
+        self._seen.get(adapter_id)
+
+    def _untrack(self, adapter_id: str) -> None:
+        with self._bytes_lock:
+            self._seen_bytes -= self._seen.pop(adapter_id) or 0
+
+    def _track(self, adapter_id: str) -> None:
+        """Count `adapter_id`'s local bytes, as the most recently used."""
+        try:
+            local = self.catalog.policy(adapter_id)
+        except AdapterNotFound:
+            return
+        size = sum(self.catalog.resolve(adapter_id, rev).size for rev in local.revisions)
+        with self._bytes_lock:
+            self._seen_bytes += size - (self._seen.pop(adapter_id) or 0)
+            for _, gone in self._seen.put(adapter_id, size):  # past TRACKED_MAX: no longer counted
+                self._seen_bytes -= gone
+
+    def evict(self, keep: str | None = None) -> int:
+        """Drop least recently used adapters until the counted bytes fit `max_bytes` (module doc),
+        never `keep`; then the blobs whose grace is over. How many adapters were dropped."""
+        dropped = 0
+        while self.max_bytes is not None and self._seen_bytes > self.max_bytes:
+            with self._bytes_lock:
+                oldest = self._seen.pop_oldest()
+                if oldest is None:
+                    break
+                self._seen_bytes -= oldest[1]
+                if oldest[0] == keep:  # the only one left: the bound cannot be met without it
+                    self._seen.put(keep, oldest[1])
+                    self._seen_bytes += oldest[1]
+                    break
+            dropped += self._drop(oldest[0])
+        self._drop_due_blobs()
+        self.dropped += dropped
+        return dropped
+
+    def _drop(self, adapter_id: str) -> int:
+        """Drop `adapter_id` locally when the store holds it exactly as here; 1 if dropped."""
+        try:
+            local = self.catalog.policy(adapter_id)
+        except AdapterNotFound:
+            return 0
+        remote = self.store.policy(adapter_id)
+        if remote is None or not set(local.revisions) <= set(remote.revisions) or \
+                (local.promoted, local.tags) != (remote.promoted, remote.tags):
+            return 0  # not (yet) published as it is here: keep it
+        shard = self.catalog.shard(self.catalog.shard_index(adapter_id))
+        refs = shard.write(functools.partial(drop_records_in_txn, adapter_id=adapter_id))
+        with self._bytes_lock:
+            self._doomed.append((time.monotonic() + self.blob_grace_s, adapter_id, refs))
+        return 1
+
+    def _drop_due_blobs(self) -> None:
+        now = time.monotonic()
+        with self._bytes_lock:
+            due = [d for d in self._doomed if d[0] <= now]
+            self._doomed = [d for d in self._doomed if d[0] > now]
+        for _, adapter_id, refs in due:
+            shard = self.catalog.shard(self.catalog.shard_index(adapter_id))
+            shard.write(functools.partial(drop_blobs_in_txn, refs=refs))

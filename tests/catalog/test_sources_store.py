@@ -131,3 +131,38 @@ def test_store_down_fails_the_publish_and_a_rerun_publishes(s3, hosts, blobs):
         s3.start()
     rec = a.catalog.put_revision("acme/x", blobs[0])  # idempotent: publishes now
     assert b.fault_in("acme/x").checksum == rec.checksum
+
+
+def test_the_local_cache_keeps_its_bound_dropping_the_least_recently_used(hosts, blobs, tmp_path):
+    a, _ = hosts
+    for i in range(3):
+        a.catalog.put_revision(f"acme/x{i}", blobs[i])
+    size = max(len(b) for b in blobs)
+    b = StoreTier(a.store, Catalog.create(tmp_path / "bounded", shards=2), max_bytes=int(2.5 * size),
+                  blob_grace_s=0.0)
+    try:
+        b.fault_in("acme/x0")
+        b.fault_in("acme/x1")
+        b.touch("acme/x0")  # x1 is now the least recently used
+        b.fault_in("acme/x2")
+        assert b.dropped == 1
+        with pytest.raises(AdapterNotFound):
+            b.catalog.resolve("acme/x1")
+        assert b.catalog.resolve("acme/x0") and b.catalog.resolve("acme/x2")
+        assert b.catalog.stats()["bytes"] <= b.max_bytes  # its blob went too (grace 0)
+        assert b.fault_in("acme/x1").checksum == a.catalog.resolve("acme/x1").checksum  # no tombstone
+        with pytest.raises(AdapterNotFound):  # x0 was the least recent then
+            b.catalog.resolve("acme/x0")
+    finally:
+        b.close()
+        b.catalog.close()
+
+
+def test_parse_store_uri():
+    from loraserve.catalog.errors import CatalogError
+    from loraserve.catalog.store_s3 import parse_store_uri
+    assert parse_store_uri("s3://b/p") == ("s3://b/p", None)
+    assert parse_store_uri("s3://b/p?cache_mb=512") == ("s3://b/p", 512)
+    for bad in ("s3://b/p?cache_mb=0", "s3://b/p?size=5", "s3://b/p?cache_mb=x"):
+        with pytest.raises(CatalogError):
+            parse_store_uri(bad)

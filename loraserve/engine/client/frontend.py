@@ -144,13 +144,16 @@ class EngineFrontend(ABC):
         worker thread. A name the catalog lacks is fetched (`sourcing`: the durable tier, the
         adapter sources) off the event loop and resolved again; still missing, the one 404."""
         try:
-            return await self._warm.call(model, self.directory.resolve, model, principal)
+            resolved = await self._warm.call(model, self.directory.resolve, model, principal)
         except (EngineError, CatalogError) as exc:  # CatalogError: RevisionNotFound
             if exc.status != 404 or self.sourcing is None:
                 raise
             if not await self.sourcing.fetch_missing(model, principal):
                 raise
-        return await self._warm.call(model, self.directory.resolve, model, principal)
+            resolved = await self._warm.call(model, self.directory.resolve, model, principal)
+        if self.sourcing is not None and resolved.adapter is not None:
+            self.sourcing.touch(resolved.adapter[0])  # the local cache's recency (--catalog-store)
+        return resolved
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         """Event loop: the engine's token-id deltas of one step -> text deltas, each handed to

@@ -56,8 +56,10 @@ class Sourcing:
                         if cfg.adapter_sources else None)
         self.tier = None
         if cfg.catalog_store:
-            from loraserve.catalog.store_s3 import ObjectStore, StoreTier
-            self.tier = StoreTier(ObjectStore(cfg.catalog_store), manager.catalog)
+            from loraserve.catalog.store_s3 import ObjectStore, StoreTier, parse_store_uri
+            uri, cache_mb = parse_store_uri(cfg.catalog_store)
+            self.tier = StoreTier(ObjectStore(uri), manager.catalog,
+                                  max_bytes=None if cache_mb is None else cache_mb << 20)
             self.tier.start()
         self._pool = ThreadPoolExecutor(FETCH_WORKERS, thread_name_prefix="loraserve-fetch")
         self._lock = threading.Lock()
@@ -132,6 +134,11 @@ class Sourcing:
                 raise EngineError(f"adapter {adapter_id!r} cannot be served here: {exc}; nothing was "
                                   "imported", status=400, param="model") from None
         return importer(self.manager.catalog, adapter_id, self.cfg.model_dir, base, admit)
+
+    def touch(self, adapter_id: str) -> None:
+        """Event loop: a request resolved `adapter_id` (the durable tier's recency)."""
+        if self.tier is not None:
+            self.tier.touch(adapter_id)
 
     def load(self, adapter_id: str, uri: str) -> RevisionRecord:
         """Blocking: `/v1/load_lora_adapter` with a source URI: fetched from the one template it
