@@ -119,12 +119,15 @@ class RequestMiddleware:
     vLLM's /tokenize and /detokenize) is counted by status in `loraserve_requests_total{status}`
     and, once its response has ended (a stream's last byte included), writes its one line
     (`request_log.write`), which the handlers fill through `request_log.current_record()`.
-    Outermost, so a 401 is counted, logged and carries the id too.
+    Outermost, so a 401 is counted, logged and carries the id too. `echo_id` False: the id is
+    read and logged but not echoed, where a proxy in front echoes it itself (Ray Serve's: two
+    headers would read as "id, id").
     """
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics):
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, echo_id: bool = True):
         self.app = app
         self.metrics = metrics
+        self.echo_id = echo_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -138,7 +141,8 @@ class RequestMiddleware:
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start" and record.status is None:
                 record.status = message["status"]
-                message["headers"] = [*message.get("headers", ()), id_header]
+                if self.echo_id:
+                    message["headers"] = [*message.get("headers", ()), id_header]
                 if api:
                     self.metrics.count_request(record.status)
             await send(message)

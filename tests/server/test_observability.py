@@ -153,3 +153,35 @@ def test_text_lines_name_the_request() -> None:
         "loraserve.test: [request abc] hello")
     line = _formatted(TextFormatter(), ACCESS, "", rec)
     assert line.endswith("request id=abc method=GET path=/v1/models status=200")
+
+
+def test_behind_a_proxy_that_echoes_the_id_it_is_logged_not_echoed(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Ray Serve's proxy sets X-Request-Id on the request and echoes it itself: the app logs that
+    id and adds no second header."""
+    import asyncio
+
+    from loraserve.server.metrics import ServerMetrics
+    from loraserve.server.middleware import RequestMiddleware
+
+    async def constant(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    caplog.set_level(logging.INFO, logger=ACCESS)
+    scope = {"type": "http", "method": "GET", "path": "/v1/models",
+             "headers": [(b"x-request-id", b"serve-7")]}
+    for echo in (False, True):
+        asyncio.run(RequestMiddleware(constant, ServerMetrics(), echo_id=echo)(
+            dict(scope), receive, send))
+    quiet, echoed = (m["headers"] for m in sent if m["type"] == "http.response.start")
+    assert quiet == [] and echoed == [(b"x-request-id", b"serve-7")]
+    assert [line["request_id"] for line in _lines(caplog, 2)] == ["serve-7", "serve-7"]
