@@ -28,8 +28,8 @@
   listing and one blob download of its committing on the writer, given the writers' clocks
   agree within `skew_s` (the log is read from `skew_s` before the cursor; entries are applied once).
 
-- bound: with `cache_mb` (`s3://bucket/prefix?cache_mb=N`), the revisions this tier has seen
-  (faulted in, published, or resolved since: `touch`) are kept in least-recently-used order, and
+- bound: with `cache_mb` (`s3://bucket/prefix?cache_mb=N`), the adapters this tier faulted in or
+  published are kept in least-recently-used order (a request's resolve: `touch`), and
   while their bytes exceed the bound the least recent adapter is dropped from the local catalog
   (after each fault-in and each poll; so the bound is exceeded by at most what one poll interval
   fetches). Only an adapter the store holds exactly as here (every revision, the promoted one,

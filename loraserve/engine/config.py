@@ -78,9 +78,10 @@ class EngineConfig:
                 "cache), /dir/{tenant}/{name}; imported as a revision and served. "
                 "/v1/load_lora_adapter takes these URIs as lora_path", "default": "none"})
     catalog_store: str | None = field(default=None, metadata={
-        "help": "s3://bucket/prefix, the catalog's durable tier: every write is published there, "
-                "an adapter missing here is faulted in from it, promotes there are followed "
-                "within ~2 s (polling its change log)", "default": "none"})
+        "help": "s3://bucket/prefix[?cache_mb=N], the catalog's durable tier: every write is "
+                "published there, an adapter missing here is faulted in from it, promotes there "
+                "are followed within ~2 s (polling its change log); with cache_mb, the least "
+                "recently used adapters it holds are dropped here past N MiB", "default": "none"})
     pager_workers: int = field(default=4, metadata={"help": "threads paging adapters in"})
     pager_batch: int = field(default=16, metadata={
         "help": "cold adapters one pager thread reads at a time (one catalog transaction per shard); "
