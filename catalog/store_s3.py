@@ -10,13 +10,14 @@
 
 `StoreTier(store, catalog)` joins one host's LMDB catalog to it:
 
-- publish: every write the catalog commits through its methods (put_revision, promote,
-  rollback, tag: imports, materialize through them, training saves) calls `published(id)`
-  (`Catalog.observers`), which uploads the revisions the store lacks (blob first, then the
-  record) and, when the local promoted revision or tags differ from the store's, the merged
-  policy (the revisions of both; promoted, previous and tags as the local write left them:
-  last writer wins) and a log entry. A failed upload fails the write's call with 503 after
-  the local commit; the call is idempotent, and re-running it publishes.
+- publish: every write this process's catalog commits through its methods (put_revision,
+  promote, rollback, tag) calls `published(id)` (`Catalog.observers`), which uploads the
+  revisions the store lacks (blob first, then the record) and, when the local promoted revision
+  or tags differ from the store's, the merged policy (the revisions of both; promoted, previous
+  and tags as the local write left them: last writer wins) and, when the store had the adapter
+  already, a log entry. A failed upload fails the write's call with 503 after the local commit;
+  the call is idempotent, and re-running it publishes. `publish_catalog` (catalog.store_bulk)
+  publishes a whole catalog.
 - fault in: `fault_in(id, rev)` copies a revision the local catalog lacks (the promoted one by
   default, or a revision id or tag) from the store: record, then blob verified against the
   record's xxh3-128 (a corrupt object is refused, CorruptBlob, and never written), and the
@@ -210,10 +211,11 @@ class StoreTier:
             self._replay.on = False
 
     # -- publish ---------------------------------------------------------------------------
-    def published(self, adapter_id: str) -> None:
-        """The local catalog committed a write to `adapter_id`: make the store agree (module doc)."""
+    def published(self, adapter_id: str) -> bool:
+        """The local catalog committed a write to `adapter_id`: make the store agree (module doc).
+        Whether anything was uploaded. A new adapter needs no log entry: no host holds it yet."""
         if getattr(self._replay, "on", False):
-            return
+            return False
         local = self.catalog.policy(adapter_id)
         remote = self.store.policy(adapter_id)
         known = set(remote.revisions) if remote is not None else set()
@@ -222,13 +224,15 @@ class StoreTier:
                 self._publish_revision(self.catalog.resolve(adapter_id, rev))
         if remote is not None and (remote.promoted, remote.tags) == (local.promoted, local.tags) \
                 and known.issuperset(local.revisions):
-            return
+            return False
         merged = [*(remote.revisions if remote else []), *(r for r in local.revisions if r not in known)]
         policy = PolicyRecord(adapter_id, local.base_fingerprint, local.rank, list(local.targets), merged,
                               local.promoted, local.previous, dict(local.tags), local.created, time.time())
         self.store.put(self.store.key("policies", f"{adapter_id}.json"), policy.to_json())
-        self._log(adapter_id)
+        if remote is not None:
+            self._log(adapter_id)
         self._track(adapter_id)
+        return True
 
     def _publish_revision(self, record: RevisionRecord) -> None:
         blob_key = self.store.key("blobs", record.checksum)

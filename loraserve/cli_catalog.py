@@ -25,7 +25,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     cat = sub.add_parser("catalog", help="manage an adapter catalog (init, import, materialize, audit, ...)")
     csub = cat.add_subparsers(dest="catalog_command", required=True, metavar="SUBCOMMAND")
     for add in (_add_init, _add_import, _add_materialize, _add_audit, _add_show, _add_list, _add_stats,
-                _add_promote, _add_rollback, _add_tag, _add_delete, _add_gc):
+                _add_promote, _add_rollback, _add_tag, _add_delete, _add_gc, _add_publish):
         add(csub)
 
 
@@ -146,6 +146,17 @@ def _add_gc(csub) -> None:
                         "resolved them just before the delete still read them (default: 60)")
     p.add_argument("--audit-log", metavar="FILE", help="append the action here (JSON lines)")
     p.set_defaults(func=cmd_gc)
+
+
+def _add_publish(csub) -> None:
+    p = csub.add_parser("publish", help="publish every adapter into a durable tier (serve --catalog-store); "
+                                        "resumable: what the store holds already is skipped")
+    p.add_argument("dir")
+    p.add_argument("--store", required=True, metavar="s3://BUCKET/PREFIX",
+                   help="the store (boto3: AWS_ENDPOINT_URL and the standard AWS credentials)")
+    p.add_argument("--workers", type=int, default=8, help="adapters published at once (default: 8)")
+    p.add_argument("--after", metavar="ID", help="start past this adapter id (default: the first)")
+    p.set_defaults(func=cmd_publish)
 
 
 # -- commands -------------------------------------------------------------------------------
@@ -333,6 +344,25 @@ def cmd_gc(args) -> int:
         rep = _audited(args.audit_log, "gc", lambda: collect_garbage(cat, args.min_age))
     print(f"blobs deleted: {rep.blobs_deleted} ({rep.bytes_freed} bytes, pages reused by the "
           f"next writes); pending (deleted < {args.min_age:g} s ago): {rep.blobs_pending}")
+    return 0
+
+
+def cmd_publish(args) -> int:
+    from loraserve.catalog.store import Catalog
+    from loraserve.catalog.store_bulk import publish_catalog
+    from loraserve.catalog.store_s3 import ObjectStore, StoreTier, parse_store_uri
+
+    if args.workers < 1:
+        raise ValueError("--workers must be >= 1")
+    with Catalog.open(args.dir) as cat:
+        tier = StoreTier(ObjectStore(parse_store_uri(args.store)[0]), cat)
+        try:
+            rep = publish_catalog(cat, tier, workers=args.workers, after=args.after,
+                                  progress=sys.stderr.isatty())
+        finally:
+            tier.close()
+    print(f"adapters: {rep.adapters}, published: {rep.published}, already in the store: "
+          f"{rep.adapters - rep.published}; last: {rep.last}")
     return 0
 
 

@@ -40,12 +40,16 @@ def s3():
         yield server
 
 
+def ensure_bucket(s3) -> None:
+    if "catalog" not in [b["Name"] for b in s3.client().list_buckets().get("Buckets", [])]:
+        s3.client().create_bucket(Bucket="catalog")
+
+
 @pytest.fixture
 def hosts(s3, tmp_path, request):
     """(writer tier, reader tier) over a fresh bucket prefix."""
     uri = f"{URI}/{request.node.name}"
-    if "catalog" not in [b["Name"] for b in s3.client().list_buckets()["Buckets"]]:
-        s3.client().create_bucket(Bucket="catalog")
+    ensure_bucket(s3)
     tiers = []
     for name in ("a", "b"):
         cat = Catalog.create(tmp_path / name, shards=2)
@@ -62,6 +66,8 @@ def log_count(tier: StoreTier) -> int:
 
 def test_a_write_is_published_and_faults_in_elsewhere_with_the_same_bytes(hosts, blobs):
     a, b = hosts
+    a.catalog.put_revision("acme/x", blobs[1])
+    assert log_count(a) == 0  # a new adapter: no host holds it, nothing to follow
     rec = a.catalog.put_revision("acme/x", blobs[0])
     assert a.store.exists(a.store.key("blobs", rec.checksum))
     assert a.store.policy("acme/x").promoted == rec.revision and log_count(a) == 1
@@ -166,3 +172,21 @@ def test_parse_store_uri():
     for bad in ("s3://b/p?cache_mb=0", "s3://b/p?size=5", "s3://b/p?cache_mb=x"):
         with pytest.raises(CatalogError):
             parse_store_uri(bad)
+
+
+def test_catalog_publish_puts_a_materialized_catalog_into_the_store_and_resumes(s3, dense_base, tmp_path, capsys):
+    from loraserve.catalog.materialize import MaterializeConfig, materialize
+    from loraserve.cli_catalog import run
+    Catalog.create(tmp_path / "built", shards=4).close()
+    assert materialize(MaterializeConfig(tmp_path / "built", dense_base, 25, rank=2, workers=1, progress=False)).ok
+    uri = f"{URI}/bulk"
+    ensure_bucket(s3)
+    assert run(["catalog", "publish", str(tmp_path / "built"), "--store", uri, "--workers", "4"]) == 0
+    assert "adapters: 25, published: 25" in capsys.readouterr().out
+    assert run(["catalog", "publish", str(tmp_path / "built"), "--store", uri]) == 0  # a re-run: nothing to do
+    assert "adapters: 25, published: 0" in capsys.readouterr().out
+    with Catalog.open(tmp_path / "built") as built, Catalog.create(tmp_path / "empty", shards=2) as empty:
+        reader = StoreTier(ObjectStore(uri), empty)
+        for adapter_id in ("synth/a0000000", "synth/a0000024"):
+            assert reader.fault_in(adapter_id).checksum == built.resolve(adapter_id).checksum
+        reader.close()
