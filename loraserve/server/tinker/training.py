@@ -277,9 +277,11 @@ async def save_for_sampler(body: SaveBody, request: Request) -> dict:
         rec = await asyncio.to_thread(mgr.catalog.put_revision, run.adapter_id, blob, revision=revision,
                                       promote=True, source=f"tinker:{run.model_id}")
         entry = run.add_checkpoint("sampler", revision, len(blob))
-        if name is not None:
-            await asyncio.to_thread(record_alias, mgr.catalog, entry["tinker_path"], run.adapter_id, rec.revision)
-        await asyncio.to_thread(mgr.warm, rec.ref)  # the first sample needs no catalog read
+        steps = [asyncio.to_thread(mgr.warm, rec.ref)]  # the first sample needs no catalog read
+        if name is not None:  # the alias's write beside the page-in, not after it
+            steps.append(asyncio.to_thread(record_alias, mgr.catalog, entry["tinker_path"], run.adapter_id,
+                                           rec.revision))
+        await asyncio.gather(*steps)
         if name is not None:
             return {"path": entry["tinker_path"], "type": "save_weights_for_sampler"}
         session = SamplingSession(ta.new_id("samp"), owner, rec.ref, entry["tinker_path"], None)
