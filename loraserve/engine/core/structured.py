@@ -196,12 +196,14 @@ class GrammarEngine:
 
 def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
     """In place: each row rows[j] of logits [B, V] keeps only the tokens matchers[j] allows
-    (the others at -inf). One bitmask of the constrained rows only."""
+    (the others at -inf), one row at a time: its bitmask ([1, V/32] int32) filled and applied
+    to the row where it is (a view). No copy of the constrained rows out of the batch and back,
+    and no [k, V/32] fill, whose intra-op threads cost more than the mask itself on a busy CPU
+    (bench/RESULTS.md)."""
     xgr = _xgr()
     vocab = logits.shape[-1]
-    bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
-    for j, m in enumerate(matchers):
-        m.fill_next_token_bitmask(bitmask, j)
-    sub = logits[rows]
-    xgr.apply_token_bitmask_inplace(sub, bitmask.to(sub.device), vocab_size=vocab)
-    logits[rows] = sub
+    for row, m in zip(rows, matchers):
+        bitmask = xgr.allocate_token_bitmask(1, vocab)
+        m.fill_next_token_bitmask(bitmask, 0)
+        xgr.apply_token_bitmask_inplace(logits[row], bitmask[0].to(logits.device),
+                                        vocab_size=vocab)
