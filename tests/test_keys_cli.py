@@ -167,3 +167,31 @@ def test_an_edit_that_would_touch_other_entries_is_refused(tmp_path: Path) -> No
     out = _cli("keys", "revoke", "a", "--keys", str(path))
     assert out.returncode == 1 and "no [keys.a] table to edit" in out.stderr
     assert path.read_text() == inline
+
+
+def test_a_stream_in_flight_ends_cleanly_when_its_key_is_revoked(tmp_path: Path) -> None:
+    """The reload swaps the keys for new requests; a request keeps the principal it started
+    with, so its stream runs to the end ([DONE]) while the same key's next request gets 401."""
+    path, made = _keys_file(tmp_path)
+    engine = FakeEngine(adapters=("acme/support",), delay_s=0.1)
+    body = {"model": "acme/support", "prompt": "hi", "max_tokens": 40, "stream": True}
+    auth = {"Authorization": f"Bearer {made['acme-a']}"}
+    with LiveServer(build_app(engine, keys=path)) as live, \
+            httpx.Client(base_url=live.url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body, headers=auth) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert engine.running == 1 and '"text"' in first
+            assert _cli("keys", "revoke", "acme-a", "--keys", str(path)).returncode == 0
+            reload = http.post("/admin/reload-keys", headers={"X-API-Key": made["ops"]})
+            assert reload.status_code == 200
+            refused = http.post("/v1/completions", headers=auth,
+                                json={**body, "stream": False, "max_tokens": 1})
+            assert refused.status_code == 401
+            assert engine.running == 1  # the stream was still running at the reload
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        chunks = [json.loads(line[6:]) for line in [first, *rest[:-1]]]
+        assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["text"]) == 40
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert not engine.aborted
