@@ -1,0 +1,201 @@
+"""Training and serving on one resident base (issue 24): the handoff, and serving under training.
+
+    python bench/train_serve.py [--handoffs 7] [--tokens 200] [--train-datums 8] [--train-tokens 64]
+                                [--train-max-tokens 64,512]
+
+Starts `loraserve serve` (the engine-core process) on the demo base with a copy of the demo
+catalog, once per `--train-max-tokens` value, and drives it with the Tinker SDK (training) and
+httpx (serving). Prints two tables:
+
+- handoff: from "the trainer has new factors" to the first token of the new revision on /v1.
+  `save_weights_for_sampler` (factors -> serving layout -> catalog revision, warmed) against the
+  path without it: write a PEFT directory (the export) and `POST /v1/load_lora_adapter` (the
+  server's `catalog import`), then the same first token. Median of `--handoffs` each, side by side.
+- serving: inter-token gaps of one streamed greedy generation of `--tokens` tokens on the base,
+  alone and while a training loop (forward_backward on `--train-datums` datums of `--train-tokens`
+  tokens, optim_step) runs without pause; p50 / p99 gap, and the training steps per second
+  meanwhile. A slice holds whole datums, so `--train-max-tokens` 64 runs the pass in 8 slices
+  with a decode step after each, 512 in one.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+
+import httpx
+import torch
+from safetensors.torch import save_file
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+import mint  # noqa: E402
+from mint import types  # noqa: E402
+
+RANK, ALPHA = 8, 32.0  # ALPHA: the server's (loraserve.train.config.DEFAULT_ALPHA)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(model: Path, catalog: Path, root: Path, port: int, train_max_tokens: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "loraserve.cli", "serve", "--model", str(model), "--catalog", str(catalog),
+           "--port", str(port), "--adapter-root", str(root), "--train-max-tokens", str(train_max_tokens),
+           "--max-model-len", "1024"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit(f"loraserve serve exited with {proc.returncode}: {' '.join(cmd)}")
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("loraserve serve did not become ready")
+
+
+def first_token(http: httpx.Client, model: str) -> None:
+    r = http.post("/v1/completions", json={"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 1,
+                                           "temperature": 0})
+    r.raise_for_status()
+
+
+def write_peft(out: Path, n_layers: int, shapes: dict[str, tuple[int, int]], seed: int) -> None:
+    """A PEFT adapter of the run's shape (every layer's attention + MLP, lm_head): the export."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(n_layers):
+        for kind, (fan_in, fan_out) in shapes.items():
+            group = "self_attn" if kind in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            name = f"base_model.model.model.layers.{layer}.{group}.{kind}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(RANK, fan_in, generator=gen) * 0.01
+            tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, RANK, generator=gen) * 0.01
+    out.mkdir(parents=True)
+    save_file(tensors, out / "adapter_model.safetensors")
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA, "target_modules": sorted(shapes),
+        "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM"}))
+
+
+def sft_datum(n: int) -> types.Datum:
+    toks = [(7 * i) % 250 + 1 for i in range(n + 1)]
+    return types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
+                       loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * n})
+
+
+def handoff(url: str, http: httpx.Client, root: Path, model: Path, rounds: int) -> tuple[list, list]:
+    service = mint.ServiceClient(base_url=url, api_key="tml-bench")
+    trainer = service.create_lora_training_client(base_model="qwen3", rank=RANK, seed=0)
+    cfg = json.loads((model / "config.json").read_text())
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    ours, export = [], []
+    for r in range(rounds):
+        trainer.forward_backward([sft_datum(32)], "cross_entropy").result()
+        trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        t0 = time.perf_counter()
+        trainer.save_weights_for_sampler(f"h{r}").result()
+        first_token(http, f"default/{trainer.model_id}@h{r}")
+        ours.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        write_peft(root / f"peft-{r}", cfg["num_hidden_layers"], shapes, r)
+        http.post("/v1/load_lora_adapter", json={"lora_name": f"default/peft-{r}",
+                                                 "lora_path": str(root / f"peft-{r}")}).raise_for_status()
+        first_token(http, f"default/peft-{r}")
+        export.append(time.perf_counter() - t0)
+    return ours, export
+
+
+def gaps(http: httpx.Client, tokens: int) -> list[float]:
+    """Inter-token gaps (s) of one streamed greedy generation on the base."""
+    body = {"model": "qwen3", "prompt": [5, 6, 7, 8], "max_tokens": tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    stamps = []
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                stamps.append(time.perf_counter())
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def serving(url: str, http: httpx.Client, tokens: int, datums: int, train_tokens: int) -> dict[str, tuple]:
+    alone = gaps(http, tokens)
+    service = mint.ServiceClient(base_url=url, api_key="tml-bench")
+    trainer = service.create_lora_training_client(base_model="qwen3", rank=RANK, seed=1)
+    stop, steps = threading.Event(), [0]
+
+    def loop() -> None:
+        while not stop.is_set():
+            trainer.forward_backward([sft_datum(train_tokens)] * datums, "cross_entropy")
+            trainer.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+            steps[0] += 1
+
+    worker = threading.Thread(target=loop, daemon=True)
+    worker.start()
+    time.sleep(1.0)  # training under way
+    t0, s0 = time.perf_counter(), steps[0]
+    loaded = gaps(http, tokens)
+    rate = (steps[0] - s0) / (time.perf_counter() - t0)
+    stop.set()
+    worker.join(timeout=60)
+    return {"alone": (alone, None), "training": (loaded, rate)}
+
+
+def pct(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=100)[q - 1] * 1e3 if len(xs) > 1 else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--handoffs", type=int, default=7)
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--train-datums", type=int, default=8)
+    ap.add_argument("--train-tokens", type=int, default=64)
+    ap.add_argument("--train-max-tokens", default="64,512")
+    args = ap.parse_args()
+    from loraserve.demo import build_demo
+    demo = build_demo(Path(".loraserve/demo"))
+    print("| --train-max-tokens | handoff: save_weights_for_sampler (ms) | handoff: export + import (ms) | ratio |"
+          " ITL alone p50 / p99 (ms) | ITL while training p50 / p99 (ms) | training steps/s |")
+    print("|---|---|---|---|---|---|---|")
+    for budget in [int(x) for x in args.train_max_tokens.split(",")]:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            shutil.copytree(demo.catalog, root / "catalog")
+            port = free_port()
+            proc = serve(demo.qwen3, root / "catalog", root, port, budget)
+            url = f"http://127.0.0.1:{port}"
+            try:
+                with httpx.Client(base_url=url, timeout=120) as http:
+                    ours, export = handoff(url, http, root, demo.qwen3, args.handoffs)
+                    itl = serving(url, http, args.tokens, args.train_datums, args.train_tokens)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+        a, b = statistics.median(ours) * 1e3, statistics.median(export) * 1e3
+        alone, (loaded, rate) = itl["alone"][0], itl["training"]
+        print(f"| {budget} | {a:.1f} | {b:.1f} | {b / a:.2f}x | {pct(alone, 50):.2f} / {pct(alone, 99):.2f} |"
+              f" {pct(loaded, 50):.2f} / {pct(loaded, 99):.2f} | {rate:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
