@@ -1,6 +1,7 @@
 """forward_backward on the resident base equals transformers + PEFT on the same tiny checkpoint:
-the loss and every LoRA gradient, for each Tinker loss, dense Qwen3 and tied Llama (biases),
-with the base's linears plain or prepacked (oneDNN layout); optim_step equals torch.optim.Adam."""
+the loss and every LoRA gradient, for each Tinker loss, dense Qwen3, tied Llama (biases) and
+Qwen3-MoE (attention and lm_head: experts are not trained), with the base's linears plain or
+prepacked (oneDNN layout)."""
 from __future__ import annotations
 
 import pytest
@@ -103,7 +104,8 @@ def _close(got, want, what):
 
 
 CASES = [("hf_dense", False, dict()), ("hf_dense", True, dict(train_mlp=False)),
-         ("hf_llama", False, dict(train_attn=False)), ("hf_llama", True, dict())]
+         ("hf_llama", False, dict(train_attn=False)), ("hf_llama", True, dict()),
+         ("hf_moe", False, dict(train_mlp=False))]  # Qwen3-MoE: attention and lm_head (no expert LoRA)
 
 
 @pytest.mark.parametrize("base,packed,targets", CASES)
