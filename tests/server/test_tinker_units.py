@@ -166,3 +166,19 @@ def test_tinker_names_without_a_catalog() -> None:
     assert canonical_model("tinker://demo/pirate@r2", engine) == "demo/pirate@r2"
     assert canonical_model("tinker://fake-base", engine) == "fake-base"
     assert canonical_model("demo/pirate", engine) == "demo/pirate"
+
+
+# -- training on a hosting without a trainer ------------------------------------------------------
+
+@pytest.mark.parametrize("path, body", [
+    ("/api/v1/create_model", {"session_id": "s", "model_seq_id": 0, "base_model": "fake-base",
+                              "lora_config": {"rank": 4}}),
+    ("/api/v1/forward_backward", {"model_id": "run-x", "forward_backward_input": {
+        "data": [], "loss_fn": "cross_entropy"}}),
+    ("/api/v1/optim_step", {"model_id": "run-x", "adam_params": {"learning_rate": 0.1}}),
+])
+def test_training_routes_refuse_where_the_hosting_does_not_train(http, path: str, body: dict) -> None:
+    """The fake engine has trainer = None, as Ray replicas do: a 400 that says so, never a 5xx."""
+    r = http.post(path, json=body)
+    assert r.status_code == 400 and "does not train" in r.json()["error"]["message"], r.text
+    assert http.get("/api/v1/training_runs").status_code == 400
