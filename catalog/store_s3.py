@@ -273,8 +273,9 @@ class StoreTier:
         record = self.store.record(remote.adapter_id, rev)
         if record is None:
             raise CorruptBlob(f"{remote.adapter_id}@{rev}: the store's policy names it, its record is missing")
-        blob = self.store.blob(record)
-        self.catalog.put_revision(remote.adapter_id, blob, revision=rev, promote=False, source=record.source)
+        blob = self.store.blob(record)  # promoted in the same write when the store promotes it
+        self.catalog.put_revision(remote.adapter_id, blob, revision=rev, promote=rev == remote.promoted,
+                                  source=record.source)
 
     def _follow(self, remote: PolicyRecord) -> None:
         """Promote locally what the store promotes, and copy its tags, for revisions held here."""
