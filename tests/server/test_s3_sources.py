@@ -155,3 +155,23 @@ def test_the_flags_reach_the_engine_config_and_bad_templates_stop_the_start() ->
             EngineConfig(model_dir="m", adapter_sources=bad)
     with pytest.raises(ValueError):
         EngineConfig(model_dir="m", catalog_store="/local/dir")
+
+
+def test_the_fetched_adapter_decodes_as_transformers_and_peft_do(served, hf_dense) -> None:
+    """Greedy tokens of the S3-fetched adapter over HTTP equal transformers + PEFT's on the same
+    PEFT directory."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    http, engine, _ = served
+    prompt = [3, 17, 29, 41, 5]
+    r = http.post("/v1/completions", headers=auth("acme"),
+                  json={"model": "acme/support", "prompt": prompt, "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200, r.text
+    root = engine.config.adapter_root
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_dense, dtype=torch.float32),
+                                      f"{root}/support").eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False)
+    want = engine.tokenizer.decode(out[0, len(prompt):].tolist())
+    assert r.json()["choices"][0]["text"] == want
