@@ -3,7 +3,8 @@ here): hadolint passes both Dockerfiles, and the very scripts they run, docker/i
 install: torch first, then the package without dev tools, the demo) and docker/start.sh (the
 ENTRYPOINT: settings from a config file and LORASERVE_* variables) serve the demo from a venv
 of their own, probed with the images' HEALTHCHECK command (docker/healthcheck.py); SIGTERM
-drains and ends the server.
+drains and ends the server. On that server the control plane works from the same install: a
+deleted adapter is 404 at once, gc frees it, and a revoked key is 401 after SIGHUP.
 
 The install is a venv made by `python -m venv` (no system site packages), kept between test
 sessions in the user's cache directory under a hash of the runtime dependencies, the Python and
@@ -29,6 +30,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from loraserve.keys import Principal, append_key
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
@@ -102,13 +105,13 @@ def test_the_install_serves_the_demo_from_start_sh(installed: Path, tmp_path: Pa
     names = {p["name"].lower() for p in json.loads(pip.stdout)}
     assert {"torch", "fastapi", "lmdb"} <= names and not names & {"pytest", "hypothesis", "ray"}
     port = _free_port()
-    keys = tmp_path / "keys.toml"
-    key = subprocess.run([str(venv / "bin" / "loraserve"), "keys", "create", "--keys", str(keys),
-                          "--admin", "--id", "ops"], capture_output=True, text=True,
-                         timeout=120).stdout.strip()
+    keys, catalog = tmp_path / "keys.toml", tmp_path / "catalog"
+    shutil.copytree(installed / "demo" / "catalog", catalog)  # this test deletes from it
+    key = append_key(keys, Principal("ops", admin=True))  # (the venv's CLI edits them below)
+    user = append_key(keys, Principal("u", admin=False, tenants=("demo",)))
     config = tmp_path / "serve.toml"
-    config.write_text(f'keys = "{keys}"\nmax-batch-size = 4\nshutdown-timeout = 5\n'
-                      "single-process = true\n")
+    config.write_text(f'keys = "{keys}"\ncatalog = "{catalog}"\nmax-batch-size = 4\n'
+                      "shutdown-timeout = 5\nsingle-process = true\n")
     env = {**os.environ, "LORASERVE_VENV": str(venv), "LORASERVE_CONFIG": str(config),
            "LORASERVE_HOST": "127.0.0.1", "LORASERVE_PORT": str(port),
            "LORASERVE_DEMO_DIR": str(installed / "demo")}
@@ -130,6 +133,7 @@ def test_the_install_serves_the_demo_from_start_sh(installed: Path, tmp_path: Pa
             r = http.post("/v1/completions", headers=auth, json={
                 "model": "demo/none", "prompt": "Who are you?", "max_tokens": 4})
             assert r.status_code == 404
+            _operate(venv, http, server, keys, catalog, key, user)
         server.send_signal(signal.SIGTERM)  # what the runtime sends on stop: a drain
         # uvicorn ends by re-raising the signal once the drain is done
         assert server.wait(timeout=60) in (0, -signal.SIGTERM)
@@ -137,6 +141,34 @@ def test_the_install_serves_the_demo_from_start_sh(installed: Path, tmp_path: Pa
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def _loraserve(venv: Path, *args: str) -> str:
+    out = subprocess.run([str(venv / "bin" / "loraserve"), *args], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def _operate(venv: Path, http: httpx.Client, server: subprocess.Popen, keys: Path,
+             catalog: Path, admin: str, user: str) -> None:
+    """The control plane on the running server: a deleted adapter is 404 on its next request,
+    gc frees its blob; a revoked key is 401 once SIGHUP has reloaded the keys."""
+    def complete(key: str, model: str) -> int:
+        return http.post("/v1/completions", headers={"Authorization": f"Bearer {key}"}, json={
+            "model": model, "prompt": "Who are you?", "max_tokens": 2}).status_code
+
+    assert complete(user, "demo/poet") == 200
+    _loraserve(venv, "catalog", "delete", str(catalog), "demo/poet", "--force")
+    assert complete(admin, "demo/poet") == 404
+    assert "blobs deleted: 1 " in _loraserve(venv, "catalog", "gc", str(catalog), "--min-age", "0")
+    _loraserve(venv, "keys", "revoke", "u", "--keys", str(keys))
+    server.send_signal(signal.SIGHUP)  # the reload runs on the server's loop: wait for it
+    deadline = time.monotonic() + 60
+    while complete(user, "demo/pirate") != 401:
+        assert time.monotonic() < deadline, "SIGHUP did not reload the keys in 60 s"
+        time.sleep(0.2)
+    assert complete(admin, "demo/pirate") == 200
 
 
 def _wait_healthy(venv: Path, env: dict, server: subprocess.Popen) -> None:
