@@ -16,6 +16,9 @@ httpx (serving). Prints two tables:
   tokens, optim_step) runs without pause; p50 / p99 gap, and the training steps per second
   meanwhile. A slice holds whole datums, so `--train-max-tokens` 64 runs the pass in 8 slices
   with a decode step after each, 512 in one.
+- runs (`--runs 1,3,8`, on the last server): N runs of `--steps` steps each (the same passes),
+  one after another against all at once (a thread each); wall time and the peak resident memory
+  of the server and its engine core during each (sampled every 20 ms).
 """
 from __future__ import annotations
 
@@ -160,6 +163,62 @@ def serving(url: str, http: httpx.Client, tokens: int, datums: int, train_tokens
     return {"alone": (alone, None), "training": (loaded, rate)}
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident bytes of `pid` and its children (the engine-core process)."""
+    total = 0
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    for p in [pid, *map(int, kids)]:
+        for line in Path(f"/proc/{p}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def run_steps(url: str, service, seed: int, steps: int, datums: int, tokens: int) -> None:
+    trainer = service.create_lora_training_client(base_model="qwen3", rank=RANK, seed=seed)
+    for _ in range(steps):
+        trainer.forward_backward([sft_datum(tokens)] * datums, "cross_entropy")
+        trainer.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+    # the SDK's TrainingClient has no unload: its REST route (a future, answered when done)
+    with httpx.Client(base_url=url, timeout=60) as http:
+        future = http.post("/api/v1/unload_model", json={"model_id": trainer.model_id}).json()
+        http.post("/api/v1/retrieve_future", json={"request_id": future["request_id"]}).raise_for_status()
+
+
+def runs_table(url: str, pid: int, counts: list[int], args: argparse.Namespace) -> list[str]:
+    service = mint.ServiceClient(base_url=url, api_key="tml-bench")
+    rows = []
+    for n in counts:
+        out = []
+        for mode in ("one after another", "at once"):
+            peak, stop = [rss_bytes(pid)], threading.Event()
+
+            def sample() -> None:
+                while not stop.wait(0.02):
+                    peak[0] = max(peak[0], rss_bytes(pid))
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            t0 = time.perf_counter()
+            jobs = [lambda i=i: run_steps(url, service, i, args.steps, args.train_datums, args.train_tokens)
+                    for i in range(n)]
+            if mode == "at once":
+                threads = [threading.Thread(target=job) for job in jobs]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            else:
+                for job in jobs:
+                    job()
+            out.append((time.perf_counter() - t0, peak[0]))
+            stop.set()
+            sampler.join()
+        (seq_s, seq_m), (con_s, con_m) = out
+        rows.append(f"| {n} | {seq_s:.1f} | {con_s:.1f} | {seq_s / con_s:.2f}x | {seq_m / 2**20:.0f} | {con_m / 2**20:.0f} |")
+    return rows
+
+
 def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100)[q - 1] * 1e3 if len(xs) > 1 else float("nan")
 
@@ -171,13 +230,17 @@ def main() -> None:
     ap.add_argument("--train-datums", type=int, default=8)
     ap.add_argument("--train-tokens", type=int, default=64)
     ap.add_argument("--train-max-tokens", default="64,512")
+    ap.add_argument("--runs", default="1,3,8")
+    ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
     from loraserve.demo import build_demo
     demo = build_demo(Path(".loraserve/demo"))
     print("| --train-max-tokens | handoff: save_weights_for_sampler (ms) | handoff: export + import (ms) | ratio |"
           " ITL alone p50 / p99 (ms) | ITL while training p50 / p99 (ms) | training steps/s |")
     print("|---|---|---|---|---|---|---|")
-    for budget in [int(x) for x in args.train_max_tokens.split(",")]:
+    budgets = [int(x) for x in args.train_max_tokens.split(",")]
+    runs_rows: list[str] = []
+    for budget in budgets:
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
             shutil.copytree(demo.catalog, root / "catalog")
@@ -188,6 +251,8 @@ def main() -> None:
                 with httpx.Client(base_url=url, timeout=120) as http:
                     ours, export = handoff(url, http, root, demo.qwen3, args.handoffs)
                     itl = serving(url, http, args.tokens, args.train_datums, args.train_tokens)
+                if budget == budgets[-1] and args.runs:
+                    runs_rows = runs_table(url, proc.pid, [int(x) for x in args.runs.split(",")], args)
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)
@@ -195,6 +260,11 @@ def main() -> None:
         alone, (loaded, rate) = itl["alone"][0], itl["training"]
         print(f"| {budget} | {a:.1f} | {b:.1f} | {b / a:.2f}x | {pct(alone, 50):.2f} / {pct(alone, 99):.2f} |"
               f" {pct(loaded, 50):.2f} / {pct(loaded, 99):.2f} | {rate:.1f} |")
+    if runs_rows:
+        print(f"\n| runs (--train-max-tokens {budgets[-1]}) | one after another (s) | at once (s) | ratio |"
+              " peak RSS one after another (MiB) | peak RSS at once (MiB) |")
+        print("|---|---|---|---|---|---|")
+        print("\n".join(runs_rows))
 
 
 if __name__ == "__main__":

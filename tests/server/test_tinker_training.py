@@ -120,7 +120,12 @@ def test_forward_matches_the_samplers_logprobs(server: Server) -> None:
         types.ModelInput.from_ints(tokens)).result()
     assert len(logprobs) == len(served) - 1
     assert max(abs(a - b) for a, b in zip(logprobs, served[1:])) < 1e-3
-    trainer.unload_model().result() if hasattr(trainer, "unload_model") else None
+    with server.http() as http:  # unload_model: the REST route (the SDK's client has no method)
+        future = http.post("/api/v1/unload_model", json={"model_id": trainer.model_id}).json()
+        done = http.post("/api/v1/retrieve_future", json={"request_id": future["request_id"]}).json()
+        assert done == {"model_id": trainer.model_id, "type": "unload_model"}
+    with pytest.raises(Exception, match="does not exist"):
+        trainer.get_info()
 
 
 def test_rl_loop_moves_the_policy_toward_the_reward(server: Server) -> None:
