@@ -10,6 +10,8 @@ deletes the application.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from fastapi import FastAPI
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -83,7 +85,9 @@ class ReplicaEngineGauges(Collector):
 def ingress_app(frontend: RayEngineFrontend, options: ServerConfig) -> FastAPI:
     """The single process's app over `frontend`, with per-replica engine gauges on /metrics,
     the replica header on every response, and its drain (`app.state.drain`)."""
-    app = build_app(frontend, options)
+    # Serve's proxy sets X-Request-Id on the request (the client's, else its own) and echoes it:
+    # the app logs that id and adds no second header
+    app = build_app(frontend, dataclasses.replace(options, echo_request_id=False))
     metrics = app.state.ctx.metrics
     for attr in _ENGINE_GAUGES:
         metrics.registry.unregister(getattr(metrics, attr))

@@ -246,7 +246,8 @@ def build_app(engine: Engine, config: ServerConfig | None = None, **fields: Any)
     app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.max_request_bytes)
     install_tenancy(app, TenancyConfig(api_key=config.api_key, keys_file=config.keys,
                                        metrics_key=config.metrics_key, audit_log=config.audit_log))
-    app.add_middleware(RequestMiddleware, metrics=ctx.metrics)  # outermost: counts 401s
+    app.add_middleware(RequestMiddleware, metrics=ctx.metrics,  # outermost: counts 401s
+                       echo_id=config.echo_request_id)
     return app
 
 

@@ -26,6 +26,9 @@ class ServerConfig:
     shutdown_timeout: float = field(default=30.0, metadata={
         "help": "seconds in-flight requests may run on after SIGTERM; then they end with a "
                 "clean error (503, or an error event in a stream)"})
+    # X-Request-Id on every response (server/request_log.py); False behind a proxy that echoes
+    # it itself (Ray Serve's), where the app only reads and logs it
+    echo_request_id: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_n", "max_request_bytes", "max_seqs_per_request"):

@@ -185,3 +185,22 @@ def test_behind_a_proxy_that_echoes_the_id_it_is_logged_not_echoed(
     quiet, echoed = (m["headers"] for m in sent if m["type"] == "http.response.start")
     assert quiet == [] and echoed == [(b"x-request-id", b"serve-7")]
     assert [line["request_id"] for line in _lines(caplog, 2)] == ["serve-7", "serve-7"]
+
+
+def test_the_ray_ingress_logs_the_proxys_id_without_echoing_it(demo_dense) -> None:
+    """`serve --replicas`: the ingress app adds no X-Request-Id of its own (Serve's proxy does)."""
+    from starlette.testclient import TestClient
+
+    from loraserve.engine.config import EngineConfig
+    from loraserve.ray_serve.config import ScaleOutConfig
+    from loraserve.ray_serve.frontend import RayEngineFrontend
+    from loraserve.ray_serve.ingress import ingress_app
+    from loraserve.server.config import ServerConfig
+
+    front = RayEngineFrontend(EngineConfig(model_dir=str(demo_dense)), object(),
+                              ScaleOutConfig(replicas=2))
+    r = TestClient(ingress_app(front, ServerConfig())).get("/health",
+                                                           headers={"X-Request-Id": "serve-1"})
+    assert r.status_code == 200 and "x-request-id" not in r.headers
+    plain = TestClient(build_app(FakeEngine())).get("/health", headers={"X-Request-Id": "p-1"})
+    assert plain.headers["x-request-id"] == "p-1"
