@@ -31,7 +31,7 @@ from loraserve.server.chat import chat_prompt
 from loraserve.server.completions import normalize_prompts
 from loraserve.server.errors import APIError
 from loraserve.server.protocol import ChatMessage, JSONBodyRoute, Refused, StrictBody, _refused_field
-from loraserve.server.request_log import current_record
+from loraserve.server.request_log import RequestRecord, current_record
 from loraserve.server.tenancy import principal_of
 from loraserve.server.tool_calls import plan_tools
 
@@ -116,11 +116,11 @@ async def _resolved_engine(model: str | None, request: Request) -> sv.Engine:
     """The engine, once `model` (None: the base) resolves for the caller: the 404 of
     generation for a name it may not see or that names nothing."""
     ctx: sv.ServerContext = request.app.state.ctx
-    record = current_record()
-    if record is not None:
-        record.model = model
+    record = current_record() or RequestRecord("")  # the request's log line
+    record.model = model
     if model is not None:
-        await sv.resolve_model(model, principal_of(request), ctx.engine)
+        resolved = await sv.resolve_model(model, principal_of(request), ctx.engine)
+        record.adapter, record.tenant = resolved.ref, resolved.tenant or None
     return ctx.engine
 
 

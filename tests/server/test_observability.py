@@ -93,6 +93,11 @@ def test_refusals_are_logged_with_what_was_known(http: httpx.Client,
     assert (first["status"], first["model"], first["adapter"]) == (404, "acme/none", None)
     assert first["prompt_tokens"] is None and first["ttft_s"] is None
     assert (second["status"], second["path"], second["model"]) == (400, "/tokenize", "fake-base")
+    assert second["adapter"] == "fake-base"
+    adapter = http.post("/tokenize", json={"model": "acme/support", "prompt": "x"})
+    assert adapter.status_code == 200
+    third = _lines(caplog, 3)[2]
+    assert (third["tenant"], third["adapter"], third["tier"]) == ("acme", "acme/support", None)
 
 
 def test_a_401_is_logged_and_carries_the_id(keyed: str, caplog: pytest.LogCaptureFixture) -> None:
