@@ -12,7 +12,9 @@ Marked `ray`: `make test` runs this module alone, after the main suite (Ray take
 """
 from __future__ import annotations
 
+import base64
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -31,8 +33,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import hashlib
-
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -42,6 +42,7 @@ import psutil  # noqa: E402  (Ray's: on sys.path once ray is imported)
 
 from loraserve.demo import DEMO_ADAPTERS, DemoPaths, build_demo  # noqa: E402
 from loraserve.ray_serve.routing import preference  # noqa: E402
+from loraserve.server.residency import Bloom  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -224,6 +225,27 @@ def test_every_adapter_goes_to_its_rendezvous_replica_from_its_first_request(htt
         assert seen == [preference(adapter, replicas)[0]] * 3, (adapter, seen)
         OWNERS[adapter] = seen[0]
     print("adapter -> replicas serving it:", {a: sorted(set(s)) for a, s in served.items()})
+
+
+def test_residency_digests_show_each_adapter_on_its_replica(http) -> None:
+    """GET /v1/residency on the ingress: one digest per replica; an adapter resident on a
+    replica is one that replica served (affinity keeps it off the other), in its Bloom filter
+    too; an unchanged digest answers 304 to its ETag."""
+    assert OWNERS, "runs after the affinity test"
+    replicas = live_replicas(http)
+    r = http.get("/v1/residency")
+    assert r.status_code == 200, r.text
+    digests = {d["replica"]: d for d in r.json()["replicas"]}
+    assert sorted(digests) == replicas
+    for name, d in digests.items():
+        assert d["slots"] == 2 and d["entries"] <= 2 and len(d["top"]) == d["entries"]
+        for ref in d["top"]:
+            assert OWNERS.get(ref.split("@")[0], name) == name, (ref, name, OWNERS)
+            bloom = d["bloom"]
+            assert ref in Bloom(bloom["m"], bloom["k"], base64.b64decode(bloom["bits"]), d["entries"])
+    assert any(d["top"] for d in digests.values())
+    again = http.get("/v1/residency", headers={"If-None-Match": r.headers["ETag"]})
+    assert again.status_code in (200, 304)  # 304 unless a replica's pool changed meanwhile
 
 
 def _at_once(http: httpx.Client, models: list[str]) -> list[str]:

@@ -30,7 +30,7 @@ ROUTER_PATH = "loraserve.ray_serve.router.AffinityRouter"
 class AffinityRouter(RequestRouter):
     """Rendezvous hashing with bounded loads for adapters, least loaded for the base."""
 
-    def initialize_state(self, c: float = DEFAULT_C, **kwargs) -> None:
+    def initialize_state(self, c: float = DEFAULT_C) -> None:
         if c < 1:
             raise ValueError(f"the load bound's c must be >= 1, got {c}")
         self.c = c

@@ -22,9 +22,10 @@ entries the capped filter answers about 2% false positives. `top` names the revi
 last (in use now, then most recently paged in), exact: a picker that finds its revision there
 needs no filter at all, and a device pool of up to TOP_K slots is listed whole.
 
-The response's ETag covers every replica's version and `top`; a poller sending If-None-Match gets 304 while
-nothing changed. Recency is observed from the engines' published snapshots: on each request of
-this route, and on Ray each time a replica reports (every report interval, 0.5 s).
+The response's ETag covers every replica's version and `top`; a poller sending If-None-Match
+gets 304 while nothing changed. Recency is observed from the engines' published snapshots: on
+each request of this route, and on Ray each time a replica reports (every report interval,
+0.5 s).
 
 Guarded like /metrics: with a keys file, an admin key or the metrics key.
 """
@@ -94,8 +95,8 @@ class Bloom:
         return cls(m, k, np.packbits(flags, bitorder="little").tobytes(), len(refs))
 
     def __contains__(self, ref: str) -> bool:
-        h1, h2 = _hashes([ref])
-        return all(self.bits[int(j) >> 3] >> (int(j) & 7) & 1 for j in _positions(h1, h2, self.m, self.k)[0])
+        positions = _positions(*_hashes([ref]), self.m, self.k)[0].tolist()
+        return all(self.bits[j >> 3] >> (j & 7) & 1 for j in positions)
 
     @property
     def fp_rate(self) -> float:
@@ -159,7 +160,8 @@ class ResidencyBook:
             self.observe(name, snap, now)
         out = [self.replicas[name].as_dict(name, snap.max_lora) for name, snap in sorted(snaps)]
         # the versions, and the order of `top` (use reorders it without changing the set)
-        tag = xxhash.xxh3_64_hexdigest(repr([(d["replica"], d["version"], d["top"]) for d in out]).encode())
+        seen = repr([(d["replica"], d["version"], d["top"]) for d in out])
+        tag = xxhash.xxh3_64_hexdigest(seen.encode())
         return out, f'"{tag}"'
 
 
