@@ -45,7 +45,7 @@ def chat_prompt(req: Any, tokenizer: Any, max_model_len: int | None = None,
     rejects the conversation is the client's 400. With `max_model_len`, a text too long for the
     context is refused before it is tokenized."""
     messages = message_dicts(req.messages)
-    extra = {} if tools is None else {"tools": tools}
+    extra = {} if tools is None else {"tools": tools}  # a request without tools passes none
     try:
         text = tokenizer.apply_chat_template(messages,
                                              add_generation_prompt=req.add_generation_prompt,
