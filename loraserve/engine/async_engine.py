@@ -174,8 +174,7 @@ class AsyncEngine(EngineFrontend):
                     raise fut.exception()
                 seq = self.engine.make_sequence(req, record)  # its grammar is cached now
             except Exception as exc:  # a grammar that does not compile: that request alone fails
-                return [RequestOutput(req.request_id, [], "", finish_reason="error",
-                                      num_prompt_tokens=len(req.prompt_token_ids), error=exc)]
+                return [RequestOutput.failed(req.request_id, exc, len(req.prompt_token_ids))]
             return loop.add(seq, req.stream)
         if kind == "abort":
             loop.abort(arg)
