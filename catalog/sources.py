@@ -119,6 +119,35 @@ class LocalFetcher:
         return AdapterSource(Path(location).relative_to(self.root), root=self.root, max_bytes=max_bytes)
 
 
+class SingleFlight:
+    """`run(key, fn)`: `fn()` once for concurrent callers with one key; they share its outcome."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._flights: dict[str, Future] = {}
+        self.started = 0
+
+    def run(self, key: str, fn: Callable[[], T]) -> T:
+        with self._lock:
+            flight = self._flights.get(key)
+            leader = flight is None
+            if leader:
+                flight = self._flights[key] = Future()
+                self.started += 1
+        if not leader:
+            return flight.result()
+        try:
+            result = fn()
+            flight.set_result(result)
+            return result
+        except BaseException as exc:
+            flight.set_exception(exc)
+            raise
+        finally:
+            with self._lock:
+                del self._flights[key]
+
+
 class AdapterSources:
     """The configured sources, in order, with single flight and a short memory of misses."""
 
@@ -131,10 +160,13 @@ class AdapterSources:
         self.negative_ttl_s = negative_ttl_s
         made = fetchers or {}
         self._fetchers = [made.get(t.uri) or make_fetcher(t, timeout_s) for t in self.templates]
-        self._lock = threading.Lock()
-        self._flights: dict[str, Future] = {}
+        self._flights = SingleFlight()
         self._missing: BoundedLRU[str, float] = BoundedLRU(4096)  # id -> when every source missed it
-        self.fetches = 0  # fetches begun (a flight joined is not one)
+
+    @property
+    def fetches(self) -> int:
+        """Fetches begun (a flight joined is not one)."""
+        return self._flights.started
 
     def template_of(self, uri: str, adapter_id: str) -> int:
         """Index of the first template `uri` is `adapter_id`'s location in; SourceForbidden (403)
@@ -152,25 +184,7 @@ class AdapterSources:
         missed = self._missing.get(adapter_id)
         if only is None and missed is not None and time.monotonic() - missed < self.negative_ttl_s:
             raise SourceNotFound(f"adapter {adapter_id!r} is in no adapter source")
-        key = f"{adapter_id}#{only}"
-        with self._lock:
-            flight = self._flights.get(key)
-            leader = flight is None
-            if leader:
-                flight = self._flights[key] = Future()
-                self.fetches += 1
-        if not leader:
-            return flight.result()
-        try:
-            result = self._fetch(adapter_id, into, only)
-            flight.set_result(result)
-            return result
-        except BaseException as exc:
-            flight.set_exception(exc)
-            raise
-        finally:
-            with self._lock:
-                del self._flights[key]
+        return self._flights.run(f"{adapter_id}#{only}", lambda: self._fetch(adapter_id, into, only))
 
     def _fetch(self, adapter_id: str, into: Callable[[AdapterSource, str], T], only: int | None) -> T:
         down: list[str] = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -92,3 +93,13 @@ def test_a_corrupt_blob_in_the_store_is_refused_and_never_cached(hosts) -> None:
     assert r.status_code >= 500 and "checksum" in r.json()["error"]["message"]
     with pytest.raises(AdapterNotFound):
         engine.adapter_manager.catalog.resolve("acme/c")
+
+
+def test_concurrent_misses_fault_in_once(hosts) -> None:
+    http, engine, other, blobs = hosts
+    other.catalog.put_revision("acme/burst", blobs[1])
+    before = engine.sourcing.fault_ins.started
+    with ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(lambda _: complete(http, "acme/burst").status_code, range(4)))
+    assert codes == [200] * 4
+    assert engine.sourcing.fault_ins.started == before + 1

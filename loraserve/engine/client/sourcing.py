@@ -15,9 +15,10 @@ store never takes a thread that other requests' resolves or page-ins need):
 
 then the directory resolves the name again and the request goes on as any request for a cold
 adapter: its revision is paged in while it waits parked. Concurrent misses for one id fetch it
-once (single flight in AdapterSources). A store that is down is a 503 (retry later); a bad
-adapter a 400 naming why; no source holding it the usual 404. Past `deadline_s` a request
-stops waiting with a 503 (the fetch finishes and is kept for the next request).
+once (single flight: AdapterSources for the sources, `fault_ins` for the tier). A store that
+is down is a 503 (retry later); a bad adapter a 400 naming why; no source holding it the
+usual 404. Past `deadline_s` a request stops waiting with a 503 (the fetch finishes and is
+kept for the next request).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from loraserve.catalog.errors import (AdapterNotFound, CatalogError, InvalidAdap
                                       SourceNotFound)
 from loraserve.catalog.ids import parse_model_ref
 from loraserve.catalog.records import RevisionRecord
-from loraserve.catalog.sources import AdapterSources, importer
+from loraserve.catalog.sources import AdapterSources, SingleFlight, importer
 
 from ..config import EngineConfig
 from ..directory import AdapterDirectory, Viewer
@@ -61,6 +62,7 @@ class Sourcing:
             self.tier = StoreTier(ObjectStore(uri), manager.catalog,
                                   max_bytes=None if cache_mb is None else cache_mb << 20)
             self.tier.start()
+        self.fault_ins = SingleFlight()  # fault-ins from the tier (the sources have their own)
         self._pool = ThreadPoolExecutor(FETCH_WORKERS, thread_name_prefix="loraserve-fetch")
         self._lock = threading.Lock()
         self._pending = 0
@@ -116,8 +118,9 @@ class Sourcing:
                               param="model") from exc
 
     def _fault_in(self, adapter_id: str, revision: str | None) -> bool:
+        """From the durable tier, once for concurrent misses of one revision."""
         try:
-            self.tier.fault_in(adapter_id, revision)
+            self.fault_ins.run(f"{adapter_id}@{revision}", lambda: self.tier.fault_in(adapter_id, revision))
         except (AdapterNotFound, RevisionNotFound):
             return False
         return True
