@@ -143,8 +143,11 @@ def test_the_local_cache_keeps_its_bound_dropping_the_least_recently_used(hosts,
     a, _ = hosts
     for i in range(3):
         a.catalog.put_revision(f"acme/x{i}", blobs[i])
+    from loraserve.catalog.isolated import open_for_serving
     size = max(len(b) for b in blobs)
-    b = StoreTier(a.store, Catalog.create(tmp_path / "bounded", shards=2), max_bytes=int(2.5 * size),
+    Catalog.create(tmp_path / "bounded", shards=2).close()
+    # as a server holds it: shard hosts map the shards, the drops run there
+    b = StoreTier(a.store, open_for_serving(tmp_path / "bounded"), max_bytes=int(2.5 * size),
                   blob_grace_s=0.0)
     try:
         b.fault_in("acme/x0")
