@@ -118,6 +118,13 @@ def _access_lines(caplog: pytest.LogCaptureFixture, count: int) -> list[dict]:
         time.sleep(0.01)
 
 
+def _cpu_hits(c: httpx.Client) -> float:
+    text = c.get("/metrics").text
+    [line] = [line for line in text.splitlines()
+              if line.startswith('loraserve_adapter_hits_total{tier="cpu"}')]
+    return float(line.rsplit(" ", 1)[1])
+
+
 def test_vllm_names_are_served(served: str, caplog: pytest.LogCaptureFixture) -> None:
     """...and each request's log line says where its adapter came from: a cold one from the
     catalog, then from the device pool; one /v1/load_lora_adapter put in the CPU tier from it."""
@@ -132,7 +139,12 @@ def test_vllm_names_are_served(served: str, caplog: pytest.LogCaptureFixture) ->
         loaded = c.post("/v1/load_lora_adapter", json={"lora_name": "fresh", "lora_path": "qv"})
         assert loaded.status_code == 200, loaded.text
         assert loaded.json()["id"] == "default/fresh"
+        hits = _cpu_hits(c)
         assert c.post("/v1/completions", json={"model": "fresh", **body}).status_code == 200
+        deadline = time.monotonic() + 30  # /metrics reads the engine's published snapshot
+        while _cpu_hits(c) == hits and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _cpu_hits(c) == hits + 1  # the CPU tier served it, and the hit counter says so
         lines = [line for line in _access_lines(caplog, 4) if line["path"] == "/v1/completions"]
         assert [(line["model"], line["adapter"], line["tier"]) for line in lines] == [
             ("sql-lora", "default/sql-lora@r1", "catalog"),
