@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from loraserve.catalog.dtypes import SERVING_DTYPES
@@ -48,6 +49,7 @@ def _add_import(csub) -> None:
     p.add_argument("--alias", action="append", default=[], metavar="URI",
                    help="another name of the imported revision, e.g. the tinker://<run-id>/"
                         "sampler_weights/<checkpoint> MinT exported it as (repeatable)")
+    _store_option(p)
     p.set_defaults(func=cmd_import)
 
 
@@ -108,6 +110,7 @@ def _add_promote(csub) -> None:
     p.add_argument("dir")
     p.add_argument("adapter_id")
     p.add_argument("revision")
+    _store_option(p)
     p.set_defaults(func=cmd_promote)
 
 
@@ -115,6 +118,7 @@ def _add_rollback(csub) -> None:
     p = csub.add_parser("rollback", help="promote the previously promoted revision again")
     p.add_argument("dir")
     p.add_argument("adapter_id")
+    _store_option(p)
     p.set_defaults(func=cmd_rollback)
 
 
@@ -124,6 +128,7 @@ def _add_tag(csub) -> None:
     p.add_argument("adapter_id")
     p.add_argument("tag")
     p.add_argument("revision")
+    _store_option(p)
     p.set_defaults(func=cmd_tag)
 
 
@@ -146,6 +151,29 @@ def _add_gc(csub) -> None:
                         "resolved them just before the delete still read them (default: 60)")
     p.add_argument("--audit-log", metavar="FILE", help="append the action here (JSON lines)")
     p.set_defaults(func=cmd_gc)
+
+
+def _store_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", metavar="s3://BUCKET/PREFIX",
+                   help="also publish the write to this durable tier (serve --catalog-store), so "
+                        "the servers caching it see it")
+
+
+@contextmanager
+def _writing(args):
+    """The catalog at `args.dir`; with `--store`, what it commits is also published there."""
+    from loraserve.catalog.store import Catalog
+
+    with Catalog.open(args.dir) as cat:
+        if not args.store:
+            yield cat
+            return
+        from loraserve.catalog.store_s3 import ObjectStore, StoreTier, parse_store_uri
+        tier = StoreTier(ObjectStore(parse_store_uri(args.store)[0]), cat)
+        try:
+            yield cat
+        finally:
+            tier.close()
 
 
 def _add_publish(csub) -> None:
@@ -183,11 +211,9 @@ def cmd_init(args) -> int:
 
 def cmd_import(args) -> int:
     from loraserve.catalog.importer import import_peft
-    from loraserve.catalog.store import Catalog
-
     from loraserve.catalog.aliases import check_alias_free, record_alias
 
-    with Catalog.open(args.dir) as cat:
+    with _writing(args) as cat:
         for alias in args.alias:  # a bad or taken alias stops the import before it writes
             check_alias_free(cat, alias, args.adapter_id)
         rec = import_peft(cat, args.adapter_id, args.peft_dir, args.model, revision=args.revision,
@@ -280,25 +306,19 @@ def _policy_line(p) -> str:
 
 
 def cmd_promote(args) -> int:
-    from loraserve.catalog.store import Catalog
-
-    with Catalog.open(args.dir) as cat:
+    with _writing(args) as cat:
         print(_policy_line(cat.promote(args.adapter_id, args.revision)))
     return 0
 
 
 def cmd_rollback(args) -> int:
-    from loraserve.catalog.store import Catalog
-
-    with Catalog.open(args.dir) as cat:
+    with _writing(args) as cat:
         print(_policy_line(cat.rollback(args.adapter_id)))
     return 0
 
 
 def cmd_tag(args) -> int:
-    from loraserve.catalog.store import Catalog
-
-    with Catalog.open(args.dir) as cat:
+    with _writing(args) as cat:
         print(_policy_line(cat.tag(args.adapter_id, args.tag, args.revision)))
     return 0
 

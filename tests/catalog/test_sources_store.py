@@ -193,3 +193,25 @@ def test_catalog_publish_puts_a_materialized_catalog_into_the_store_and_resumes(
         for adapter_id in ("synth/a0000000", "synth/a0000024"):
             assert reader.fault_in(adapter_id).checksum == built.resolve(adapter_id).checksum
         reader.close()
+
+
+def test_catalog_commands_publish_with_store(hosts, dense_base, tmp_path):
+    """`loraserve catalog import/promote/rollback/tag --store`: a write made outside any server
+    reaches the hosts caching the store."""
+    from catalog_fixtures import make_peft
+    from loraserve.cli_catalog import run
+    a, b = hosts
+    uri = a.store.uri
+    Catalog.create(tmp_path / "ops", shards=2).close()
+    dirs = [make_peft(dense_base, tmp_path / f"peft{seed}", "qwen3", seed=seed, r=4, lora_alpha=8,
+                      target_modules=["q_proj", "v_proj"])[0] for seed in (1, 2)]
+    for peft in dirs:
+        assert run(["catalog", "import", str(tmp_path / "ops"), "acme/cli", str(peft), "--model", str(dense_base),
+                    "--store", uri]) == 0
+    assert b.fault_in("acme/cli").revision == "r2"
+    b.poll()
+    assert run(["catalog", "rollback", str(tmp_path / "ops"), "acme/cli", "--store", uri]) == 0
+    assert run(["catalog", "tag", str(tmp_path / "ops"), "acme/cli", "stable", "r1", "--store", uri]) == 0
+    b.poll()
+    assert b.catalog.resolve("acme/cli").revision == "r1"
+    assert b.catalog.resolve("acme/cli", "stable").revision == "r1"
