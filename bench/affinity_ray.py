@@ -3,7 +3,9 @@ Serve's default multiplexed routing (`--replica-routing multiplex`) and loraserv
 (`affinity`: rendezvous hashing with bounded loads), one after the other in one run.
 
     python bench/affinity_ray.py                       # demo base on CPU, 2 replicas
-    python bench/affinity_ray.py --adapters 12 --zipf-requests 120
+    python bench/affinity_ray.py --adapters 12 --max-gpu-adapters 4 --zipf-requests 120
+    python bench/affinity_ray.py --adapters 100 --max-gpu-adapters 4 --gaps 0 --rounds 1 \
+        --zipf-requests 400
 
 Per routing, on a fresh server (the demo base and catalog; `--adapters` adapters: the demo's
 three and more loaded at run time under new ids, the same weights):
@@ -103,10 +105,11 @@ def one(http: httpx.Client, model: str, max_tokens: int = 4) -> str:
     return r.headers[HEADER]
 
 
-def sequence(http: httpx.Client, adapters: list[str], rounds: int) -> dict[float, dict[str, list[str]]]:
+def sequence(http: httpx.Client, adapters: list[str], rounds: int,
+             gaps: list[float]) -> dict[float, dict[str, list[str]]]:
     """gap -> adapter -> the replicas that served its requests, in order."""
     out = {}
-    for gap in (0.0, 0.5, 2.0):
+    for gap in gaps:
         served: dict[str, list[str]] = {a: [] for a in adapters}
         for _ in range(rounds):
             for adapter in adapters:
@@ -153,7 +156,7 @@ def run_one(demo, work: Path, routing: str, args) -> dict:
         with httpx.Client(base_url=url, timeout=120,
                           limits=httpx.Limits(max_connections=args.concurrency + 4)) as http:
             adapters = load_adapters(http, args.adapters)
-            seq = sequence(http, adapters, args.rounds)
+            seq = sequence(http, adapters, args.rounds, args.gaps)
             rps, hit = zipf(http, adapters, args.zipf_requests, args.concurrency, args.seed)
     finally:
         stop(proc)
@@ -168,6 +171,7 @@ def report(results: list[dict]) -> None:
             split = sum(len(set(s)) > 1 for s in served.values())
             seqs = " ".join("".join(names.setdefault(r, "AB"[len(names)] if len(names) < 2 else "?")
                                     for r in s) for s in served.values())
+            seqs = seqs if len(served) <= 16 else "(" + str(len(served)) + " adapters)"
             print(f"{res['routing']:>10} {gap:>6.1f} {split:>14}/{len(served):<8}  {seqs}")
     print()
     print(f"{'routing':>10} {'requests/s':>11} {'device-pool hit rate':>21}")
@@ -179,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--adapters", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2, help="rounds over the adapters per gap")
+    p.add_argument("--gaps", type=float, nargs="+", default=[0.0, 0.5, 2.0],
+                   help="seconds between the sequence's requests, one pass each")
     p.add_argument("--max-gpu-adapters", type=int, default=2, help="device slots per replica")
     p.add_argument("--zipf-requests", type=int, default=60)
     p.add_argument("--concurrency", type=int, default=4)
