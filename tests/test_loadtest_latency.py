@@ -86,3 +86,14 @@ def test_the_error_rate_gate(stub, tmp_path) -> None:  # noqa: F811
     check_error_rate({"error_rate": 0.3}, None)  # no gate: never fails
     with pytest.raises(SystemExit):
         parser.parse_args([*base, "--max-error-rate", "x"])
+
+
+def test_the_html_reports_series_carry_them() -> None:
+    from loraserve.loadgen.report import build_series
+    from loraserve.loadgen.summary import summarize
+
+    samples = _samples()
+    report = summarize(config("http://127.0.0.1:1"), samples, 4.0)
+    cdfs = build_series(report, samples, [], bin_s=1.0)["latency_cdf"]
+    assert cdfs["itl_s"]["x"][0] == pytest.approx(0.05) and cdfs["itl_s"]["p"][-1] == 1.0
+    assert len(cdfs["ttft_cold_s"]["x"]) == 1 and len(cdfs["ttft_hot_s"]["x"]) == 2

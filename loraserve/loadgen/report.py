@@ -141,10 +141,14 @@ def build_series(report: dict, samples: Sequence[Any] | None, rows, bin_s: float
         throughput, errors_over_time = client_throughput(samples, report["wall_s"], bin_s)
         ok = [s for s in samples if s.ok]
         latency_cdf = {"e2e_s": cdf([s.e2e for s in ok]),
-                       "ttft_s": cdf([s.ttft for s in ok if s.ttft is not None])}
+                       "ttft_s": cdf([s.ttft for s in ok if s.ttft is not None]),
+                       "ttft_cold_s": cdf([s.ttft for s in ok if s.cold and s.ttft is not None]),
+                       "ttft_hot_s": cdf([s.ttft for s in ok if not s.cold and s.ttft is not None]),
+                       "itl_s": cdf([gap for s in ok for gap in s.itl])}
     else:
         throughput, errors_over_time = server_throughput(rows), {}
-        latency_cdf = {"e2e_s": (latency or {}).get("e2e_s", cdf([])), "ttft_s": cdf([])}
+        latency_cdf = {"e2e_s": (latency or {}).get("e2e_s", cdf([])), "ttft_s": cdf([]),
+                       "ttft_cold_s": cdf([]), "ttft_hot_s": cdf([]), "itl_s": cdf([])}
     memory = {}
     for label, name in (("api_server", "process_resident_memory_bytes"),
                         ("engine_core", "loraserve_engine_core_rss_bytes")):
@@ -229,7 +233,11 @@ def _charts(series: dict) -> list[tuple[str, str]]:
 
         fig, ax = _figure("Latency distribution", "milliseconds (log scale)", "fraction of requests ≤ x")
         drawn = False
-        for name, c in (("end to end", series["latency_cdf"]["e2e_s"]), ("TTFT", series["latency_cdf"]["ttft_s"])):
+        lat = series["latency_cdf"]
+        for name, c in (("end to end", lat["e2e_s"]), ("TTFT", lat["ttft_s"]),
+                        ("TTFT, cold adapters", lat["ttft_cold_s"]),
+                        ("TTFT, hot adapters", lat["ttft_hot_s"]),
+                        ("inter-token latency", lat["itl_s"])):
             if c["x"]:
                 ax.plot([x * 1000 for x in c["x"]], c["p"], label=name, drawstyle="steps-post")
                 drawn = True
@@ -239,7 +247,8 @@ def _charts(series: dict) -> list[tuple[str, str]]:
             ax.legend(fontsize=8)
         else:
             _empty(ax)
-        charts.append(("Latency and TTFT (CDF)", _svg(fig)))
+        charts.append(("Latency, TTFT (cold and hot adapters) and inter-token latency (CDF)",
+                       _svg(fig)))
 
         charts.append(("Adapter tier hit rates", _lines("Hit rate per scrape interval", "hits / lookups",
                                                         series["hit_rate"])))
