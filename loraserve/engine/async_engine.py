@@ -45,6 +45,7 @@ class AsyncEngine(EngineFrontend):
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._loop_state = EngineLoop(engine)  # engine thread only
+        self._compiling: set[str] = set()  # engine thread only: requests waiting on a grammar
         engine.set_notify(lambda: self._cmds.put(("wake", None)))
         self.trainer = Trainer(self._train, engine.cfg.train_max_tokens)
 
@@ -126,6 +127,7 @@ class AsyncEngine(EngineFrontend):
         if compiled is not None and not compiled.done():
             # compiled on the grammar workers, then admitted by the engine thread: neither the
             # event loop nor a step waits for a compile
+            self._cmds.put(("compiling", req.request_id))
             compiled.add_done_callback(
                 lambda fut: self._cmds.put(("compiled", (req, record, fut))))
             return
@@ -135,6 +137,20 @@ class AsyncEngine(EngineFrontend):
         self._cmds.put(("abort", request_id))
 
     # -- engine thread --------------------------------------------------------------------------
+    def _admit_compiled(self, req: GenerateRequest, record, compiled: Future) -> list[RequestOutput]:
+        """A request whose grammar was compiled after it was submitted: admitted, or failed
+        alone if the grammar did not compile; dropped if it was aborted meanwhile."""
+        if req.request_id not in self._compiling:
+            return []
+        self._compiling.discard(req.request_id)
+        try:
+            if compiled.exception() is not None:
+                raise compiled.exception()
+            seq = self.engine.make_sequence(req, record)  # its grammar is cached now
+        except Exception as exc:
+            return [RequestOutput.failed(req.request_id, exc, len(req.prompt_token_ids))]
+        return self._loop_state.add(seq, req.stream)
+
     def _run(self) -> None:
         loop = self._loop_state
         while not self._stop.is_set():
@@ -167,17 +183,16 @@ class AsyncEngine(EngineFrontend):
         loop = self._loop_state
         if kind == "add":
             return loop.add(*arg)
-        if kind == "compiled":  # a request whose grammar was compiled after it was submitted
-            req, record, fut = arg
-            try:
-                if fut.exception() is not None:
-                    raise fut.exception()
-                seq = self.engine.make_sequence(req, record)  # its grammar is cached now
-            except Exception as exc:  # a grammar that does not compile: that request alone fails
-                return [RequestOutput.failed(req.request_id, exc, len(req.prompt_token_ids))]
-            return loop.add(seq, req.stream)
+        if kind == "compiling":
+            self._compiling.add(arg)
+            return []
+        if kind == "compiled":
+            return self._admit_compiled(*arg)
         if kind == "abort":
-            loop.abort(arg)
+            if arg in self._compiling:  # not in the engine yet: it never will be
+                self._compiling.discard(arg)
+            else:
+                loop.abort(arg)
         elif kind == "call":
             fn, fut = arg
             try:

@@ -152,3 +152,32 @@ def test_engine_core_abort_or_timeout_while_compiling(core: EngineCore) -> None:
     [failed] = core._admit_compiled()
     assert failed.finish_reason == "error" and failed.error.param == "guided_regex"
     gate.set()
+
+
+def test_async_engine_drops_a_request_aborted_while_its_grammar_compiles(demo_dense) -> None:
+    eng = AsyncEngine(_engine(demo_dense))
+    gate = _gate(eng.engine.grammars)
+    req = GenerateRequest("gone", eng.tokenizer.encode("x"),
+                          SamplingParams(max_tokens=4, structured=DIGITS))
+
+    async def main() -> None:
+        try:
+            task = asyncio.create_task(_collect(eng, req))
+            while not await eng.call(lambda _: "gone" in eng._compiling):
+                await asyncio.sleep(0.01)  # the engine thread has it as compiling
+            task.cancel()  # the client leaves: the request is aborted
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            while await eng.call(lambda _: "gone" in eng._compiling):
+                await asyncio.sleep(0.01)  # the abort reached the engine thread
+            queued = threading.Event()  # set after the engine's own callback queued "compiled"
+            eng.engine.grammars.prepare(DIGITS).add_done_callback(lambda _: queued.set())
+            gate.set()
+            assert await asyncio.to_thread(queued.wait, 60)
+            # this call runs after "compiled" (one queue, in order): nothing was added
+            assert "gone" not in await eng.call(lambda e: set(e.seqs))
+            assert await _collect(eng, GenerateRequest("next", req.prompt_token_ids, req.params))
+        finally:
+            await eng.shutdown()
+
+    asyncio.run(main())
