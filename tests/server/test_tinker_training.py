@@ -21,7 +21,7 @@ from mint import types
 
 from loraserve.engine.async_engine import AsyncEngine
 from loraserve.engine.config import EngineConfig
-from loraserve.keys import Principal, append_key
+from loraserve.keys import Limits, Principal, append_key
 from loraserve.server import build_app
 from loraserve.tokenizer import Tokenizer
 
@@ -51,7 +51,9 @@ def server(demo, tmp_path_factory) -> Iterator[Server]:  # noqa: F811
     out = tmp_path_factory.mktemp("tinker_train")
     shutil.copytree(demo.catalog, out / "catalog")
     keys = {"user": append_key(out / "keys.toml", Principal("trainer", admin=False, tenants=("lab",)), "sk-"),
-            "other": append_key(out / "keys.toml", Principal("other", admin=False, tenants=("other",)), "sk-")}
+            "other": append_key(out / "keys.toml", Principal("other", admin=False, tenants=("other",)), "sk-"),
+            "limited": append_key(out / "keys.toml", Principal("limited", admin=False, tenants=("lim",),
+                                                               limits=Limits(tokens_per_minute=60)), "sk-")}
     cfg = EngineConfig(model_dir=str(demo.qwen3), catalog_dir=str(out / "catalog"), device="cpu",
                        max_model_len=128, max_batch_size=16, torch_threads=1, train_max_tokens=24,
                        train_state_dir=str(out / "state"))
@@ -216,6 +218,18 @@ def test_custom_loss_runs_as_cross_entropy(server: Server) -> None:
     out = trainer.forward_backward_custom([datum], custom).result()
     ce = trainer.forward([datum], "cross_entropy").result().metrics["loss:sum"]
     assert out.metrics["custom:sum"] == pytest.approx(ce, rel=1e-5)
+
+
+def test_training_tokens_count_against_the_keys_tokens_per_minute(server: Server) -> None:
+    trainer = server.service("limited").create_lora_training_client(base_model=BASE, rank=2, seed=5)
+    body = {"model_id": trainer.model_id, "forward_input": {"loss_fn": "cross_entropy", "data": [{
+        "model_input": {"chunks": [{"type": "encoded_text", "tokens": list(range(1, 41))}]},
+        "loss_fn_inputs": {"target_tokens": {"data": list(range(2, 42)), "dtype": "int64", "shape": [40]},
+                           "weights": {"data": [1.0] * 40, "dtype": "float32", "shape": [40]}}}]}}
+    with server.http("limited") as http:
+        assert http.post("/api/v1/forward", json=body).status_code == 200  # 40 of 60 tokens
+        r = http.post("/api/v1/forward", json=body)
+    assert r.status_code == 429 and "tokens_per_minute" in r.text
 
 
 def test_training_on_another_base_fails_at_once(server: Server) -> None:

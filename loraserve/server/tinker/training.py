@@ -13,6 +13,8 @@ engine/training.py): the run's LoRA factors live beside the resident base, in th
   session pinned to it, so a sampler made before a later save keeps its revision.
 - `save_weights` / `load_weights`: training state (factors and Adam moments) in a file per
   checkpoint under the state directory, named `tinker://<run>/weights/<name>`.
+- A forward or forward_backward takes its datums' tokens from the tenant's and the key's
+  `tokens_per_minute` buckets, serving's own (429 over them).
 - A hosting without a trainer (Ray replicas) answers every training route 400, saying so.
 """
 from __future__ import annotations
@@ -235,11 +237,23 @@ async def create_model(body: CreateModelBody, request: Request) -> dict:
     return submit(request, run, create)
 
 
+def charge(request: Request, run: RunRecord, tokens: int) -> None:
+    """Training tokens come out of the same per-minute token buckets as serving's (the run's
+    tenant's and the key's, `tokens_per_minute`): a 429 over them, nothing run."""
+    tenancy = getattr(request.app.state, "tenancy", None)
+    if tenancy is None:  # an app without keys has no limits
+        return
+    lease = tenancy.limiter.admit(principal_of(request), run.tenant, 0, tokens,
+                                  tenancy.keys.tenant(run.tenant).limits)
+    lease.release()  # no sequence held; `used` unknown: nothing given back
+
+
 async def run_pass(request: Request, model_id: str, body: PassInput, backward: bool) -> dict:
     run, train = _run(request, model_id), trainer(request)
     data = datums(body)  # 400s now, not in the future
     if not data:
         raise APIError(400, "data must hold at least one datum", param="data")
+    charge(request, run, sum(len(tokens) for tokens, _ in data))
 
     async def op() -> dict:
         return pass_output(await train.run_pass(model_id, data, body.loss_fn, body.loss_fn_config, backward))
