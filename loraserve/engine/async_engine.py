@@ -128,8 +128,17 @@ class AsyncEngine(EngineFrontend):
             # compiled on the grammar workers, then admitted by the engine thread: neither the
             # event loop nor a step waits for a compile
             self._cmds.put(("compiling", req.request_id))
-            compiled.add_done_callback(
-                lambda fut: self._cmds.put(("compiled", (req, record, fut))))
+            # the bound: past it the request fails (a compile under way cannot be stopped)
+            timer = threading.Timer(self.engine.grammars.compile_timeout_s, self._cmds.put,
+                                    [("compile_late", req)])
+            timer.daemon = True
+            timer.start()
+
+            def done(fut: Future) -> None:  # a grammar worker
+                timer.cancel()
+                self._cmds.put(("compiled", (req, record, fut)))
+
+            compiled.add_done_callback(done)
             return
         self._cmds.put(("add", (self.engine.make_sequence(req, record), req.stream)))
 
@@ -188,6 +197,10 @@ class AsyncEngine(EngineFrontend):
             return []
         if kind == "compiled":
             return self._admit_compiled(*arg)
+        if kind == "compile_late" and arg.request_id in self._compiling:
+            self._compiling.discard(arg.request_id)
+            error = self.engine.grammars.timeout_error(arg.params.structured)
+            return [RequestOutput.failed(arg.request_id, error, len(arg.prompt_token_ids))]
         if kind == "abort":
             if arg in self._compiling:  # not in the engine yet: it never will be
                 self._compiling.discard(arg)

@@ -181,3 +181,22 @@ def test_async_engine_drops_a_request_aborted_while_its_grammar_compiles(demo_de
             await eng.shutdown()
 
     asyncio.run(main())
+
+
+def test_async_engine_fails_a_request_whose_grammar_compiles_past_the_bound(demo_dense) -> None:
+    eng = AsyncEngine(_engine(demo_dense))
+    gate = _gate(eng.engine.grammars)
+    eng.engine.grammars.compile_timeout_s = 0.05
+    req = GenerateRequest("late", eng.tokenizer.encode("x"),
+                          SamplingParams(max_tokens=4, structured=DIGITS))
+
+    async def main() -> None:
+        try:
+            with pytest.raises(EngineError) as err:
+                await _collect(eng, req)
+            assert err.value.param == "guided_regex" and "within" in str(err.value)
+        finally:
+            gate.set()
+            await eng.shutdown()
+
+    asyncio.run(main())
