@@ -26,7 +26,7 @@ from .records import PolicyRecord, RevisionRecord
 from .shards import Dbs, Shard, add_blob_bytes
 from .store import Catalog
 from .tombstones import add_tombstones, read_tombstones
-from .writes import _require_policy, _resolve_name, _save_policy, read_revision
+from .writes import read_revision, require_policy, resolve_name, save_policy
 
 
 class RevisionServed(CatalogError):
@@ -73,8 +73,8 @@ def _shard(catalog: Catalog, adapter_id: str) -> Shard:
 
 def _delete_in_txn(txn, dbs: Dbs, adapter_id: str, revision: str | None, force: bool,
                    now: float) -> Deleted:
-    policy = _require_policy(txn, dbs, adapter_id)
-    doomed = list(policy.revisions) if revision is None else [_resolve_name(policy, revision)]
+    policy = require_policy(txn, dbs, adapter_id)
+    doomed = list(policy.revisions) if revision is None else [resolve_name(policy, revision)]
     if policy.promoted in doomed and not force:
         what = f"{adapter_id}@{policy.promoted}" if revision is not None else adapter_id
         raise RevisionServed(f"{what} is served ({adapter_id}@{policy.promoted} is promoted): "
@@ -87,7 +87,7 @@ def _delete_in_txn(txn, dbs: Dbs, adapter_id: str, revision: str | None, force: 
     if left is None:
         txn.delete(adapter_id.encode(), db=dbs.policy)
     else:
-        _save_policy(txn, dbs, left)
+        save_policy(txn, dbs, left)
     add_blob_bytes(txn, dbs, -sum(r.size for r in records))
     return Deleted(adapter_id, doomed, sum(r.size for r in records), left)
 

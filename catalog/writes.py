@@ -30,7 +30,7 @@ def read_revision(txn: lmdb.Transaction, dbs: Dbs, adapter_id: str, revision: st
     return RevisionRecord.from_json(raw)
 
 
-def _require_policy(txn: lmdb.Transaction, dbs: Dbs, adapter_id: str) -> PolicyRecord:
+def require_policy(txn: lmdb.Transaction, dbs: Dbs, adapter_id: str) -> PolicyRecord:
     policy = read_policy(txn, dbs, adapter_id)
     if policy is None:
         raise AdapterNotFound(f"adapter {adapter_id!r} not found")
@@ -51,7 +51,7 @@ def _set_promoted(txn, dbs, policy: PolicyRecord, revision: str, now: float) -> 
     policy.updated = now
 
 
-def _save_policy(txn, dbs, policy: PolicyRecord) -> PolicyRecord:
+def save_policy(txn, dbs, policy: PolicyRecord) -> PolicyRecord:
     txn.put(policy.adapter_id.encode(), policy.to_json(), db=dbs.policy)
     return policy
 
@@ -79,7 +79,7 @@ def put_revision_in_txn(txn, dbs: Dbs, adapter_id: str, blob: bytes, revision: s
             raise RevisionExists(f"{adapter_id}@{rev} already exists with different content (immutable)")
         if promote and policy.promoted != rev:
             _set_promoted(txn, dbs, policy, rev, now)
-            _save_policy(txn, dbs, policy)
+            save_policy(txn, dbs, policy)
         return existing
     if rev in policy.tags:
         raise RevisionExists(f"{adapter_id}: {rev!r} is a tag name, not usable as a revision id")
@@ -97,11 +97,11 @@ def put_revision_in_txn(txn, dbs: Dbs, adapter_id: str, blob: bytes, revision: s
         _set_promoted(txn, dbs, policy, rev, now)
     elif policy.promoted is None:
         policy.rank, policy.targets = record.rank, list(record.targets)
-    _save_policy(txn, dbs, policy)
+    save_policy(txn, dbs, policy)
     return record
 
 
-def _resolve_name(policy: PolicyRecord, name: str) -> str:
+def resolve_name(policy: PolicyRecord, name: str) -> str:
     rev = name if name in policy.revisions else policy.tags.get(name)
     if rev is None:
         raise RevisionNotFound(f"adapter {policy.adapter_id!r} has no revision or tag {name!r}")
@@ -109,23 +109,23 @@ def _resolve_name(policy: PolicyRecord, name: str) -> str:
 
 
 def promote_in_txn(txn, dbs: Dbs, adapter_id: str, revision: str, now: float) -> PolicyRecord:
-    policy = _require_policy(txn, dbs, adapter_id)
-    _set_promoted(txn, dbs, policy, _resolve_name(policy, revision), now)
-    return _save_policy(txn, dbs, policy)
+    policy = require_policy(txn, dbs, adapter_id)
+    _set_promoted(txn, dbs, policy, resolve_name(policy, revision), now)
+    return save_policy(txn, dbs, policy)
 
 
 def rollback_in_txn(txn, dbs: Dbs, adapter_id: str, now: float) -> PolicyRecord:
-    policy = _require_policy(txn, dbs, adapter_id)
+    policy = require_policy(txn, dbs, adapter_id)
     if policy.previous is None:
         raise RevisionNotFound(f"adapter {adapter_id!r} has no previous revision to roll back to")
     _set_promoted(txn, dbs, policy, policy.previous, now)
-    return _save_policy(txn, dbs, policy)
+    return save_policy(txn, dbs, policy)
 
 
 def tag_in_txn(txn, dbs: Dbs, adapter_id: str, tag: str, revision: str, now: float) -> PolicyRecord:
-    policy = _require_policy(txn, dbs, adapter_id)
+    policy = require_policy(txn, dbs, adapter_id)
     if tag in policy.revisions:
         raise RevisionExists(f"{adapter_id}: tag {tag!r} would shadow the revision of that name")
-    policy.tags[tag] = _resolve_name(policy, revision)
+    policy.tags[tag] = resolve_name(policy, revision)
     policy.updated = now
-    return _save_policy(txn, dbs, policy)
+    return save_policy(txn, dbs, policy)
