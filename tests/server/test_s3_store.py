@@ -103,3 +103,13 @@ def test_concurrent_misses_fault_in_once(hosts) -> None:
         codes = list(pool.map(lambda _: complete(http, "acme/burst").status_code, range(4)))
     assert codes == [200] * 4
     assert engine.sourcing.fault_ins.started == before + 1
+
+
+def test_a_promote_over_http_is_published(hosts) -> None:
+    http, engine, other, blobs = hosts
+    r1 = other.catalog.put_revision("acme/p", blobs[0])
+    other.catalog.put_revision("acme/p", blobs[1])
+    assert complete(http, "acme/p@r1").status_code == 200  # the server holds r1 (and follows r2)
+    r = http.post("/v1/adapters/acme/p/promote", json={"revision": r1.revision})
+    assert r.status_code == 200, r.text
+    assert other.store.policy("acme/p").promoted == r1.revision
