@@ -226,7 +226,11 @@ def test_training_tokens_count_against_the_keys_tokens_per_minute(server: Server
         "model_input": {"chunks": [{"type": "encoded_text", "tokens": list(range(1, 41))}]},
         "loss_fn_inputs": {"target_tokens": {"data": list(range(2, 42)), "dtype": "int64", "shape": [40]},
                            "weights": {"data": [1.0] * 40, "dtype": "float32", "shape": [40]}}}]}}
+    long = {"model_id": trainer.model_id, "forward_input": {"loss_fn": "cross_entropy", "data": [{
+        "model_input": {"chunks": [{"type": "encoded_text", "tokens": [1] * 129}]}, "loss_fn_inputs": {}}]}}
     with server.http("limited") as http:
+        r = http.post("/api/v1/forward", json=long)  # past --max-model-len: refused, nothing charged
+        assert r.status_code == 400 and "a datum holds 1 to 128" in r.text
         assert http.post("/api/v1/forward", json=body).status_code == 200  # 40 of 60 tokens
         r = http.post("/api/v1/forward", json=body)
     assert r.status_code == 429 and "tokens_per_minute" in r.text

@@ -188,11 +188,15 @@ def tensor(name: str, body: TensorBody, n: int, i: int) -> list:
     return body.data
 
 
-def datums(body: PassInput) -> list:
-    """The datums as the trainer takes them: [tokens, {input: values}]."""
+def datums(body: PassInput, max_len: int) -> list:
+    """The datums as the trainer takes them: [tokens, {input: values}]; 400 for a datum past the
+    served context (`--max-model-len`: what bounds one datum's activations)."""
     out = []
     for i, d in enumerate(body.data):
         tokens = ts.prompt_ids(d.model_input)
+        if not 0 < len(tokens) <= max_len:
+            raise APIError(400, f"datum {i} has {len(tokens)} tokens; a datum holds 1 to {max_len} "
+                           "(the server's --max-model-len)", param=f"data.{i}.model_input")
         out.append([tokens, {k: tensor(k, v, len(tokens), i) for k, v in d.loss_fn_inputs.items()}])
     return out
 
@@ -250,7 +254,7 @@ def charge(request: Request, run: RunRecord, tokens: int) -> None:
 
 async def run_pass(request: Request, model_id: str, body: PassInput, backward: bool) -> dict:
     run, train = _run(request, model_id), trainer(request)
-    data = datums(body)  # 400s now, not in the future
+    data = datums(body, ta.ctx_of(request).engine.max_model_len)  # 400s now, not in the future
     if not data:
         raise APIError(400, "data must hold at least one datum", param="data")
     charge(request, run, sum(len(tokens) for tokens, _ in data))
