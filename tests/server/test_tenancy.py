@@ -256,7 +256,8 @@ SERVER_SCRIPT = """
 import sys
 from server.fake_engine import FakeEngine
 from loraserve.server import run_server
-run_server(FakeEngine(delay_s=0.03), port=0, log_level="info", keys=sys.argv[1])
+from loraserve.server.config import ServerConfig
+run_server(FakeEngine(delay_s=0.03), ServerConfig(keys=sys.argv[1]), port=0, log_level="info")
 """
 
 
