@@ -183,6 +183,8 @@ def test_state_round_trip_listings_and_faults(server: Server) -> None:
     assert a == pytest.approx(b, rel=1e-6)
     info = trainer.get_info()
     assert info.model_id == trainer.model_id and info.lora_rank == 4
+    with pytest.raises(tinker.BadRequestError, match="ttl_seconds is not supported"):
+        trainer.save_weights_for_sampler("expiring", ttl_seconds=60).result()
     rest = service.create_rest_client()
     runs = {r.training_run_id for r in rest.list_training_runs().result().training_runs}
     assert {trainer.model_id, resumed.model_id} <= runs

@@ -137,6 +137,12 @@ class WeightsInfoBody(Strict):
 
 # -- helpers ---------------------------------------------------------------------------------------
 
+def refuse_set(value: Any, param: str, why: str) -> None:
+    """A field the SDK may send and this server does not honour: 400 naming it when it is set."""
+    if value is not None:
+        raise APIError(400, f"{param} is not supported: {why}", param=param, code="unsupported_parameter")
+
+
 def registry(request: Request) -> RunRegistry:
     return ta.state_of(request).runs
 
@@ -279,6 +285,7 @@ async def save_for_sampler(body: SaveBody, request: Request) -> dict:
     """A new promoted revision of the run's adapter, warmed; named (with its tinker:// alias) or
     `s<n>` with a sampling session pinned to it (save_weights_and_get_sampling_client)."""
     run, train = _run(request, body.model_id), trainer(request)
+    refuse_set(body.ttl_seconds, "ttl_seconds", "saved revisions stay until deleted from the catalog")
     engine = ta.ctx_of(request).engine
     mgr = engine.adapter_manager
     if mgr is None:
@@ -312,6 +319,7 @@ async def save_for_sampler(body: SaveBody, request: Request) -> dict:
 async def save_weights(body: SaveBody, request: Request) -> dict:
     """Training state (factors, Adam moments) to `<state dir>/<tenant>/<run>/<name>.safetensors`."""
     run, train = _run(request, body.model_id), trainer(request)
+    refuse_set(body.ttl_seconds, "ttl_seconds", "training checkpoints stay until the state directory is cleared")
     runs = registry(request)
     name = checkpoint_name(body.path) if body.path is not None else None
 
@@ -340,6 +348,8 @@ def _write_atomic(path, blob: bytes) -> None:
 async def load_weights(body: LoadBody, request: Request) -> dict:
     """Training state of a checkpoint this key's tenant saved (of any of its runs) into a run."""
     run, train = _run(request, body.model_id), trainer(request)
+    refuse_set(body.weights_access_token, "weights_access_token",
+               "a key loads the checkpoints of the tenants it may see, with no other token")
     source = registry(request).checkpoint_file(body.path, principal_of(request))
 
     async def op() -> dict:
