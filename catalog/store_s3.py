@@ -196,6 +196,7 @@ class StoreTier:
         self._replay = threading.local()
         self._sequence = 0
         self._cursor = ""  # the newest log key applied
+        self._saved = ""  # the cursor store-cursor.json holds
         self._applied: BoundedLRU[str, bool] = BoundedLRU(65536)  # log keys within the skew window
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -336,12 +337,16 @@ class StoreTier:
 
     def _load_cursor(self) -> str:
         try:
-            return json.loads(self._cursor_file.read_text())["cursor"]
-        except (OSError, ValueError, KeyError):
+            saved = json.loads(self._cursor_file.read_text())
+        except (OSError, ValueError):
             return ""
+        return saved.get("cursor", "") if saved.get("store") == self.store.uri else ""  # another store's
 
     def _save_cursor(self) -> None:
         """Kept beside the shards, so a restarted host reads the changes it missed while down."""
+        if self._cursor == self._saved:
+            return
+        self._saved = self._cursor
         tmp = self._cursor_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"store": self.store.uri, "cursor": self._cursor}))
         tmp.replace(self._cursor_file)
