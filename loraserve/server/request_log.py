@@ -108,8 +108,27 @@ def write(record: RequestRecord) -> None:
     if not access_log.isEnabledFor(logging.INFO):
         return
     line = record.line()
-    text = " ".join(f"{k}={v}" for k, v in line.items() if v is not None and k != "request_id")
+    text = " ".join(f"{k}={_field(v)}" for k, v in line.items() if v is not None and k != "request_id")
     access_log.info("request id=%s %s", record.request_id, text, extra={"request": line})
+
+
+def _field(value: Any) -> Any:
+    """A value as the text line shows it: as it is when it cannot be mistaken for more of the
+    line, else JSON-quoted. The model and path come from the client, and a space, `=`, a newline
+    or a lone surrogate in them would forge fields, forge a line, or fail the log's encoder."""
+    if not isinstance(value, str) or (value.isprintable() and " " not in value and "=" not in value):
+        return value
+    return json.dumps(value)  # ensure_ascii: control characters and surrogates escaped
+
+
+def encodable(text: str) -> str:
+    """`text` as a UTF-8 stream can take it: a lone surrogate (a client's JSON may carry one)
+    becomes its `\\udXXX` escape instead of an UnicodeEncodeError in the log handler."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class RequestIdFilter(logging.Filter):
@@ -128,6 +147,9 @@ class TextFormatter(logging.Formatter):
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        return encodable(super().format(record))
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         text = super().formatMessage(record)
@@ -154,7 +176,7 @@ class JsonFormatter(logging.Formatter):
             line.update(request)
         if record.exc_info:
             line["exc_info"] = self.formatException(record.exc_info)
-        return json.dumps(line, ensure_ascii=False, default=str)
+        return encodable(json.dumps(line, ensure_ascii=False, default=str))
 
 
 def configure_logging(level: str, fmt: str = "text") -> None:
