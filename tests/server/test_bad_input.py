@@ -61,7 +61,7 @@ CASES = [
     ("two structured outputs", "/v1/chat/completions",
      {**CHAT, "guided_regex": "a", "guided_choice": ["a"]}, 400, "guided_choice"),
     ("unknown field", "/v1/completions", {**GOOD, "best_answer": True}, 400, "best_answer"),
-    ("tools", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("tools", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools.0.function"),  # the field that is missing
     ("streamed bad request", "/v1/completions", {**GOOD, "stream": True, "n": 99}, 400, "n"),
     ("wrong type", "/v1/completions", {**GOOD, "max_tokens": "many"}, 400, "max_tokens"),
 ]
