@@ -98,6 +98,10 @@ def test_sft_loop_teaches_the_answer(server: Server) -> None:
     after = trainer.save_weights_and_get_sampling_client()
     assert greedy_text(server, after) == ANSWER
     assert greedy_text(server, before) == base_answer  # a sampler made before a save keeps its revision
+    with server.http() as http:  # the unnamed save's own name resolves to the same revision
+        path = http.get(f"/api/v1/samplers/{after._sampling_session_id}").json()["model_path"]
+    assert path.startswith(f"tinker://lab/{trainer.model_id}@s")
+    assert greedy_text(server, service.create_sampling_client(model_path=path)) == ANSWER
     named = trainer.save_weights_for_sampler("sft-final").result().path
     assert named == f"tinker://{trainer.model_id}/sampler_weights/sft-final"
     assert greedy_text(server, service.create_sampling_client(model_path=named)) == ANSWER

@@ -9,8 +9,9 @@ engine/training.py): the run's LoRA factors live beside the resident base, in th
   revision of the run's adapter (`<tenant>/<run>@<name>`, promoted), records
   `tinker://<run>/sampler_weights/<name>` as its alias and warms it: servable at once by `/v1`,
   the OpenAI-compatible routes and the SDK's sampling clients. Without a name (the SDK's
-  `save_weights_and_get_sampling_client`) the revision is `s<n>` and the answer is a sampling
-  session pinned to it, so a sampler made before a later save keeps its revision.
+  `save_weights_and_get_sampling_client`) the revision is `s<n>`, named `tinker://<tenant>/<run>@s<n>`
+  and not listed, and the answer is a sampling session pinned to it, so a sampler made before a
+  later save keeps its revision.
 - `save_weights` / `load_weights`: training state (factors and Adam moments) in a file per
   checkpoint under the state directory, named `tinker://<run>/weights/<name>`.
 - A forward or forward_backward takes its datums' tokens from the tenant's and the key's
@@ -301,17 +302,17 @@ async def save_for_sampler(body: SaveBody, request: Request) -> dict:
         blob = await train.sampler_blob(run.model_id, f"tinker:{run.model_id}")
         rec = await asyncio.to_thread(mgr.catalog.put_revision, run.adapter_id, blob, revision=revision,
                                       promote=True, source=f"tinker:{run.model_id}")
-        entry = run.add_checkpoint("sampler", revision, len(blob))
         steps = [asyncio.to_thread(mgr.warm, rec.ref)]  # the first sample needs no catalog read
-        if name is not None:  # the alias's write beside the page-in, not after it
-            steps.append(asyncio.to_thread(record_alias, mgr.catalog, entry["tinker_path"], run.adapter_id,
-                                           rec.revision))
+        if name is None:  # an unnamed save is the sampler's alone: no alias, not listed
+            await asyncio.gather(*steps)
+            session = SamplingSession(ta.new_id("samp"), owner, rec.ref, f"tinker://{rec.ref}", None)
+            state.samplers.put(session.id, session)
+            return {"path": None, "sampling_session_id": session.id, "type": "save_weights_for_sampler"}
+        entry = run.add_checkpoint("sampler", revision, len(blob))
+        steps.append(asyncio.to_thread(record_alias, mgr.catalog, entry["tinker_path"], run.adapter_id,
+                                       rec.revision))  # beside the page-in, not after it
         await asyncio.gather(*steps)
-        if name is not None:
-            return {"path": entry["tinker_path"], "type": "save_weights_for_sampler"}
-        session = SamplingSession(ta.new_id("samp"), owner, rec.ref, entry["tinker_path"], None)
-        state.samplers.put(session.id, session)
-        return {"path": None, "sampling_session_id": session.id, "type": "save_weights_for_sampler"}
+        return {"path": entry["tinker_path"], "type": "save_weights_for_sampler"}
 
     return submit(request, run, op)
 
