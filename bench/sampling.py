@@ -47,8 +47,12 @@ BEFORE = "924a661"  # the last commit before the extensions
 def load_before(rev: str):
     """The sampler module of git revision `rev`, importable beside this tree's."""
     root = Path(__file__).resolve().parents[1]
-    src = subprocess.run(["git", "show", f"{rev}:loraserve/engine/core/sampler.py"], cwd=root,
-                         check=True, capture_output=True, text=True).stdout
+    for path in ("loraserve/engine/core/sampler.py", "loraserve/engine/sampler.py"):  # moved
+        got = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True, text=True)
+        if got.returncode == 0:
+            break
+    got.check_returncode()
+    src = got.stdout
     spec = importlib.util.spec_from_loader("loraserve.engine._sampler_before", loader=None)
     module = importlib.util.module_from_spec(spec)
     module.__package__ = "loraserve.engine"
@@ -138,7 +142,7 @@ def section_decode(before, model: str, batches: list[int], rounds: int) -> None:
 
     eng = build_engine(EngineConfig(model_dir=model, device="cpu", max_batch_size=max(batches),
                                     max_model_len=32 + 48 + 1))
-    old_sample = lambda logits, seqs, gen, eos=(): before.sample(logits, seqs, gen)  # noqa: E731
+    old_sample = lambda logits, seqs, gen, eos=(), writable=False: before.sample(logits, seqs, gen)  # noqa: E731
 
     def run(b: int) -> float:
         """ms per decode step of `b` greedy base-only sequences, 48 tokens each."""

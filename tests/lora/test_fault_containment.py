@@ -62,7 +62,8 @@ def _inject(monkeypatch, eng, stage: str) -> None:
     elif stage == "sample":
         real_sample = llm_engine.sample
         monkeypatch.setattr(llm_engine, "sample",
-                            lambda rows, seqs, *rest: boom() if _poisoned(seqs) else real_sample(rows, seqs, *rest))
+                            lambda rows, seqs, *rest, **kw: boom() if _poisoned(seqs)
+                            else real_sample(rows, seqs, *rest, **kw))
     else:  # OutputProcessor methods that take the sequence first
         real_out = getattr(output, stage)
 

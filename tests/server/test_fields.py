@@ -468,10 +468,10 @@ def test_mixed_adapter_batch_gives_each_sequence_its_own(rhttp: httpx.Client, ba
 
     batches: list[tuple[int, int, int]] = []  # (sequences, adapters incl. base, with extensions)
 
-    def recording_sample(logits, seqs, *args):
+    def recording_sample(logits, seqs, *args, **kwargs):
         batches.append((len(seqs), len({s.adapter_key for s in seqs}),
                         sum(s.params.adjusts_logits for s in seqs)))
-        return sample(logits, seqs, *args)
+        return sample(logits, seqs, *args, **kwargs)
 
     mix = [
         (base_name, {}),

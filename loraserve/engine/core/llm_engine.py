@@ -337,17 +337,20 @@ class LLMEngine:
         except Exception:
             picked = [p for i in active
                       for p in self._contained(seqs[i], outs, "sampling", self._pick,
-                                               result.last_logits[i:i + 1], [seqs[i]]) or []]
+                                               result.last_logits[[i]], [seqs[i]]) or []]
         now = time.monotonic()
         for seq, token, lp in picked:
             seq.first_token_time = seq.first_token_time or now
             self._contained(seq, outs, "post-processing", self.output.append, seq, token, lp)
 
     def _pick(self, rows: torch.Tensor, seqs: list[Sequence]) -> list[tuple]:
-        """(seq, token, logprob or None) for each row of logits [B, V]."""
-        tokens = sample(rows, seqs, self.default_gen, self.output.eos)
+        """(seq, token, logprob or None) for each row of logits [B, V] (a copy of the step's
+        logits, the callers' advanced indexing made it: the sampler may write it unless
+        logprobs, which are read from the raw logits, are asked for)."""
         ks = [s.params.logprobs for s in seqs]
-        lps = token_logprobs(rows, tokens, [k or 0 for k in ks]) if any(k is not None for k in ks) else None
+        keep = any(k is not None for k in ks)
+        tokens = sample(rows, seqs, self.default_gen, self.output.eos, writable=not keep)
+        lps = token_logprobs(rows, tokens, [k or 0 for k in ks]) if keep else None
         return [(seq, int(tokens[j]), lps[j] if lps and ks[j] is not None else None)
                 for j, seq in enumerate(seqs)]
 
