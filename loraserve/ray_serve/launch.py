@@ -181,27 +181,23 @@ def start(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerConfig) -> Sc
     return ScaledServer(scale, owns_ray, ingress, options.shutdown_timeout)
 
 
-def run(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerConfig) -> NoReturn:
-    """Serve until SIGTERM or SIGINT, drain, stop (the local Ray too) and end the process with
-    its exit status (see the module's docstring); never returns. An error while starting is
-    raised, after cleaning up."""
-    owns_ray = scale.ray_address is None
+def _stop_unstarted(scale: ScaleOutConfig, owns_ray: bool, signals: StopSignals) -> NoReturn:
+    """A stop signal came while the server was starting: nothing to drain; stop what started."""
+    log.info("%s while starting: stopping", signals.names[0])
+    status = EXIT_STOPPED
     if owns_ray:
-        become_subreaper()  # the orphans of Ray's processes stay in this process's tree
-    signals = StopSignals()
-    signals.install()
-    server = _start_until_signal(cfg, scale, options, signals)
-    if server is None:  # a signal while starting: nothing to drain
-        log.info("%s while starting: stopping", signals.names[0])
-        status = EXIT_STOPPED
-        if owns_ray:
-            _stop_leftovers()
-        elif not bounded("serve.delete", lambda: serve.delete(scale.app_name), SERVE_STOP_S,
-                         signals.abandon.is_set):
-            _ask_delete(scale)
-            status = EXIT_FAILED
-        exit_now(status)
-    watch = _head_watch(owns_ray)
+        _stop_leftovers()
+    elif not bounded("serve.delete", lambda: serve.delete(scale.app_name), SERVE_STOP_S,
+                     signals.abandon.is_set):
+        _ask_delete(scale)
+        status = EXIT_FAILED
+    exit_now(status)
+
+
+def _serve_until_signal(scale: ScaleOutConfig, owns_ray: bool, signals: StopSignals,
+                        watch: HeadWatch) -> None:
+    """Wait for the first stop signal, reaping the orphans of a local Ray; if the cluster is lost
+    meanwhile, stop what is left and end the process (EXIT_FAILED)."""
     ray_children = {p.pid for p in psutil.Process().children()}  # Ray waits for these itself
     while not signals.first.wait(0.5):
         lost = watch.lost()
@@ -216,6 +212,21 @@ def run(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerConfig) -> NoRe
         if owns_ray:
             reap_adopted(ray_children)
 
+
+def run(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerConfig) -> NoReturn:
+    """Serve until SIGTERM or SIGINT, drain, stop (the local Ray too) and end the process with
+    its exit status (see the module's docstring); never returns. An error while starting is
+    raised, after cleaning up."""
+    owns_ray = scale.ray_address is None
+    if owns_ray:
+        become_subreaper()  # the orphans of Ray's processes stay in this process's tree
+    signals = StopSignals()
+    signals.install()
+    server = _start_until_signal(cfg, scale, options, signals)
+    if server is None:  # a signal while starting: nothing to drain
+        _stop_unstarted(scale, owns_ray, signals)
+    watch = _head_watch(owns_ray)
+    _serve_until_signal(scale, owns_ray, signals, watch)
     log.info("%s: draining for up to %g s (send it again to end the requests in flight now)",
              signals.names[0], options.shutdown_timeout)
 
