@@ -18,6 +18,8 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
+from loraserve.server.request_log import encodable
+
 log = logging.getLogger("loraserve.audit")
 
 OK, DENIED, FAILED = "ok", "denied", "failed"
@@ -43,7 +45,7 @@ class AuditLog:
             line["status"] = status
         if error is not None:
             line["error"] = error
-        text = json.dumps(line, ensure_ascii=False)
+        text = encodable(json.dumps(line, ensure_ascii=False))  # an adapter id may hold a lone surrogate
         if self.path is None:
             log.info("%s", text)
         else:

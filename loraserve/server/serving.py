@@ -21,6 +21,7 @@ from loraserve.engine.types import (SEED_MAX, EngineError, GenerateRequest, Gram
 from loraserve.server.config import ServerConfig
 from loraserve.server.errors import APIError, as_api_error, clip
 from loraserve.server.metrics import ServerMetrics
+from loraserve.server.request_log import encodable
 from loraserve.server.names import lookup_error
 from loraserve.server.protocol import (CHARS_PER_TOKEN_MAX, InputLimits, SamplingFields,
                                        too_long_message)
@@ -112,8 +113,8 @@ def check_request(req: SamplingFields, ctx: ServerContext) -> None:
     check_logit_bias(req.logit_bias, ctx.engine.vocab_size)
     identifiers = req.identifiers()
     if identifiers:
-        request_log.info("request for %s from %s", clip(req.model),
-                         clip(json.dumps(identifiers, ensure_ascii=False), 2048))
+        request_log.info("request for %s from %s", encodable(clip(req.model)),
+                         encodable(clip(json.dumps(identifiers, ensure_ascii=False), 2048)))
 
 
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")

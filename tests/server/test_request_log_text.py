@@ -63,3 +63,12 @@ def test_client_strings_never_forge_fields_lines_or_break_the_encoder() -> None:
 def test_a_clean_value_reads_as_it_is() -> None:
     text = _format(rl.TextFormatter(), _record("acme/support", "/v1/completions"))
     assert "path=/v1/completions status=404 model=acme/support" in text
+
+
+def test_an_audit_line_with_a_lone_surrogate_is_written_and_reads_back(tmp_path) -> None:
+    from loraserve.server.audit_log import AuditLog
+
+    path = tmp_path / "audit.jsonl"
+    AuditLog(path).record(key=None, action="load", adapter="rt/\udc80x", outcome="failed", status=400)
+    (line,) = path.read_text(encoding="utf-8").splitlines()
+    assert json.loads(line)["adapter"] == "rt/\udc80x"
