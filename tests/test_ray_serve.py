@@ -27,9 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,6 +192,22 @@ def live_replicas(http: httpx.Client, count: int = 2, not_in: tuple[str, ...] = 
         time.sleep(0.5)
 
 
+def _idle(http: httpx.Client, timeout_s: float = 60) -> None:
+    """Until no replica runs or queues a request (streams of an earlier test, abandoned by its
+    client, end on their replica a little later), then a moment for the router to count their
+    completion: the load bound sees no leftovers."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        fams = {f.name: f.samples for f in text_string_to_metric_families(http.get("/metrics").text)}
+        busy = sum(s.value for name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
+                   for s in fams.get(name, []))
+        if busy == 0:
+            break
+        assert time.monotonic() < deadline, f"{busy} requests still running or waiting"
+        time.sleep(0.5)
+    time.sleep(1.0)
+
+
 @pytest.fixture(scope="module")
 def acme_adapters(http) -> tuple[str, str]:
     """Two adapters of tenant acme (the demo's weights under new ids), loaded through the
@@ -248,45 +262,26 @@ def test_residency_digests_show_each_adapter_on_its_replica(http) -> None:
     assert again.status_code in (200, 304)  # 304 unless a replica's pool changed meanwhile
 
 
-def _at_once(http: httpx.Client, models: list[str]) -> list[str]:
-    """Long requests sent together (released by a barrier: Serve routes all of them while the
-    first still runs on its replica); the replica that served each."""
-    barrier = threading.Barrier(len(models))
-
-    def one(model: str) -> str:
-        barrier.wait()
-        r = chat(http, model, max_tokens=LONG_TOKENS, ignore_eos=True)
-        assert r.status_code == 200, r.text
-        return r.headers[HEADER]
-
-    with ThreadPoolExecutor(len(models)) as pool:
-        return list(pool.map(one, models))
-
-
-def test_an_adapter_spills_to_its_second_choice_only_past_the_load_bound(http) -> None:
-    """Three requests of one adapter at once on 2 replicas, c = 1.25: the bound is
-    ceil(1.25 x (k + 1) / 2) with k in flight, so the first choice takes two (bound 1, then 2)
-    and the third goes to the adapter's second choice (the first holds 2, the bound)."""
-    replicas = live_replicas(http)
-    first, second = preference("demo/robot", replicas)
-    seen = _at_once(http, ["demo/robot"] * 3)
-    assert Counter(seen) == {first: 2, second: 1}, (seen, first, second)
-
-
 @contextlib.contextmanager
-def _streams_running(http: httpx.Client, models: list[str], headers: dict) -> Iterator[list[str]]:
-    """Long streams of `models`, opened together (a barrier) and read on (a stream nobody reads
-    is finished by Serve's buffers in a moment; one read runs at the reader's pace) until the
-    block ends; yields the replica serving each. Their HTTP requests, and their tenant's
-    leases, last that long."""
+def _streams_running(http: httpx.Client, models: list[str], headers: dict,
+                     in_order: bool = False) -> Iterator[list[str]]:
+    """Long streams of `models`, opened together (a barrier), or with `in_order` each once the
+    one before has its first chunk, and read on (a stream nobody reads is finished by Serve's
+    buffers in a moment; one read runs at the reader's pace) until the block ends; yields the
+    replica serving each. Their HTTP requests, and their tenant's leases, last that long."""
     barrier, ready, release = threading.Barrier(len(models)), threading.Semaphore(0), threading.Event()
+    turns = [threading.Event() for _ in models]
+    turns[0].set()
     seen: dict[int, str] = {}
     ended: list[str] = []
 
     def hold(i: int, model: str) -> None:
         body = {"model": model, "messages": [{"role": "user", "content": PROMPT}],
                 "max_tokens": HELD_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True}
-        barrier.wait()
+        if in_order:
+            turns[i].wait(60)
+        else:
+            barrier.wait()
         opened = False
         try:
             with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
@@ -294,6 +289,8 @@ def _streams_running(http: httpx.Client, models: list[str], headers: dict) -> It
                 assert r.status_code == 200 and next(lines)
                 seen[i], opened = r.headers[HEADER], True
                 ready.release()
+                if i + 1 < len(turns):
+                    turns[i + 1].set()
                 for _ in lines:
                     if release.is_set():
                         return
@@ -301,6 +298,8 @@ def _streams_running(http: httpx.Client, models: list[str], headers: dict) -> It
         finally:
             if not opened:
                 ready.release()
+                if i + 1 < len(turns):
+                    turns[i + 1].set()
 
     threads = [threading.Thread(target=hold, args=(i, m), daemon=True) for i, m in enumerate(models)]
     for t in threads:
@@ -462,6 +461,7 @@ def test_a_lost_replicas_adapters_alone_move(http) -> None:
     one's move (to the survivor, or to the replacement where it now ranks first)."""
     assert KILLED and OWNERS, "runs after the affinity and the replica-loss tests"
     replicas = live_replicas(http, not_in=tuple(KILLED), timeout_s=180)
+    _idle(http)  # the streams of the test before have ended: no load bound in the way
     time.sleep(1.0)  # Serve's routers learn the replacement from the controller
     for adapter, owner in OWNERS.items():
         r = chat(http, adapter, max_tokens=4)
@@ -469,6 +469,20 @@ def test_a_lost_replicas_adapters_alone_move(http) -> None:
         assert r.headers[HEADER] == preference(adapter, replicas)[0], (adapter, replicas)
         if owner not in KILLED:
             assert r.headers[HEADER] == owner, (adapter, owner)
+
+
+def test_an_adapter_spills_to_its_second_choice_only_past_the_load_bound(http) -> None:
+    """Three streams of one adapter held open on 2 replicas, c = 1.25: the bound is
+    ceil(1.25 x (k + 1) / 2) with k in flight, so the first choice takes two (bound 1, then 2)
+    and the third goes to the adapter's second choice (the first holds 2, the bound). Each is
+    opened once the one before has its first chunk: the router has counted it by then (sent
+    together, they can all be routed before the first is counted). After the replica-loss
+    tests: the streams it closes early are the last load the router counts."""
+    replicas = live_replicas(http)
+    first, second = preference("demo/robot", replicas)
+    _idle(http)
+    with _streams_running(http, ["demo/robot"] * 3, ADMIN, in_order=True) as seen:
+        assert seen == [first, first, second], (seen, first, second)
 
 
 # -- last: SIGTERM (the module's server is gone afterwards) -----------------------------------
