@@ -123,7 +123,8 @@ def _field(value: Any) -> Any:
 
 def encodable(text: str) -> str:
     """`text` as a UTF-8 stream can take it: a lone surrogate (a client's JSON may carry one)
-    becomes its `\\udXXX` escape instead of an UnicodeEncodeError in the log handler."""
+    becomes its backslash escape (U+DC80 reads `\\udc80`) instead of an UnicodeEncodeError in
+    the log handler."""
     try:
         text.encode("utf-8")
         return text

@@ -30,11 +30,11 @@ from pydantic import BaseModel, ConfigDict
 
 from loraserve.catalog.aliases import record_alias
 from loraserve.server.errors import APIError, clip
+from loraserve.train.run import AdamParams
 from loraserve.server.tenancy import principal_of
 from loraserve.server.tinker import asample as ta
 from loraserve.server.tinker import sampling as ts
-from loraserve.server.tinker.runs import (RunRecord, RunRegistry, checkpoint_name, parse_weights_path,
-                                          tenant_of)
+from loraserve.server.tinker.runs import RunRecord, RunRegistry, checkpoint_name, tenant_of
 from loraserve.server.tinker.state import Future, SamplingSession
 
 
@@ -92,13 +92,16 @@ class ForwardBody(Strict):
     type: str | None = None
 
 
+_ADAM = AdamParams()  # the SDK's defaults, written once (loraserve.train.run)
+
+
 class AdamBody(Strict):
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
+    learning_rate: float = _ADAM.learning_rate
+    beta1: float = _ADAM.beta1
+    beta2: float = _ADAM.beta2
+    eps: float = _ADAM.eps
+    weight_decay: float = _ADAM.weight_decay
+    grad_clip_norm: float = _ADAM.grad_clip_norm
 
 
 class OptimStepBody(Strict):
