@@ -1,0 +1,60 @@
+"""Copying from the durable tier into a host's catalog: faulting a revision in, following a policy.
+
+`fault_in(id, rev)` copies a revision the local catalog lacks (the promoted one by default, or
+a revision id or tag) from the store: record, then blob verified against the record's xxh3-128
+(a corrupt object is refused, CorruptBlob, and never written); the store's promoted revision is
+promoted in the same local write when it is the one copied. `follow(remote)` makes a held
+adapter's promoted revision and tags the store's (copying the promoted revision in when needed).
+
+The caller runs both inside its `replaying()`, so these writes are not published again.
+"""
+from __future__ import annotations
+
+from .errors import AdapterNotFound, CorruptBlob, RevisionNotFound
+from .records import PolicyRecord
+from .store import Catalog
+from .store_objects import ObjectStore
+
+
+class FaultIn:
+    """Copies revisions and policy state from `store` into `catalog` (module doc)."""
+
+    def __init__(self, store: ObjectStore, catalog: Catalog) -> None:
+        self.store, self.catalog = store, catalog
+
+    def remote_revision(self, adapter_id: str, revision: str | None) -> tuple[PolicyRecord, str]:
+        """The store's policy of `adapter_id` and the revision id `revision` names there
+        (None: the promoted one; a tag resolves). AdapterNotFound / RevisionNotFound."""
+        remote = self.store.policy(adapter_id)
+        if remote is None:
+            raise AdapterNotFound(f"adapter {adapter_id!r} not found in {self.store.uri}")
+        rev = remote.promoted if revision is None else remote.tags.get(revision, revision)
+        if rev is None or rev not in remote.revisions:
+            raise RevisionNotFound(f"adapter {adapter_id!r} has no revision {revision or 'promoted'!r} "
+                                   f"in {self.store.uri}")
+        return remote, rev
+
+    def copy(self, remote: PolicyRecord, rev: str) -> None:
+        """`remote.adapter_id@rev` into the local catalog, unless it is held already."""
+        try:
+            self.catalog.resolve(remote.adapter_id, rev)
+            return  # held already
+        except (AdapterNotFound, RevisionNotFound):
+            pass
+        record = self.store.record(remote.adapter_id, rev)
+        if record is None:
+            raise CorruptBlob(f"{remote.adapter_id}@{rev}: the store's policy names it, its record is missing")
+        blob = self.store.blob(record)  # promoted in the same write when the store promotes it
+        self.catalog.put_revision(remote.adapter_id, blob, revision=rev, promote=rev == remote.promoted,
+                                  source=record.source)
+
+    def follow(self, remote: PolicyRecord) -> None:
+        """Promote locally what the store promotes, and copy its tags, for revisions held here."""
+        local = self.catalog.policy(remote.adapter_id)
+        if remote.promoted is not None and local.promoted != remote.promoted:
+            self.copy(remote, remote.promoted)
+            self.catalog.promote(remote.adapter_id, remote.promoted)
+        held = set(self.catalog.policy(remote.adapter_id).revisions)
+        for tag, rev in remote.tags.items():
+            if rev in held and local.tags.get(tag) != rev:
+                self.catalog.tag(remote.adapter_id, tag, rev)

@@ -1,0 +1,117 @@
+"""The durable tier's objects: one `s3://bucket/prefix` and the keys the catalog keeps under it.
+
+    blobs/<xxh3-128>                         a revision's blob, content-addressed and immutable
+    revisions/<tenant>/<name>/<rev>.json      its revision record (immutable)
+    policies/<tenant>/<name>.json             the adapter's policy record: revisions, promoted,
+                                              previous, tags (small, rewritten on each change)
+    log/<unix ns, 20 digits>-<host>-<n>.json  the change log: one entry per policy change
+
+`ObjectStore` reads and writes them through boto3 (endpoint and credentials from the standard
+AWS environment and config). Every error is one of ours: a missing key is SourceNotFound (or
+None / False where absence is an answer), anything else SourceUnavailable (503); a blob that
+fails its record's checksum is CorruptBlob.
+"""
+from __future__ import annotations
+
+from .errors import CatalogError, CorruptBlob, SourceNotFound, SourceUnavailable
+from .fetchers import s3_error
+from .format import blob_checksum
+from .records import PolicyRecord, RevisionRecord
+
+
+def parse_store_uri(uri: str) -> tuple[str, int | None]:
+    """`s3://bucket/prefix[?cache_mb=N]` -> (the store's URI, the local bound in MiB or None)."""
+    base, sep, query = uri.partition("?")
+    if not sep:
+        return uri, None
+    key, eq, value = query.partition("=")
+    if key != "cache_mb" or not eq or not value.isdigit() or int(value) < 1:
+        raise CatalogError(f"catalog store {uri!r}: the one option is ?cache_mb=N (N >= 1 MiB)")
+    return base, int(value)
+
+
+class ObjectStore:
+    """The keys of one `s3://bucket/prefix` (module doc) through boto3 (standard AWS config)."""
+
+    def __init__(self, uri: str, timeout_s: float = 10.0, max_pool: int = 10) -> None:
+        import boto3
+        from botocore.config import Config
+        scheme, sep, rest = uri.partition("://")
+        bucket, _, prefix = rest.partition("/")
+        if scheme != "s3" or not sep or not bucket:
+            raise CatalogError(f"catalog store {uri!r}: expected s3://bucket[/prefix]")
+        self.uri, self.bucket, self.prefix = uri, bucket, prefix.strip("/")
+        config = Config(connect_timeout=timeout_s, read_timeout=timeout_s, max_pool_connections=max_pool,
+                        retries={"max_attempts": 2, "mode": "standard"})
+        self.client = boto3.session.Session().client("s3", config=config)
+
+    def key(self, *parts: str) -> str:
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+    def _call(self, what: str, fn, **kw):
+        from botocore.exceptions import BotoCoreError, ClientError
+        try:
+            return fn(Bucket=self.bucket, **kw)
+        except ClientError as exc:
+            raise s3_error(exc, f"{self.uri}: {what}") from None
+        except BotoCoreError as exc:
+            raise SourceUnavailable(f"{self.uri}: {what}: store unreachable ({exc})") from None
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._call(key, self.client.head_object, Key=key)
+        except SourceNotFound:
+            return False
+        return True
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            return self._call(key, self.client.get_object, Key=key)["Body"].read()
+        except SourceNotFound:
+            return None
+
+    def put(self, key: str, data: bytes) -> None:
+        self._call(key, self.client.put_object, Key=key, Body=data)
+
+    def list_after(self, prefix: str, start: str = "") -> list[str]:
+        """The keys under `prefix/` after `start`, in order (every page)."""
+        keys, token = [], None
+        while True:
+            extra = {"ContinuationToken": token} if token else {}
+            page = self._call(prefix, self.client.list_objects_v2, Prefix=self.key(prefix) + "/",
+                              StartAfter=start, **extra)
+            keys += [o["Key"] for o in page.get("Contents", [])]
+            token = page.get("NextContinuationToken")
+            if not token:
+                return keys
+
+    def log_after(self, start: str) -> list[str]:
+        """The change log's keys after `start`, in order (every page)."""
+        return self.list_after("log", start)
+
+    # -- the catalog's objects --------------------------------------------------------------
+    def policy_key(self, adapter_id: str) -> str:
+        return self.key("policies", f"{adapter_id}.json")
+
+    def record_key(self, adapter_id: str, revision: str) -> str:
+        return self.key("revisions", adapter_id, f"{revision}.json")
+
+    def blob_key(self, checksum: str) -> str:
+        return self.key("blobs", checksum)
+
+    def policy(self, adapter_id: str) -> PolicyRecord | None:
+        raw = self.get(self.policy_key(adapter_id))
+        return None if raw is None else PolicyRecord.from_json(raw)
+
+    def record(self, adapter_id: str, revision: str) -> RevisionRecord | None:
+        raw = self.get(self.record_key(adapter_id, revision))
+        return None if raw is None else RevisionRecord.from_json(raw)
+
+    def blob(self, record: RevisionRecord) -> bytes:
+        """`record`'s blob, verified against its checksum and size (CorruptBlob otherwise)."""
+        blob = self.get(self.blob_key(record.checksum))
+        if blob is None:
+            raise CorruptBlob(f"{record.ref}: blob {record.checksum} is missing from {self.uri}")
+        if len(blob) != record.size or blob_checksum(blob) != record.checksum:
+            raise CorruptBlob(f"{record.ref}: the blob in {self.uri} fails its checksum; not cached")
+        return blob
