@@ -3,7 +3,9 @@
 
 A delete is one write transaction of the adapter's shard: the revision records go (with the
 policy record when no revision is left), tags and `previous` that named them are dropped and a
-tombstone (module `tombstones`) keeps their ids from ever being reused. Every reader resolves
+tombstone (module `tombstones`) keeps their ids from ever being reused; the catalog's observers
+then see the write (with `--store`, the durable tier publishes it and every host caching the
+store drops them at its next poll: store_faultin). Every reader resolves
 through the catalog at each request (the resolve cache is keyed by the shard's write
 generation), so from the commit on every tier answers 404 for them. The blobs stay until
 `gc`, so a request that resolved a revision just before the delete still pages it in.
@@ -64,7 +66,10 @@ def delete(catalog: Catalog, adapter_id: str, revision: str | None = None, *,
         validate_revision(revision)
     body = functools.partial(_delete_in_txn, adapter_id=adapter_id, revision=revision,
                              force=force, now=time.time())
-    return _shard(catalog, adapter_id).write(body)
+    done = _shard(catalog, adapter_id).write(body)
+    for observe in catalog.observers:  # the durable tier publishes the delete (store_publish)
+        observe(adapter_id)
+    return done
 
 
 def _shard(catalog: Catalog, adapter_id: str) -> Shard:

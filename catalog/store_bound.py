@@ -85,7 +85,8 @@ class LocalBound:
         """Count `adapter_id`'s local bytes, as the most recently used."""
         try:
             local = self.catalog.policy(adapter_id)
-        except AdapterNotFound:
+        except AdapterNotFound:  # deleted
+            self.untrack(adapter_id)
             return
         size = sum(self.catalog.resolve(adapter_id, rev).size for rev in local.revisions)
         with self._lock:

@@ -3,13 +3,16 @@
 `fault_in(id, rev)` copies a revision the local catalog lacks (the promoted one by default, or
 a revision id or tag) from the store: record, then blob verified against the record's xxh3-128
 (a corrupt object is refused, CorruptBlob, and never written); the store's promoted revision is
-promoted in the same local write when it is the one copied. `follow(remote)` makes a held
-adapter's promoted revision and tags the store's (copying the promoted revision in when needed).
+promoted in the same local write when it is the one copied. `follow(remote, deleted)` makes a
+held adapter's promoted revision and tags the store's (copying the promoted revision in when
+needed), then deletes here the revisions the store deleted (`catalog.deletes`, so they leave
+tombstones here too); a policy with no revision left deletes the adapter.
 
 The caller runs both inside its `replaying()`, so these writes are not published again.
 """
 from __future__ import annotations
 
+from .deletes import delete
 from .errors import AdapterNotFound, CorruptBlob, RevisionNotFound
 from .records import PolicyRecord
 from .store import Catalog
@@ -26,7 +29,7 @@ class FaultIn:
         """The store's policy of `adapter_id` and the revision id `revision` names there
         (None: the promoted one; a tag resolves). AdapterNotFound / RevisionNotFound."""
         remote = self.store.policy(adapter_id)
-        if remote is None:
+        if remote is None or not remote.revisions:  # never published, or deleted
             raise AdapterNotFound(f"adapter {adapter_id!r} not found in {self.store.uri}")
         rev = remote.promoted if revision is None else remote.tags.get(revision, revision)
         if rev is None or rev not in remote.revisions:
@@ -48,8 +51,11 @@ class FaultIn:
         self.catalog.put_revision(remote.adapter_id, blob, revision=rev, promote=rev == remote.promoted,
                                   source=record.source)
 
-    def follow(self, remote: PolicyRecord) -> None:
-        """Promote locally what the store promotes, and copy its tags, for revisions held here."""
+    def follow(self, remote: PolicyRecord, deleted: dict[str, float]) -> None:
+        """The store's promoted revision, tags and deletes for a held adapter (module doc)."""
+        if not remote.revisions:
+            delete(self.catalog, remote.adapter_id, force=True)
+            return
         local = self.catalog.policy(remote.adapter_id)
         if remote.promoted is not None and local.promoted != remote.promoted:
             self.copy(remote, remote.promoted)
@@ -58,3 +64,9 @@ class FaultIn:
         for tag, rev in remote.tags.items():
             if rev in held and local.tags.get(tag) != rev:
                 self.catalog.tag(remote.adapter_id, tag, rev)
+        doomed = sorted(rev for rev in held if rev in deleted)
+        if doomed and len(doomed) == len(held):
+            delete(self.catalog, remote.adapter_id, force=True)
+            return
+        for rev in doomed:
+            delete(self.catalog, remote.adapter_id, rev, force=True)

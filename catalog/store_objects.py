@@ -3,8 +3,11 @@
     blobs/<xxh3-128>                         a revision's blob, content-addressed and immutable
     revisions/<tenant>/<name>/<rev>.json      its revision record (immutable)
     policies/<tenant>/<name>.json             the adapter's policy record: revisions, promoted,
-                                              previous, tags (small, rewritten on each change)
-    log/<unix ns, 20 digits>-<host>-<n>.json  the change log: one entry per policy change
+                                              previous, tags, and `deleted`, the revisions
+                                              deleted {id: unix time} (rewritten on each change;
+                                              no revision left: the adapter is deleted)
+    log/<unix ns>-<host>-<n>-<quoted id>      the change log: one entry per policy change
+    log-snapshot.json, log-pruned.json        what compaction pruned from the log (store_log)
 
 `ObjectStore` reads and writes them through boto3 (endpoint and credentials from the standard
 AWS environment and config). Every error is one of ours: a missing key is SourceNotFound (or
@@ -12,6 +15,8 @@ None / False where absence is an answer), anything else SourceUnavailable (503);
 fails its record's checksum is CorruptBlob.
 """
 from __future__ import annotations
+
+import json
 
 from .errors import CatalogError, CorruptBlob, SourceNotFound, SourceUnavailable
 from .fetchers import s3_error
@@ -73,6 +78,19 @@ class ObjectStore:
     def put(self, key: str, data: bytes) -> None:
         self._call(key, self.client.put_object, Key=key, Body=data)
 
+    def delete(self, keys: list[str]) -> None:
+        """Delete `keys` (a thousand a request; absent ones are no error)."""
+        for i in range(0, len(keys), 1000):
+            objects = [{"Key": k} for k in keys[i:i + 1000]]
+            self._call("delete", self.client.delete_objects, Delete={"Objects": objects, "Quiet": True})
+
+    def get_json(self, key: str) -> dict | None:
+        raw = self.get(key)
+        return None if raw is None else json.loads(raw)
+
+    def put_json(self, key: str, doc: dict) -> None:
+        self.put(key, json.dumps(doc, separators=(",", ":"), sort_keys=True).encode())
+
     def list_after(self, prefix: str, start: str = "") -> list[str]:
         """The keys under `prefix/` after `start`, in order (every page)."""
         keys, token = [], None
@@ -100,8 +118,23 @@ class ObjectStore:
         return self.key("blobs", checksum)
 
     def policy(self, adapter_id: str) -> PolicyRecord | None:
-        raw = self.get(self.policy_key(adapter_id))
-        return None if raw is None else PolicyRecord.from_json(raw)
+        """The store's policy of `adapter_id`; None when it never had it (a deleted adapter's
+        policy has no revisions)."""
+        return self.policy_doc(adapter_id)[0]
+
+    def policy_doc(self, adapter_id: str) -> tuple[PolicyRecord | None, dict[str, float]]:
+        """(the policy, its deleted revisions {id: unix time})."""
+        doc = self.get_json(self.policy_key(adapter_id))
+        if doc is None:
+            return None, {}
+        deleted = doc.pop("deleted", {})
+        return PolicyRecord.from_json(json.dumps(doc).encode()), deleted
+
+    def put_policy(self, policy: PolicyRecord, deleted: dict[str, float]) -> None:
+        doc = json.loads(policy.to_json())
+        if deleted:
+            doc["deleted"] = deleted
+        self.put_json(self.policy_key(policy.adapter_id), doc)
 
     def record(self, adapter_id: str, revision: str) -> RevisionRecord | None:
         raw = self.get(self.record_key(adapter_id, revision))

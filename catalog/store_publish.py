@@ -2,20 +2,27 @@
 
 `publish(adapter_id)` makes the store agree with this host's catalog for one adapter: it
 uploads the revisions the store lacks (blob first, then the record: a record never names a blob
-the store lacks) and, when the local promoted revision or tags differ from the store's, the
-merged policy: the revisions of both, promoted, previous and tags as the local write left them
-(last writer wins); and, when the store had the adapter already, a change-log entry (a new
-adapter needs none: no host holds it yet). Idempotent: what the store holds as it is here is
-skipped after one policy read.
+the store lacks) and, when the local promoted revision, tags or deleted revisions differ from
+the store's, the merged policy: the revisions of both less every revision either side deleted
+(the local tombstones, `catalog.tombstones`, and the store's `deleted`), promoted, previous and
+tags as the local write left them (last writer wins); and, when the store had the adapter
+already, a change-log entry (a new adapter needs none: no host holds it yet). A whole adapter
+deleted here leaves the store a policy with no revisions (so a stale host cannot publish its
+old revisions back), and the records of deleted revisions go; blobs stay (content-addressed,
+possibly shared). Idempotent: what the store holds as it is here is skipped after one policy
+read.
 """
 from __future__ import annotations
 
+import functools
 import time
 
+from .errors import AdapterNotFound
 from .records import PolicyRecord, RevisionRecord
 from .store import Catalog
 from .store_log import ChangeLog
 from .store_objects import ObjectStore
+from .tombstones import read_tombstones
 
 
 class Publisher:
@@ -26,22 +33,54 @@ class Publisher:
 
     def publish(self, adapter_id: str) -> bool:
         """Make the store agree with the local catalog on `adapter_id`; whether anything was uploaded."""
-        local = self.catalog.policy(adapter_id)
-        remote = self.store.policy(adapter_id)
+        local = self._local(adapter_id)
+        remote, remote_dead = self.store.policy_doc(adapter_id)
+        dead = {**remote_dead, **self._tombstones(adapter_id)}
+        if local is None and remote is None:
+            return False  # deleted before it was ever published
         known = set(remote.revisions) if remote is not None else set()
-        for rev in local.revisions:
-            if rev not in known:
+        for rev in local.revisions if local is not None else ():
+            if rev not in known and rev not in dead:
                 self.publish_revision(self.catalog.resolve(adapter_id, rev))
-        if remote is not None and (remote.promoted, remote.tags) == (local.promoted, local.tags) \
-                and known.issuperset(local.revisions):
+        policy = self._merged(adapter_id, local, remote, dead)
+        if remote is not None and policy.revisions == remote.revisions and dead.keys() == remote_dead.keys() \
+                and (remote.promoted, remote.tags) == (policy.promoted, policy.tags):
             return False
-        merged = [*(remote.revisions if remote else []), *(r for r in local.revisions if r not in known)]
-        policy = PolicyRecord(adapter_id, local.base_fingerprint, local.rank, list(local.targets), merged,
-                              local.promoted, local.previous, dict(local.tags), local.created, time.time())
-        self.store.put(self.store.policy_key(adapter_id), policy.to_json())
+        self.store.put_policy(policy, dead)
+        gone = [r for r in known if r in dead]
+        if gone:
+            self.store.delete([self.store.record_key(adapter_id, r) for r in gone])
         if remote is not None:
             self.changes.append(adapter_id)
         return True
+
+    def _local(self, adapter_id: str) -> PolicyRecord | None:
+        try:
+            return self.catalog.policy(adapter_id)
+        except AdapterNotFound:
+            return None
+
+    def _tombstones(self, adapter_id: str) -> dict[str, float]:
+        shard = self.catalog.shard(self.catalog.shard_index(adapter_id))
+        return shard.read(functools.partial(read_tombstones, adapter_id=adapter_id), default={})
+
+    @staticmethod
+    def _merged(adapter_id: str, local: PolicyRecord | None, remote: PolicyRecord | None,
+                dead: dict[str, float]) -> PolicyRecord:
+        """The policy the store gets: both sides' revisions less the dead; the rest as `local`
+        has it (as `remote` had it when the adapter was deleted here)."""
+        known = set(remote.revisions) if remote is not None else set()
+        ours = local.revisions if local is not None else []
+        merged = [r for r in [*(remote.revisions if remote else []), *(r for r in ours if r not in known)]
+                  if r not in dead]
+        if local is None:  # deleted here: no revision left
+            return PolicyRecord(adapter_id, remote.base_fingerprint, remote.rank, list(remote.targets), [],
+                                None, None, {}, remote.created, time.time())
+        keep = set(merged)
+        return PolicyRecord(adapter_id, local.base_fingerprint, local.rank, list(local.targets), merged,
+                            local.promoted if local.promoted in keep else None,
+                            local.previous if local.previous in keep else None,
+                            {t: r for t, r in local.tags.items() if r in keep}, local.created, time.time())
 
     def publish_revision(self, record: RevisionRecord) -> None:
         blob_key = self.store.blob_key(record.checksum)

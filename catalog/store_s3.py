@@ -12,11 +12,13 @@ host's LMDB catalog to it, in four parts:
 - fault in (`store_faultin`): `fault_in(id, rev)` copies a revision the local catalog lacks from
   the store, verified by checksum (a corrupt object is refused and never written).
 - follow (`store_log`): `poll()` reads the change log after its cursor and applies each entry to
-  an adapter this host holds (faulting in the newly promoted revision when needed); adapters it
+  an adapter this host holds (faulting in the newly promoted revision when needed, deleting the
+  revisions the store deleted: `catalog delete --store` reaches every host so); adapters it
   does not hold are left to fault in when asked for, already at the store's state. `start()`
   polls every `poll_s` on a thread. Bound: a promote is served by every host within `poll_s`
   plus one listing and one blob download of its committing on the writer, given the writers'
-  clocks agree within `skew_s`.
+  clocks agree within `skew_s`. `store_log.compact` keeps the log small without a host that
+  polls across a prune losing an entry.
 - bound (`store_bound`): with `max_bytes` (`?cache_mb=N`) least recently used adapters are
   dropped from the local catalog (the store keeps them; a later request faults them in again).
 
@@ -90,7 +92,7 @@ class StoreTier:
         self.bound.untrack(adapter_id)  # never dropped by a concurrent evict while it comes in
         with self.replaying():
             self.copier.copy(remote, rev)
-            self.copier.follow(remote)
+            self.copier.follow(remote, {})
         record = self.catalog.resolve(adapter_id, rev)
         self.bound.track(adapter_id)
         self.bound.evict(keep=adapter_id)
@@ -98,18 +100,27 @@ class StoreTier:
 
     def poll(self) -> int:
         """Apply the change-log entries written since the last poll (store_log); how many changed
-        an adapter held here."""
+        an adapter held here (a delete included: store_faultin)."""
+        found = self.changes.changed()
         applied = 0
-        for adapter_id in self.changes.changed():
+        for adapter_id in self._held_ids() if found.everything else dict.fromkeys(found.ids):
             if not self._holds(adapter_id):
                 continue
-            remote = self.store.policy(adapter_id)
+            remote, deleted = self.store.policy_doc(adapter_id)
             if remote is not None:
                 with self.replaying():
-                    self.copier.follow(remote)
+                    self.copier.follow(remote, deleted)
+                self.bound.track(adapter_id)
                 applied += 1
         self.changes.save_cursor()
         return applied
+
+    def _held_ids(self) -> list[str]:
+        """Every adapter id the local catalog holds (a reconcile after a long absence)."""
+        ids: list[str] = []
+        while page := self.catalog.list(limit=1000, after=ids[-1] if ids else None):
+            ids += [p.adapter_id for p in page]
+        return ids
 
     def _holds(self, adapter_id: str) -> bool:
         try:

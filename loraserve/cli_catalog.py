@@ -26,7 +26,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     cat = sub.add_parser("catalog", help="manage an adapter catalog (init, import, materialize, audit, ...)")
     csub = cat.add_subparsers(dest="catalog_command", required=True, metavar="SUBCOMMAND")
     for add in (_add_init, _add_import, _add_materialize, _add_audit, _add_show, _add_list, _add_stats,
-                _add_promote, _add_rollback, _add_tag, _add_delete, _add_gc, _add_publish):
+                _add_promote, _add_rollback, _add_tag, _add_delete, _add_gc, _add_publish, _add_compact_log):
         add(csub)
 
 
@@ -140,6 +140,7 @@ def _add_delete(csub) -> None:
     p.add_argument("--force", action="store_true",
                    help="delete the promoted revision too (the adapter is left with none promoted)")
     p.add_argument("--audit-log", metavar="FILE", help="append the action here (JSON lines)")
+    _store_option(p)
     p.set_defaults(func=cmd_delete)
 
 
@@ -185,6 +186,18 @@ def _add_publish(csub) -> None:
     p.add_argument("--workers", type=int, default=8, help="adapters published at once (default: 8)")
     p.add_argument("--after", metavar="ID", help="start past this adapter id (default: the first)")
     p.set_defaults(func=cmd_publish)
+
+
+def _add_compact_log(csub) -> None:
+    p = csub.add_parser("compact-log", help="fold a durable tier's old change-log entries into its "
+                                            "snapshot (run by one process per store at a time)")
+    p.add_argument("--store", required=True, metavar="s3://BUCKET/PREFIX")
+    p.add_argument("--keep-s", type=float, default=3600.0, metavar="S",
+                   help="keep the entries of the last S seconds as entries (default: 3600)")
+    p.add_argument("--horizon-s", type=float, default=7 * 86400.0, metavar="S",
+                   help="the snapshot names the adapters changed in the last S seconds; a host "
+                        "away longer re-checks every adapter it holds (default: 7 days)")
+    p.set_defaults(func=cmd_compact_log)
 
 
 # -- commands -------------------------------------------------------------------------------
@@ -344,10 +357,9 @@ def _audited(path: str | None, action: str, fn, adapter: str | None = None,
 def cmd_delete(args) -> int:
     from loraserve.catalog.deletes import delete
     from loraserve.catalog.ids import parse_model_ref
-    from loraserve.catalog.store import Catalog
 
     adapter_id, rev = parse_model_ref(args.ref)
-    with Catalog.open(args.dir) as cat:
+    with _writing(args) as cat:
         done = _audited(args.audit_log, "delete",
                         lambda: delete(cat, adapter_id, rev, force=args.force), adapter_id, rev)
     left = "adapter removed" if done.policy is None else _policy_line(done.policy)
@@ -383,6 +395,17 @@ def cmd_publish(args) -> int:
             tier.close()
     print(f"adapters: {rep.adapters}, published: {rep.published}, already in the store: "
           f"{rep.adapters - rep.published}; last: {rep.last}")
+    return 0
+
+
+def cmd_compact_log(args) -> int:
+    from loraserve.catalog.store_log import compact
+    from loraserve.catalog.store_s3 import ObjectStore, parse_store_uri
+
+    if args.keep_s < 0 or args.horizon_s < args.keep_s:
+        raise ValueError("--keep-s must be >= 0 and --horizon-s >= --keep-s")
+    pruned = compact(ObjectStore(parse_store_uri(args.store)[0]), keep_s=args.keep_s, horizon_s=args.horizon_s)
+    print(f"change-log entries folded into the snapshot: {pruned}")
     return 0
 
 

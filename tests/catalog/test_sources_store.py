@@ -215,6 +215,10 @@ def test_catalog_commands_publish_with_store(hosts, dense_base, tmp_path):
     b.poll()
     assert b.catalog.resolve("acme/cli").revision == "r1"
     assert b.catalog.resolve("acme/cli", "stable").revision == "r1"
+    b.fault_in("acme/cli", "r2")
+    assert run(["catalog", "delete", str(tmp_path / "ops"), "acme/cli@r2", "--store", uri]) == 0
+    b.poll()
+    assert b.catalog.policy("acme/cli").revisions == ["r1"]
 
 
 def test_a_restarted_host_applies_what_it_missed(hosts, blobs):
@@ -233,3 +237,50 @@ def test_a_restarted_host_applies_what_it_missed(hosts, blobs):
         assert again.catalog.resolve("acme/x").revision == r1.revision
     finally:
         again.close()
+
+
+def test_a_delete_is_published_and_every_host_drops_it_at_its_next_poll(hosts, blobs, tmp_path):
+    from loraserve.catalog.deletes import delete
+    from loraserve.catalog.errors import RevisionNotFound
+    a, b = hosts
+    r1 = a.catalog.put_revision("acme/x", blobs[0])
+    a.catalog.put_revision("acme/x", blobs[1])
+    a.catalog.put_revision("acme/y", blobs[2])
+    b.poll()
+    b.fault_in("acme/x")
+    b.fault_in("acme/x", r1.revision)
+    b.fault_in("acme/y")
+    delete(a.catalog, "acme/x", r1.revision)  # one revision
+    delete(a.catalog, "acme/y", force=True)  # the whole adapter
+    assert not a.store.exists(a.store.record_key("acme/x", r1.revision))
+    assert b.poll() == 2
+    assert b.catalog.policy("acme/x").revisions == ["r2"]
+    with pytest.raises(RevisionNotFound):
+        b.catalog.resolve("acme/x", r1.revision)
+    with pytest.raises(AdapterNotFound):
+        b.catalog.resolve("acme/y")
+    with Catalog.create(tmp_path / "fresh", shards=2) as empty:  # a host that never held it
+        fresh = StoreTier(a.store, empty)
+        with pytest.raises(AdapterNotFound):
+            fresh.fault_in("acme/y")
+        fresh.close()
+    stale = b.catalog.put_revision("acme/y", blobs[2])  # b's write after the delete: a new id
+    assert stale.revision == "r2" and a.store.policy("acme/y").revisions == ["r2"]  # r1 stays taken
+
+
+def test_compaction_keeps_the_log_small_and_a_host_polling_across_it_loses_nothing(hosts, blobs):
+    from loraserve.catalog.store_log import compact
+    a, b = hosts
+    r1 = a.catalog.put_revision("acme/x", blobs[0])
+    r2 = a.catalog.put_revision("acme/x", blobs[1])
+    b.fault_in("acme/x")
+    b.poll()
+    a.catalog.promote("acme/x", r1.revision)
+    assert compact(a.store, keep_s=0) >= 1 and log_count(a) == 0
+    assert b.poll() == 1  # the pruned entry comes from the snapshot
+    assert b.catalog.resolve("acme/x").revision == r1.revision
+    a.catalog.rollback("acme/x")
+    assert compact(a.store, keep_s=0, horizon_s=0) == 1  # the snapshot names nothing now
+    assert b.poll() == 1  # past the snapshot's horizon: every held adapter re-checked
+    assert b.catalog.resolve("acme/x").revision == r2.revision
+    assert b.poll() == 0 and compact(a.store, keep_s=0) == 0
