@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
+from typing import TypeVar
 
 from .errors import AdapterNotFound, CatalogError
-from .records import RevisionRecord
+from .records import PolicyRecord, RevisionRecord
 from .store import Catalog
 from .store_bound import LocalBound
 from .store_faultin import FaultIn
@@ -41,6 +43,7 @@ from .store_publish import Publisher
 
 __all__ = ["ObjectStore", "StoreTier", "parse_store_uri"]
 log = logging.getLogger("loraserve.catalog.store_s3")
+T = TypeVar("T")
 
 
 class StoreTier:
@@ -54,6 +57,8 @@ class StoreTier:
         self.copier = FaultIn(store, catalog)
         self.bound = LocalBound(store, catalog, max_bytes, blob_grace_s)
         self._replay = threading.local()
+        self._provisional: set[str] = set()  # imported from a source while the store was down
+        self._provisional_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         catalog.observers.append(self.published)
@@ -98,9 +103,40 @@ class StoreTier:
         self.bound.evict(keep=adapter_id)
         return record
 
+    def provisional(self, adapter_id: str, fetch: Callable[[], T]) -> T:
+        """`fetch()` imports `adapter_id` from an adapter source while the store is down: its
+        write is not published now; the first poll that reaches the store settles it (`_settle`)."""
+        with self.replaying():
+            result = fetch()
+        with self._provisional_lock:
+            self._provisional.add(adapter_id)
+        return result
+
+    def _settle(self) -> None:
+        """Publish the provisional imports the store still lacks. One the store holds under the
+        same promoted checksum is its copy already; one it holds otherwise is kept as the source
+        gave it (the store and the source disagree: logged), following the store's changes from
+        now on."""
+        with self._provisional_lock:
+            pending = sorted(self._provisional)
+        for adapter_id in pending:
+            remote = self.store.policy(adapter_id)
+            if remote is None or not remote.revisions:
+                self.published(adapter_id)
+            elif not self._same_promoted(adapter_id, remote):
+                log.warning("%s: the adapter source and %s hold different bytes; serving the source's",
+                            adapter_id, self.store.uri)
+            with self._provisional_lock:
+                self._provisional.discard(adapter_id)
+
+    def _same_promoted(self, adapter_id: str, remote: PolicyRecord) -> bool:
+        record = self.store.record(adapter_id, remote.promoted) if remote.promoted else None
+        return record is not None and record.checksum == self.catalog.resolve(adapter_id).checksum
+
     def poll(self) -> int:
         """Apply the change-log entries written since the last poll (store_log); how many changed
         an adapter held here (a delete included: store_faultin)."""
+        self._settle()
         found = self.changes.changed()
         applied = 0
         for adapter_id in self._held_ids() if found.everything else dict.fromkeys(found.ids):

@@ -44,10 +44,10 @@ def hosts(tmp_path_factory, hf_dense) -> Iterator[tuple[httpx.Client, AsyncEngin
         engine = AsyncEngine.from_model_dir(
             str(hf_dense), catalog_dir=str(tmp / "server"), device="cpu", dtype="float32", max_model_len=64,
             max_batch_size=4, max_gpu_adapters=2, max_lora_rank=16, adapter_root=str(tmp / "root"),
-            catalog_store=STORE)
+            catalog_store=STORE, adapter_sources=[str(tmp / "src" / "{tenant}" / "{name}")])
         with LiveServer(build_app(engine, max_n=2)) as server, \
                 httpx.Client(base_url=server.url, timeout=120) as http:
-            yield http, engine, other, blobs
+            yield http, engine, other, blobs, s3, tmp / "src"
         other.close()
         other.catalog.close()
 
@@ -61,7 +61,7 @@ def served_revision(engine: AsyncEngine, adapter_id: str) -> str:
 
 
 def test_a_revision_written_elsewhere_faults_in_and_its_promotes_are_followed(hosts) -> None:
-    http, engine, other, blobs = hosts
+    http, engine, other, blobs, *_ = hosts
     r1 = other.catalog.put_revision("acme/a", blobs[0])
     with pytest.raises(AdapterNotFound):
         engine.adapter_manager.catalog.resolve("acme/a")
@@ -76,7 +76,7 @@ def test_a_revision_written_elsewhere_faults_in_and_its_promotes_are_followed(ho
 
 
 def test_an_import_here_is_published_for_the_other_host(hosts) -> None:
-    http, engine, other, _ = hosts
+    http, engine, other, *_ = hosts
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "acme/local", "lora_path": "local"})
     assert r.status_code == 200, r.text
     got = other.fault_in("acme/local")
@@ -84,7 +84,7 @@ def test_an_import_here_is_published_for_the_other_host(hosts) -> None:
 
 
 def test_a_corrupt_blob_in_the_store_is_refused_and_never_cached(hosts) -> None:
-    http, engine, other, blobs = hosts
+    http, engine, other, blobs, *_ = hosts
     rec = other.catalog.put_revision("acme/c", blobs[2])
     bad = bytearray(blobs[2])
     bad[-1] ^= 0xFF
@@ -95,8 +95,33 @@ def test_a_corrupt_blob_in_the_store_is_refused_and_never_cached(hosts) -> None:
         engine.adapter_manager.catalog.resolve("acme/c")
 
 
+def test_store_down_falls_back_to_the_sources_and_the_poller_catches_up(hosts, hf_dense) -> None:
+    """The store down: a held adapter serves on, a miss comes from the adapter sources (not a
+    503; a miss no source has is the store's 503); the store back: the source's import is
+    published and a promote made elsewhere reaches the server."""
+    http, engine, other, blobs, s3, src = hosts
+    write_peft(src / "acme" / "fallback", hf_dense, seed=11)
+    r1 = other.catalog.put_revision("acme/held", blobs[0])
+    other.catalog.put_revision("acme/held", blobs[1])
+    assert complete(http, "acme/held").status_code == 200
+    s3.stop()
+    try:
+        assert complete(http, "acme/held").status_code == 200
+        assert complete(http, "acme/fallback").status_code == 200
+        assert complete(http, "acme/nowhere").status_code == 503
+    finally:
+        s3.start()
+    other.catalog.promote("acme/held", r1.revision)
+    deadline = time.monotonic() + 60
+    while served_revision(engine, "acme/held") != r1.revision or other.store.policy("acme/fallback") is None:
+        assert time.monotonic() < deadline, "the server never caught up with the store"
+        time.sleep(0.1)
+    mine = engine.adapter_manager.catalog.resolve("acme/fallback")
+    assert other.fault_in("acme/fallback").checksum == mine.checksum
+
+
 def test_concurrent_misses_fault_in_once(hosts) -> None:
-    http, engine, other, blobs = hosts
+    http, engine, other, blobs, *_ = hosts
     other.catalog.put_revision("acme/burst", blobs[1])
     before = engine.sourcing.fault_ins.started
     with ThreadPoolExecutor(4) as pool:
@@ -106,7 +131,7 @@ def test_concurrent_misses_fault_in_once(hosts) -> None:
 
 
 def test_a_promote_over_http_is_published(hosts) -> None:
-    http, engine, other, blobs = hosts
+    http, engine, other, blobs, *_ = hosts
     r1 = other.catalog.put_revision("acme/p", blobs[0])
     other.catalog.put_revision("acme/p", blobs[1])
     assert complete(http, "acme/p@r1").status_code == 200  # the server holds r1 (and follows r2)

@@ -7,7 +7,10 @@ store never takes a thread that other requests' resolves or page-ins need):
 1. the name is decided as the directory decides it (an alias resolved), and the principal must
    see its tenant, else nothing is fetched and the answer stays the one 404 (a template then
    only ever yields ids inside the requesting key's tenants);
-2. `--catalog-store`: the revision is faulted in from the durable tier (catalog.store_s3);
+2. `--catalog-store`: the revision is faulted in from the durable tier (catalog.store_s3); with
+   the store down, a bare `tenant/name` goes on to the sources (its import is published once
+   the store answers again: StoreTier.provisional), and the store's 503 stands only when no
+   source has it;
 3. `--adapter-source` (a bare `tenant/name` only: a source holds one version of an adapter):
    the PEFT directory is fetched (catalog.sources, verified by catalog.fetchers), exported
    against the served base, checked against the pool's limits and imported as a new promoted
@@ -29,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from loraserve.catalog.base import BaseInfo
 from loraserve.catalog.errors import (AdapterNotFound, CatalogError, InvalidAdapterId, RevisionNotFound,
-                                      SourceNotFound)
+                                      SourceNotFound, SourceUnavailable)
 from loraserve.catalog.ids import parse_model_ref
 from loraserve.catalog.records import RevisionRecord
 from loraserve.catalog.sources import AdapterSources, SingleFlight, importer
@@ -103,7 +106,7 @@ class Sourcing:
         if not principal.sees(adapter_id.split("/", 1)[0]):
             return False
         try:
-            if self.tier is not None and self._fault_in(adapter_id, revision):
+            if self.tier is not None and self._from_store(adapter_id, revision):
                 return True
             if self.sources is None or revision is not None:
                 return False
@@ -116,6 +119,22 @@ class Sourcing:
                 raise
             raise EngineError(f"adapter {adapter_id!r} cannot be served: {exc}", status=exc.status,
                               param="model") from exc
+
+    def _from_store(self, adapter_id: str, revision: str | None) -> bool:
+        """Fault in from the tier; with the store down, a bare id comes from the sources instead,
+        imported provisionally (not published until the store answers: StoreTier.provisional);
+        no source holding it leaves the store's 503."""
+        try:
+            return self._fault_in(adapter_id, revision)
+        except SourceUnavailable as down:
+            if self.sources is None or revision is not None:
+                raise
+            log.warning("catalog store down (%s); fetching %s from the adapter sources", down, adapter_id)
+            try:
+                self.tier.provisional(adapter_id, lambda: self.sources.fetch(adapter_id, self.into(adapter_id)))
+            except SourceNotFound:
+                raise down from None
+            return True
 
     def _fault_in(self, adapter_id: str, revision: str | None) -> bool:
         """From the durable tier, once for concurrent misses of one revision."""
