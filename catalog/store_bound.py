@@ -7,7 +7,11 @@ fault-in and each poll; so the bound is exceeded by at most what one poll interv
 Only an adapter the store holds exactly as here (every revision, the promoted one, the tags) is
 dropped, with no tombstone: a later request faults it in again. Its records go at once and its
 blobs `blob_grace_s` later, so a page-in that resolved it just before still reads its blob.
-Adapters this process has not seen since it started are not counted or dropped.
+What is on disk counts: `seed()` (the tier's poll thread, first thing) counts every adapter the
+local catalog already holds (a restarted host's cache), as less recent than any this process
+has used, oldest policy change first, so eviction picks among them too. An adapter the store
+does not hold as it is here (a local-only import) is never dropped, and is no longer counted
+once eviction has passed over it.
 
 The drops are module functions of a write transaction (`Shard.write`), so they run where the
 shard is mapped (a shard host process, for a serving catalog).
@@ -20,7 +24,7 @@ import time
 
 from .errors import AdapterNotFound
 from .lru import BoundedLRU
-from .records import RevisionRecord
+from .records import PolicyRecord, RevisionRecord
 from .shards import add_blob_bytes
 from .store import Catalog
 from .store_objects import ObjectStore
@@ -59,6 +63,16 @@ def drop_blobs_in_txn(txn, dbs, refs: list[str]) -> int:
     return dropped
 
 
+def disk_usage_in_txn(txn, dbs) -> list[tuple[float, str, int]]:
+    """(policy updated, adapter id, its blob bytes) of every adapter in the shard."""
+    sizes: dict[str, int] = {}
+    for key, raw in txn.cursor(db=dbs.revision):
+        adapter_id = bytes(key).decode().rpartition("@")[0]
+        sizes[adapter_id] = sizes.get(adapter_id, 0) + RevisionRecord.from_json(raw).size
+    return [(PolicyRecord.from_json(raw).updated, bytes(key).decode(), sizes.get(bytes(key).decode(), 0))
+            for key, raw in txn.cursor(db=dbs.policy)]
+
+
 class LocalBound:
     """The recency and bytes of the adapters a tier counts, and their eviction (module doc)."""
 
@@ -72,6 +86,21 @@ class LocalBound:
         self._lock = threading.Lock()
         self._doomed: list[tuple[float, str, list[str]]] = []  # (due, adapter id, refs): blobs to drop
         self.dropped = 0  # adapters dropped from the local catalog
+
+    def seed(self) -> int:
+        """Count the adapters already on disk (module doc); how many were added."""
+        found = []
+        for index in range(self.catalog.shards):
+            found += self.catalog.shard(index).read(disk_usage_in_txn, default=[])
+        found.sort()
+        with self._lock:
+            used = dict(self._seen.items())  # more recent than anything on disk from before
+            self._seen.clear()
+            older = [(adapter_id, size) for _, adapter_id, size in found if adapter_id not in used]
+            for adapter_id, size in [*older, *used.items()]:
+                self._seen.put(adapter_id, size)
+            self.counted = sum(size for _, size in self._seen.items())
+        return len(older)
 
     def touch(self, adapter_id: str) -> None:
         """A request resolved `adapter_id`: the most recently used (when counted)."""

@@ -20,7 +20,8 @@ host's LMDB catalog to it, in four parts:
   clocks agree within `skew_s`. `store_log.compact` keeps the log small without a host that
   polls across a prune losing an entry.
 - bound (`store_bound`): with `max_bytes` (`?cache_mb=N`) least recently used adapters are
-  dropped from the local catalog (the store keeps them; a later request faults them in again).
+  dropped from the local catalog (the store keeps them; a later request faults them in again);
+  what the catalog already held when the tier started counts too (`start` seeds it first).
 
 Writes a tier makes while replaying the store (fault-in, poll) are not published again.
 """
@@ -179,6 +180,9 @@ class StoreTier:
             self._thread.start()
 
     def _run(self) -> None:
+        if self.bound.max_bytes is not None:
+            self.bound.seed()
+            self.evict()
         while not self._stop.wait(self.poll_s):
             try:
                 self.poll()

@@ -284,3 +284,27 @@ def test_compaction_keeps_the_log_small_and_a_host_polling_across_it_loses_nothi
     assert b.poll() == 1  # past the snapshot's horizon: every held adapter re-checked
     assert b.catalog.resolve("acme/x").revision == r2.revision
     assert b.poll() == 0 and compact(a.store, keep_s=0) == 0
+
+
+def test_after_a_restart_the_bound_counts_what_is_on_disk(hosts, blobs, tmp_path):
+    """A tier made over a catalog that already holds adapters (a restarted host) counts them:
+    the oldest changed goes first when the bound is below what is on disk."""
+    a, _ = hosts
+    for i in range(3):
+        a.catalog.put_revision(f"acme/x{i}", blobs[i])
+    with Catalog.create(tmp_path / "cache", shards=2) as cache:
+        before = StoreTier(a.store, cache)  # no bound: holds all three
+        for i in range(3):
+            before.fault_in(f"acme/x{i}")
+        before.close()
+        size = max(len(b) for b in blobs)
+        after = StoreTier(a.store, cache, max_bytes=int(2.5 * size), blob_grace_s=0.0)
+        try:
+            assert after.bound.seed() == 3 and after.bound.counted == cache.stats()["bytes"]
+            assert after.evict() == 1
+            with pytest.raises(AdapterNotFound):
+                cache.resolve("acme/x0")
+            assert cache.resolve("acme/x1") and cache.resolve("acme/x2")
+            assert cache.stats()["bytes"] <= after.max_bytes
+        finally:
+            after.close()
