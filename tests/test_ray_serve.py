@@ -338,6 +338,34 @@ def test_a_tenants_limit_holds_across_replicas(http, acme_adapters) -> None:
     assert again.status_code == 200, again.text  # the streams ended: their leases went back
 
 
+def router_in_flight(http: httpx.Client) -> dict[str, float]:
+    """The ingress router's count of requests in flight per replica (its /metrics), zeros out."""
+    fams = {f.name: f.samples for f in text_string_to_metric_families(http.get("/metrics").text)}
+    return {s.labels["replica"]: s.value for s in fams.get("loraserve_router_in_flight", [])
+            if s.value}
+
+
+def test_streams_closed_early_leave_no_load_behind(http) -> None:
+    """Two streams of one adapter, both on its first choice, closed by their client mid-stream:
+    the router's count returns to zero (the ingress cancels the replica's stream; its end is
+    the request's completion in Serve's router), so the adapter's next requests go home. Were
+    the two still counted there, the bound (ceil(1.25 x 3 / 2) = 2) would spill them."""
+    replicas = live_replicas(http)
+    first = preference("demo/robot", replicas)[0]
+    _idle(http)
+    assert router_in_flight(http) == {}
+    with _streams_running(http, ["demo/robot"] * 2, ADMIN, in_order=True) as seen:
+        assert seen == [first, first]
+        assert router_in_flight(http) == {first: 2}
+    deadline = time.monotonic() + 30
+    while (left := router_in_flight(http)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"counted after their client closed them: {left}"
+    for _ in range(3):
+        r = chat(http, "demo/robot", max_tokens=2)
+        assert r.status_code == 200 and r.headers[HEADER] == first, (r.headers[HEADER], first)
+
+
 def test_base_requests_reach_both_replicas(http) -> None:
     model = base_model(http)
     seen = {chat(http, model, max_tokens=2).headers[HEADER] for _ in range(24)}

@@ -443,11 +443,12 @@ def test_the_router_ranks_replicas_in_the_adapters_rendezvous_order() -> None:
 
 
 def test_the_router_spills_past_the_bound_and_counts_completions() -> None:
-    from loraserve.ray_serve.routing import preference
+    from loraserve.ray_serve.routing import in_flight, preference
     router, reps = _router_and_replicas(["rep-a", "rep-b"], c=1.0)
     first, second = preference("t/hot", ["rep-a", "rep-b"])
     by_name = {r.replica_id.unique_id: r.replica_id for r in reps}
     router.on_send_request(by_name[first])   # one in flight on the first choice; bound = 1
+    assert in_flight().get(first) == 1       # what /metrics shows (loraserve_router_in_flight)
     assert _choose(router, reps, "t/hot") == [second, first]
     router.on_request_completed(by_name[first], "r")
     assert _choose(router, reps, "t/hot") == [first, second]

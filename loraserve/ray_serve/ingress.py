@@ -27,6 +27,7 @@ from ..server.router_metrics import labelled_snapshots, label_names
 from .config import ScaleOutConfig
 from .drain import Drain, DrainGate
 from .frontend import RayEngineFrontend, served_by
+from .routing import in_flight
 
 REPLICA_HEADER = "x-loraserve-replica"
 NO_REPLICA = "ingress"
@@ -80,6 +81,17 @@ class ReplicaEngineGauges(Collector):
             for labels, snap in snaps:
                 m.add_metric(list(labels.values()), float(getattr(snap, attr)))
             yield m
+        yield router_gauge()
+
+
+def router_gauge() -> GaugeMetricFamily:
+    """The affinity router's view: per replica, the requests it sent that have not completed
+    (what its load bound counts; none under `--replica-routing multiplex`)."""
+    m = GaugeMetricFamily("loraserve_router_in_flight", "Requests the ingress's router sent to "
+                          "an engine replica that have not completed", labels=["replica"])
+    for replica, count in sorted(in_flight().items()):
+        m.add_metric([replica], float(count))
+    return m
 
 
 def ingress_app(frontend: RayEngineFrontend, options: ServerConfig) -> FastAPI:

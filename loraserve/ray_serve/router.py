@@ -10,8 +10,9 @@ replicas at or over the load bound moved last (or least loaded first for a base-
 
 Loads are this router's own count of the requests it sent and that have not completed (the
 ingress is the one caller of the engine deployment, so its count is the replicas' load, with
-no probe and no staleness). The adapter is the handle's multiplexed model id; the replica's
-name is its Serve unique id (what `x-loraserve-replica` carries).
+no probe and no staleness; the ingress's /metrics shows it, `loraserve_router_in_flight`).
+The adapter is the handle's multiplexed model id; the replica's name is its Serve unique id
+(what `x-loraserve-replica` carries).
 
 Selected with `request_router_config=RequestRouterConfig(request_router_class=ROUTER_PATH,
 request_router_kwargs={"c": ...})` on the engine deployment (launch.application).
@@ -22,7 +23,7 @@ from collections import Counter
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from .routing import DEFAULT_C, route
+from .routing import DEFAULT_C, route, watch
 
 ROUTER_PATH = "loraserve.ray_serve.router.AffinityRouter"
 
@@ -35,6 +36,7 @@ class AffinityRouter(RequestRouter):
             raise ValueError(f"the load bound's c must be >= 1, got {c}")
         self.c = c
         self.in_flight: Counter[ReplicaID] = Counter()
+        watch(self)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -53,7 +55,10 @@ class AffinityRouter(RequestRouter):
         self.in_flight[replica_id] += 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        """Every sent request completes once (a rejected one too, Serve cancels it)."""
+        """Every sent request completes once: a rejected one (Serve cancels it), and a stream
+        whose client went away (Serve's proxy cancels the ingress's request, which cancels the
+        replica's stream, frontend._stream; the end of a cancelled stream is its completion
+        here). tests/test_ray_serve.py closes streams early and sees the counts back at 0."""
         if self.in_flight[replica_id] > 1:
             self.in_flight[replica_id] -= 1
         else:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import math
 import random
+import weakref
+from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
@@ -89,3 +91,24 @@ def route(key: str | None, loads: Mapping[R, int], c: float = DEFAULT_C,
 def owners(keys: Sequence[str], replicas: Sequence[R]) -> dict[str, R]:
     """Each key's first choice with no load in the way (what a replica's death may move)."""
     return {k: preference(k, replicas)[0] for k in keys}
+
+
+# this process's routers (the ingress's handle to the engine deployment makes one), whose
+# in-flight counts /metrics shows (loraserve_router_in_flight). Kept here, not in router.py:
+# Serve pickles a router class *by value* (RequestRouterConfig), so router.py's globals in the
+# process that routes are a copy, not the module anyone imports.
+_ROUTERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def watch(router) -> None:
+    """Show `router.in_flight` (replica id -> requests sent, not completed) in `in_flight()`."""
+    _ROUTERS.add(router)
+
+
+def in_flight() -> dict[str, int]:
+    """replica name -> requests this process's routers sent it that have not completed (summed
+    over routers; an atomic copy of each: Serve's router runs on a loop thread of its own)."""
+    total: Counter[str] = Counter()
+    for router in list(_ROUTERS):
+        total.update({getattr(r, "unique_id", r): n for r, n in dict(router.in_flight).items()})
+    return dict(total)
