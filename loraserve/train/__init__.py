@@ -8,6 +8,7 @@ gradients, optimizer state and activations are its own. Modules:
     factors   LoRAFactors: the run's A/B per target module, PEFT's init, serving-layout export
     hooks     attach factors to the resident model for one forward (PackedLinear made differentiable)
     losses    cross_entropy, importance_sampling, ppo as the Tinker SDK defines them
+    chunked   one datum longer than the slice budget, forward/backward a chunk per slice
     run       TrainingRun: forward / forward_backward in token-bounded slices, optim_step (AdamW),
               training state (factors + Adam moments) out and back in
 """

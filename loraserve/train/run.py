@@ -2,7 +2,9 @@
 optim_step, and its training state.
 
 A pass (`TrainingRun.start`) works through its datums a slice at a time (`Pass.advance(budget)`),
-so the host can run decode steps between slices. Its gradients collect in the pass's own buffer
+so the host can run decode steps between slices; a datum longer than the slice budget runs a
+chunk per slice (chunked.py), so neither a slice's time nor its activations grow with a datum's
+length. Its gradients collect in the pass's own buffer
 and reach the run only when the whole pass is done and finite: a diverging batch (NaN/Inf loss
 or gradient) fails its own call and leaves the run as it was, so no later save can serve it.
 Gradients of successive passes add up, as Tinker's forward_backward calls do, until optim_step.
@@ -17,6 +19,7 @@ import torch
 from torch import Tensor
 
 from loraserve.model import CausalLM
+from loraserve.train.chunked import ChunkedDatum, target_logprobs
 from loraserve.train.config import RunConfig, TrainingError
 from loraserve.train.factors import LoRAFactors
 from loraserve.train.hooks import attached
@@ -55,14 +58,6 @@ class PassResult:
     metrics: dict[str, float]
 
 
-def _target_logprobs(model: CausalLM, datum: Datum) -> Tensor:
-    """log p(target_tokens[i] | tokens[:i+1]) for every position, in float32."""
-    n = datum.num_tokens
-    positions = torch.arange(n, device=datum.tokens.device)
-    logits = model.compute_logits(model(datum.tokens, positions))                   # [N, V] float32
-    return torch.log_softmax(logits, -1).gather(1, datum.inputs["target_tokens"].view(n, 1)).view(n)
-
-
 @dataclass
 class Pass:
     """One forward or forward_backward call in progress."""
@@ -76,35 +71,66 @@ class Pass:
     outputs: list[dict[str, Tensor]] = field(default_factory=list)
     grads: list[Tensor] | None = None
     loss_sum: float = 0.0
+    chunked: ChunkedDatum | None = None  # a datum longer than the budget, part way
 
     @property
     def done(self) -> bool:
         return self.done_datums == len(self.data)
 
     def advance(self, max_tokens: int) -> bool:
-        """Run datums while they fit in `max_tokens` (at least one); True once every datum ran.
-        TrainingError if a loss or gradient is not finite (the run is left untouched)."""
+        """Run datums while they fit in `max_tokens`, or one chunk of a datum longer than that
+        (chunked.py); True once every datum ran. TrainingError if a loss or gradient is not
+        finite (the run is left untouched)."""
         used = 0
-        while not self.done and (used == 0 or used + self.data[self.done_datums].num_tokens <= max_tokens):
-            datum = self.data[self.done_datums]
-            self._one(datum)
-            used += datum.num_tokens
-            self.done_datums += 1
+        while not self.done:
+            n = self.data[self.done_datums].num_tokens
+            if self.chunked is not None or n > max_tokens:
+                if used == 0:
+                    self._chunk_step(max_tokens)
+                break
+            if used + n > max_tokens:
+                break
+            self._one(self.data[self.done_datums])
+            used += n
         return self.done
 
     def _one(self, datum: Datum) -> None:
         spec, run = loss_spec(self.loss), self.run
         with torch.inference_mode(False), torch.set_grad_enabled(self.backward), attached(run.model, run.factors):
-            target_lp = _target_logprobs(run.model, datum)
+            positions = torch.arange(datum.num_tokens, device=datum.tokens.device)
+            target_lp = target_logprobs(run.model, run.model(datum.tokens, positions), datum.inputs["target_tokens"])
             elementwise = spec.fn(target_lp, datum.inputs, self.loss_config)
             loss = elementwise.sum()
-            if not math.isfinite(loss.item()):
-                raise TrainingError(f"{self.loss} loss of datum {self.done_datums} is {loss.item()}: "
-                                    "the step failed and the run is unchanged")
+            self._check_finite(loss)
             if self.backward:
                 self._accumulate(torch.autograd.grad(loss, run.factors.parameters()))
-        self.loss_sum += loss.item()
+        self._finish_datum(target_lp, elementwise)
+
+    def _chunk_step(self, budget: int) -> None:
+        """One chunk of the current long datum (started here); the datum's outputs once its last ran."""
+        if self.chunked is None:
+            d, run = self.data[self.done_datums], self.run
+            self.chunked = ChunkedDatum(run.model, run.factors, d.tokens, d.inputs, loss_spec(self.loss),
+                                        self.loss_config, budget, self.backward)
+        c = self.chunked
+        c.step()
+        if c.forward_done and c.backward_next == len(c.bounds) - 1:  # forward just ended: check before any backward
+            self._check_finite(c.elementwise.sum())
+        if c.done:
+            self.chunked = None
+            if c.grads is not None:
+                self._accumulate(c.grads)
+            self._finish_datum(c.logprobs, c.elementwise)
+
+    def _check_finite(self, loss: Tensor) -> None:
+        if not math.isfinite(loss.item()):
+            raise TrainingError(f"{self.loss} loss of datum {self.done_datums} is {loss.item()}: "
+                                "the step failed and the run is unchanged")
+
+    def _finish_datum(self, target_lp: Tensor, elementwise: Tensor) -> None:
+        self.loss_sum += float(elementwise.detach().sum())
         self.outputs.append({"logprobs": target_lp.detach().float(), "elementwise_loss": elementwise.detach().float()})
+        self.done_datums += 1
 
     def _accumulate(self, grads: tuple[Tensor, ...]) -> None:
         if self.grads is None:

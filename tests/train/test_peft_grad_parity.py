@@ -122,7 +122,7 @@ def test_forward_backward_matches_peft(base, packed, targets, request, one_torch
         needed = {"cross_entropy": ("target_tokens", "weights")}.get(loss, ("target_tokens", "logprobs", "advantages"))
         mine = [Datum(d.tokens, {k: d.inputs[k] for k in needed}) for d in data]
         p = run.start(mine, loss)
-        while not p.advance(max_tokens=6):  # slices of at most 6 tokens (a datum of 9 runs alone)
+        while not p.advance(max_tokens=9):  # slices of at most 9 tokens (test_long_datum splits one)
             pass
         result = p.finish()
         ref_loss, ref_grads, _ = _peft_loss_and_grads(peft, named, data, loss)

@@ -200,7 +200,7 @@ def tensor(name: str, body: TensorBody, n: int, i: int) -> list:
 
 def datums(body: PassInput, max_len: int) -> list:
     """The datums as the trainer takes them: [tokens, {input: values}]; 400 for a datum past the
-    served context (`--max-model-len`: what bounds one datum's activations)."""
+    served context (`--max-model-len`; a datum past `--train-max-tokens` runs in chunks)."""
     out = []
     for i, d in enumerate(body.data):
         tokens = ts.prompt_ids(d.model_input)
