@@ -44,10 +44,10 @@ class FaultIn:
             return  # held already
         except (AdapterNotFound, RevisionNotFound):
             pass
-        record = self.store.record(remote.adapter_id, rev)
+        record, where = self.store.locate(remote.adapter_id, rev)
         if record is None:
             raise CorruptBlob(f"{remote.adapter_id}@{rev}: the store's policy names it, its record is missing")
-        blob = self.store.blob(record)  # promoted in the same write when the store promotes it
+        blob = self.store.blob(record, where)  # promoted in the same write when the store promotes it
         self.catalog.put_revision(remote.adapter_id, blob, revision=rev, promote=rev == remote.promoted,
                                   source=record.source)
 

@@ -8,6 +8,9 @@
                                               no revision left: the adapter is deleted)
     log/<unix ns>-<host>-<n>-<quoted id>      the change log: one entry per policy change
     log-snapshot.json, log-pruned.json        what compaction pruned from the log (store_log)
+    segments/<uuid>                           many revisions' blobs end to end, written by a
+                                              bulk publish (store_bulk); the policy's `placed`
+                                              says where each is (its record rides along)
 
 `ObjectStore` reads and writes them through boto3 (endpoint and credentials from the standard
 AWS environment and config). Every error is one of ours: a missing key is SourceNotFound (or
@@ -17,11 +20,23 @@ fails its record's checksum is CorruptBlob.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 from .errors import CatalogError, CorruptBlob, SourceNotFound, SourceUnavailable
 from .fetchers import s3_error
 from .format import blob_checksum
 from .records import PolicyRecord, RevisionRecord
+
+
+@dataclass(slots=True)
+class PolicyDoc:
+    """An adapter's policy object: the record (None: the store never had the adapter), the
+    revisions deleted {id: unix time}, and where bulk-published revisions are (`placed`:
+    revision id -> its record's fields plus `segment` (key) and `offset`: store_bulk)."""
+
+    policy: PolicyRecord | None
+    deleted: dict[str, float] = field(default_factory=dict)
+    placed: dict[str, dict] = field(default_factory=dict)
 
 
 def parse_store_uri(uri: str) -> tuple[str, int | None]:
@@ -75,6 +90,13 @@ class ObjectStore:
         except SourceNotFound:
             return None
 
+    def get_range(self, key: str, offset: int, size: int) -> bytes | None:
+        try:
+            return self._call(key, self.client.get_object, Key=key,
+                              Range=f"bytes={offset}-{offset + size - 1}")["Body"].read()
+        except SourceNotFound:
+            return None
+
     def put(self, key: str, data: bytes) -> None:
         self._call(key, self.client.put_object, Key=key, Body=data)
 
@@ -120,29 +142,40 @@ class ObjectStore:
     def policy(self, adapter_id: str) -> PolicyRecord | None:
         """The store's policy of `adapter_id`; None when it never had it (a deleted adapter's
         policy has no revisions)."""
-        return self.policy_doc(adapter_id)[0]
+        return self.policy_doc(adapter_id).policy
 
-    def policy_doc(self, adapter_id: str) -> tuple[PolicyRecord | None, dict[str, float]]:
-        """(the policy, its deleted revisions {id: unix time})."""
+    def policy_doc(self, adapter_id: str) -> PolicyDoc:
         doc = self.get_json(self.policy_key(adapter_id))
         if doc is None:
-            return None, {}
-        deleted = doc.pop("deleted", {})
-        return PolicyRecord.from_json(json.dumps(doc).encode()), deleted
+            return PolicyDoc(None)
+        deleted, placed = doc.pop("deleted", {}), doc.pop("placed", {})
+        return PolicyDoc(PolicyRecord.from_json(json.dumps(doc).encode()), deleted, placed)
 
-    def put_policy(self, policy: PolicyRecord, deleted: dict[str, float]) -> None:
-        doc = json.loads(policy.to_json())
-        if deleted:
-            doc["deleted"] = deleted
-        self.put_json(self.policy_key(policy.adapter_id), doc)
+    def put_policy(self, doc: PolicyDoc) -> None:
+        out = json.loads(doc.policy.to_json())
+        if doc.deleted:
+            out["deleted"] = doc.deleted
+        if doc.placed:
+            out["placed"] = doc.placed
+        self.put_json(self.policy_key(doc.policy.adapter_id), out)
+
+    def locate(self, adapter_id: str, revision: str) -> tuple[RevisionRecord | None, dict | None]:
+        """(`adapter_id@revision`'s record, where its blob is in a segment or None: blobs/)."""
+        placed = self.policy_doc(adapter_id).placed.get(revision)
+        if placed is None:
+            return self.record(adapter_id, revision), None
+        where = {k: placed.pop(k) for k in ("segment", "offset")}
+        return RevisionRecord(**placed), where
 
     def record(self, adapter_id: str, revision: str) -> RevisionRecord | None:
         raw = self.get(self.record_key(adapter_id, revision))
         return None if raw is None else RevisionRecord.from_json(raw)
 
-    def blob(self, record: RevisionRecord) -> bytes:
-        """`record`'s blob, verified against its checksum and size (CorruptBlob otherwise)."""
-        blob = self.get(self.blob_key(record.checksum))
+    def blob(self, record: RevisionRecord, where: dict | None = None) -> bytes:
+        """`record`'s blob (from its segment when `where` says so), verified against its checksum
+        and size (CorruptBlob otherwise)."""
+        blob = self.get(self.blob_key(record.checksum)) if where is None else \
+            self.get_range(where["segment"], where["offset"], record.size)
         if blob is None:
             raise CorruptBlob(f"{record.ref}: blob {record.checksum} is missing from {self.uri}")
         if len(blob) != record.size or blob_checksum(blob) != record.checksum:

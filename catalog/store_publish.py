@@ -21,7 +21,7 @@ from .errors import AdapterNotFound
 from .records import PolicyRecord, RevisionRecord
 from .store import Catalog
 from .store_log import ChangeLog
-from .store_objects import ObjectStore
+from .store_objects import ObjectStore, PolicyDoc
 from .tombstones import read_tombstones
 
 
@@ -34,7 +34,8 @@ class Publisher:
     def publish(self, adapter_id: str) -> bool:
         """Make the store agree with the local catalog on `adapter_id`; whether anything was uploaded."""
         local = self._local(adapter_id)
-        remote, remote_dead = self.store.policy_doc(adapter_id)
+        doc = self.store.policy_doc(adapter_id)
+        remote, remote_dead = doc.policy, doc.deleted
         dead = {**remote_dead, **self._tombstones(adapter_id)}
         if local is None and remote is None:
             return False  # deleted before it was ever published
@@ -46,7 +47,8 @@ class Publisher:
         if remote is not None and policy.revisions == remote.revisions and dead.keys() == remote_dead.keys() \
                 and (remote.promoted, remote.tags) == (policy.promoted, policy.tags):
             return False
-        self.store.put_policy(policy, dead)
+        placed = {rev: where for rev, where in doc.placed.items() if rev not in dead}
+        self.store.put_policy(PolicyDoc(policy, dead, placed))
         gone = [r for r in known if r in dead]
         if gone:
             self.store.delete([self.store.record_key(adapter_id, r) for r in gone])

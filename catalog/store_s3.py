@@ -131,7 +131,7 @@ class StoreTier:
                 self._provisional.discard(adapter_id)
 
     def _same_promoted(self, adapter_id: str, remote: PolicyRecord) -> bool:
-        record = self.store.record(adapter_id, remote.promoted) if remote.promoted else None
+        record = self.store.locate(adapter_id, remote.promoted)[0] if remote.promoted else None
         return record is not None and record.checksum == self.catalog.resolve(adapter_id).checksum
 
     def poll(self) -> int:
@@ -143,10 +143,10 @@ class StoreTier:
         for adapter_id in self._held_ids() if found.everything else dict.fromkeys(found.ids):
             if not self._holds(adapter_id):
                 continue
-            remote, deleted = self.store.policy_doc(adapter_id)
-            if remote is not None:
+            doc = self.store.policy_doc(adapter_id)
+            if doc.policy is not None:
                 with self.replaying():
-                    self.copier.follow(remote, deleted)
+                    self.copier.follow(doc.policy, doc.deleted)
                 self.bound.track(adapter_id)
                 applied += 1
         self.changes.save_cursor()

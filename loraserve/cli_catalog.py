@@ -387,7 +387,7 @@ def cmd_publish(args) -> int:
     if args.workers < 1:
         raise ValueError("--workers must be >= 1")
     with Catalog.open(args.dir) as cat:
-        tier = StoreTier(ObjectStore(parse_store_uri(args.store)[0]), cat)
+        tier = StoreTier(ObjectStore(parse_store_uri(args.store)[0], max_pool=max(10, args.workers)), cat)
         try:
             rep = publish_catalog(cat, tier, workers=args.workers, after=args.after,
                                   progress=sys.stderr.isatty())

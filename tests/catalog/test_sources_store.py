@@ -188,10 +188,16 @@ def test_catalog_publish_puts_a_materialized_catalog_into_the_store_and_resumes(
     assert "adapters: 25, published: 25" in capsys.readouterr().out
     assert run(["catalog", "publish", str(tmp_path / "built"), "--store", uri]) == 0  # a re-run: nothing to do
     assert "adapters: 25, published: 0" in capsys.readouterr().out
+    store = ObjectStore(uri)
+    assert store.list_after("segments") and not store.list_after("blobs")  # new adapters: in segments
     with Catalog.open(tmp_path / "built") as built, Catalog.create(tmp_path / "empty", shards=2) as empty:
-        reader = StoreTier(ObjectStore(uri), empty)
+        writer = StoreTier(store, built)
+        built.tag("synth/a0000000", "stable", "r1")  # the ordinary publish keeps the segment's places
+        writer.close()
+        reader = StoreTier(store, empty)
         for adapter_id in ("synth/a0000000", "synth/a0000024"):
             assert reader.fault_in(adapter_id).checksum == built.resolve(adapter_id).checksum
+        assert reader.fault_in("synth/a0000000", "stable").revision == "r1"
         reader.close()
 
 
