@@ -207,9 +207,6 @@ def _serve(args: argparse.Namespace) -> int:
     from .server.lora_modules import import_lora_modules
     for ref in import_lora_modules(args.lora_modules, catalog, model, cfg.model_name):
         logging.getLogger("loraserve").info("--lora-modules: serving %s", ref)
-    if scale is not None and (cfg.adapter_sources or cfg.catalog_store):
-        raise ValueError("--adapter-source and --catalog-store are not served with --replicas (the "
-                         "Ray Serve ingress has no miss path yet); run one engine")
     if scale is not None:  # Ray Serve: N engine replicas behind the same app
         from .ray_serve.launch import run
         run(cfg, scale, _server_config(args))

@@ -14,7 +14,8 @@ route, auth and tenant check and error body is the single process's. What differ
 - Sequences go to the replicas while the cluster has running slots; past that they wait here
   and free slots go to tenants by weighted fair share across the whole cluster (fair.py).
 - The catalog is opened read-write here, the one writer (`/v1/load_lora_adapter`, promote,
-  rollback); replicas open it read-only and see each commit in their next read.
+  rollback, and the miss path: `--adapter-source`, `--catalog-store`); replicas open it
+  read-only and see each commit in their next read.
 - Snapshots come from the replicas' reports (`board.ReplicaBoard`), one per replica; /metrics
   labels each replica's series with `replica`.
 """
@@ -30,10 +31,12 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from loraserve.catalog.base import base_fingerprint
+from loraserve.catalog.errors import CatalogError
 
 from ..adapters.pool import PoolLimits
 from ..adapters.stats import CacheStats, PagerStats, PoolStats
 from ..engine.client.catalog_view import CatalogView
+from ..engine.client.sourcing import Sourcing
 from ..engine.config import EngineConfig
 from ..engine.directory import EVERYONE, AdapterDirectory
 from ..engine.snapshot import EngineSnapshot
@@ -74,6 +77,8 @@ class RayEngineFrontend:
                                            base_fingerprint(cfg.model_dir)) if cfg.catalog_dir else None
         self.directory = (self.adapter_manager.directory if self.adapter_manager is not None
                           else AdapterDirectory(self.model_name))
+        # the miss path runs here, the catalog's one writer; replicas see its imports on their next read
+        self.sourcing = Sourcing.open(cfg, self.adapter_manager, self.directory)
         self._warm = WarmRefs()
         self.board = ReplicaBoard(scale.stale_after_s)
         self.gate = FairGate(lambda: self._replica_count() * cfg.max_batch_size,
@@ -154,6 +159,8 @@ class RayEngineFrontend:
         self._started = True
 
     async def shutdown(self) -> None:
+        if self.sourcing is not None:
+            self.sourcing.close()
         if self.adapter_manager is not None:
             self.adapter_manager.close()
 
@@ -225,8 +232,19 @@ class RayEngineFrontend:
                 gen.cancel()
 
     async def resolve(self, model: str, principal) -> ResolvedModel:
-        """`directory.resolve(model, principal)`, inline while recent reads were fast (`WarmRefs`)."""
-        return await self._warm.call(model, self.directory.resolve, model, principal)
+        """`directory.resolve(model, principal)`, inline while recent reads were fast (`WarmRefs`);
+        a name the catalog lacks is fetched as the single server does (`Sourcing`)."""
+        try:
+            resolved = await self._warm.call(model, self.directory.resolve, model, principal)
+        except (EngineError, CatalogError) as exc:
+            if exc.status != 404 or self.sourcing is None:
+                raise
+            if not await self.sourcing.fetch_missing(model, principal):
+                raise
+            resolved = await self._warm.call(model, self.directory.resolve, model, principal)
+        if self.sourcing is not None and resolved.adapter is not None:
+            self.sourcing.touch(resolved.adapter[0])
+        return resolved
 
     def _warm_on(self, rec) -> None:
         """Blocking: page `rec` into the CPU tier of the replica Serve routes its adapter to (the

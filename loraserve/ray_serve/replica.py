@@ -41,7 +41,9 @@ class EngineReplica:
     """The deployment class (`replica_class` adds `load_adapter` with its capacity)."""
 
     async def __init__(self, engine_config: dict, scale: ScaleOutConfig):
-        cfg = EngineConfig(**{**engine_config, "catalog_readonly": True})
+        # the ingress runs the miss path and the durable tier (the catalog's one writer)
+        cfg = EngineConfig(**{**engine_config, "catalog_readonly": True, "adapter_sources": [],
+                              "catalog_store": None})
         self.engine = AsyncEngine.from_config(cfg)
         await self.engine.start()
         ctx = serve.get_replica_context()
