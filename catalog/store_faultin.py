@@ -3,7 +3,7 @@
 `fault_in(id, rev)` copies a revision the local catalog lacks (the promoted one by default, or
 a revision id or tag) from the store: record, then blob verified against the record's xxh3-128
 (a corrupt object is refused, CorruptBlob, and never written); the store's promoted revision is
-promoted in the same local write when it is the one copied. `follow(remote, deleted)` makes a
+promoted in the same local write when it is the one copied. `follow(doc)` makes a
 held adapter's promoted revision and tags the store's (copying the promoted revision in when
 needed), then deletes here the revisions the store deleted (`catalog.deletes`, so they leave
 tombstones here too); a policy with no revision left deletes the adapter.
@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from .deletes import delete
 from .errors import AdapterNotFound, CorruptBlob, RevisionNotFound
-from .records import PolicyRecord
 from .store import Catalog
-from .store_objects import ObjectStore
+from .store_objects import ObjectStore, PolicyDoc
 
 
 class FaultIn:
@@ -25,46 +24,49 @@ class FaultIn:
     def __init__(self, store: ObjectStore, catalog: Catalog) -> None:
         self.store, self.catalog = store, catalog
 
-    def remote_revision(self, adapter_id: str, revision: str | None) -> tuple[PolicyRecord, str]:
-        """The store's policy of `adapter_id` and the revision id `revision` names there
+    def remote_revision(self, adapter_id: str, revision: str | None) -> tuple[PolicyDoc, str]:
+        """The store's policy object of `adapter_id` and the revision id `revision` names there
         (None: the promoted one; a tag resolves). AdapterNotFound / RevisionNotFound."""
-        remote = self.store.policy(adapter_id)
+        doc = self.store.policy_doc(adapter_id)
+        remote = doc.policy
         if remote is None or not remote.revisions:  # never published, or deleted
             raise AdapterNotFound(f"adapter {adapter_id!r} not found in {self.store.uri}")
         rev = remote.promoted if revision is None else remote.tags.get(revision, revision)
         if rev is None or rev not in remote.revisions:
             raise RevisionNotFound(f"adapter {adapter_id!r} has no revision {revision or 'promoted'!r} "
                                    f"in {self.store.uri}")
-        return remote, rev
+        return doc, rev
 
-    def copy(self, remote: PolicyRecord, rev: str) -> None:
-        """`remote.adapter_id@rev` into the local catalog, unless it is held already."""
+    def copy(self, doc: PolicyDoc, rev: str) -> None:
+        """`adapter_id@rev` of the store's `doc` into the local catalog, unless it is held already."""
+        remote = doc.policy
         try:
             self.catalog.resolve(remote.adapter_id, rev)
             return  # held already
         except (AdapterNotFound, RevisionNotFound):
             pass
-        record, where = self.store.locate(remote.adapter_id, rev)
+        record, where = self.store.locate(doc, rev)
         if record is None:
             raise CorruptBlob(f"{remote.adapter_id}@{rev}: the store's policy names it, its record is missing")
         blob = self.store.blob(record, where)  # promoted in the same write when the store promotes it
         self.catalog.put_revision(remote.adapter_id, blob, revision=rev, promote=rev == remote.promoted,
                                   source=record.source)
 
-    def follow(self, remote: PolicyRecord, deleted: dict[str, float]) -> None:
+    def follow(self, doc: PolicyDoc) -> None:
         """The store's promoted revision, tags and deletes for a held adapter (module doc)."""
+        remote = doc.policy
         if not remote.revisions:
             delete(self.catalog, remote.adapter_id, force=True)
             return
         local = self.catalog.policy(remote.adapter_id)
         if remote.promoted is not None and local.promoted != remote.promoted:
-            self.copy(remote, remote.promoted)
+            self.copy(doc, remote.promoted)
             self.catalog.promote(remote.adapter_id, remote.promoted)
         held = set(self.catalog.policy(remote.adapter_id).revisions)
         for tag, rev in remote.tags.items():
             if rev in held and local.tags.get(tag) != rev:
                 self.catalog.tag(remote.adapter_id, tag, rev)
-        doomed = sorted(rev for rev in held if rev in deleted)
+        doomed = sorted(rev for rev in held if rev in doc.deleted)
         if doomed and len(doomed) == len(held):
             delete(self.catalog, remote.adapter_id, force=True)
             return

@@ -159,13 +159,14 @@ class ObjectStore:
             out["placed"] = doc.placed
         self.put_json(self.policy_key(doc.policy.adapter_id), out)
 
-    def locate(self, adapter_id: str, revision: str) -> tuple[RevisionRecord | None, dict | None]:
-        """(`adapter_id@revision`'s record, where its blob is in a segment or None: blobs/)."""
-        placed = self.policy_doc(adapter_id).placed.get(revision)
+    def locate(self, doc: PolicyDoc, revision: str) -> tuple[RevisionRecord | None, dict | None]:
+        """(the record of `revision` of `doc`'s adapter, where its blob is in a segment, or None:
+        under blobs/)."""
+        placed = doc.placed.get(revision)
         if placed is None:
-            return self.record(adapter_id, revision), None
-        where = {k: placed.pop(k) for k in ("segment", "offset")}
-        return RevisionRecord(**placed), where
+            return self.record(doc.policy.adapter_id, revision), None
+        fields = {k: v for k, v in placed.items() if k not in ("segment", "offset")}
+        return RevisionRecord(**fields), {"segment": placed["segment"], "offset": placed["offset"]}
 
     def record(self, adapter_id: str, revision: str) -> RevisionRecord | None:
         raw = self.get(self.record_key(adapter_id, revision))

@@ -34,12 +34,12 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 from .errors import AdapterNotFound, CatalogError
-from .records import PolicyRecord, RevisionRecord
+from .records import RevisionRecord
 from .store import Catalog
 from .store_bound import LocalBound
 from .store_faultin import FaultIn
 from .store_log import ChangeLog
-from .store_objects import ObjectStore, parse_store_uri
+from .store_objects import ObjectStore, PolicyDoc, parse_store_uri
 from .store_publish import Publisher
 
 __all__ = ["ObjectStore", "StoreTier", "parse_store_uri"]
@@ -94,11 +94,11 @@ class StoreTier:
     def fault_in(self, adapter_id: str, revision: str | None = None) -> RevisionRecord:
         """Copy `adapter_id@revision` (default: the promoted one; a tag resolves) from the store
         into the local catalog; AdapterNotFound / RevisionNotFound when the store lacks it."""
-        remote, rev = self.copier.remote_revision(adapter_id, revision)
+        doc, rev = self.copier.remote_revision(adapter_id, revision)
         self.bound.untrack(adapter_id)  # never dropped by a concurrent evict while it comes in
         with self.replaying():
-            self.copier.copy(remote, rev)
-            self.copier.follow(remote, {})
+            self.copier.copy(doc, rev)
+            self.copier.follow(doc)
         record = self.catalog.resolve(adapter_id, rev)
         self.bound.track(adapter_id)
         self.bound.evict(keep=adapter_id)
@@ -121,18 +121,19 @@ class StoreTier:
         with self._provisional_lock:
             pending = sorted(self._provisional)
         for adapter_id in pending:
-            remote = self.store.policy(adapter_id)
-            if remote is None or not remote.revisions:
+            doc = self.store.policy_doc(adapter_id)
+            if doc.policy is None or not doc.policy.revisions:
                 self.published(adapter_id)
-            elif not self._same_promoted(adapter_id, remote):
+            elif not self._same_promoted(doc):
                 log.warning("%s: the adapter source and %s hold different bytes; serving the source's",
                             adapter_id, self.store.uri)
             with self._provisional_lock:
                 self._provisional.discard(adapter_id)
 
-    def _same_promoted(self, adapter_id: str, remote: PolicyRecord) -> bool:
-        record = self.store.locate(adapter_id, remote.promoted)[0] if remote.promoted else None
-        return record is not None and record.checksum == self.catalog.resolve(adapter_id).checksum
+    def _same_promoted(self, doc: PolicyDoc) -> bool:
+        promoted = doc.policy.promoted
+        record = self.store.locate(doc, promoted)[0] if promoted else None
+        return record is not None and record.checksum == self.catalog.resolve(doc.policy.adapter_id).checksum
 
     def poll(self) -> int:
         """Apply the change-log entries written since the last poll (store_log); how many changed
@@ -146,7 +147,7 @@ class StoreTier:
             doc = self.store.policy_doc(adapter_id)
             if doc.policy is not None:
                 with self.replaying():
-                    self.copier.follow(doc.policy, doc.deleted)
+                    self.copier.follow(doc)
                 self.bound.track(adapter_id)
                 applied += 1
         self.changes.save_cursor()
