@@ -34,11 +34,12 @@ class Trainer:
         return await self._call("create", [run_id, config])
 
     async def run_pass(self, run_id: str, data: list, loss: str, loss_config: dict | None,
-                       backward: bool) -> dict:
+                       backward: bool, tenant: str, weight: float = 1.0) -> dict:
         """forward (backward=False) or forward_backward over `data` ([tokens, {input: values}]),
-        slice by slice: {outputs: [{logprobs, elementwise_loss}], metrics}."""
+        slice by slice: {outputs: [{logprobs, elementwise_loss}], metrics}. Its slices count in
+        `tenant`'s fair share of serving (with its `weight`), as its requests' tokens do."""
         pass_id = f"{run_id}#{next(self._pass_ids)}"
-        await self._call("begin", [run_id, pass_id, data, loss, loss_config, backward])
+        await self._call("begin", [run_id, pass_id, data, loss, loss_config, backward, tenant, weight])
         while (result := await self._call("advance", [pass_id, self.max_tokens])) is None:
             pass
         return result

@@ -95,16 +95,20 @@ class ChunkedDatum:
     def done(self) -> bool:
         return self.forward_done and (not self.backward or self.backward_next < 0)
 
-    def step(self) -> None:
-        """Run the next chunk: forward chunks in order, then (with backward) backward chunks last first."""
+    def step(self) -> int:
+        """Run the next chunk: forward chunks in order, then (with backward) backward chunks last
+        first; the chunk's token count."""
         with torch.inference_mode(False), attached(self.model, self.factors):
             if not self.forward_done:
+                s, e = self.bounds[self.forward_next]
                 with torch.no_grad():
-                    self._forward_chunk(*self.bounds[self.forward_next])
+                    self._forward_chunk(s, e)
                 self.forward_next += 1
             else:
-                self._backward_chunk(*self.bounds[self.backward_next])
+                s, e = self.bounds[self.backward_next]
+                self._backward_chunk(s, e)
                 self.backward_next -= 1
+        return e - s
 
     def _loss(self, s: int, e: int, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """(target logprobs, elementwise loss) of positions s..e-1."""

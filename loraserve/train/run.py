@@ -58,6 +58,9 @@ class PassResult:
     metrics: dict[str, float]
 
 
+BACKWARD_COST = 2  # a backward pass costs about two forwards (in forward-token equivalents)
+
+
 @dataclass
 class Pass:
     """One forward or forward_backward call in progress."""
@@ -72,6 +75,7 @@ class Pass:
     grads: list[Tensor] | None = None
     loss_sum: float = 0.0
     chunked: ChunkedDatum | None = None  # a datum longer than the budget, part way
+    work: int = 0  # forward-token equivalents computed so far (what fair share charges)
 
     @property
     def done(self) -> bool:
@@ -104,6 +108,7 @@ class Pass:
             self._check_finite(loss)
             if self.backward:
                 self._accumulate(torch.autograd.grad(loss, run.factors.parameters()))
+        self.work += datum.num_tokens * (1 + BACKWARD_COST * self.backward)
         self._finish_datum(target_lp, elementwise)
 
     def _chunk_step(self, budget: int) -> None:
@@ -113,7 +118,8 @@ class Pass:
             self.chunked = ChunkedDatum(run.model, run.factors, d.tokens, d.inputs, loss_spec(self.loss),
                                         self.loss_config, budget, self.backward)
         c = self.chunked
-        c.step()
+        backward = c.forward_done
+        self.work += c.step() * (1 + BACKWARD_COST if backward else 1)  # a backward chunk runs its forward again
         if c.forward_done and c.backward_next == len(c.bounds) - 1:  # forward just ended: check before any backward
             self._check_finite(c.elementwise.sum())
         if c.done:

@@ -40,7 +40,7 @@ async def _train_steps(trainer, steps: int = 2) -> list[float]:
     await trainer.create("r", RUN)
     losses = []
     for _ in range(steps):
-        result = await trainer.run_pass("r", _data(), "cross_entropy", None, True)
+        result = await trainer.run_pass("r", _data(), "cross_entropy", None, True, "default")
         losses.append(result["metrics"]["loss:sum"])
         await trainer.optim_step("r", ADAM)
     return losses
@@ -94,12 +94,12 @@ def test_core_process_trains_as_in_process(demo_dense):
             state = await engine.trainer.state_blob("r")
             await engine.trainer.create("r2", RUN)
             await engine.trainer.load_state("r2", state, True)
-            again = await engine.trainer.run_pass("r2", _data(), "cross_entropy", None, False)
+            again = await engine.trainer.run_pass("r2", _data(), "cross_entropy", None, False, "default")
             with pytest.raises(EngineError, match="no adapter catalog") as err:
                 await engine.trainer.sampler_blob("r", "test")
             assert err.value.status == 400
             with pytest.raises(EngineError, match="is not loaded") as err:
-                await engine.trainer.run_pass("nope", _data(), "cross_entropy", None, True)
+                await engine.trainer.run_pass("nope", _data(), "cross_entropy", None, True, "default")
             assert err.value.status == 404
             return losses, again["metrics"]["loss:sum"], await engine.trainer.drop("r")
         finally:

@@ -26,6 +26,8 @@ furthest behind is served first, within a step and between steps:
 A tenant that was idle starts at the least virtual time of those with work (idling earns no
 credit), and no tenant falls more than one step budget behind another (a lag earned long ago
 buys no long monopoly). With one tenant, none of this applies: arrival order, prefill first.
+Tokens computed for a tenant between steps (its training slices) count in its virtual time as
+its batches' do (`charge`), so a tenant training heavily is served after the others.
 """
 from __future__ import annotations
 
@@ -342,6 +344,16 @@ class Scheduler:
                     del self._recent[tenant]
                     self._weight.pop(tenant, None)
         return len(self._recent) > 1
+
+    def charge(self, tenant: str, tokens: float, weight: float) -> None:
+        """Count `tokens` computed for `tenant` outside the batches (a training slice) in its
+        virtual time. Nothing while no tenant has serving work (nobody is owed anything then);
+        a tenant without serving work starts, as a joining one does, at the least virtual time
+        of those with work, and keeps the charge when its requests come."""
+        if not self._active or tokens <= 0:
+            return
+        floor = min(self._vtime[t] for t in self._active)
+        self._vtime[tenant] = max(self._vtime.get(tenant, floor), floor) + tokens / weight
 
     def _bound_lag(self) -> None:
         """No tenant with work is more than one step budget of virtual time behind another."""

@@ -51,6 +51,7 @@ class TrainerCore:
         self.engine = engine
         self.runs: dict[str, TrainingRun] = {}
         self.passes: dict[str, Pass] = {}
+        self.payers: dict[str, tuple[str, float]] = {}  # pass id -> (tenant, fair-share weight)
 
     def handle(self, op: str, args: list) -> Any:
         """Run one operation; TrainingError / ValueError become a 400 EngineError."""
@@ -80,14 +81,16 @@ class TrainerCore:
         return {"kinds": run.factors.kinds, "trainable": sum(p.numel() for p in run.factors.parameters())}
 
     def begin(self, run_id: str, pass_id: str, data: list, loss: str, loss_config: dict | None,
-              backward: bool) -> None:
-        """Check a pass (datums as [tokens, {input: values}]) and hold it for `advance`."""
+              backward: bool, tenant: str, weight: float) -> None:
+        """Check a pass (datums as [tokens, {input: values}]) and hold it for `advance`; its
+        slices are charged to `tenant` in the scheduler's fair share (with `weight`)."""
         device = self.engine.device
         datums = [Datum(torch.tensor(tokens, dtype=torch.long, device=device),
                         {k: torch.tensor(v, dtype=torch.long if k == "target_tokens" else torch.float32,
                                          device=device) for k, v in inputs.items()})
                   for tokens, inputs in data]
         self.passes[pass_id] = self._run(run_id).start(datums, loss, loss_config, backward=backward)
+        self.payers[pass_id] = (tenant, weight)
 
     def advance(self, pass_id: str, max_tokens: int) -> dict | None:
         """Run one slice of the pass; its result (outputs as lists, metrics) once the last ran.
@@ -97,16 +100,22 @@ class TrainerCore:
             raise EngineError(f"no training pass {pass_id!r}", status=404, code="not_found")
         if self.engine.runner.lora is not None:  # the wrappers add nothing during a training forward
             self.engine.runner.lora.set_slots([])
+        work, (tenant, weight) = p.work, self.payers[pass_id]
         try:
             result = p.finish() if p.advance(max_tokens) else None
         except BaseException:  # a failed slice fails the whole pass: its gradients never count
-            del self.passes[pass_id]
+            self._end(pass_id)
             raise
+        finally:  # the tenant pays for what ran, failed or not
+            self.engine.scheduler.charge(tenant, p.work - work, weight)
         if result is None:
             return None
-        del self.passes[pass_id]
+        self._end(pass_id)
         return {"outputs": [{k: v.cpu().tolist() for k, v in out.items()} for out in result.outputs],
                 "metrics": result.metrics}
+
+    def _end(self, pass_id: str) -> None:
+        del self.passes[pass_id], self.payers[pass_id]
 
     def optim_step(self, run_id: str, adam: dict) -> dict:
         return self._run(run_id).optim_step(AdamParams(**adam))
@@ -139,6 +148,7 @@ class TrainerCore:
     def drop(self, run_id: str) -> bool:
         """Forget a run (and its passes); True if it was here."""
         self.passes = {k: p for k, p in self.passes.items() if p.run is not self.runs.get(run_id)}
+        self.payers = {k: v for k, v in self.payers.items() if k in self.passes}
         return self.runs.pop(run_id, None) is not None
 
 

@@ -251,15 +251,18 @@ async def create_model(body: CreateModelBody, request: Request) -> dict:
     return submit(request, run, create)
 
 
-def charge(request: Request, run: RunRecord, tokens: int) -> None:
+def charge(request: Request, run: RunRecord, tokens: int) -> float:
     """Training tokens come out of the same per-minute token buckets as serving's (the run's
-    tenant's and the key's, `tokens_per_minute`): a 429 over them, nothing run."""
+    tenant's and the key's, `tokens_per_minute`): a 429 over them, nothing run. The tenant's
+    fair-share weight, as its serving requests carry it (the engine charges the pass's slices
+    to the tenant's share)."""
     tenancy = getattr(request.app.state, "tenancy", None)
-    if tenancy is None:  # an app without keys has no limits
-        return
-    lease = tenancy.limiter.admit(principal_of(request), run.tenant, 0, tokens,
-                                  tenancy.keys.tenant(run.tenant).limits)
+    if tenancy is None:  # an app without keys has no limits, and every tenant weighs 1
+        return 1.0
+    principal, policy = principal_of(request), tenancy.keys.tenant(run.tenant)
+    lease = tenancy.limiter.admit(principal, run.tenant, 0, tokens, policy.limits)
     lease.release()  # no sequence held; `used` unknown: nothing given back
+    return principal.weight if policy.weight is None else policy.weight
 
 
 async def run_pass(request: Request, model_id: str, body: PassInput, backward: bool) -> dict:
@@ -267,10 +270,11 @@ async def run_pass(request: Request, model_id: str, body: PassInput, backward: b
     data = datums(body, ta.ctx_of(request).engine.max_model_len)  # 400s now, not in the future
     if not data:
         raise APIError(400, "data must hold at least one datum", param="data")
-    charge(request, run, sum(len(tokens) for tokens, _ in data))
+    weight = charge(request, run, sum(len(tokens) for tokens, _ in data))
 
     async def op() -> dict:
-        return pass_output(await train.run_pass(model_id, data, body.loss_fn, body.loss_fn_config, backward))
+        return pass_output(await train.run_pass(model_id, data, body.loss_fn, body.loss_fn_config, backward,
+                                                run.tenant, weight))
 
     return submit(request, run, op)
 
