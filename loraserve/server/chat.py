@@ -93,7 +93,8 @@ class ChatChoice:
         if self.stream is None:
             fields = {"content": out.text} if out.text else {}
         else:
-            fields = self.stream.feed(out.text, final=out.finish_reason is not None)
+            fields = self.stream.feed(out.text, final=out.finish_reason is not None,
+                                      cut=out.finish_reason == "length")
         return {"index": self.index, "delta": fields,
                 "logprobs": {"content": piece} if piece is not None else None,
                 "finish_reason": _finish(out.finish_reason,
@@ -109,7 +110,8 @@ class ChatChoice:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         calls = []
         if self.tools is not None and self.tools.family is not None:
-            message["content"], calls = parse(self.tools.family, text, self.tools.max_calls)
+            message["content"], calls = parse(self.tools.family, text, self.tools.max_calls,
+                                              cut=self.finish_reason == "length")
         if calls:
             message["tool_calls"] = [tool_call_json(c, new_call_id()) for c in calls]
         return {"index": self.index, "message": message,

@@ -297,15 +297,40 @@ def tool_call_json(call: Call, call_id: str) -> dict[str, Any]:
             "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def parse(family: ToolFamily, text: str, max_calls: int | None) -> tuple[str | None, list[Call]]:
-    """(content, complete calls) of a whole answer: the content is the text before the calls
-    (None when empty); an answer whose calls do not parse is all content."""
+def parse(family: ToolFamily, text: str, max_calls: int | None,
+          cut: bool = False) -> tuple[str | None, list[Call]]:
+    """(content, calls) of a whole answer: the content is the text before the calls (None when
+    empty); an answer whose calls do not parse is all content. An answer `cut` by max_tokens
+    keeps its last call as far as it was written once its name is (what its stream sent: the
+    name and the arguments' text so far; the finish reason says `length`), and the markup of a
+    call cut before its name, even of a start marker, is not content either."""
     start = _start(family, text)
-    calls = [] if start is None else [c for c in read_calls(family, text[start:]) if c.complete]
-    if not calls:
+    calls = [] if start is None else [c for c in read_calls(family, text[start:])
+                                      if c.complete or (cut and c.name is not None)]
+    if cut and start is None:
+        return text[:unmarked_end(family, text)] or None, []
+    if not calls and not cut:
         return text, []
     content = text[:start].strip()
     return content or None, calls[:max_calls]
+
+
+def unmarked_end(family: ToolFamily, text: str) -> int:
+    """End of the text that cannot begin a call: not a start marker's prefix at the end, no
+    trailing whitespace (it may precede one); in a family that opens only at the answer's start,
+    nothing while the answer may still open with a marker."""
+    if not family.anywhere:
+        head = text.lstrip()
+        if any(s.startswith(head) or head.startswith(s) for s in family.starts):
+            return 0
+        return len(text)
+    end = len(text.rstrip())
+    for s in family.starts:
+        for k in range(min(len(s) - 1, end), 0, -1):
+            if text.endswith(s[:k], 0, end):
+                end = min(end, len(text[:end - k].rstrip()))
+                break
+    return end
 
 
 # -- streaming --------------------------------------------------------------------------------------
@@ -320,10 +345,13 @@ class ToolStream:
     sent: int = 0            # characters of content emitted
     start: int | None = None  # where the calls start, once seen
     calls: list[tuple[str, int]] = field(default_factory=list)  # (id, argument chars sent) per call
+    cut: bool = False  # the answer ended at max_tokens
 
-    def feed(self, piece: str, final: bool) -> dict[str, Any]:
-        """The delta fields (`content`, `tool_calls`) that `piece` releases; `final` flushes."""
+    def feed(self, piece: str, final: bool, cut: bool = False) -> dict[str, Any]:
+        """The delta fields (`content`, `tool_calls`) that `piece` releases; `final` flushes,
+        and an answer `cut` by max_tokens keeps a started call out of the content (`parse`)."""
         self.text += piece
+        self.cut = cut
         delta: dict[str, Any] = {}
         if self.start is None:
             self.start = _start(self.family, self.text)
@@ -342,11 +370,12 @@ class ToolStream:
 
     def _content(self, final: bool) -> str:
         """Content that can no longer be part of a call: the text before the calls (without the
-        whitespace that precedes them), all of it once the answer ends without a call, and
-        while no call has started, what cannot begin one."""
-        if self.start is not None and (self.calls or not final):
+        whitespace that precedes them), all of it once the answer ends without a call (but
+        for a start marker's beginning when max_tokens cut it), and while no call has started,
+        what cannot begin one."""
+        if self.start is not None and (self.calls or not final or self.cut):
             end = len(self.text[:self.start].rstrip())
-        elif final:
+        elif final and not self.cut:
             end = len(self.text)
         else:
             end = self._safe_end()
@@ -355,22 +384,7 @@ class ToolStream:
         return piece
 
     def _safe_end(self) -> int:
-        """End of the text that cannot begin a call: not a start marker's prefix at the end, no
-        trailing whitespace (it may precede one); a family that opens only at the answer's start
-        releases nothing while the answer may still open with a marker."""
-        text = self.text
-        if not self.family.anywhere:
-            head = text.lstrip()
-            if any(s.startswith(head) or head.startswith(s) for s in self.family.starts):
-                return self.sent
-            return len(text)
-        end = len(text.rstrip())
-        for s in self.family.starts:
-            for k in range(min(len(s) - 1, end), 0, -1):
-                if text.endswith(s[:k], 0, end):
-                    end = min(end, len(text[:end - k].rstrip()))
-                    break
-        return end
+        return max(self.sent, unmarked_end(self.family, self.text))
 
     def _call_deltas(self) -> list[dict[str, Any]]:
         """New calls (header with id, type and name) and argument fragments since the last feed."""

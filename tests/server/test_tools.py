@@ -163,6 +163,26 @@ def test_required_calls_any_tool_in_the_family_format(client: openai.OpenAI, bas
     _check_calls(some, set(PARAMS))
 
 
+@pytest.mark.parametrize("max_tokens", [3, 12, 80])
+def test_a_forced_call_cut_by_max_tokens_is_the_call_so_far_streamed_or_not(
+        client: openai.OpenAI, base: str, max_tokens: int) -> None:
+    """A named call cut by max_tokens: both forms give the same answer, finish `length`, and
+    never the call's markup as content: before the call's name is written, no call; after, the
+    call as far as written (its name, the arguments' text so far)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(model=base, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=max_tokens,
+              temperature=0, extra_body={"ignore_eos": True})
+    whole, streamed = _ask(client, False, **kw), _ask(client, True, **kw)
+    assert whole == streamed
+    assert whole["finish_reason"] == "length" and whole["content"] is None
+    for name, arguments in whole["tool_calls"]:
+        assert name == "get_weather" and arguments[:1] in ("", "{")
+    if max_tokens == 3:
+        assert whole["tool_calls"] == []
+    if max_tokens == 80:
+        assert len(whole["tool_calls"]) == 1
+
+
 def test_auto_and_none_leave_the_random_model_free(client: openai.OpenAI, base: str) -> None:
     """The random model writes no call: `auto` answers its text as content, as `none` does."""
     kw = dict(model=base, messages=ASK, tools=TOOLS, max_tokens=10, temperature=0,

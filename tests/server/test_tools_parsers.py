@@ -109,9 +109,11 @@ def test_plan_tools_decides_the_request() -> None:
 
 # -- the stream --------------------------------------------------------------------------------
 
-def _stream(family: ToolFamily, pieces: list[str]) -> tuple[str, list[tuple[str, str]], list]:
+def _stream(family: ToolFamily, pieces: list[str],
+            cut: bool = False) -> tuple[str, list[tuple[str, str]], list]:
     stream = ToolStream(family, None)
-    deltas = [stream.feed(p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    deltas = [stream.feed(p, i == len(pieces) - 1, cut and i == len(pieces) - 1)
+              for i, p in enumerate(pieces)]
     content = "".join(d.get("content", "") for d in deltas)
     calls: dict[int, list[str]] = {}
     for d in deltas:
@@ -135,15 +137,18 @@ _answers = st.one_of(
     st.tuples(st.sampled_from(list(FAMILIES)), st.none(), _word))
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
-@given(answer=_answers, cuts=st.lists(st.integers(0, 400), max_size=12))
-def test_any_split_of_a_stream_adds_up_to_the_parsed_answer(answer: Any, cuts: list[int]) -> None:
+def _answer_text(answer: Any) -> tuple[ToolFamily, str]:
     name, case, words = answer
     family = FAMILIES[name]
     if case is None:  # text that may look like the start of a call, and is not one
-        text = words + "<tool_" + words if family is QWEN else words + "{" + words
-    else:
-        text = _write(family, CASES[case], content=words.strip() if family is QWEN else "")
+        return family, words + "<tool_" + words if family is QWEN else words + "{" + words
+    return family, _write(family, CASES[case], content=words.strip() if family is QWEN else "")
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(answer=_answers, cuts=st.lists(st.integers(0, 400), max_size=12))
+def test_any_split_of_a_stream_adds_up_to_the_parsed_answer(answer: Any, cuts: list[int]) -> None:
+    family, text = _answer_text(answer)
     content, calls, deltas = _stream(family, _splits(text, cuts))
     want_content, want_calls = parse(family, text, None)
     assert calls == [(c.name, c.arguments) for c in want_calls]
@@ -153,3 +158,19 @@ def test_any_split_of_a_stream_adds_up_to_the_parsed_answer(answer: Any, cuts: l
         assert all("content" not in d for d in deltas[first_call + 1:])
     else:
         assert content == text  # all of it, once it is clear that no call follows
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(answer=_answers, end=st.integers(0, 400), cuts=st.lists(st.integers(0, 400), max_size=8))
+def test_an_answer_cut_anywhere_streams_what_parse_gives(answer: Any, end: int,
+                                                        cuts: list[int]) -> None:
+    """max_tokens may end an answer at any character: streamed in any pieces or whole, the calls
+    named so far (the last as far as written) and the same content, and no call markup in it."""
+    family, text = _answer_text(answer)
+    text = text[:end % (len(text) + 1)]
+    content, calls, _ = _stream(family, _splits(text, cuts), cut=True)
+    want_content, want_calls = parse(family, text, None, cut=True)
+    assert calls == [(c.name, c.arguments) for c in want_calls]
+    assert content.strip() == (want_content or "").strip()
+    if any(s.startswith(text.strip()) for s in family.starts):  # cut inside a start marker
+        assert content.strip() == ""
