@@ -3,12 +3,19 @@
     python bench/lora_residency.py cliff --catalog DIR [--model DIR] [--slots 8] [--rate 20] [--duration 30]
     python bench/lora_residency.py sweep --catalog DIR [--model DIR] [--adapters 100000] [--concurrency 64]
                                          [--source DIR] [--profile DIR [--profile-seconds 10]]
+    python bench/lora_residency.py wrk --catalog DIR [--model DIR] [--duration 10] [--rounds 2]
+                                       [--source DIR]... [--profile DIR]
 
 cliff: TTFT when the working set fits the device pool (all resident after a warm-up) against a
        working set 10x the pool's slots (every request likely a miss), same open-loop rate.
 sweep: one server (--max-gpu-adapters 64 --cpu-cache-mb 256) serves N distinct adapters drawn
        from the catalog, each once; /metrics and the server's RSS are sampled every second to
        show the resident sets never pass their bounds and memory stays flat.
+wrk:   issue 29's workload, wrk at 64 connections, 2-token requests, `--max-gpu-adapters 64
+       --cpu-cache-mb 256`: base only, warm (48 adapters that stay resident) and cold (every
+       request a never-seen adapter, a fresh slice of the catalog per run), per server tree (this
+       one and each --source, one server each, runs interleaved); req/s, cold/warm, and the CPU
+       ms per request of each process (API, engine core, and their catalog shard hosts).
 The catalog must be built for the same base (e.g. `loraserve catalog materialize`).
 Each measured run also writes `loraserve loadtest`'s report (report.html: throughput, latency and
 TTFT CDFs, tier hit rates, page-ins, resident adapters and server memory over time; summary.json)
@@ -214,9 +221,112 @@ def sweep(args, model: str) -> None:
         print_profile(Path(args.profile))
 
 
+# -- issue 29's workload: base / warm / cold under wrk -----------------------------------------------
+
+WARM_ADAPTERS = 48  # a warm set that stays resident in a 64-slot pool
+
+
+def process_groups(pid: int) -> dict[str, list[int]]:
+    """The server's processes by role: api, core, and the catalog shard hosts of each."""
+    from hot_path import server_pids  # bench/hot_path.py, beside this script
+    groups: dict[str, list[int]] = {}
+    for role, parent in server_pids(pid).items():
+        groups[role] = [parent]
+        try:
+            kids = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+        except OSError:
+            kids = []
+        for kid in kids:
+            try:
+                if b"loraserve-shard-host" in Path(f"/proc/{kid}/cmdline").read_bytes():
+                    groups.setdefault(f"{role} hosts", []).append(int(kid))
+            except OSError:
+                pass
+    return groups
+
+
+def group_cpu(groups: dict[str, list[int]]) -> dict[str, float]:
+    from hot_path import cpu_seconds  # bench/hot_path.py, beside this script
+    out = {}
+    for role, pids in groups.items():
+        total = 0.0
+        for p in pids:
+            try:
+                total += cpu_seconds(p)
+            except OSError:
+                pass
+        out[role] = total
+    return out
+
+
+def wrk_run(url: str, groups: dict[str, list[int]], adapters: list[str], seconds: float) -> dict:
+    """One wrk run (c64, 2-token non-streamed completions); req/s and CPU ms/request per role."""
+    cpu0 = group_cpu(groups)
+    rep = run_loadtest(LoadTestConfig(url=url, adapters=adapters, dist="cycle", concurrency=64,
+                                      duration=seconds, client="wrk", stream=False, prompt_len=4,
+                                      max_tokens=2, progress=False, timeout=60))
+    cpu1 = group_cpu(groups)
+    rep["cpu_ms"] = {r: 1e3 * (cpu1[r] - cpu0[r]) / max(rep["ok"], 1) for r in cpu0}
+    return rep
+
+
+def wrk_mode(args, model: str) -> None:
+    """Issue 29's table: base, warm and cold req/s per tree, interleaved rounds (see module doc)."""
+    trees = [("this tree", None)] + [(src, src) for src in args.source_list]
+    serve = ["--max-gpu-adapters", "64", "--cpu-cache-mb", "256", *shlex.split(args.serve_args)]
+    per_cold = int(args.duration * 4000)  # more ids than a run can use
+    ids = adapter_ids(args.catalog, WARM_ADAPTERS + per_cold * args.rounds * len(trees))
+    warm, cold = ids[:WARM_ADAPTERS], ids[WARM_ADAPTERS:]
+    servers = []
+    try:
+        for i, (_, src) in enumerate(trees):
+            servers.append(start_server(model, args.catalog, args.port + i, *serve, source=src))
+        rows, profilers = [], {}
+        for r in range(args.rounds):
+            for i, (name, _) in enumerate(trees):
+                url, groups = f"http://127.0.0.1:{args.port + i}", process_groups(servers[i].pid)
+                wrk_run(url, groups, warm, 3)  # warm-up: the warm set resident, code paths hot
+                base, hot = wrk_run(url, groups, [], args.duration), wrk_run(url, groups, warm, args.duration)
+                n = r * len(trees) + i
+                if args.profile and r == args.rounds - 1:
+                    profilers = start_profile(servers[i], Path(args.profile) / f"tree{i}", args.duration - 2)
+                chill = wrk_run(url, groups, cold[n * per_cold:(n + 1) * per_cold], args.duration)
+                for p in profilers.values():
+                    p.wait(60)
+                rows.append((r, name, base, hot, chill))
+                print(f"round {r} {name}: base {base['req_per_s']:.0f}, warm {hot['req_per_s']:.0f}, "
+                      f"cold {chill['req_per_s']:.0f} req/s", flush=True)
+    finally:
+        for proc in servers:
+            proc.terminate()
+            proc.wait(30)
+    print_wrk_table(rows, serve)
+    if args.profile:
+        for i in range(len(trees)):
+            print(f"\n## profile of the cold run, {trees[i][0]}")
+            print_profile(Path(args.profile) / f"tree{i}")
+
+
+def print_wrk_table(rows, serve: list[str]) -> None:
+    print(f"\nwrk c64, 2-token completions, {shlex.join(serve)}")
+    print("| round | tree | base req/s | warm req/s | cold req/s | cold/warm | errors |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r, name, base, hot, chill in rows:
+        errors = base["errors"] + hot["errors"] + chill["errors"]
+        print(f"| {r} | {name} | {base['req_per_s']:,.0f} | {hot['req_per_s']:,.0f} | "
+              f"{chill['req_per_s']:,.0f} | {chill['req_per_s'] / hot['req_per_s']:.2f} | {errors} |")
+    roles = sorted({k for *_, hot, chill in rows for k in (*hot["cpu_ms"], *chill["cpu_ms"])})
+    print("\nCPU ms per request, warm -> cold (the extra a cold request costs each process)")
+    print("| round | tree | " + " | ".join(roles) + " |")
+    print("|---|---|" + "---:|" * len(roles))
+    for r, name, _, hot, chill in rows:
+        cells = [f"{hot['cpu_ms'].get(k, 0):.2f} -> {chill['cpu_ms'].get(k, 0):.2f}" for k in roles]
+        print(f"| {r} | {name} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["cliff", "sweep"])
+    ap.add_argument("mode", choices=["cliff", "sweep", "wrk"])
     ap.add_argument("--catalog", required=True)
     ap.add_argument("--model", default=None)
     ap.add_argument("--port", type=int, default=8765)
@@ -228,16 +338,19 @@ def main() -> None:
     ap.add_argument("--duration-cap", type=float, default=7200.0, help="sweep: stop after this many seconds")
     ap.add_argument("--serve-args", default="", metavar="ARGS",
                     help="sweep: more `loraserve serve` arguments, e.g. '--pager-workers 1'")
-    ap.add_argument("--source", metavar="DIR", help="sweep: serve from this source tree (A/B runs)")
+    ap.add_argument("--source", metavar="DIR", action="append", dest="source_list", default=[],
+                    help="sweep: serve from this source tree (A/B runs); wrk: also this tree (repeatable)")
+    ap.add_argument("--rounds", type=int, default=2, help="wrk: interleaved rounds")
     ap.add_argument("--profile", metavar="DIR", help="sweep: py-spy the server's processes (raw stacks here)")
     ap.add_argument("--profile-seconds", type=float, default=10.0)
     ap.add_argument("--report", metavar="DIR", default=None,
                     help="loadtest reports go here (default .loraserve/reports/residency-<mode>)")
     args = ap.parse_args()
     args.report = args.report or f".loraserve/reports/residency-{args.mode}"
+    args.source = args.source_list[-1] if args.source_list else None
     model = base_or_demo(args.model)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    (cliff if args.mode == "cliff" else sweep)(args, model)
+    {"cliff": cliff, "sweep": sweep, "wrk": wrk_mode}[args.mode](args, model)
 
 
 if __name__ == "__main__":

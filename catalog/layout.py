@@ -146,23 +146,53 @@ def load_revision(blob: bytes | bytearray | memoryview, *, what: str = "adapter 
             flat, tensors = layout.views(buf, start)
             weights = _checked_weights(meta, layout.dtype, tensors)
         if finite:
-            _check_values(buf, start, meta["dtype"], flat, tensors, layout.gains, compute_dtype, what)
+            _check_values(buf, start, meta["dtype"], lambda: (flat, tensors), layout.gains, compute_dtype, what)
         return weights
     except (ValueError, RuntimeError) as e:
         raise CorruptBlob(f"{what}: {e}") from None
 
 
-def _check_values(buf: bytearray, start: int, dtype: str, flat: torch.Tensor, tensors: dict,
-                  plan: GainPlan, compute_dtype: str | None, what: str) -> None:
+def checked_region(blob: bytearray, *, what: str = "adapter blob",
+                   compute_dtype: str | None = None) -> tuple[dict, _Layout, int]:
+    """`load_revision(blob, finite=True, compute_dtype=...)`'s checks, all of them, without
+    making the per-tensor views: (the checked metadata, the blob's checked `_Layout`, where its
+    data region starts). For a caller that copies the data region elsewhere at once (a page-in
+    into a CPU-tier slab, `loraserve.adapters.slabs`): the views are the larger part of a decode
+    whose table was seen before. A table not seen before goes through `load_revision` itself
+    (which checks it in full and keeps its layout)."""
+    entries, raw_meta, start = read_header(blob, what)
+    meta = check_adapter_meta(raw_meta, what)
+    try:
+        key = (orjson.dumps(entries), meta["dtype"], meta["rank"], tuple(meta["targets"]))
+    except TypeError:
+        key = None
+    layout = _LAYOUTS.get(key) if key is not None else None
+    if layout is None or len(blob) - start != layout.data_bytes:
+        load_revision(blob, what=what, finite=True, compute_dtype=compute_dtype)
+        layout = _LAYOUTS.get(key) if key is not None else None
+        if layout is None:  # a table the cache cannot hold: no region to hand out
+            raise CorruptBlob(f"{what}: tensor table cannot be keyed")
+        return meta, layout, start
+    try:
+        _check_values(blob, start, meta["dtype"], lambda: layout.views(blob, start), layout.gains,
+                      compute_dtype, what)
+    except (ValueError, RuntimeError) as e:
+        raise CorruptBlob(f"{what}: {e}") from None
+    return meta, layout, start
+
+
+def _check_values(buf: bytearray, start: int, dtype: str, views, plan: GainPlan,
+                  compute_dtype: str | None, what: str) -> None:
     """The page-in's value check: the gain over the whole data region at once; only a blob that
     fails it pays for finding the tensor (NaN/Inf: ValueError, a corrupt blob) or the target
-    (finite but too large: FactorsTooLarge) to name."""
+    (finite but too large: FactorsTooLarge) to name, from `views()`: (flat region, tensors)."""
     int_type = _EXPONENT_BITS[dtype][0]
     raw = np.frombuffer(buf, dtype=np.float32 if dtype == "float32" else int_type, offset=start)
     if dtype == "float16":
         raw = raw.view(np.float16)
     if plan.gain(as_float32(raw, dtype)) <= gain_limit(dtype, compute_dtype or dtype):
         return
+    flat, tensors = views()
     if not _all_finite(buf, start, dtype):
         base = flat.storage_offset()
         bad = next(n for n, t in tensors.items() if not _all_finite(

@@ -15,6 +15,7 @@ from collections import OrderedDict
 
 import torch
 
+from loraserve.adapters.slabs import SlabWeights
 from loraserve.adapters.stats import CacheStats
 from loraserve.adapters.weights import AdapterKey, weights_nbytes
 
@@ -62,7 +63,7 @@ class CpuCache:
                 if old is not None:
                     self._stats.bytes -= old[1]
             return False
-        if self.pin_memory:
+        if self.pin_memory and not isinstance(weights, SlabWeights):  # slabs are pinned blocks
             weights = _pinned(weights)
         with self._lock:
             old = self._entries.pop(key, None)

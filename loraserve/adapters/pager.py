@@ -38,7 +38,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from loraserve.catalog.errors import BaseMismatch
 from loraserve.catalog.ids import parse_model_ref
-from loraserve.catalog.layout import load_revision
+from loraserve.catalog.layout import checked_region, load_revision
 from loraserve.catalog.records import RevisionRecord
 from loraserve.adapters.cpu_cache import CpuCache
 from loraserve.adapters.stats import PagerStats, page_in_histogram
@@ -94,6 +94,8 @@ class Pager:
         self._inflight: dict[AdapterKey, Future] = {}  # queued or loading, by key
         self._owner_wake: Callable[[], None] | None = None  # set: the owner decodes (finish_reads)
         self._read: deque[tuple[float, list[tuple[_Load, bytearray | Exception]]]] = deque()
+        # set: checked weights are copied into CPU-tier slabs in the pool's layout (`slabs`)
+        self.slabs = None
         self._stats = PagerStats()
         self.page_in_seconds = page_in_histogram()
         self._closed = False
@@ -269,8 +271,14 @@ class Pager:
         CorruptBlob / FactorsTooLarge: `catalog.bounds`). Every entry (export, import, runtime
         load) makes the same check; the one here catches a revision stored before it existed or
         changed behind their back, once per page-in, before it can reach the CPU cache or the pool."""
-        weights = load_revision(blob, what=f"adapter {record.ref}", finite=True,
-                                compute_dtype=self.compute_dtype)
+        what = f"adapter {record.ref}"
+        if self.slabs is not None:  # the same checks, then one gather into a slab: no views kept
+            meta, layout, start = checked_region(blob, what=what, compute_dtype=self.compute_dtype)
+            self._check_base(record.ref, meta["base_fingerprint"])
+            weights = self.slabs.convert(blob, meta, layout, start)
+            if weights is not None:
+                return weights
+        weights = load_revision(blob, what=what, finite=True, compute_dtype=self.compute_dtype)
         self._check_base(record.ref, weights.base_fingerprint)
         return weights
 

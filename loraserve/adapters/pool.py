@@ -16,12 +16,14 @@ residency and stats from the engine's published snapshot, never from the pool.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from loraserve.adapters.invariants import check_pool
+from loraserve.adapters.slabs import SlabWeights
 from loraserve.adapters.stats import PoolStats
 from loraserve.adapters.targets import TargetSpec, TensorSlot, tensor_index, tensor_names
 from loraserve.adapters.weights import AdapterKey, LoadPlan, plan_load
@@ -154,6 +156,14 @@ class AdapterPool:
         # on the CPU the bookkeeping is written through numpy views of the same memory: a write
         # there costs ~0.3 us, a torch index-assign ~3-5 us, and a page-in makes several
         self._table_np = {k: t.numpy() for k, t in self.row_table.items()} if self._on_cpu else {}
+        # on the CPU a slab load copies through numpy views of the rows' bits (`_copy_slab_raw`)
+        self._A_raw = {k: _raw(t) for k, t in self._A_all.items()} if self._on_cpu else {}
+        self._B_raw = {k: _raw(t) for k, t in self._B_all.items()} if self._on_cpu else {}
+        # CUDA: slab loads copy on a side stream (`_side_stream`); (event, entry) of copies in flight
+        on_cuda = torch.device(device).type == "cuda"
+        self._copy_stream = torch.cuda.Stream(torch.device(device)) if on_cuda else None
+        self._in_copy: list = []
+        self.copies_queued = 0
         self._ranks_np = {k: t.numpy() for k, t in self.ranks.items()} if self._on_cpu else {}
 
     @property
@@ -253,11 +263,15 @@ class AdapterPool:
         if entry is not None:
             self._entries.move_to_end(key)
             return entry.slot
-        plan = self._plan(weights)
+        slab = isinstance(weights, SlabWeights)
+        plan = weights if slab else self._plan(weights)  # a slab entry was checked when it was made
         self._make_room(key, plan)
         slot = self._free_slots.pop()
         rows = {k: [self._free_rows[k].pop() for _ in range(plan.rank)] for k in plan.kinds}
-        self._copy_in(slot, rows, plan)
+        if slab:
+            self._copy_slab(slot, rows, weights)
+        else:
+            self._copy_in(slot, rows, plan)
         nbytes = sum(plan.rank * self.row_bytes[k] for k in plan.kinds)
         self._entries[key] = _Resident(slot, plan.rank, rows, nbytes)
         self._slot_keys[slot] = key
@@ -375,6 +389,66 @@ class AdapterPool:
                         B.index_copy_(0, idx, b.to(dev, dtype, non_blocking=True))
             self._set_rows(kind, slot, kind_rows, idx)
 
+    def _copy_slab(self, slot: int, rows: dict[str, list[int]], weights: SlabWeights) -> None:
+        """A slab entry is already in the row layout (`slabs`): one copy per kind and side, a
+        slice when the rows are contiguous (the usual case). Off the CPU the copies run on the
+        pool's side stream from pinned memory (`_side_stream`)."""
+        self.version += 1
+        if self._A_raw:
+            self._copy_slab_raw(slot, rows, weights)
+            return
+        dev = self.config.device
+        with self._side_stream(weights):
+            for kind, a, b in weights.parts():
+                kind_rows = rows[kind]
+                lo = kind_rows[0]
+                idx = None
+                if kind_rows == list(range(lo, lo + len(kind_rows))):
+                    self._A_all[kind][:, lo:lo + len(kind_rows)].copy_(a, non_blocking=True)
+                    self._B_all[kind][:, lo:lo + len(kind_rows)].copy_(b, non_blocking=True)
+                else:
+                    idx = torch.tensor(kind_rows, dtype=torch.int64, device=dev)
+                    self._A_all[kind].index_copy_(1, idx, a.to(dev, non_blocking=True))
+                    self._B_all[kind].index_copy_(1, idx, b.to(dev, non_blocking=True))
+                if idx is None and not self._on_cpu:
+                    idx = torch.tensor(kind_rows, dtype=torch.int64, device=dev)
+                self._set_rows(kind, slot, kind_rows, idx)
+
+    def _copy_slab_raw(self, slot: int, rows: dict[str, list[int]], weights: SlabWeights) -> None:
+        """`_copy_slab` on the CPU: numpy assignments between views of the same bits."""
+        for kind, a, b in weights.raw_parts():
+            kind_rows = rows[kind]
+            lo = kind_rows[0]
+            if kind_rows == list(range(lo, lo + len(kind_rows))):
+                self._A_raw[kind][:, lo:lo + len(kind_rows)] = a
+                self._B_raw[kind][:, lo:lo + len(kind_rows)] = b
+            else:
+                self._A_raw[kind][:, kind_rows] = a
+                self._B_raw[kind][:, kind_rows] = b
+            self._set_rows(kind, slot, kind_rows)
+
+    @contextlib.contextmanager
+    def _side_stream(self, weights: SlabWeights):
+        """CUDA: the host-to-device copies of a load go on a side stream, after what the compute
+        stream has queued (an evicted adapter's rows may still be read there), and the compute
+        stream waits for them before its next kernel: the host never blocks, and the DMA runs
+        while the host prepares and launches the step. The slab slot the copy reads stays
+        referenced until its event has passed (`_in_copy`), so a page-in cannot reuse it
+        under the DMA. On the CPU: the plain copies, nothing else."""
+        if self._copy_stream is None:
+            yield
+            return
+        compute = torch.cuda.current_stream(self.config.device)
+        self._in_copy = [(e, w) for e, w in self._in_copy if not e.query()]
+        self._copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self._copy_stream):
+            yield
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        compute.wait_event(done)
+        self._in_copy.append((done, weights))
+        self.copies_queued += 1
+
     def _set_rows(self, kind: str, slot: int, rows: list[int], idx: torch.Tensor | None = None) -> None:
         """Slot `slot` owns `rows` of `kind` (none: it holds no LoRA there). On the CPU through the
         numpy views; elsewhere `idx` is `rows` as a device tensor when there are any."""
@@ -402,3 +476,9 @@ class AdapterPool:
     def check_invariants(self) -> None:
         """Assert the bookkeeping is consistent (for tests): bounds, free lists, row ownership."""
         check_pool(self, self._entries, self._slot_keys, self._free_slots, self._free_rows)
+
+
+def _raw(t: torch.Tensor):
+    """A numpy view of a CPU tensor's bits, as integers of its element size (any float dtype)."""
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.view(bits).numpy()

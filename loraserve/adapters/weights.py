@@ -31,11 +31,14 @@ ENTRY_OVERHEAD = 1024
 
 
 def weights_nbytes(weights) -> int:
-    """Host bytes an adapter's weights really occupy: tensor data plus per-tensor overhead."""
+    """Host bytes an adapter's weights really occupy: tensor data plus per-tensor overhead (a
+    slab entry, `slabs.SlabWeights`, keeps no tensor of its own: `tensor_count` 0)."""
     nbytes = getattr(weights, "nbytes", None)
     if not isinstance(nbytes, int):
         nbytes = sum(t.numel() * t.element_size() for t in weights.tensors.values())
-    return nbytes + ENTRY_OVERHEAD + TENSOR_OVERHEAD * len(weights.tensors)
+    count = getattr(weights, "tensor_count", None)
+    count = len(weights.tensors) if count is None else count
+    return nbytes + ENTRY_OVERHEAD + TENSOR_OVERHEAD * count
 
 
 def plan_load(weights, specs: dict[str, TargetSpec], index: dict[str, TensorSlot],

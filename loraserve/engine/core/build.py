@@ -13,6 +13,7 @@ from ...adapters.cpu_cache import CpuCache
 from ...adapters.manager import AdapterManager
 from ...adapters.pager import Pager
 from ...adapters.pool import AdapterPool, PoolConfig, TargetSpec
+from ...adapters.slabs import Slabs
 from ...lora.layers import LoRAState, attach_lora, target_modules
 from ..config import EngineConfig
 from .decode_graphs import DecodeGraphs, batch_buckets, context_buckets
@@ -76,6 +77,7 @@ def _enable_lora(engine: LLMEngine, cfg: EngineConfig) -> None:
                          max_entries=cfg.max_cpu_adapters)
     pager = Pager(catalog, cpu_cache, fingerprint, workers=cfg.pager_workers, batch=cfg.pager_batch,
                   compute_dtype=str(engine.dtype).removeprefix("torch."))
+    pager.slabs = Slabs.for_pool(pool, pin_memory=cpu_cache.pin_memory)  # the CPU tier's layout
     manager = AdapterManager(catalog, pool, cpu_cache, pager, fingerprint)
     manager.decode_on_engine_thread()
     state = LoRAState(pool, kernels.resolve_backend(cfg.lora_backend, engine.device), engine.device)
