@@ -284,8 +284,9 @@ def wrk_mode(args, model: str) -> None:
         rows, profilers = [], {}
         for r in range(args.rounds):
             for i, (name, _) in enumerate(trees):
-                url, groups = f"http://127.0.0.1:{args.port + i}", process_groups(servers[i].pid)
-                wrk_run(url, groups, warm, 3)  # warm-up: the warm set resident, code paths hot
+                url = f"http://127.0.0.1:{args.port + i}"
+                wrk_run(url, {}, warm, 3)  # warm-up: the warm set resident, code paths hot
+                groups = process_groups(servers[i].pid)  # after it: the shard hosts start on first use
                 base, hot = wrk_run(url, groups, [], args.duration), wrk_run(url, groups, warm, args.duration)
                 n = r * len(trees) + i
                 if args.profile and r == args.rounds - 1:
