@@ -17,11 +17,11 @@ Policies (where a request goes):
                  with room (< C in flight), the less loaded one; none holds it: two random
                  replicas among all with room; the holders are all full: spill the same way
   affinity       what `loraserve serve --replicas` routes with (loraserve/ray_serve/routing.py,
-                 run here as is): rendezvous hashing with bounded loads, the adapter's first
-                 choice among the replicas, spilling in its own order past replicas holding
-                 ceil(c x (in flight + 1) / R) requests or more (c = 1.25), and past those
-                 whose batch is full (C running), as Serve's router skips a replica at its
-                 max_ongoing_requests
+                 run here as is): the replicas holding the adapter first, in its rendezvous
+                 order; else the less loaded of its first two rendezvous choices under the
+                 bound ceil(c x (in flight + 1) / R) (c = 1.25), then the rest in its order;
+                 past replicas whose batch is full (C running), as Serve's router skips a
+                 replica at its max_ongoing_requests
 
 Reported per (R, policy), over the requests after the first `warmup` fraction:
   hit rate            requests whose adapter was resident on the replica they went to
@@ -139,7 +139,8 @@ class Cluster:
             names = preference(f"t/{adapter}", self.names)
             order = self.preferences[adapter] = [int(n.rsplit("-", 1)[1]) for n in names]
         loads = {r: rep.load for r, rep in enumerate(self.replicas)}
-        ranked = bounded(order, loads, self.cfg.load_bound_c)
+        # the router's residency model is what it sent where: here, the pools themselves
+        ranked = bounded(order, loads, self.cfg.load_bound_c, self.holders.get(adapter, ()))
         # Serve takes the first rank with room (< max_ongoing_requests = C running), else
         # waits; here the wait is at the first choice
         return next((r for r in ranked if self.replicas[r].running < self.cfg.concurrency),

@@ -1,5 +1,5 @@
 """The replica routing policy (loraserve/ray_serve/routing.py): rendezvous hashing with bounded
-loads. Pure functions, no Ray."""
+loads, held adapters first. Pure functions, no Ray."""
 from __future__ import annotations
 
 import random
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loraserve.ray_serve.routing import (least_loaded, load_bound, owners, preference, route,
-                                         spill_order, weight)
+from loraserve.ray_serve.routing import (Residency, least_loaded, load_bound, owners, preference,
+                                         route, spill_order, weight)
 
 replica_names = st.lists(st.text("abcdef0123456789", min_size=4, max_size=8), min_size=2,
                          max_size=8, unique=True)
@@ -108,8 +108,46 @@ def test_no_replica_over_the_bound_while_another_has_room(reps, key, c, data):
     under = [r for r in order if loads[r] < bound]
     assert under, "some replica is always under ceil(c x mean) with c >= 1"
     assert order[0] == under[0] and loads[order[0]] + 1 <= bound
-    # the under-bound ones come in the adapter's own preference order
-    assert under == [r for r in preference(key, reps) if loads[r] < bound]
+    # the under-bound ones: the less loaded of its first two choices first, then its own
+    # preference order
+    pref = preference(key, reps)
+    first_two = sorted((r for r in pref[:2] if loads[r] < bound), key=lambda r: loads[r])
+    assert under == first_two + [r for r in pref if loads[r] < bound and r not in first_two]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(reps=replica_names, key=st.text(min_size=1, max_size=12), data=st.data())
+def test_a_held_adapter_goes_to_its_holders_first_whatever_their_load(reps, key, data):
+    """Holders first (Serve skips a full one): a hit is worth more than balance."""
+    loads = {r: data.draw(st.integers(0, 40)) for r in reps}
+    held = data.draw(st.lists(st.sampled_from(reps), unique=True))
+    order = spill_order(key, loads, held=held)
+    assert sorted(order) == sorted(reps)
+    assert order[:len(held)] == [r for r in preference(key, reps) if r in held]
+
+
+def test_a_new_adapter_goes_to_the_less_loaded_of_its_first_two_choices():
+    reps = ["a", "b", "c", "d"]
+    first, second, third, fourth = preference("t/new", reps)
+    loads = {first: 2, second: 1, third: 0, fourth: 0}  # bound ceil(1.25 * 4 / 4) = 2
+    assert spill_order("t/new", loads)[:3] == [second, third, fourth]
+    loads = dict.fromkeys(reps, 1)  # a tie: its first choice
+    assert spill_order("t/new", loads) == [first, second, third, fourth]
+
+
+def test_residency_is_an_lru_per_replica():
+    res = Residency(slots=2)
+    for key in ("t/a", "t/b", "t/a", "t/c"):  # t/b is the least recent when t/c comes
+        res.touch("r1", key)
+    res.touch("r2", "t/b")
+    assert res.holders("t/a", ["r1", "r2"]) == ["r1"]
+    assert res.holders("t/b", ["r1", "r2"]) == ["r2"]
+    res.keep({"r1"})
+    assert res.holders("t/b", ["r1", "r2"]) == []
+    res.forget("r1")
+    assert res.holders("t/a", ["r1"]) == []
+    with pytest.raises(ValueError):
+        Residency(0)
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)

@@ -221,6 +221,16 @@ def acme_adapters(http) -> tuple[str, str]:
     return picked
 
 
+def new_adapter(http: httpx.Client, home: str, replicas: list[str], prefix: str) -> str:
+    """A never-requested adapter (the demo's weights under a new id, loaded through the
+    ingress) whose rendezvous first choice among `replicas` is `home`."""
+    name = next(n for n in (f"{prefix}/a{i}" for i in range(1000))
+                if preference(n, replicas)[0] == home)
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": "demo/robot"})
+    assert r.status_code == 200, r.text
+    return name
+
+
 def test_every_adapter_goes_to_its_rendezvous_replica_from_its_first_request(http, acme_adapters) -> None:
     """Issue 26's sequence: single requests with gaps of 0, 0.5 and 2 s. Each adapter is
     served by one replica throughout, the one routing.preference ranks first, its first request
@@ -348,10 +358,12 @@ def router_in_flight(http: httpx.Client) -> dict[str, float]:
 def test_streams_closed_early_leave_no_load_behind(http) -> None:
     """Two streams of one adapter, both on its first choice, closed by their client mid-stream:
     the router's count returns to zero (the ingress cancels the replica's stream; its end is
-    the request's completion in Serve's router), so the adapter's next requests go home. Were
-    the two still counted there, the bound (ceil(1.25 x 3 / 2) = 2) would spill them."""
+    the request's completion in Serve's router). Then a new adapter whose first choice is that
+    replica is placed there: were the two still counted, the bound (ceil(1.25 x 3 / 2) = 2)
+    would place it on the other replica."""
     replicas = live_replicas(http)
     first = preference("demo/robot", replicas)[0]
+    fresh = new_adapter(http, first, replicas, "early")
     _idle(http)
     assert router_in_flight(http) == {}
     with _streams_running(http, ["demo/robot"] * 2, ADMIN, in_order=True) as seen:
@@ -361,9 +373,9 @@ def test_streams_closed_early_leave_no_load_behind(http) -> None:
     while (left := router_in_flight(http)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"counted after their client closed them: {left}"
-    for _ in range(3):
-        r = chat(http, "demo/robot", max_tokens=2)
-        assert r.status_code == 200 and r.headers[HEADER] == first, (r.headers[HEADER], first)
+    for model in ("demo/robot", fresh, fresh):
+        r = chat(http, model, max_tokens=2)
+        assert r.status_code == 200 and r.headers[HEADER] == first, (model, r.headers[HEADER])
 
 
 def test_base_requests_reach_both_replicas(http) -> None:
@@ -484,33 +496,45 @@ def test_a_replica_dying_mid_stream_ends_it_cleanly_and_others_serve(server, htt
 
 
 def test_a_lost_replicas_adapters_alone_move(http) -> None:
-    """Serve replaces the killed replica; each adapter goes to its first choice among the live
-    replicas, so those of the replica that lived on stay where they were, and only the killed
-    one's move (to the survivor, or to the replacement where it now ranks first)."""
+    """Serve replaces the killed replica. An adapter a live replica holds (its /v1/residency
+    digest) stays there: the survivor's own, and those it took while the other was gone. The
+    others (the killed one's, and any the survivor evicted since) go to their first choice
+    among the live replicas."""
     assert KILLED and OWNERS, "runs after the affinity and the replica-loss tests"
     replicas = live_replicas(http, not_in=tuple(KILLED), timeout_s=180)
     _idle(http)  # the streams of the test before have ended: no load bound in the way
     time.sleep(1.0)  # Serve's routers learn the replacement from the controller
-    for adapter, owner in OWNERS.items():
+    held = {ref.split("@")[0]: d["replica"] for d in http.get("/v1/residency").json()["replicas"]
+            for ref in d["top"]}
+    # the held ones first: serving them pages nothing in, so evicts nothing the rest may hold
+    for adapter in sorted(OWNERS, key=lambda a: a not in held):
         r = chat(http, adapter, max_tokens=4)
         assert r.status_code == 200, r.text
-        assert r.headers[HEADER] == preference(adapter, replicas)[0], (adapter, replicas)
-        if owner not in KILLED:
-            assert r.headers[HEADER] == owner, (adapter, owner)
+        expected = held.get(adapter) or preference(adapter, replicas)[0]
+        assert r.headers[HEADER] == expected, (adapter, OWNERS[adapter], held, replicas)
+        if adapter in held:
+            assert held[adapter] not in KILLED
 
 
-def test_an_adapter_spills_to_its_second_choice_only_past_the_load_bound(http) -> None:
-    """Three streams of one adapter held open on 2 replicas, c = 1.25: the bound is
-    ceil(1.25 x (k + 1) / 2) with k in flight, so the first choice takes two (bound 1, then 2)
-    and the third goes to the adapter's second choice (the first holds 2, the bound). Each is
-    opened once the one before has its first chunk: the router has counted it by then (sent
-    together, they can all be routed before the first is counted). After the replica-loss
-    tests: the streams it closes early are the last load the router counts."""
+def test_a_new_adapter_is_placed_past_its_first_choice_only_over_the_bound(http) -> None:
+    """Two streams of a held adapter on its replica (a holder takes its adapter's requests
+    until its batch is full: a third goes there too). A new adapter whose first choice is
+    that replica is placed on the other one, the first being over the bound
+    (ceil(1.25 x 3 / 2) = 2), and stays there: held, its next request goes there too, once
+    the streams are gone. One whose first choice is the other replica goes there. After the
+    replica-loss tests: the streams it closes early are the last load the router counts."""
     replicas = live_replicas(http)
-    first, second = preference("demo/robot", replicas)
+    homed = {r: new_adapter(http, r, replicas, f"spill-{i}") for i, r in enumerate(replicas)}
     _idle(http)
-    with _streams_running(http, ["demo/robot"] * 3, ADMIN, in_order=True) as seen:
-        assert seen == [first, first, second], (seen, first, second)
+    with _streams_running(http, ["demo/robot"] * 2, ADMIN, in_order=True) as seen:
+        busy = seen[0]  # where demo/robot is held (since the replica-loss tests, maybe not home)
+        other = next(r for r in replicas if r != busy)
+        spilled, placed = homed[busy], homed[other]
+        assert seen == [busy, busy], seen
+        on = {m: chat(http, m, max_tokens=2).headers[HEADER] for m in ("demo/robot", spilled, placed)}
+        assert on == {"demo/robot": busy, spilled: other, placed: other}, (on, busy)
+    _idle(http)
+    assert chat(http, spilled, max_tokens=2).headers[HEADER] == other
 
 
 # -- last: SIGTERM (the module's server is gone afterwards) -----------------------------------

@@ -411,12 +411,12 @@ def test_routing_options() -> None:
             from_args(_serve_args(*argv))
 
 
-def _router_and_replicas(names: list[str], c: float = 1.25):
+def _router_and_replicas(names: list[str], c: float = 1.25, slots: int = 2):
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
     from loraserve.ray_serve.router import AffinityRouter
     dep = DeploymentID(name="LoraServeEngine", app_name="loraserve")
     router = AffinityRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN)
-    router.initialize_state(c=c)
+    router.initialize_state(c=c, slots=slots)
     return router, [SimpleNamespace(replica_id=ReplicaID(n, dep)) for n in names]
 
 
@@ -454,6 +454,33 @@ def test_the_router_spills_past_the_bound_and_counts_completions() -> None:
     assert _choose(router, reps, "t/hot") == [first, second]
     router.on_request_completed(by_name[first], "r")  # a completion never sent: no negative load
     assert router.in_flight[by_name[first]] == 0
+
+
+def test_the_router_keeps_an_adapter_on_the_replica_holding_it() -> None:
+    """A generation accepted by a replica puts its adapter in that replica's pool (the router's
+    model): the adapter's next requests go there first, even off its first choice and with
+    more in flight there; a warm call pages nothing in; a dead replica holds nothing."""
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve.request_router import PendingRequest
+    from loraserve.ray_serve.routing import preference
+    router, reps = _router_and_replicas(["rep-a", "rep-b"])
+    first, second = preference("t/x", ["rep-a", "rep-b"])
+    by_name = {r.replica_id.unique_id: r.replica_id for r in reps}
+
+    def routed(call_method: str, replica: str) -> None:
+        async def make():
+            return PendingRequest(args=[], kwargs={}, metadata=RequestMetadata(
+                request_id="r", internal_request_id="r", multiplexed_model_id="t/x",
+                call_method=call_method))
+        router.on_request_routed(asyncio.run(make()), by_name[replica], None)
+
+    routed("warm", second)
+    assert _choose(router, reps, "t/x") == [first, second]
+    routed("generate", second)
+    router.on_send_request(by_name[second])
+    assert _choose(router, reps, "t/x") == [second, first]
+    router.on_replica_actor_died(by_name[second])
+    assert _choose(router, reps, "t/x") == [first, second]
 
 
 def test_the_router_sends_base_only_calls_to_the_least_loaded() -> None:

@@ -68,7 +68,8 @@ def application(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerConfig)
     tokenizer here)."""
     config = engine_config_dict(cfg)
     routing = {} if scale.routing == "multiplex" else {"request_router_config": RequestRouterConfig(
-        request_router_class=ROUTER_PATH, request_router_kwargs={"c": scale.load_bound_c})}
+        request_router_class=ROUTER_PATH,
+        request_router_kwargs={"c": scale.load_bound_c, "slots": cfg.max_gpu_adapters})}
     engine = serve.deployment(
         replica_class(cfg.max_gpu_adapters), name=REPLICA_DEPLOYMENT, num_replicas=scale.replicas,
         max_ongoing_requests=cfg.max_batch_size,
