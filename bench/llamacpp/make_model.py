@@ -86,11 +86,14 @@ def write_tokenizer(hf: Path, work: Path) -> None:
                          f"e.g. {bad[0]!r}")
 
 
-def write_base(hf: Path, hidden: int, layers: int, head_dim: int, seed: int) -> None:
+def write_base(hf: Path, hidden: int, layers: int, head_dim: int, seed: int,
+               heads: int | None = None) -> None:
+    """heads: query heads (default hidden // head_dim); kv heads are half of them, the MLP 3x
+    hidden (Qwen3-0.6B: --hidden 1024 --layers 28 --head-dim 128 --heads 16)."""
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    heads = max(hidden // head_dim, 2)
+    heads = heads or max(hidden // head_dim, 2)
     cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=3 * hidden,
                       num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=max(heads // 2, 1), head_dim=head_dim,
@@ -182,6 +185,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=None, help="query heads (default hidden / head dim)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--adapters", type=int, default=32)
@@ -198,7 +202,7 @@ def main() -> None:
     if not (hf / "tokenizer.json").is_file():
         write_tokenizer(hf, out / "work")
     if not (hf / "model.safetensors").is_file():
-        write_base(hf, args.hidden, args.layers, args.head_dim, args.seed)
+        write_base(hf, args.hidden, args.layers, args.head_dim, args.seed, args.heads)
     write_adapters(hf, out / "peft", args.adapters, args.rank, args.sigma)
     convert(out, args.adapters, (args.cache or out.parent).resolve())
     if not (out / "prompts.json").is_file():

@@ -89,18 +89,20 @@ class EngineConfig:
     seed: int = field(default=0, metadata={"help": "seed of the sampler for unseeded requests"})
     compile: str = field(default="auto", metadata={
         "help": "compile the decode step over batch and context buckets, at start-up: auto (CUDA "
-                "graphs on CUDA, eager on CPU) | on (also torch.compile on CPU, for steps "
-                "without LoRA tokens) | off. Prefill, MoE bases and batches past the largest "
-                "bucket run eagerly"})
+                "graphs on CUDA; on CPU torch.compile for a base whose weights outgrow the "
+                "last-level cache) | on (also torch.compile for any CPU base) | off. On CPU, for "
+                "steps without LoRA tokens, and each batch bucket measured against the eager step "
+                "at start-up: a bucket where eager is faster runs eagerly. Prefill, MoE bases and "
+                "batches past the largest bucket run eagerly"})
     compile_batch_sizes: list[int] | None = field(default=None, metadata={
         "help": "batch buckets of the compiled decode step (repeatable)",
         "default": "1, 2, 4, 8, every multiple of 16 below max-batch-size, and max-batch-size"})
     weight_prepack: str = field(default="auto", metadata={
-        "help": "CPU, float32: hold the base's linear weights in oneDNN's blocked layout, packed "
+        "help": "CPU, float32 (and bfloat16 on AVX512-BF16/AMX CPUs): hold the base's linear "
+                "weights in oneDNN's blocked layout, packed "
                 "once at start-up instead of on every GEMM (batch-32 decode steps 1.3x faster on "
                 "an H 512 base): auto (when they outgrow the last-level cache, where packing "
-                "pays) | on | off. A decode step compiled on the CPU unpacks them: inductor lowers "
-                "its own GEMMs"})
+                "pays) | on | off. A decode step compiled on the CPU keeps them packed"})
     torch_threads: int | None = field(default=None, metadata={
         "help": "CPU intra-op threads (more pay off for large matrices only: a second thread made "
                 "the demo base's 1-token requests 2.5x slower, an H 512 base's batches 1.6x faster)",

@@ -36,8 +36,8 @@ def _engine(aset, compile: str, catalog, **kw):
 def engines(dense_set, tmp_path_factory):
     """(eager, compiled) engines over the same base and a copy each of one catalog (LMDB opens
     an environment once per process). The compiled one runs LoRA steps through graphs too,
-    which the CPU leaves eager by default (see engine.core.decode_graphs). Its base weights start
-    packed for oneDNN, which the graphs undo: inductor lowers plain GEMMs."""
+    which the CPU leaves eager by default (see engine.core.decode_graphs). Its base weights are
+    packed for oneDNN, and stay packed: the graphs call the packed GEMM (model.prepack)."""
     copy = tmp_path_factory.mktemp("compiled") / "catalog"
     shutil.copytree(dense_set.catalog, copy)
     compiled = _engine(dense_set, "off", copy, weight_prepack="on")
@@ -46,7 +46,7 @@ def engines(dense_set, tmp_path_factory):
                           lora_graphs=True)
     graphs.warm_up()
     compiled.runner.graphs = graphs
-    assert not any(isinstance(m, PackedLinear) for m in compiled.model.modules())
+    assert any(isinstance(m, PackedLinear) for m in compiled.model.modules())
     return _engine(dense_set, "off", dense_set.catalog), compiled
 
 
@@ -114,9 +114,33 @@ def test_buckets():
     assert context_buckets(40, 16) == (48,)
 
 
+def test_choose_keeps_the_faster_step_per_batch_bucket(engines):
+    """`choose` times each batch bucket compiled against eager; a bucket is served by its graph
+    exactly when the graph measured faster, and the steps stay equal to eager's either way."""
+    eager, compiled = engines
+    graphs = DecodeGraphs(compiled.model, compiled.cache, compiled.device, compiled.runner.lora,
+                          compiled.scratch_block, (2, 4), context_buckets(compiled.max_model_len, 16))
+    graphs.warm_up()
+    if graphs.kind != "inductor":
+        assert graphs.choose() == set()   # CUDA graphs are not second-guessed
+        return
+    slower = graphs.choose(reps=2)
+    assert set(graphs.timings) == {2, 4}
+    for b, (eager_s, compiled_s) in graphs.timings.items():
+        assert (b in slower) == (compiled_s >= eager_s)
+        assert (graphs.bucket(b, 10) is None) == (b in slower)
+    saved, compiled.runner.graphs = compiled.runner.graphs, graphs
+    try:
+        prompts = _prompts(eager.vocab_size, 3, seed=11)
+        _assert_same(_greedy(eager, [None] * 3, prompts), _greedy(compiled, [None] * 3, prompts))
+    finally:
+        compiled.runner.graphs = saved
+
+
 def test_what_compiles_by_default(engines, moe_set):
-    """auto: CUDA graphs on CUDA (LoRA steps included), eager on the CPU; on: the CPU compiles
-    base-only steps; MoE bases never compile; off is off."""
+    """auto: CUDA graphs on CUDA (LoRA steps included), on the CPU only for a base that outgrows
+    the last-level cache (not this one); on: the CPU compiles base-only steps; MoE bases never
+    compile; off is off."""
     from loraserve.engine.core.build import compiles
 
     eager, _ = engines

@@ -10,14 +10,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraserve.model import load_model
-from loraserve.model.prepack import (DEFAULT_LLC_BYTES, PackedLinear, can_prepack,
+from loraserve.model.prepack import (DEFAULT_LLC_BYTES, PackedLinear, bf16_kernels, can_prepack,
                                      last_level_cache_bytes, linear_weight_bytes, prepack_linears,
                                      outgrows_last_level_cache, unpack_linears)
 
 
-def test_prepack_applies_to_float32_on_the_cpu_only():
+def test_prepack_applies_to_float32_and_native_bfloat16_on_the_cpu_only():
     assert can_prepack(torch.device("cpu"), torch.float32)  # the pinned torch has oneDNN
-    assert not can_prepack(torch.device("cpu"), torch.bfloat16)
+    assert can_prepack(torch.device("cpu"), torch.bfloat16) == bf16_kernels()
+    assert not can_prepack(torch.device("cpu"), torch.float16)
     assert not can_prepack(torch.device("cuda"), torch.float32)
 
 
@@ -65,6 +66,26 @@ def test_packed_model_matches_transformers(arch, tie, tmp_path, make_hf):
     with torch.no_grad():
         again = ours.compute_logits(ours(ids, torch.arange(len(ids)))).log_softmax(-1)
     assert (again - lp_hf).abs().max().item() <= 1e-4
+
+
+def test_bfloat16_model_matches_transformers_at_bfloat16_tolerance(tmp_path, make_hf):
+    """--dtype bfloat16 on the CPU: packed where oneDNN has bfloat16 kernels (this CPU: AVX512-BF16
+    and AMX), plain otherwise; either way transformers' bfloat16 logprobs within bfloat16's
+    rounding, and the same greedy token nearly everywhere (a near-tie may flip)."""
+    ref = make_hf("qwen3")
+    ref.save_pretrained(tmp_path)
+    ref = ref.to(torch.bfloat16)
+    ours = load_model(tmp_path, dtype=torch.bfloat16)
+    if can_prepack(torch.device("cpu"), torch.bfloat16):
+        assert prepack_linears(ours, batch_hint=8) > 0
+        assert all(m.packed.dtype == torch.bfloat16 for m in ours.modules() if isinstance(m, PackedLinear))
+    ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        lp = ours.compute_logits(ours(ids, torch.arange(len(ids)))).log_softmax(-1)
+        lp_hf = ref(ids[None]).logits[0].float().log_softmax(-1)
+    assert lp.dtype == torch.float32
+    assert (lp - lp_hf).abs().max().item() <= 0.15
+    assert (lp.argmax(-1) == lp_hf.argmax(-1)).float().mean().item() >= 0.9
 
 
 def test_auto_packs_a_base_whose_linear_weights_outgrow_the_last_level_cache(tmp_path, make_hf):

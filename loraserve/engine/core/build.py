@@ -2,6 +2,8 @@
 pager, CPU cache, device pool), the manager that drives them and the LoRA wrappers."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from loraserve import kernels
@@ -15,10 +17,13 @@ from ...adapters.pager import Pager
 from ...adapters.pool import AdapterPool, PoolConfig, TargetSpec
 from ...adapters.slabs import Slabs
 from ...lora.layers import LoRAState, attach_lora, target_modules
+from ...model.prepack import outgrows_last_level_cache
 from ..config import EngineConfig
 from .decode_graphs import DecodeGraphs, batch_buckets, context_buckets
 from .llm_engine import LLMEngine
 
+
+log = logging.getLogger(__name__)
 
 DEFAULT_POOL_MB = 2048  # without --gpu-adapter-mb: max_slots x max_rank rows, capped at this
 
@@ -52,16 +57,24 @@ def build_engine(cfg: EngineConfig) -> LLMEngine:
                               tuple(sorted(set(cfg.compile_batch_sizes or batch_buckets(cfg.max_batch_size)))),
                               context_buckets(engine.max_model_len, cfg.block_size))
         graphs.warm_up()
-        engine.runner.graphs = graphs
+        if graphs.kind == "inductor" and len(graphs.choose()) == len(graphs.batch_sizes):
+            log.info("compiled decode step slower than eager at every batch bucket: eager it is")
+        else:
+            engine.runner.graphs = graphs
     return engine
 
 
 def compiles(cfg: EngineConfig, engine: LLMEngine) -> bool:
-    """Whether the decode step is compiled: `on`, or `auto` on CUDA; never for MoE bases, whose
-    expert routing has data-dependent shapes."""
+    """Whether the decode step is compiled: `on`; `auto` on CUDA, and on the CPU for a base whose
+    weights outgrow the last-level cache (its steps stream weights; a small base's are cheap to
+    dispatch eagerly and not worth the compile); never for MoE bases, whose expert routing has
+    data-dependent shapes. On the CPU only the batch buckets measured faster compiled use the
+    graphs (`DecodeGraphs.choose`)."""
     if cfg.compile == "off" or engine.model_config.is_moe:
         return False
-    return cfg.compile == "on" or engine.device.type == "cuda"
+    if cfg.compile == "on" or engine.device.type == "cuda":
+        return True
+    return engine.device.type == "cpu" and outgrows_last_level_cache(engine.model)
 
 
 def _enable_lora(engine: LLMEngine, cfg: EngineConfig) -> None:

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import torch
 
 from loraserve.kernels import LoRAMeta
-from loraserve.model.prepack import unpack_linears
 
 from .attention import KVCache, PagedAttention
 
@@ -101,8 +100,11 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int, bool], _Graph] = {}
         self._pool = None
         self._compiled = None
+        # CPU batch buckets whose compiled step measured slower than the eager one (`choose`)
+        self.eager_batches: set[int] = set()
+        self.timings: dict[int, tuple[float, float]] = {}  # batch bucket -> (eager, compiled) s
         if self.kind == "inductor":
-            unpack_linears(model)  # inductor lowers plain GEMMs, not oneDNN's packed weights
+            # a packed base stays packed: its graphs call the packed GEMM (model.prepack)
             # one graph per bucket and LoRA on/off; dynamo would stop recompiling at 8
             limit = 2 * len(batch_sizes) * len(context_sizes) + 8
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
@@ -120,7 +122,7 @@ class DecodeGraphs:
             return None
         b = next((s for s in self.batch_sizes if s >= batch), None)
         c = next((s for s in self.context_sizes if s >= context), None)
-        return None if b is None or c is None else (b, c)
+        return None if b is None or c is None or b in self.eager_batches else (b, c)
 
     def pad(self, ids: list[int], positions: list[int], slots: list[int],
             block_tables: list[list[int]], ends: list[int], bucket: tuple[int, int]) -> Padded:
@@ -180,6 +182,36 @@ class DecodeGraphs:
         log.info("decode step compiled (%s) for %d batch x %d context buckets in %.1f s",
                  self.kind, len(self.batch_sizes), len(self.context_sizes), self.startup_seconds)
         return self.startup_seconds
+
+    @torch.inference_mode()
+    def choose(self, reps: int = 5) -> set[int]:
+        """On the CPU, time each batch bucket's compiled step against the eager step of the
+        fewest sequences it serves (one more than the bucket below: the compiled step's worst
+        case, most padding), interleaved, best of `reps`; buckets where eager is faster run
+        eagerly from now on. Returns those buckets (`eager_batches`). A compiled step that
+        drops below eager (inductor's own GEMMs at small batch, a graph break) is never used."""
+        if self.kind != "inductor":
+            return self.eager_batches
+        c = self.context_sizes[min(1, len(self.context_sizes) - 1)]
+        lower = 0
+        for b in self.batch_sizes:
+            eager_step, step = self._dummy(lower + 1, c, False), self._dummy(b, c, False)
+            runs = (lambda: self._forward(eager_step.token_ids, eager_step.positions, eager_step.attn),
+                    lambda: self.forward(step))
+            best = [float("inf"), float("inf")]
+            for _ in range(reps):
+                for i, run in enumerate(runs):
+                    t0 = time.perf_counter()
+                    run()
+                    best[i] = min(best[i], time.perf_counter() - t0)
+            self.timings[b] = (best[0], best[1])
+            if best[1] >= best[0]:
+                self.eager_batches.add(b)
+            lower = b
+        log.info("compiled decode step vs eager, ms per step by batch bucket: %s; eager kept for %s",
+                 ", ".join(f"{b}: {e * 1e3:.1f}/{g * 1e3:.1f}" for b, (e, g) in self.timings.items()),
+                 sorted(self.eager_batches) or "none")
+        return self.eager_batches
 
     def _dummy(self, b: int, c: int, has_lora: bool) -> Padded:
         """A step of pad rows only (they write the scratch block alone); with LoRA, row 0 is

@@ -1,0 +1,149 @@
+"""Where a small-batch decode step's time goes, at real shapes: the machine's memory-read
+bandwidth, each weight layout's GEMM time at a few rows, and the engine's decode step.
+
+    python bench/single_stream.py bandwidth                # GB/s of a large sum and copy
+    python bench/single_stream.py layouts [--rows 1,4,32]  # per-layout GEMM at 0.6B shapes
+    python bench/single_stream.py step --model DIR [--batches 1,4] [--profile]
+
+`layouts` times every linear of one decode step at Qwen3-0.6B shapes (28 layers: q/k/v, o,
+gate/up, down; each layer its own weights, so they stream from memory as a model's do) in each
+layout, interleaved, best of --reps, and prints the achieved weight-read bandwidth. `step` runs
+the engine's decode step at each batch size and, with --profile, the torch profiler's ops.
+Threads: --threads (default 2, the comparison's). Machine noise: every figure is a best-of.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+# Qwen3-0.6B: H 1024, 16 q heads / 8 kv heads of 128, intermediate 3072, 28 layers
+SHAPES_06B = {"q": (1024, 2048), "k": (1024, 1024), "v": (1024, 1024), "o": (2048, 1024),
+              "gate": (1024, 3072), "up": (1024, 3072), "down": (3072, 1024)}
+LAYERS = 28
+
+
+def best_of(fn, reps: int) -> float:
+    """Least wall seconds of `reps` calls of fn (the machine is shared: the least is the figure)."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bandwidth(reps: int, gib: float = 1.0) -> dict[str, float]:
+    """Memory-read GB/s of a sum over `gib` GiB of float32, and read+write GB/s of a copy."""
+    a = torch.ones(int(gib * 2**30) // 4)
+    b = torch.empty_like(a)
+    n = a.numel() * 4
+    return {"sum (read)": n / best_of(a.sum, reps) / 1e9,
+            "copy (read+write)": 2 * n / best_of(lambda: b.copy_(a), reps) / 1e9}
+
+
+def layouts(rows: int, reps: int, fused: bool) -> dict[str, float]:
+    """Seconds of one step's linears (28 layers) at `rows` rows, per layout."""
+    shapes = dict(SHAPES_06B)
+    if fused:   # what a loader concatenating at load time would hand the step
+        shapes = {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)}
+    weights = [{k: torch.randn(o, i) / i ** 0.5 for k, (i, o) in shapes.items()} for _ in range(LAYERS)]
+    xs = {i: torch.randn(rows, i) for i, _ in shapes.values()}
+    prepared = {
+        "F.linear [out,in]": weights,
+        "x @ W^T-contiguous [in,out]": [{k: w.t().contiguous() for k, w in l.items()} for l in weights],
+        "oneDNN packed (hint 1)": [{k: torch.ops.mkldnn._reorder_linear_weight(w, 1) for k, w in l.items()}
+                                   for l in weights],
+        "oneDNN packed (hint 256)": [{k: torch.ops.mkldnn._reorder_linear_weight(w, 256)
+                                      for k, w in l.items()} for l in weights],
+    }
+    calls = {
+        "F.linear [out,in]": lambda w, x: F.linear(x, w),
+        "x @ W^T-contiguous [in,out]": lambda w, x: torch.mm(x, w),
+        "oneDNN packed (hint 1)": lambda w, x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+        "oneDNN packed (hint 256)": lambda w, x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+    }
+    if rows == 1:
+        prepared["torch.mv [out,in]"] = weights
+        calls["torch.mv [out,in]"] = lambda w, x: torch.mv(w, x[0])
+    best = {name: float("inf") for name in calls}
+    for _ in range(reps):       # interleaved: noise lands on every layout alike
+        for name, call in calls.items():
+            ws = prepared[name]
+            t0 = time.perf_counter()
+            for layer in ws:
+                for k, w in layer.items():
+                    call(w, xs[shapes[k][0]])
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def weight_bytes(fused: bool) -> int:
+    return LAYERS * sum(i * o for i, o in SHAPES_06B.values()) * 4
+
+
+def step_profile(model: str, batches: list[int], tokens: int, profile: bool, extra: dict) -> None:
+    """The engine's decode step at each batch size: ms/step, weight-read GB/s; with profile, the
+    profiler's top ops of the steps."""
+    from bench.decode import measure   # noqa: E402 (bench/ on the path)
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.core.build import build_engine
+    eng = build_engine(EngineConfig(model_dir=model, max_batch_size=max(batches),
+                                    max_model_len=32 + tokens + 1, prefix_caching=False, **extra))
+    nbytes = sum(p.numel() * p.element_size() for n, p in eng.model.named_parameters()
+                 if "embed" not in n)
+    nbytes += sum(b.numel() * b.element_size() for _, b in eng.model.named_buffers())
+    print(f"weights read per step: {nbytes / 1e9:.2f} GB (all but the embedding)")
+    measure(eng, 1, 32, 4)
+    for b in batches:
+        results = [measure(eng, b, 32, tokens) for _ in range(3)]
+        tps, ms = max(results)
+        print(f"batch {b}: {tps:.1f} tok/s, {ms:.2f} ms/step, {nbytes / (ms / 1e3) / 1e9:.1f} GB/s")
+        if profile:
+            from torch.profiler import ProfilerActivity, profile as prof
+            with prof(activities=[ProfilerActivity.CPU]) as p:
+                measure(eng, b, 32, 16)
+            print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["bandwidth", "layouts", "step"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--rows", default="1,4,32")
+    ap.add_argument("--fused", action="store_true", help="layouts: qkv and gate_up concatenated")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--engine-args", default="", help="step: EngineConfig fields, k=v,k=v")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.what == "bandwidth":
+        for name, gbs in bandwidth(args.reps).items():
+            print(f"{name:>20}: {gbs:6.1f} GB/s")
+    elif args.what == "layouts":
+        nbytes = weight_bytes(args.fused)
+        print(f"0.6B shapes, {LAYERS} layers, {nbytes / 1e9:.2f} GB of linear weights, "
+              f"{args.threads} threads, fused={args.fused}, best of {args.reps}")
+        for rows in (int(r) for r in args.rows.split(",")):
+            with torch.inference_mode():
+                best = layouts(rows, args.reps, args.fused)
+            for name, s in best.items():
+                print(f"rows {rows:>3}  {name:<30} {s * 1e3:8.2f} ms  {nbytes / s / 1e9:6.1f} GB/s")
+    else:
+        extra = dict(kv.split("=", 1) for kv in args.engine_args.split(",") if kv)
+        step_profile(args.model, [int(b) for b in args.batches.split(",")], args.tokens,
+                     args.profile, extra)
+
+
+if __name__ == "__main__":
+    main()
