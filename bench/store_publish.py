@@ -1,12 +1,17 @@
 """A materialized catalog into the durable tier, and a cold sweep back out through an empty host.
 
-    python bench/store_publish.py [--adapters 2000] [--workers 1,4,8] [--sweep 500]
+    python bench/store_publish.py [--adapters 2000] [--rank 8] [--workers 1,4,8,16] [--sweep 500]
+                                  [--no-rerun] [--paths segments,per-adapter]
 
-`catalog materialize` builds `--adapters` rank-8 q_proj/v_proj revisions on the demo base; each
-`--workers` value then publishes the whole catalog (`catalog.store_bulk.publish_catalog`) into
-its own prefix of moto's S3 server (in another process, on 127.0.0.1: `moto_server`), timed, and
-published again (the resume path: every adapter already there). Last, a host whose LMDB starts
-empty faults `--sweep` adapters in one after another (record + verified blob + local write).
+`catalog materialize` builds `--adapters` rank-`--rank` q_proj/v_proj revisions on the demo
+base; each `--workers` value then publishes the whole catalog (`catalog.store_bulk.publish_catalog`:
+new adapters in segments, one policy PUT each) into its own prefix of moto's S3 server (in
+another process, on 127.0.0.1: `moto_server`), timed, and published again (the resume path:
+every adapter already there; `--no-rerun` skips it). `--paths per-adapter` publishes the way it
+was done before segments (five requests an adapter), for a side-by-side ratio. Last, a host whose LMDB starts empty faults
+`--sweep` adapters in one after another (policy read, ranged segment read verified by checksum,
+local write). The moto server's resident memory is printed at the end (it keeps every object
+in memory: what bounds a run's size here).
 
 moto is a Python server on the same 2 cores as the publishing threads: the figures are this
 machine's ceiling for the protocol and our per-adapter work, not an object store's.
@@ -19,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,8 +33,9 @@ sys.path[:0] = [str(REPO / "tests")]
 from s3_testing import ENV, free_port  # noqa: E402
 
 from loraserve.catalog.materialize import MaterializeConfig, materialize  # noqa: E402
+from loraserve.catalog.materialize_worker import adapter_id  # noqa: E402
 from loraserve.catalog.store import Catalog  # noqa: E402
-from loraserve.catalog.store_bulk import publish_catalog  # noqa: E402
+from loraserve.catalog.store_bulk import PublishReport, publish_catalog  # noqa: E402
 from loraserve.catalog.store_s3 import ObjectStore, StoreTier  # noqa: E402
 
 
@@ -49,11 +56,64 @@ def start_moto() -> tuple[subprocess.Popen, str]:
     raise SystemExit("moto_server did not start")
 
 
+def rss_mib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
+def per_adapter(built: Catalog, tier: StoreTier, workers: int, progress: bool = False) -> PublishReport:
+    """The publish before segments, kept to compare: every adapter through `StoreTier.published`
+    (policy read, blob HEAD and PUT, record PUT, policy PUT), a page on `workers` threads."""
+    report = PublishReport()
+    with ThreadPoolExecutor(workers) as pool:
+        while page := [p.adapter_id for p in built.list(limit=1000, after=report.last)]:
+            report.published += sum(pool.map(tier.published, page))
+            report.adapters += len(page)
+            report.last = page[-1]
+    return report
+
+
+def publish_rates(built: Catalog, workers_list: list[int], rerun: bool, path: str) -> None:
+    print("| path | workers | publish adapters/s | re-run (resume) adapters/s |")
+    print("|---|---|---|---|")
+    publish = publish_catalog if path == "segments" else per_adapter
+    for workers in workers_list:
+        tier = StoreTier(ObjectStore(f"s3://bench/{path}-w{workers}", max_pool=max(10, workers)), built)
+        rates = []
+        for _ in range(2 if rerun else 1):
+            started = time.perf_counter()
+            rep = publish(built, tier, workers=workers, progress=False)
+            rates.append(rep.adapters / (time.perf_counter() - started))
+            print(f"  ({rep.adapters} adapters, {rep.published} published, "
+                  f"{time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
+        tier.close()
+        print(f"| {path} | {workers} | {rates[0]:.0f} | {rates[1] if rerun else float('nan'):.0f} |", flush=True)
+
+
+def cold_sweep(work: Path, prefix: str, built: MaterializeConfig, sweep: int) -> None:
+    with Catalog.create(work / "empty", shards=8) as empty:
+        tier = StoreTier(ObjectStore(prefix), empty)
+        ids = [adapter_id(built.prefix, i, built.width) for i in range(0, built.count, max(1, built.count // sweep))]
+        started = time.perf_counter()
+        for one in ids:
+            tier.fault_in(one)
+        took = time.perf_counter() - started
+        tier.close()
+    print(f"cold sweep through an empty host: {len(ids)} fault-ins, {len(ids) / took:.0f}/s, "
+          f"{took / len(ids) * 1e3:.1f} ms each")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--adapters", type=int, default=2000)
-    ap.add_argument("--workers", default="1,4,8")
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--workers", default="1,4,8,16")
     ap.add_argument("--sweep", type=int, default=500)
+    ap.add_argument("--no-rerun", dest="rerun", action="store_false")
+    ap.add_argument("--paths", default="segments,per-adapter",
+                    help="segments (catalog publish) and/or per-adapter (the publish before segments)")
     args = ap.parse_args()
     base = REPO / ".loraserve/demo/qwen3"
     work = Path(tempfile.mkdtemp(prefix="bench-publish-"))
@@ -63,30 +123,15 @@ def main() -> None:
         boto3.client("s3").create_bucket(Bucket="bench")
         Catalog.create(work / "built", shards=8).close()
         started = time.perf_counter()
-        materialize(MaterializeConfig(work / "built", base, args.adapters, rank=8, workers=2, progress=False))
-        print(f"materialize {args.adapters}: {time.perf_counter() - started:.1f} s")
-        print("| workers | publish adapters/s | re-run (resume) adapters/s |")
-        print("|---|---|---|")
+        cfg = MaterializeConfig(work / "built", base, args.adapters, rank=args.rank, workers=2, progress=False)
+        materialize(cfg)
+        print(f"materialize {args.adapters}: {time.perf_counter() - started:.1f} s", flush=True)
+        workers = [int(w) for w in args.workers.split(",")]
         with Catalog.open(work / "built") as built:
-            for workers in [int(w) for w in args.workers.split(",")]:
-                tier = StoreTier(ObjectStore(f"s3://bench/w{workers}"), built)
-                rates = []
-                for _ in range(2):
-                    started = time.perf_counter()
-                    rep = publish_catalog(built, tier, workers=workers, progress=False)
-                    rates.append(rep.adapters / (time.perf_counter() - started))
-                tier.close()
-                print(f"| {workers} | {rates[0]:.0f} | {rates[1]:.0f} |")
-        with Catalog.create(work / "empty", shards=8) as empty:
-            tier = StoreTier(ObjectStore(f"s3://bench/w{workers}"), empty)
-            ids = [f"synth/a{i:07d}" for i in range(0, args.adapters, max(1, args.adapters // args.sweep))]
-            started = time.perf_counter()
-            for adapter_id in ids:
-                tier.fault_in(adapter_id)
-            took = time.perf_counter() - started
-            tier.close()
-        print(f"cold sweep through an empty host: {len(ids)} fault-ins, {len(ids) / took:.0f}/s, "
-              f"{took / len(ids) * 1e3:.1f} ms each")
+            for path in args.paths.split(","):
+                publish_rates(built, workers, args.rerun, path)
+        cold_sweep(work, f"s3://bench/{args.paths.split(',')[0]}-w{workers[-1]}", cfg, args.sweep)
+        print(f"moto_server resident memory: {rss_mib(proc.pid)} MiB")
     finally:
         proc.terminate()
         proc.wait(10)

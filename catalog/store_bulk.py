@@ -72,17 +72,8 @@ def stored_policies(store: ObjectStore, adapter_ids: list[str]) -> set[str]:
     """The policy keys among those of `adapter_ids` that the store holds: one listing of their
     key range (a page of consecutive ids: about one request per thousand)."""
     keys = sorted(store.policy_key(a) for a in adapter_ids)
-    lo, hi = keys[0], keys[-1]
-    found, token = set(), None
-    while True:
-        extra = {"ContinuationToken": token} if token else {}
-        page = store._call("policies", store.client.list_objects_v2, Prefix=store.key("policies") + "/",
-                           StartAfter=lo[:-1], **extra)
-        names = [o["Key"] for o in page.get("Contents", [])]
-        found.update(k for k in names if k <= hi)
-        token = page.get("NextContinuationToken")
-        if not token or (names and names[-1] > hi):
-            return found & set(keys)
+    # start just before the first key ("...json" > "...jso"), stop at the last
+    return set(store.list_after("policies", keys[0][:-1], stop=keys[-1])) & set(keys)
 
 
 def write_segment(store: ObjectStore, catalog: Catalog, policies: list[PolicyRecord]) -> None:

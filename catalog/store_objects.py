@@ -113,8 +113,8 @@ class ObjectStore:
     def put_json(self, key: str, doc: dict) -> None:
         self.put(key, json.dumps(doc, separators=(",", ":"), sort_keys=True).encode())
 
-    def list_after(self, prefix: str, start: str = "") -> list[str]:
-        """The keys under `prefix/` after `start`, in order (every page)."""
+    def list_after(self, prefix: str, start: str = "", stop: str | None = None) -> list[str]:
+        """The keys under `prefix/` after `start` (and up to `stop`, inclusive), in order."""
         keys, token = [], None
         while True:
             extra = {"ContinuationToken": token} if token else {}
@@ -122,6 +122,8 @@ class ObjectStore:
                               StartAfter=start, **extra)
             keys += [o["Key"] for o in page.get("Contents", [])]
             token = page.get("NextContinuationToken")
+            if stop is not None and keys and keys[-1] > stop:
+                return [k for k in keys if k <= stop]
             if not token:
                 return keys
 

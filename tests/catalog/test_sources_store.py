@@ -314,3 +314,15 @@ def test_after_a_restart_the_bound_counts_what_is_on_disk(hosts, blobs, tmp_path
             assert cache.stats()["bytes"] <= after.max_bytes
         finally:
             after.close()
+
+
+def test_one_listing_finds_every_stored_policy_of_a_range(hosts, blobs):
+    """Ids sort otherwise than their keys ("a/b" < "a/b-c", but "a/b-c.json" < "a/b.json"): the
+    listing of the range from the least key to the greatest still finds each one."""
+    from loraserve.catalog.store_bulk import stored_policies
+    a, _ = hosts
+    ids = ["acme/b", "acme/b-c", "acme/b.d", "acme/b_e"]
+    for adapter_id in ids[:3]:
+        a.catalog.put_revision(adapter_id, blobs[0])
+    found = stored_policies(a.store, ids)
+    assert found == {a.store.policy_key(i) for i in ids[:3]}
