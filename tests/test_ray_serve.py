@@ -67,6 +67,17 @@ sha256 = "{hashlib.sha256(ACME_KEY.encode()).hexdigest()}"
 role = "user"
 tenants = ["acme"]
 """
+# two tenants' fair-share weights, a key each (the key is the tenant's name)
+WEIGHTS = {"light": 1, "heavy": 3}
+KEYS_FILE += "".join(f"""
+[tenants.{t}]
+weight = {w}
+
+[keys.{t}]
+sha256 = "{hashlib.sha256(t.encode()).hexdigest()}"
+role = "user"
+tenants = ["{t}"]
+""" for t, w in WEIGHTS.items())
 
 
 def _free_port() -> int:
@@ -346,6 +357,50 @@ def test_a_tenants_limit_holds_across_replicas(http, acme_adapters) -> None:
         "model": acme_adapters[0], "messages": [{"role": "user", "content": PROMPT}],
         "max_tokens": 2})
     assert again.status_code == 200, again.text  # the streams ended: their leases went back
+
+
+def fair_waiting(http: httpx.Client) -> dict[str, float]:
+    """Sequences waiting at the ingress's fair-share gate, per tenant (its /metrics)."""
+    fams = {f.name: f.samples for f in text_string_to_metric_families(http.get("/metrics").text)}
+    return {s.labels["tenant"]: s.value for s in fams.get("loraserve_fair_share_waiting", [])}
+
+
+def test_tenants_share_a_saturated_cluster_by_weight(http) -> None:
+    """Both replicas' batches full (8 streams), then 12 requests of tenant light (weight 1)
+    and, after them, 12 of heavy (weight 3), all waiting at the ingress. As the streams end,
+    the ingress grants the freed slots by weighted fair share across the cluster: heavy's
+    requests finish ahead of light's, though they came later (FIFO would finish all of
+    light's first). Counted by order of completion: of the first 12, heavy has ~9 by the
+    weights, at least 7 allowing for requests finishing out of the order they were granted."""
+    model = base_model(http)
+    done: list[str] = []
+    lock = threading.Lock()
+
+    def ask(tenant: str) -> None:
+        r = http.post("/v1/chat/completions", headers={"Authorization": f"Bearer {tenant}"},
+                      json={"model": model, "messages": [{"role": "user", "content": PROMPT}],
+                            "max_tokens": 2}, timeout=120)
+        with lock:
+            done.append(tenant if r.status_code == 200 else f"{tenant}: {r.status_code} {r.text}")
+
+    threads: list[threading.Thread] = []
+    try:
+        with _streams_running(http, [model] * 8, ADMIN):
+            for tenant in WEIGHTS:
+                for _ in range(12):
+                    threads.append(threading.Thread(target=ask, args=(tenant,), daemon=True))
+                    threads[-1].start()
+                deadline = time.monotonic() + 60
+                while fair_waiting(http).get(tenant) != 12:
+                    assert time.monotonic() < deadline, (tenant, fair_waiting(http), done)
+                    time.sleep(0.2)
+            assert not done, done  # all 24 wait: the cluster's 8 slots are the streams'
+    finally:
+        for t in threads:
+            t.join(120)
+    assert sorted(done) == ["heavy"] * 12 + ["light"] * 12, done
+    print("tenants in order of completion:", " ".join(t[0] for t in done))
+    assert done[:12].count("heavy") >= 7, done
 
 
 def router_in_flight(http: httpx.Client) -> dict[str, float]:

@@ -26,6 +26,7 @@ from ..server.config import ServerConfig
 from ..server.router_metrics import labelled_snapshots, label_names
 from .config import ScaleOutConfig
 from .drain import Drain, DrainGate
+from .fair import FairGate
 from .frontend import RayEngineFrontend, served_by
 from .routing import in_flight
 
@@ -82,6 +83,7 @@ class ReplicaEngineGauges(Collector):
                 m.add_metric(list(labels.values()), float(getattr(snap, attr)))
             yield m
         yield router_gauge()
+        yield fair_gauge(self.frontend.gate)
 
 
 def router_gauge() -> GaugeMetricFamily:
@@ -91,6 +93,15 @@ def router_gauge() -> GaugeMetricFamily:
                           "an engine replica that have not completed", labels=["replica"])
     for replica, count in sorted(in_flight().items()):
         m.add_metric([replica], float(count))
+    return m
+
+
+def fair_gauge(gate: FairGate) -> GaugeMetricFamily:
+    """Sequences waiting at the ingress for a running slot (fair.FairGate), per tenant."""
+    m = GaugeMetricFamily("loraserve_fair_share_waiting", "Sequences waiting at the ingress "
+                          "for a running slot in the cluster", labels=["tenant"])
+    for tenant, queue in sorted(gate.waiting.items()):
+        m.add_metric([tenant], float(len(queue)))
     return m
 
 
