@@ -13,7 +13,7 @@ INGRESS_DEPLOYMENT = "LoraServeIngress"
 REPLICA_DEPLOYMENT = "LoraServeEngine"
 
 # the engine deployment's request router: `affinity` (router.AffinityRouter: rendezvous hashing
-# with bounded loads, routing.py) or `multiplex` (Serve's default: power of two choices among
+# with bounded loads, held adapters first, routing.py) or `multiplex` (Serve's default: power of two choices among
 # the replicas that reported holding the adapter, kept to compare against)
 ROUTING = ("affinity", "multiplex")
 
@@ -96,12 +96,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replica-cpus", type=float, default=1.0,
                    help="CPUs each engine replica reserves (default: 1)")
     g.add_argument("--replica-routing", choices=ROUTING,
-                   help="how requests pick a replica: affinity (each adapter to its rendezvous-"
-                        "hash replica, spilling in its own order past the load bound) or multiplex "
-                        "(Ray Serve's default multiplexed routing) (default: affinity)")
+                   help="how requests pick a replica: affinity (a replica holding the adapter "
+                        "first; else the adapter's rendezvous-hash choices, placed past the load "
+                        "bound only over it) or multiplex (Ray Serve's default multiplexed "
+                        "routing) (default: affinity)")
     g.add_argument("--load-bound", type=float, metavar="C",
-                   help="affinity: no replica takes a request past C x the mean load while "
-                        "another is under it (default: 1.25)")
+                   help="affinity: an adapter held nowhere is not placed on a replica past C x "
+                        "the mean load while one of its first two choices is under it "
+                        "(default: 1.25)")
     g.add_argument("--replica-gpus", type=float,
                    help="GPUs each engine replica reserves (default: 1 when the engine runs on "
                         "CUDA, else 0)")
