@@ -303,6 +303,41 @@ def test_server_metrics_carry_process_memory_and_the_core_rss():
     assert "loraserve_engine_core_rss_bytes" not in generate_latest(quiet.registry).decode()
 
 
+def test_memory_is_charted_anonymous_and_file_backed_apart(tmp_path):
+    """The server's `loraserve_process_rss_bytes{process,kind}` (its own and the core's) becomes
+    one series per process and kind; a mapped file's pages count as file-backed, not anonymous."""
+    import mmap
+
+    from prometheus_client import generate_latest
+
+    from loraserve.loadgen.report import _memory_chart, build_series
+    from loraserve.server.metrics import ServerMetrics
+    from loraserve.server.process_metrics import CoreMemoryCollector, rss_kinds
+
+    path = tmp_path / "mapped"
+    path.write_bytes(b"x" * (64 << 20))
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        before = rss_kinds(os.getpid())
+        sum(m[i] for i in range(0, len(m), 4096))  # every page read: resident, file-backed
+        after = rss_kinds(os.getpid())
+    assert after["file"] - before["file"] >= 48 << 20
+    assert after["anonymous"] - before["anonymous"] < 16 << 20
+
+    class Core:
+        core_pid = os.getpid()
+
+    metrics = ServerMetrics()
+    metrics.register(CoreMemoryCollector(Core()))
+    rows = [(float(i), parse_kept(generate_latest(metrics.registry).decode())) for i in range(3)]
+    report = {"error_kinds": {}, "wall_s": 3.0}
+    series = build_series(report, None, rows, bin_s=1.0)
+    assert set(series["memory_bytes"]) == {f"{p} {k}" for p in ("api_server", "engine_core")
+                                           for k in ("anonymous", "file-backed")}
+    assert all(len(g["value"]) == 3 and min(g["value"]) > 0 for g in series["memory_bytes"].values())
+    svg = _memory_chart(series["memory_bytes"])
+    assert "engine_core file-backed" in svg and "api_server anonymous" in svg
+
+
 def test_non_streamed_requests(tmp_path):
     """--no-stream: plain JSON answers; tokens from their usage, TTFT is the end-to-end time."""
     app = FastAPI()

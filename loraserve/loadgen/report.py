@@ -13,7 +13,9 @@ to show):
   evictions_per_s    per tier: adapters evicted per second
   resident_adapters  per tier: adapters resident (gauge)
   resident_bytes     per tier: bytes of resident adapters (gauge)
-  memory_bytes       resident memory of the API server and of the engine core (gauges)
+  memory_bytes       resident memory of the API server and of the engine core (gauges), each
+                     apart as "anonymous" (its own memory) and "file-backed" (mapped files:
+                     the catalog's LMDB pages, reclaimable page cache) when the server says so
 
 The charts are matplotlib figures written as inline SVG (text kept as text), so the page needs
 nothing but itself: no scripts, no stylesheets or fonts from elsewhere.
@@ -149,11 +151,6 @@ def build_series(report: dict, samples: Sequence[Any] | None, rows, bin_s: float
         throughput, errors_over_time = server_throughput(rows), {}
         latency_cdf = {"e2e_s": (latency or {}).get("e2e_s", cdf([])), "ttft_s": cdf([]),
                        "ttft_cold_s": cdf([]), "ttft_hot_s": cdf([]), "itl_s": cdf([])}
-    memory = {}
-    for label, name in (("api_server", "process_resident_memory_bytes"),
-                        ("engine_core", "loraserve_engine_core_rss_bytes")):
-        g = _gauges(rows, name, "")
-        memory[label] = g.get("", {"t": [], "value": []})
     return {
         "throughput": throughput,
         "latency_cdf": latency_cdf,
@@ -164,8 +161,30 @@ def build_series(report: dict, samples: Sequence[Any] | None, rows, bin_s: float
         "evictions_per_s": _rates(rows, "loraserve_adapter_evictions_total", "tier"),
         "resident_adapters": _gauges(rows, "loraserve_adapter_resident", "tier"),
         "resident_bytes": _gauges(rows, "loraserve_adapter_resident_bytes", "tier"),
-        "memory_bytes": memory,
+        "memory_bytes": _memory(rows),
     }
+
+
+def _memory(rows) -> dict[str, dict[str, list]]:
+    """Resident memory per process, apart by kind where the server says it
+    (`loraserve_process_rss_bytes`: "<process> anonymous" and "<process> file-backed"), else
+    each process's total (an older server)."""
+    by_kind: dict[str, dict[str, list]] = defaultdict(lambda: {"t": [], "value": []})
+    for t, values in rows:
+        for key, v in values.items():
+            metric, labels = _split_key(key)
+            if metric == "loraserve_process_rss_bytes":
+                kind = "file-backed" if labels.get("kind") == "file" else labels.get("kind", "")
+                series = by_kind[f"{labels.get('process', '')} {kind}"]
+                series["t"].append(t)
+                series["value"].append(v)
+    if by_kind:
+        return dict(sorted(by_kind.items()))
+    memory = {}
+    for label, name in (("api_server", "process_resident_memory_bytes"),
+                        ("engine_core", "loraserve_engine_core_rss_bytes")):
+        memory[label] = _gauges(rows, name, "").get("", {"t": [], "value": []})
+    return memory
 
 
 # -- the page ---------------------------------------------------------------------------------------
@@ -204,6 +223,31 @@ def _lines(title: str, ylabel: str, groups: dict[str, dict[str, list]], scale: f
             xs, ys = zip(*pts)
             (ax.step if step else ax.plot)(xs, ys, label=name or "-", marker="." if len(xs) < 40 else None,
                                            **({"where": "mid"} if step else {}))
+            drawn = True
+    if drawn:
+        ax.legend(fontsize=8)
+        ax.set_ylim(bottom=0)
+    else:
+        _empty(ax)
+    return _svg(fig)
+
+
+def _memory_chart(groups: dict[str, dict[str, list]]) -> str:
+    """Resident memory, anonymous solid and file-backed dashed (same colour per process): the
+    page cache of a catalog read end to end grows by gigabytes and is reclaimable; summed with
+    the process's own memory it reads as a leak."""
+    fig, ax = _figure("Resident memory: anonymous (own) and file-backed (mapped files, reclaimable)",
+                      "seconds into the run", "MiB")
+    colours = {"api_server": "tab:blue", "engine_core": "tab:orange"}
+    drawn = False
+    for name, g in groups.items():
+        pts = [(t, v / 2 ** 20) for t, v in zip(g["t"], g["value"]) if v is not None]
+        if pts:
+            xs, ys = zip(*pts)
+            process = name.split(" ", 1)[0]
+            ax.plot(xs, ys, label=name, color=colours.get(process),
+                    linestyle="--" if name.endswith("file-backed") else "-",
+                    marker="." if len(xs) < 40 else None)
             drawn = True
     if drawn:
         ax.legend(fontsize=8)
@@ -256,7 +300,7 @@ def _charts(series: dict) -> list[tuple[str, str]]:
                                           series["page_ins_per_s"])))
         charts.append(("Resident adapters", _lines("Adapters resident, by tier", "adapters",
                                                    series["resident_adapters"], step=True)))
-        charts.append(("Memory", _lines("Resident memory", "MiB", series["memory_bytes"], scale=2 ** -20)))
+        charts.append(("Memory", _memory_chart(series["memory_bytes"])))
 
         errors = series["errors_by_status"]
         fig, ax = _figure("Failed requests by kind", "", "", height=0.8 + 0.35 * max(2, len(errors)))

@@ -17,7 +17,7 @@ KEPT = ("loraserve_adapter_hits_total", "loraserve_adapter_misses_total",
         "loraserve_adapter_resident", "loraserve_adapter_page_in_seconds_count",
         "loraserve_adapter_evictions_total", "loraserve_parked_requests",
         "loraserve_requests_total", "process_resident_memory_bytes",
-        "loraserve_engine_core_rss_bytes")
+        "loraserve_engine_core_rss_bytes", "loraserve_process_rss_bytes")
 
 
 def series_key(name: str, labels: dict[str, str]) -> str:
