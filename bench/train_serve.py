@@ -1,16 +1,19 @@
 """Training and serving on one resident base (issue 24): the handoff, and serving under training.
 
     python bench/train_serve.py [--handoffs 7] [--tokens 200] [--train-datums 8] [--train-tokens 64]
-                                [--train-max-tokens 64,512]
+                                [--train-max-tokens 64,512] [--source DIR]...
 
 Starts `loraserve serve` (the engine-core process) on the demo base with a copy of the demo
-catalog, once per `--train-max-tokens` value, and drives it with the Tinker SDK (training) and
-httpx (serving). Prints two tables:
+catalog, once per `--train-max-tokens` value (and per `--source` tree: `git archive` of an older
+commit unpacked, served by its own code, for before/after rows), and drives it with the Tinker
+SDK (training) and httpx (serving). Prints two tables:
 
-- handoff: from "the trainer has new factors" to the first token of the new revision on /v1.
-  `save_weights_for_sampler` (factors -> serving layout -> catalog revision, warmed) against the
-  path without it: write a PEFT directory (the export) and `POST /v1/load_lora_adapter` (the
-  server's `catalog import`), then the same first token. Median of `--handoffs` each, side by side.
+- handoff: from "the trainer has new factors" to the first token of the new revision.
+  `save_weights_and_get_sampling_client` then a one-token sample from that sampler (the RL
+  loop's path); `save_weights_for_sampler(name)` then the first token on /v1 by the revision's
+  name; against the path without either: write a PEFT directory (the export) and
+  `POST /v1/load_lora_adapter` (the server's `catalog import`), then the same first token on
+  /v1. Median of `--handoffs` each, side by side.
 - serving: inter-token gaps of one streamed greedy generation of `--tokens` tokens on the base,
   alone and while a training loop (forward_backward on `--train-datums` datums of `--train-tokens`
   tokens, optim_step) runs without pause; p50 / p99 gap, and the training steps per second
@@ -55,11 +58,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(model: Path, catalog: Path, root: Path, port: int, train_max_tokens: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "loraserve.cli", "serve", "--model", str(model), "--catalog", str(catalog),
-           "--port", str(port), "--adapter-root", str(root), "--train-max-tokens", str(train_max_tokens),
-           "--max-model-len", "1024"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def serve(model: Path, catalog: Path, root: Path, port: int, train_max_tokens: int,
+          source: str | None = None) -> subprocess.Popen:
+    """`loraserve serve` on port; from the source tree `source` when given (else this one)."""
+    cmd = [sys.executable, "-m", "loraserve.cli", "serve", "--model", str(model.resolve()),
+           "--catalog", str(catalog), "--port", str(port), "--adapter-root", str(root),
+           "--train-max-tokens", str(train_max_tokens), "--max-model-len", "1024"]
+    env = None if source is None else {**os.environ, "PYTHONPATH": str(Path(source).resolve())}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=source)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
@@ -103,7 +109,7 @@ def sft_datum(n: int) -> types.Datum:
                        loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * n})
 
 
-def handoff(url: str, http: httpx.Client, root: Path, model: Path, rounds: int) -> tuple[list, list]:
+def handoff(url: str, http: httpx.Client, root: Path, model: Path, rounds: int) -> tuple[list, list, list]:
     service = mint.ServiceClient(base_url=url, api_key="tml-bench")
     trainer = service.create_lora_training_client(base_model="qwen3", rank=RANK, seed=0)
     cfg = json.loads((model / "config.json").read_text())
@@ -111,21 +117,26 @@ def handoff(url: str, http: httpx.Client, root: Path, model: Path, rounds: int) 
     q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
     shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
               "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-    ours, export = [], []
+    sampler, named, export = [], [], []
     for r in range(rounds):
         trainer.forward_backward([sft_datum(32)], "cross_entropy").result()
         trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
         t0 = time.perf_counter()
+        trainer.save_weights_and_get_sampling_client().sample(
+            prompt=types.ModelInput.from_ints([5, 6, 7, 8]), num_samples=1,
+            sampling_params=types.SamplingParams(max_tokens=1, temperature=0.0)).result()
+        sampler.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
         trainer.save_weights_for_sampler(f"h{r}").result()
         first_token(http, f"default/{trainer.model_id}@h{r}")
-        ours.append(time.perf_counter() - t0)
+        named.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         write_peft(root / f"peft-{r}", cfg["num_hidden_layers"], shapes, r)
         http.post("/v1/load_lora_adapter", json={"lora_name": f"default/peft-{r}",
                                                  "lora_path": str(root / f"peft-{r}")}).raise_for_status()
         first_token(http, f"default/peft-{r}")
         export.append(time.perf_counter() - t0)
-    return ours, export
+    return sampler, named, export
 
 
 def gaps(http: httpx.Client, tokens: int) -> list[float]:
@@ -223,6 +234,30 @@ def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100)[q - 1] * 1e3 if len(xs) > 1 else float("nan")
 
 
+def measure(demo, budget: int, source: str | None, args: argparse.Namespace, runs: bool) -> tuple[str, list[str]]:
+    """One server (this tree or `source`) at one budget: its row of the first table, and the
+    runs table's rows when `runs`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        shutil.copytree(demo.catalog, root / "catalog")
+        port = free_port()
+        proc = serve(demo.qwen3, root / "catalog", root, port, budget, source)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            with httpx.Client(base_url=url, timeout=120) as http:
+                sampler, named, export = handoff(url, http, root, demo.qwen3, args.handoffs)
+                itl = serving(url, http, args.tokens, args.train_datums, args.train_tokens)
+            rows = runs_table(url, proc.pid, [int(x) for x in args.runs.split(",")], args) if runs else []
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    a, n, b = (statistics.median(xs) * 1e3 for xs in (sampler, named, export))
+    alone, (loaded, rate) = itl["alone"][0], itl["training"]
+    return (f"| {source or 'this tree'} | {budget} | {a:.1f} | {n:.1f} | {b:.1f} | {b / a:.2f}x |"
+            f" {pct(alone, 50):.2f} / {pct(alone, 99):.2f} | {pct(loaded, 50):.2f} / {pct(loaded, 99):.2f} |"
+            f" {rate:.1f} |"), rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--handoffs", type=int, default=7)
@@ -232,38 +267,27 @@ def main() -> None:
     ap.add_argument("--train-max-tokens", default="64,512")
     ap.add_argument("--runs", default="1,3,8")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--source", metavar="DIR", action="append", default=[],
+                    help="also serve from this source tree (e.g. `git archive` of an older commit), one row each")
     args = ap.parse_args()
     from loraserve.demo import build_demo
     demo = build_demo(Path(".loraserve/demo"))
-    print("| --train-max-tokens | handoff: save_weights_for_sampler (ms) | handoff: export + import (ms) | ratio |"
-          " ITL alone p50 / p99 (ms) | ITL while training p50 / p99 (ms) | training steps/s |")
-    print("|---|---|---|---|---|---|---|")
     budgets = [int(x) for x in args.train_max_tokens.split(",")]
-    runs_rows: list[str] = []
-    for budget in budgets:
-        with tempfile.TemporaryDirectory() as tmp:
-            root = Path(tmp)
-            shutil.copytree(demo.catalog, root / "catalog")
-            port = free_port()
-            proc = serve(demo.qwen3, root / "catalog", root, port, budget)
-            url = f"http://127.0.0.1:{port}"
-            try:
-                with httpx.Client(base_url=url, timeout=120) as http:
-                    ours, export = handoff(url, http, root, demo.qwen3, args.handoffs)
-                    itl = serving(url, http, args.tokens, args.train_datums, args.train_tokens)
-                if budget == budgets[-1] and args.runs:
-                    runs_rows = runs_table(url, proc.pid, [int(x) for x in args.runs.split(",")], args)
-            finally:
-                proc.terminate()
-                proc.wait(timeout=60)
-        a, b = statistics.median(ours) * 1e3, statistics.median(export) * 1e3
-        alone, (loaded, rate) = itl["alone"][0], itl["training"]
-        print(f"| {budget} | {a:.1f} | {b:.1f} | {b / a:.2f}x | {pct(alone, 50):.2f} / {pct(alone, 99):.2f} |"
-              f" {pct(loaded, 50):.2f} / {pct(loaded, 99):.2f} | {rate:.1f} |")
+    rows, runs_rows = [], []
+    for budget in budgets:  # trees interleaved per budget: what the machine's load does hits both
+        for source in [None, *args.source]:
+            row, more = measure(demo, budget, source, args, runs=bool(args.runs) and budget == budgets[-1])
+            rows.append(row)
+            runs_rows += [f"| {source or 'this tree'} | {r[2:]}" for r in more]
+    print("| tree | --train-max-tokens | handoff: sampler save -> sample (ms) | handoff: named save -> /v1 (ms) |"
+          " handoff: export + import -> /v1 (ms) | export / sampler | ITL alone p50 / p99 (ms) |"
+          " ITL while training p50 / p99 (ms) | training steps/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
     if runs_rows:
-        print(f"\n| runs (--train-max-tokens {budgets[-1]}) | one after another (s) | at once (s) | ratio |"
+        print(f"\n| tree | runs (--train-max-tokens {budgets[-1]}) | one after another (s) | at once (s) | ratio |"
               " peak RSS one after another (MiB) | peak RSS at once (MiB) |")
-        print("|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|")
         print("\n".join(runs_rows))
 
 

@@ -152,6 +152,14 @@ class AdapterManager:
         self.pager.wait(self.pager.fetch(rec))
         return rec.adapter_id, rec.revision
 
+    def install(self, key: AdapterKey, weights) -> None:
+        """Engine thread: serve revision `key` from `weights` already in memory (a training run's
+        save, checked servable by its writer), with no catalog read: into the CPU tier, and held
+        for admission as a finished page-in is, should the tier not keep it. The catalog write
+        of the same revision may still be under way; a page-in after both dropped it reads that."""
+        self.cpu_cache.put(key, weights)
+        self.settle(key, weights)
+
     def decode_on_engine_thread(self) -> None:
         """Pager workers only read; the engine thread decodes what they read when it calls
         `finish_reads` between steps (`Pager.decode_on_owner`). A read batch wakes it through

@@ -47,9 +47,10 @@ class Trainer:
     async def optim_step(self, run_id: str, adam: dict) -> dict:
         return await self._call("optim_step", [run_id, adam])
 
-    async def sampler_blob(self, run_id: str, source: str) -> bytes:
-        """The run's factors as a catalog revision blob (the serving layout)."""
-        return await self._call("sampler_blob", [run_id, source])
+    async def publish(self, run_id: str, source: str, adapter_id: str, revision: str) -> bytes:
+        """The run's factors served at once as revision `adapter_id@revision` (from memory, in
+        the engine's CPU tier); the revision blob (serving layout) to write to the catalog."""
+        return await self._call("publish", [run_id, source, adapter_id, revision])
 
     async def state_blob(self, run_id: str) -> bytes:
         return await self._call("state_blob", [run_id])

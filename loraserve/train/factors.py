@@ -79,10 +79,11 @@ class LoRAFactors:
 
     @torch.no_grad()
     def serving_weights(self, base_fingerprint: str, dtype: torch.dtype, source: str) -> AdapterWeights:
-        """The serving layout of the current factors: A cast, B * alpha/r folded and cast once."""
+        """The serving layout of the current factors: A cast, B * alpha/r folded and cast once;
+        CPU tensors of their own (the CPU tier may serve them while the run trains on)."""
         tensors = {}
         for path, (a, b) in self.pairs.items():
             a_name, b_name = tensor_names(*parse_module_path(path))
-            tensors[a_name] = a.detach().to(dtype).contiguous()
-            tensors[b_name] = fold(b.detach().float(), self.config.scale, dtype).contiguous()
+            tensors[a_name] = a.detach().to("cpu", dtype, copy=True).contiguous()
+            tensors[b_name] = fold(b.detach().float(), self.config.scale, dtype).cpu().contiguous()
         return AdapterWeights(base_fingerprint, self.config.rank, list(self.kinds), dtype, tensors, source)

@@ -6,8 +6,10 @@ a copy of the demo catalog; the saved revisions are served through /v1 as well.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ import pytest
 import tinker
 from mint import types
 
+from loraserve.catalog.errors import AdapterNotFound
 from loraserve.engine.async_engine import AsyncEngine
 from loraserve.engine.config import EngineConfig
 from loraserve.keys import Limits, Principal, append_key
@@ -38,6 +41,7 @@ class Server:
     keys: dict[str, str]
     tok: Tokenizer
     prompt: list[int]
+    engine: AsyncEngine
 
     def service(self, key: str = "user") -> mint.ServiceClient:
         return mint.ServiceClient(base_url=self.url, api_key=self.keys[key])
@@ -59,8 +63,9 @@ def server(demo, tmp_path_factory) -> Iterator[Server]:  # noqa: F811
                        train_state_dir=str(out / "state"))
     tok = Tokenizer.from_dir(demo.qwen3)
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Who are you?"}]))
-    with LiveServer(build_app(AsyncEngine.from_config(cfg), keys=out / "keys.toml")) as live:
-        yield Server(live.url, keys, tok, prompt)
+    engine = AsyncEngine.from_config(cfg)
+    with LiveServer(build_app(engine, keys=out / "keys.toml")) as live:
+        yield Server(live.url, keys, tok, prompt, engine)
 
 
 def sft_datum(server: Server) -> types.Datum:
@@ -240,6 +245,47 @@ def test_training_tokens_count_against_the_keys_tokens_per_minute(server: Server
         assert http.post("/api/v1/forward", json=body).status_code == 200  # 40 of 60 tokens
         r = http.post("/api/v1/forward", json=body)
     assert r.status_code == 429 and "tokens_per_minute" in r.text
+
+
+def test_a_sampler_save_is_served_before_its_catalog_write(server: Server, monkeypatch) -> None:
+    """save_weights_and_get_sampling_client's revision is served from the factors in memory: its
+    sampler answers while the catalog write is held back; a lookup by its name waits for the
+    write; once written, /v1 serves the same revision; a later save is written after it."""
+    catalog = server.engine.adapter_manager.catalog
+    put, held, release = catalog.put_revision, threading.Event(), threading.Event()
+
+    def held_put(*args, **kw):
+        held.set()
+        assert release.wait(60)
+        return put(*args, **kw)
+
+    monkeypatch.setattr(catalog, "put_revision", held_put)
+    service = server.service()
+    trainer = service.create_lora_training_client(base_model=BASE, rank=4, seed=0)
+    trainer.forward_backward([sft_datum(server)], "cross_entropy").result()
+    trainer.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+    sampler = trainer.save_weights_and_get_sampling_client()
+    first = greedy_text(server, sampler, 8)
+    assert held.is_set() and not release.is_set()  # answered while the write was held
+    with pytest.raises(AdapterNotFound):  # its first revision: nothing of it written yet
+        catalog.resolve(f"lab/{trainer.model_id}", "s1")
+    with server.http() as http:
+        path = http.get(f"/api/v1/samplers/{sampler._sampling_session_id}").json()["model_path"]
+    by_name = concurrent.futures.ThreadPoolExecutor(1)
+    lookup = by_name.submit(service.create_sampling_client, model_path=path)
+    release.set()
+    assert greedy_text(server, lookup.result(timeout=60), 8) == first
+    by_name.shutdown()
+    assert catalog.resolve(f"lab/{trainer.model_id}", "s1").revision == "s1"
+    with server.http() as http:
+        r = http.post("/v1/completions", json={"model": f"lab/{trainer.model_id}@s1", "prompt": server.prompt,
+                                               "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"].replace("<|im_end|>", "") == first
+    trainer.save_weights_and_get_sampling_client()
+    trainer.save_weights_for_sampler("after").result()  # waits for s2's write, then its own
+    assert catalog.policy(f"lab/{trainer.model_id}").promoted == "after"
+    assert catalog.resolve(f"lab/{trainer.model_id}", "s2").revision == "s2"
 
 
 def test_training_on_another_base_fails_at_once(server: Server) -> None:

@@ -96,7 +96,7 @@ def test_core_process_trains_as_in_process(demo_dense):
             await engine.trainer.load_state("r2", state, True)
             again = await engine.trainer.run_pass("r2", _data(), "cross_entropy", None, False, "default")
             with pytest.raises(EngineError, match="no adapter catalog") as err:
-                await engine.trainer.sampler_blob("r", "test")
+                await engine.trainer.publish("r", "test", "default/r", "s1")
             assert err.value.status == 400
             with pytest.raises(EngineError, match="is not loaded") as err:
                 await engine.trainer.run_pass("nope", _data(), "cross_entropy", None, True, "default")

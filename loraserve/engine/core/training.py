@@ -45,7 +45,7 @@ def _refused(exc: Exception) -> EngineError:
 class TrainerCore:
     """The engine's training runs and their passes in progress, by id (owner thread only)."""
 
-    OPS = ("create", "begin", "advance", "optim_step", "sampler_blob", "state_blob", "load_state", "drop")
+    OPS = ("create", "begin", "advance", "optim_step", "publish", "state_blob", "load_state", "drop")
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -120,14 +120,19 @@ class TrainerCore:
     def optim_step(self, run_id: str, adam: dict) -> dict:
         return self._run(run_id).optim_step(AdamParams(**adam))
 
-    def sampler_blob(self, run_id: str, source: str) -> bytes:
-        """The run's current factors as a catalog revision blob (serving layout, checked servable)."""
+    def publish(self, run_id: str, source: str, adapter_id: str, revision: str) -> bytes:
+        """The run's current factors as revision `adapter_id@revision`, servable at once: the
+        serving layout goes into the CPU tier from memory (`AdapterManager.install`), no catalog
+        round trip; the blob returned is what the caller writes to the catalog (durability),
+        checked servable as every revision is (`save_revision`) before anything is served."""
         mgr = self.engine.adapters
         if mgr is None:
             raise EngineError("this server has no adapter catalog: start it with --catalog to save "
                               "weights for sampling", status=400, code="training_error")
         weights = self._run(run_id).factors.serving_weights(mgr.base_fingerprint, self.engine.dtype, source)
-        return save_revision(weights)
+        blob = save_revision(weights)
+        mgr.install((adapter_id, revision), weights)
+        return blob
 
     def state_blob(self, run_id: str) -> bytes:
         """Training state (factors, Adam moments; step count in the metadata) as safetensors."""

@@ -64,6 +64,7 @@ async def pin(name: str, request: Request) -> str | None:
     engine = ctx_of(request).engine
     if name == base_model_name(engine):
         return None
+    await state_of(request).runs.written(name)  # an unnamed save's name: once in the catalog
     resolved = await sv.resolve_model(name, principal_of(request), engine)
     return None if resolved.is_base else resolved.ref
 
@@ -75,7 +76,7 @@ async def start_sample(body: ts.SampleBody, request: Request) -> Future:
     one whose generation runs on after this returns. 429 over the key's or the engine's
     capacity, 400/404 for a request the engine refuses at once."""
     ctx, state, owner = ctx_of(request), state_of(request), owner_of(request)
-    adapter, dedupe = await _target(body, request)
+    adapter, dedupe, resolved = await _target(body, request)
     if dedupe is not None and (known := state.futures.for_seq(dedupe, owner)) is not None:
         return known
     if state.futures.pending >= state.futures.max_pending:
@@ -84,7 +85,7 @@ async def start_sample(body: ts.SampleBody, request: Request) -> Future:
     model = body.model_path or body.base_model or adapter
     principal = principal_of(request)
     # the pinned revision (or the base), decided for this key once for the whole sample: 404
-    resolved = await sv.resolve_model(adapter or ctx.engine.model_name, principal, ctx.engine)
+    resolved = resolved or await sv.resolve_model(adapter or ctx.engine.model_name, principal, ctx.engine)
     admitted = admit(resolved, principal, [plan.prompt], plan.n, plan.params.max_tokens)  # 429
     future = Future(new_id("req"), owner, dedupe)
     state.futures.add(future)  # before any wait: a concurrent retry finds it
@@ -99,17 +100,19 @@ async def start_sample(body: ts.SampleBody, request: Request) -> Future:
     return future
 
 
-async def _target(body: ts.SampleBody, request: Request) -> tuple[str | None, tuple | None]:
-    """(the adapter ref to sample, None: the base; the de-duplication key, if any)."""
+async def _target(body: ts.SampleBody, request: Request) -> tuple[str | None, tuple | None,
+                                                                 ResolvedModel | None]:
+    """(the adapter ref to sample, None: the base; the de-duplication key, if any; the
+    session's revision as its save decided it, if it has one)."""
     if body.sampling_session_id is not None:
-        adapter = sampling_session(request, body.sampling_session_id).adapter
+        session = sampling_session(request, body.sampling_session_id)
         dedupe = None if body.seq_id is None else (body.sampling_session_id, body.seq_id)
-        return adapter, dedupe
+        return session.adapter, dedupe, session.resolved
     name = body.model_path or body.base_model
     if not name:
         raise APIError(400, "sampling_session_id or model_path is required",
                        param="sampling_session_id")
-    return await pin(name, request), None
+    return await pin(name, request), None, None
 
 
 async def _launch(future: Future, plan: ts.SamplePlan, resolved: ResolvedModel, engine: Any,

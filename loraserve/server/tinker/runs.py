@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import struct
 import time
@@ -27,6 +28,7 @@ from loraserve.catalog.ids import DEFAULT_TENANT
 from loraserve.keys import ALL_TENANTS, Principal
 from loraserve.server.errors import APIError, clip
 
+log = logging.getLogger(__name__)
 CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 MAX_RUNS_PER_TENANT = 8  # runs held at once by one tenant (each holds factors + Adam state)
 
@@ -64,6 +66,10 @@ class RunRecord:
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     sampler_saves: int = 0
     tail: asyncio.Future | None = None
+    writing: asyncio.Future | None = None  # the catalog write of its last unnamed save
+    resume_writing: asyncio.Future | None = None  # the write of its resume state (after a step)
+    grads_pending: int = 0  # forward_backward calls since its last optim_step
+    lost_grads: bool = False  # the engine core restarted and lost gradients of this step
 
     @property
     def adapter_id(self) -> str:
@@ -82,6 +88,27 @@ class RunRecord:
         task = asyncio.ensure_future(ordered())
         self.tail = task
         return task
+
+    def write_behind(self, write: Callable[[], Awaitable[Any]]) -> None:
+        """Start `write` (a revision's catalog write) without waiting for it; `written` waits."""
+        self.writing = asyncio.ensure_future(write())
+        self.writing.add_done_callback(self._log_failure)
+
+    def _log_failure(self, task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("training run %s: a sampler save's catalog write failed: %s", self.model_id,
+                      task.exception())
+
+    async def written(self) -> None:
+        """Wait for the last write-behind: the next save's revision is promoted after it, and a
+        run unloaded leaves its revisions in the catalog. Its failure is raised here, once."""
+        writing, self.writing = self.writing, None
+        if writing is not None:
+            try:
+                await writing
+            except Exception as exc:
+                raise RuntimeError(f"the catalog write of {self.model_id}'s last sampler save failed "
+                                   f"(its sampler served it from memory): {exc}") from exc
 
     def add_checkpoint(self, kind: str, name: str, size: int) -> dict[str, Any]:
         """Record a checkpoint ("training" or "sampler"), replacing one of the same path."""
@@ -126,8 +153,21 @@ class RunRegistry:
                            "server restarted)", code="model_not_found", param="model_id")
         return run
 
+    async def written(self, name: str) -> None:
+        """Wait while the catalog write of a run's last unnamed save is in flight, if `name`
+        (`tinker://<tenant>/<run>@s<n>`, or any model name) is that run's: a lookup by the name
+        then finds the revision. Its failure is left for the run's next save to raise."""
+        run = self.runs.get(name.removeprefix("tinker://").split("@")[0].split("/")[-1])
+        if run is not None and run.writing is not None:
+            await asyncio.wait({run.writing})
+
     def visible(self, principal: Principal) -> list[RunRecord]:
         return [r for r in self.runs.values() if principal.sees(r.tenant)]
+
+    def resume_file(self, run: RunRecord) -> Path:
+        """The run's state after its last optim_step, to put it back in an engine core that
+        restarted (not a checkpoint: no tinker:// name reaches it)."""
+        return self.state_dir / run.tenant / run.model_id / "resume.state"
 
     def state_file(self, tenant: str, model_id: str, name: str) -> Path:
         """Where a training-state checkpoint lives: under its tenant, so only that tenant finds it."""

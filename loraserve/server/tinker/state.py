@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from loraserve.catalog.lru import BoundedLRU
+from loraserve.engine.types import ResolvedModel
 from loraserve.server.tinker.runs import RunRegistry
 from loraserve.server.tokens import TokenIssuer
 
@@ -69,13 +70,16 @@ class Recent(Generic[V]):
 @dataclass(slots=True)
 class SamplingSession:
     """A sampling client's target, fixed when it was created: `adapter` is the pinned revision
-    (`tenant/name@rev`), None for the base model."""
+    (`tenant/name@rev`), None for the base model. `resolved`: the revision as decided when a
+    training run saved it (its record made from the blob), so its samples need no catalog
+    lookup while the catalog write is under way; None: resolved per sample (the directory)."""
 
     id: str
     owner: str | None            # key id of the principal that created it
     adapter: str | None
     model_path: str | None
     base_model: str | None
+    resolved: ResolvedModel | None = None
 
 
 @dataclass(slots=True)

@@ -21,7 +21,10 @@ engine/training.py): the run's LoRA factors live beside the resident base, in th
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,6 +32,9 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from loraserve.catalog.aliases import record_alias
+from loraserve.catalog.format import blob_checksum, read_adapter_meta
+from loraserve.catalog.records import RevisionRecord
+from loraserve.engine.types import EngineError, ResolvedModel
 from loraserve.server.errors import APIError, clip
 from loraserve.train.run import AdamParams
 from loraserve.server.tenancy import principal_of
@@ -36,6 +42,9 @@ from loraserve.server.tinker import asample as ta
 from loraserve.server.tinker import sampling as ts
 from loraserve.server.tinker.runs import RunRecord, RunRegistry, checkpoint_name, tenant_of
 from loraserve.server.tinker.state import Future, SamplingSession
+
+
+log = logging.getLogger(__name__)
 
 
 class Strict(BaseModel):
@@ -273,8 +282,10 @@ async def run_pass(request: Request, model_id: str, body: PassInput, backward: b
     weight = charge(request, run, sum(len(tokens) for tokens, _ in data))
 
     async def op() -> dict:
-        return pass_output(await train.run_pass(model_id, data, body.loss_fn, body.loss_fn_config, backward,
-                                                run.tenant, weight))
+        result = await on_core(request, run, lambda: train.run_pass(
+            model_id, data, body.loss_fn, body.loss_fn_config, backward, run.tenant, weight))
+        run.grads_pending += backward
+        return pass_output(result)
 
     return submit(request, run, op)
 
@@ -282,16 +293,29 @@ async def run_pass(request: Request, model_id: str, body: PassInput, backward: b
 async def optim_step(body: OptimStepBody, request: Request) -> dict:
     run, train = _run(request, body.model_id), trainer(request)
 
+    async def step() -> dict:  # after a restore too: a step must not run without its gradients
+        if run.lost_grads:
+            run.lost_grads = False
+            raise APIError(409, f"the engine core restarted during this step of {run.model_id}: the "
+                           "gradients of its forward_backward calls since the last optim_step were lost "
+                           "(the run is as after that step); run them again, then optim_step",
+                           code="gradients_lost")
+        return await train.optim_step(run.model_id, body.adam_params.model_dump())
+
     async def op() -> dict:
-        return {"metrics": await train.optim_step(run.model_id, body.adam_params.model_dump()),
-                "type": "optim_step"}
+        metrics = await on_core(request, run, step)
+        run.grads_pending = 0
+        await keep_resume(request, run)
+        return {"metrics": metrics, "type": "optim_step"}
 
     return submit(request, run, op)
 
 
 async def save_for_sampler(body: SaveBody, request: Request) -> dict:
-    """A new promoted revision of the run's adapter, warmed; named (with its tinker:// alias) or
-    `s<n>` with a sampling session pinned to it (save_weights_and_get_sampling_client)."""
+    """A new promoted revision of the run's adapter, served at once from the factors in memory
+    (the engine's CPU tier, `Trainer.publish`); named (with its tinker:// alias, both written
+    before the answer: later lookups go through the catalog) or `s<n>` with a sampling session
+    pinned to it (save_weights_and_get_sampling_client), whose catalog write runs behind."""
     run, train = _run(request, body.model_id), trainer(request)
     refuse_set(body.ttl_seconds, "ttl_seconds", "saved revisions stay until deleted from the catalog")
     engine = ta.ctx_of(request).engine
@@ -303,25 +327,34 @@ async def save_for_sampler(body: SaveBody, request: Request) -> dict:
     state, owner = ta.state_of(request), ta.owner_of(request)
 
     async def op() -> dict:
+        await run.written()  # revisions are written (and promoted) in the order they were saved
         if name is None:
             run.sampler_saves += 1
-        revision = name or f"s{run.sampler_saves}"
-        blob = await train.sampler_blob(run.model_id, f"tinker:{run.model_id}")
-        rec = await asyncio.to_thread(mgr.catalog.put_revision, run.adapter_id, blob, revision=revision,
-                                      promote=True, source=f"tinker:{run.model_id}")
-        steps = [asyncio.to_thread(mgr.warm, rec.ref)]  # the first sample needs no catalog read
+        revision, source = name or f"s{run.sampler_saves}", f"tinker:{run.model_id}"
+        blob = await on_core(request, run, lambda: train.publish(run.model_id, source, run.adapter_id, revision))
+        write = functools.partial(asyncio.to_thread, mgr.catalog.put_revision, run.adapter_id, blob,
+                                  revision=revision, promote=True, source=source)
         if name is None:  # an unnamed save is the sampler's alone: no alias, not listed
-            await asyncio.gather(*steps)
-            session = SamplingSession(ta.new_id("samp"), owner, rec.ref, f"tinker://{rec.ref}", None)
+            run.write_behind(write)
+            rec = revision_record(run.adapter_id, revision, blob, source)
+            resolved = ResolvedModel(rec.ref, rec.ref, (rec.adapter_id, rec.revision), rec, run.tenant)
+            session = SamplingSession(ta.new_id("samp"), owner, rec.ref, f"tinker://{rec.ref}", None, resolved)
             state.samplers.put(session.id, session)
             return {"path": None, "sampling_session_id": session.id, "type": "save_weights_for_sampler"}
+        rec = await write()
         entry = run.add_checkpoint("sampler", revision, len(blob))
-        steps.append(asyncio.to_thread(record_alias, mgr.catalog, entry["tinker_path"], run.adapter_id,
-                                       rec.revision))  # beside the page-in, not after it
-        await asyncio.gather(*steps)
+        await asyncio.to_thread(record_alias, mgr.catalog, entry["tinker_path"], run.adapter_id, rec.revision)
         return {"path": entry["tinker_path"], "type": "save_weights_for_sampler"}
 
     return submit(request, run, op)
+
+
+def revision_record(adapter_id: str, revision: str, blob: bytes, source: str) -> RevisionRecord:
+    """The record the catalog writes for `blob` as `adapter_id@revision` (its `created` aside),
+    made before the write: what a request needs to run the revision (and page it in again)."""
+    meta = read_adapter_meta(blob, f"revision {adapter_id}@{revision}")
+    return RevisionRecord(adapter_id, revision, len(blob), blob_checksum(blob), time.time(),
+                          meta["base_fingerprint"], meta["rank"], meta["targets"], meta["dtype"], source)
 
 
 async def save_weights(body: SaveBody, request: Request) -> dict:
@@ -337,12 +370,55 @@ async def save_weights(body: SaveBody, request: Request) -> dict:
         if target.exists() and not body.overwrite and name is not None:
             raise APIError(409, f"checkpoint {label!r} of {run.model_id} exists; pass overwrite=True",
                            code="checkpoint_exists", param="path")
-        blob = await train.state_blob(run.model_id)
+        blob = await on_core(request, run, lambda: train.state_blob(run.model_id))
         await asyncio.to_thread(_write_atomic, target, blob)
         entry = run.add_checkpoint("training", label, len(blob))
         return {"path": entry["tinker_path"], "type": "save_weights"}
 
     return submit(request, run, op)
+
+
+# -- surviving an engine-core restart -------------------------------------------------------------
+
+async def on_core(request: Request, run: RunRecord, call: Callable[[], Awaitable[Any]]) -> Any:
+    """`call()` on the engine; when the engine no longer holds the run (its core restarted:
+    runs live beside the model), the run is put back as it was after its last optim_step and
+    `call()` runs again, once."""
+    try:
+        return await call()
+    except EngineError as exc:
+        if exc.status != 404:
+            raise
+    await restore(request, run)
+    return await call()
+
+
+async def restore(request: Request, run: RunRecord) -> None:
+    """Re-create the run in the engine from its config (the seed draws the same initial factors)
+    and its resume state, if a step was taken; gradients of this step are lost, which its next
+    optim_step says."""
+    if run.resume_writing is not None:
+        await asyncio.wait({run.resume_writing})
+    await trainer(request).create(run.model_id, run.config)
+    path = registry(request).resume_file(run)
+    if path.is_file():
+        await trainer(request).load_state(run.model_id, await asyncio.to_thread(path.read_bytes), True)
+    run.lost_grads, run.grads_pending = run.lost_grads or run.grads_pending > 0, 0
+    log.warning("training run %s put back in the engine after a core restart", run.model_id)
+
+
+async def keep_resume(request: Request, run: RunRecord) -> None:
+    """Take the run's state (factors, Adam moments, step) after a step for `restore`; the file
+    is written behind the answer, in order (the previous write first)."""
+    blob = await on_core(request, run, lambda: trainer(request).state_blob(run.model_id))
+    previous, path = run.resume_writing, registry(request).resume_file(run)
+
+    async def write() -> None:
+        if previous is not None:
+            await asyncio.wait({previous})
+        await asyncio.to_thread(_write_atomic, path, blob)
+
+    run.resume_writing = asyncio.ensure_future(write())
 
 
 def _write_atomic(path, blob: bytes) -> None:
@@ -362,7 +438,9 @@ async def load_weights(body: LoadBody, request: Request) -> dict:
 
     async def op() -> dict:
         blob = await asyncio.to_thread(source.read_bytes)
-        await train.load_state(run.model_id, blob, body.optimizer)
+        await on_core(request, run, lambda: train.load_state(run.model_id, blob, body.optimizer))
+        run.grads_pending = 0
+        await keep_resume(request, run)
         return {"path": body.path, "type": "load_weights"}
 
     return submit(request, run, op)
@@ -375,6 +453,7 @@ async def unload_model(body: ModelBody, request: Request) -> dict:
     async def op() -> dict:
         await train.drop(run.model_id)
         runs.runs.pop(run.model_id, None)
+        await run.written()  # its last save is in the catalog before the run is gone
         return {"model_id": run.model_id, "type": "unload_model"}
 
     return submit(request, run, op)
