@@ -17,9 +17,10 @@ from ...adapters.pager import Pager
 from ...adapters.pool import AdapterPool, PoolConfig, TargetSpec
 from ...adapters.slabs import Slabs
 from ...lora.layers import LoRAState, attach_lora, target_modules
-from ...model.prepack import outgrows_last_level_cache
+from ...model.prepack import PackedLinear, outgrows_last_level_cache
 from ..config import EngineConfig
-from .decode_graphs import DecodeGraphs, batch_buckets, context_buckets
+from .decode_graphs import (DecodeGraphs, batch_buckets, choice_cache_path, choice_key, context_buckets,
+                            read_choice, write_choice)
 from .llm_engine import LLMEngine
 
 
@@ -52,16 +53,39 @@ def build_engine(cfg: EngineConfig) -> LLMEngine:
     if cfg.catalog_dir is not None:
         _enable_lora(engine, cfg)
     if compiles(cfg, engine):
-        graphs = DecodeGraphs(engine.model, engine.cache, engine.device, engine.runner.lora,
-                              engine.scratch_block,
-                              tuple(sorted(set(cfg.compile_batch_sizes or batch_buckets(cfg.max_batch_size)))),
-                              context_buckets(engine.max_model_len, cfg.block_size))
-        graphs.warm_up()
-        if graphs.kind == "inductor" and len(graphs.choose()) == len(graphs.batch_sizes):
-            log.info("compiled decode step slower than eager at every batch bucket: eager it is")
-        else:
-            engine.runner.graphs = graphs
+        engine.runner.graphs = _compile_decode(engine, cfg)
     return engine
+
+
+def _compile_decode(engine: LLMEngine, cfg: EngineConfig) -> DecodeGraphs | None:
+    """The decode step's graphs, or None where eager is as fast at every batch bucket. On the CPU
+    each batch bucket is measured compiled against eager (`DecodeGraphs.choose`); `auto` keeps
+    that choice per base shape and machine (`choice_cache_path`) and, when it said eager
+    everywhere, skips compiling on later starts; `on` measures every start."""
+    sizes = tuple(sorted(set(cfg.compile_batch_sizes or batch_buckets(cfg.max_batch_size))))
+    cache = key = remembered = None
+    if engine.device.type == "cpu" and cfg.compile == "auto":
+        packed = any(isinstance(m, PackedLinear) for m in engine.model.modules())
+        cache, key = choice_cache_path(), choice_key(engine.model_config, engine.dtype, sizes, packed)
+        remembered = read_choice(cache, key)
+        if remembered is not None and remembered >= set(sizes):
+            log.info("decode step eager: compiled was slower at every batch bucket here (%s)", cache)
+            return None
+    graphs = DecodeGraphs(engine.model, engine.cache, engine.device, engine.runner.lora,
+                          engine.scratch_block, sizes, context_buckets(engine.max_model_len, cfg.block_size))
+    graphs.warm_up()
+    if graphs.kind != "inductor":
+        return graphs
+    if remembered is not None:
+        graphs.eager_batches = remembered & set(sizes)
+    else:
+        graphs.choose()
+        if cache is not None:
+            write_choice(cache, key, graphs)
+    if len(graphs.eager_batches) == len(sizes):
+        log.info("compiled decode step slower than eager at every batch bucket: eager it is")
+        return None
+    return graphs
 
 
 def compiles(cfg: EngineConfig, engine: LLMEngine) -> bool:

@@ -17,16 +17,26 @@ life, and loads and evictions write into them, so a graph always reads the curre
 On the CPU the LoRA graphs are off by default (`lora_graphs`): inside a compiled graph the torch
 LoRA backend cannot keep its per-step plans (host-side state), so each of the 28+ LoRA calls of a
 step re-plans behind the custom-op dispatcher, and a compiled LoRA step measured 3x slower than the
-eager one, whose plans are built once per step (bench/RESULTS.md). Base-only steps gain 1.3-1.4x.
+eager one, whose plans are built once per step (bench/RESULTS.md). Base-only steps of the demo
+base gained 1.3-1.4x; at other shapes a compiled step can lose (inductor's graphs around oneDNN's
+packed GEMMs, which they call through `loraserve::packed_linear` so the weights stay packed), so
+on the CPU each batch bucket is timed compiled against eager at start-up (`choose`) and a bucket
+where eager is as fast runs eagerly; `--compile auto` remembers that choice per base shape and
+machine (`choice_cache_path`).
 
 Prefill, steps larger than the largest bucket and MoE bases (data-dependent expert routing) run
 eagerly. Graphs are made at start-up (`warm_up`); a bucket first met later is made then.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -250,6 +260,63 @@ class DecodeGraphs:
                 lora.meta = saved
         self._graphs[(b, c, has_lora)] = graph
         return graph
+
+
+# -- the CPU's choice, remembered ---------------------------------------------------------------------
+def choice_cache_path() -> Path:
+    """Where `--compile auto` keeps its measured choices: $LORASERVE_COMPILE_CACHE, else
+    $XDG_CACHE_HOME (~/.cache)/loraserve/compile-choices.json."""
+    if os.environ.get("LORASERVE_COMPILE_CACHE"):
+        return Path(os.environ["LORASERVE_COMPILE_CACHE"])
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "loraserve" / "compile-choices.json"
+
+
+def choice_key(model_config, dtype: torch.dtype, batch_sizes: tuple[int, ...], packed: bool) -> str:
+    """What a measured choice depends on: the base's shapes, dtype and weight layout, the batch
+    buckets, the threads, this CPU (model name and flags) and torch's version."""
+    shapes = {k: v for k, v in model_config.to_hf_dict().items() if k not in ("eos_token_id",)}
+    cpu = _cpu_signature()
+    blob = json.dumps([shapes, str(dtype), list(batch_sizes), packed, torch.get_num_threads(), cpu,
+                       torch.__version__], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _cpu_signature() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    wanted = [l for l in lines if l.startswith(("model name", "flags"))][:2]
+    return "\n".join(wanted) or platform.processor()
+
+
+def read_choice(path: Path, key: str) -> set[int] | None:
+    """The eager batch buckets measured before under `key`, or None (none recorded, unreadable)."""
+    try:
+        entry = json.loads(path.read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None if not isinstance(entry, dict) else set(entry.get("eager_batches", ()))
+
+
+def write_choice(path: Path, key: str, graphs: "DecodeGraphs") -> None:
+    """Record graphs' measured choice under `key` (atomically; best effort: a read-only home
+    only means measuring again next start)."""
+    try:
+        table = json.loads(path.read_text()) if path.is_file() else {}
+        table = table if isinstance(table, dict) else {}
+    except (OSError, ValueError):
+        table = {}
+    table[key] = {"eager_batches": sorted(graphs.eager_batches),
+                  "ms": {str(b): [round(1e3 * e, 3), round(1e3 * g, 3)] for b, (e, g) in graphs.timings.items()}}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("could not record the compile choice in %s: %s", path, exc)
 
 
 def _mark_dynamic(step: Padded, meta: LoRAMeta | None) -> None:
