@@ -83,11 +83,28 @@ def rss_mb(pid: int) -> tuple[float, float]:
 
 
 def scrape(url: str) -> dict[str, float]:
-    out = {}
+    out = {"requests": 0.0}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
         m = re.match(r'(loraserve_adapter_resident(?:_bytes)?)\{tier="(\w+)"\} ([\d.e+]+)', line)
         if m:
             out[f"{m.group(1)}[{m.group(2)}]"] = float(m.group(3))
+        elif line.startswith("loraserve_requests_total{"):  # answered requests, every status
+            out["requests"] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def per_tenth(samples) -> list[tuple[float, float]]:
+    """(requests/s, engine core anonymous RSS MiB at its end) for each tenth of the run, by
+    the requests answered (a tenth = a tenth of the requests, so the last one is not a tail)."""
+    done = [(t, scraped.get("requests", 0.0), core[0]) for t, _, scraped, core in samples]
+    if not done:
+        return []
+    total, out, start = done[-1][1], [], (done[0][0], done[0][1])
+    for q in range(1, 11):
+        at = next((d for d in done if d[1] >= total * q / 10), done[-1])
+        span = at[0] - start[0]
+        out.append(((at[1] - start[1]) / span if span > 0 else 0.0, at[2]))
+        start = (at[0], at[1])
     return out
 
 
@@ -216,6 +233,14 @@ def sweep(args, model: str) -> None:
           f"(files {at(core_files, 0.1):.0f} / {at(core_files, 0.9):.0f})")
     print("engine core anonymous RSS MiB at each tenth of the run: "
           + " ".join(f"{at(core_anon, q / 10):.0f}" for q in range(1, 10)))
+    tenths = per_tenth(samples)
+    print("| tenth of the requests | " + " | ".join(str(q) for q in range(1, 11)) + " |\n|---|"
+          + "---:|" * 10)
+    print("| requests/s | " + " | ".join(f"{r:,.0f}" for r, _ in tenths) + " |")
+    print("| engine core anonymous RSS MiB at its end | " + " | ".join(f"{m:,.0f}" for _, m in tenths) + " |")
+    if tenths and tenths[0][0]:
+        print(f"last tenth / first tenth throughput: {tenths[-1][0] / tenths[0][0]:.2f}; core anonymous "
+              f"RSS at 90% / 10% of the run: {at(core_anon, 0.9) / max(at(core_anon, 0.1), 1):.3f}")
     print(f"report: {rep['report_html']}")
     if profilers:
         print_profile(Path(args.profile))

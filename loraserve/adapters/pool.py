@@ -429,18 +429,19 @@ class AdapterPool:
 
     @contextlib.contextmanager
     def _side_stream(self, weights: SlabWeights):
-        """CUDA: the host-to-device copies of a load go on a side stream, after what the compute
-        stream has queued (an evicted adapter's rows may still be read there), and the compute
-        stream waits for them before its next kernel: the host never blocks, and the DMA runs
-        while the host prepares and launches the step. The slab slot the copy reads stays
-        referenced until its event has passed (`_in_copy`), so a page-in cannot reuse it
-        under the DMA. On the CPU: the plain copies, nothing else."""
+        """CUDA: the host-to-device copies of a load go on a side stream and the compute stream
+        waits for them (an event) before its next kernel: the host never blocks, and the DMA
+        runs beside whatever the compute stream is still running. The copy does not wait for
+        that work: the rows it writes are free or were an evicted adapter's, and an evicted
+        adapter is idle (no sequence holds it, and the step that last read it has been read
+        back to the host). The slab slot the copy reads stays referenced until its event has
+        passed (`_in_copy`), so a page-in cannot reuse it under the DMA. On the CPU: the plain
+        copies, nothing else."""
         if self._copy_stream is None:
             yield
             return
         compute = torch.cuda.current_stream(self.config.device)
         self._in_copy = [(e, w) for e, w in self._in_copy if not e.query()]
-        self._copy_stream.wait_stream(compute)
         with torch.cuda.stream(self._copy_stream):
             yield
             done = torch.cuda.Event()

@@ -43,6 +43,7 @@ __all__ = ["SlabWeights", "Slabs", "BLOCK_BYTES"]
 
 BLOCK_BYTES = 1 << 20  # one allocation holds this many bytes of slots (or one slot, if larger)
 MAX_PLANS = 256  # tensor tables whose gather plan is kept
+GATHER_ELEMS = 1 << 16  # slots up to this many elements are filled by one gather
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,13 +59,18 @@ class _Part:
 
 @dataclass(slots=True, frozen=True)
 class _Plan:
-    """A tensor table's gather into a slot: slot[i] = flat[index[i]]; checked once by `plan_load`."""
+    """How a checked tensor table goes into a slot (checked once by `plan_load`). A small slot
+    is one gather, slot[i] = flat[index[i]]: a page-in of a small adapter costs its number of
+    ops, not its bytes. A large one (over `GATHER_ELEMS`) is copied factor by factor (`names`),
+    which needs no index as large as itself."""
 
     rank: int
     kinds: tuple[str, ...]
     parts: tuple[_Part, ...]
-    index: torch.Tensor  # int64 [slot_elems] into the blob's flat data region
-    index_np: np.ndarray  # the same, for numpy's take
+    elems: int  # slot size
+    index: torch.Tensor | None  # int64 [elems] into the blob's flat data region; None: large
+    index_np: np.ndarray | None  # the same, for numpy's take
+    names: tuple[tuple[str, ...], ...]  # per part, its layers' (A, B) tensor names, in order
 
 
 class _Block:
@@ -108,7 +114,7 @@ class SlabWeights:
 
     def data(self) -> torch.Tensor:
         """The slot, flat."""
-        n = self._plan.index.numel()
+        n = self._plan.elems
         return self._block.data[self._slot * n:(self._slot + 1) * n]
 
     def parts(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -122,7 +128,7 @@ class SlabWeights:
     def raw_parts(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
         """`parts()` as numpy views of the slot's bits (integers of the element size): what a
         CPU pool copies with numpy, a few times faster than torch's dispatch for small slices."""
-        n = self._plan.index.numel()
+        n = self._plan.elems
         flat = self._block.raw[self._slot * n:(self._slot + 1) * n]
         return [(p.kind, flat[p.a_offset:p.a_offset + math.prod(p.a_shape)].reshape(p.a_shape),
                  flat[p.b_offset:p.b_offset + math.prod(p.b_shape)].reshape(p.b_shape))
@@ -131,7 +137,7 @@ class SlabWeights:
     def __del__(self) -> None:
         owner = self._owner
         if owner is not None:
-            owner._free(self._plan.index.numel(), self._block, self._slot)
+            owner._free(self._plan.elems, self._block, self._slot)
 
 
 class Slabs:
@@ -169,15 +175,18 @@ class Slabs:
         plan = plan[1]
         if plan is None:
             return None
-        n = plan.index.numel()
+        n = plan.elems
         block, slot = self._alloc(n)
-        if layout.dtype == self.dtype:  # a bit copy: numpy's take, no torch dispatch
+        entry = SlabWeights(self, plan, block, slot, n * self._itemsize, meta["base_fingerprint"])
+        if plan.index is None:
+            _copy_factors(entry, layout.views(blob, start)[1])
+        elif layout.dtype == self.dtype:  # a bit copy: numpy's take, no torch dispatch
             raw = np.frombuffer(blob, dtype=block.raw.dtype, offset=start)
-            np.take(raw, plan.index_np, out=block.raw[slot * n:(slot + 1) * n])
+            np.take(raw, plan.index_np, out=block.raw[slot * n:(slot + 1) * n], mode="clip")
         else:
             flat = torch.frombuffer(blob, dtype=layout.dtype, offset=start)
             block.data[slot * n:(slot + 1) * n].copy_(flat.index_select(0, plan.index))
-        return SlabWeights(self, plan, block, slot, n * self._itemsize, meta["base_fingerprint"])
+        return entry
 
     def _plan(self, blob: bytearray, meta: dict, layout, start: int) -> _Plan | None:
         """The gather of this tensor table, after the pool's full layout check (`plan_load`)."""
@@ -188,10 +197,12 @@ class Slabs:
         except ValueError:
             return None
         base = flat.storage_offset()
-        position = torch.arange(flat.numel(), dtype=torch.int64)
+        small = flat.numel() <= GATHER_ELEMS
+        position = torch.arange(flat.numel(), dtype=torch.int64) if small else flat
         where = {id(t): position.as_strided(tuple(t.shape), t.stride(), t.storage_offset() - base)
                  for t in tensors.values()}
-        pieces, parts, offset = [], [], 0
+        name_of = {id(t): n for n, t in tensors.items()}
+        pieces, parts, names, offset = [], [], [], 0
         for kind in checked.kinds:
             pairs = [checked.tensors.get((kind, layer)) for layer in self.specs[kind].layers]
             if any(p is None for p in pairs):
@@ -200,10 +211,12 @@ class Slabs:
             a = torch.stack([_pool_a(where[id(p[0])], moe) for p in pairs])
             b = torch.stack([_pool_b(where[id(p[1])], moe) for p in pairs])
             parts.append(_Part(kind, offset, tuple(a.shape), offset + a.numel(), tuple(b.shape)))
-            pieces += [a.reshape(-1), b.reshape(-1)]
+            names.append(tuple(name_of[id(t)] for p in pairs for t in p))
+            pieces += [a.reshape(-1), b.reshape(-1)] if small else []
             offset += a.numel() + b.numel()
-        index = torch.cat(pieces)
-        return _Plan(checked.rank, tuple(checked.kinds), tuple(parts), index, index.numpy())
+        index = torch.cat(pieces) if small else None
+        return _Plan(checked.rank, tuple(checked.kinds), tuple(parts), offset, index,
+                     None if index is None else index.numpy(), tuple(names))
 
     def _alloc(self, elems: int) -> tuple[_Block, int]:
         with self._lock:
@@ -243,6 +256,16 @@ class Slabs:
         with self._lock:
             self._reclaim()
             return sum(b.data.numel() for c in self._classes.values() for b in c.blocks) * self._itemsize
+
+
+def _copy_factors(entry: SlabWeights, tensors: dict[str, torch.Tensor]) -> None:
+    """A large slot filled factor by factor: each layer's A and B into its rows (converted to
+    the slab's dtype by the copy)."""
+    for (kind, a_all, b_all), names in zip(entry.parts(), entry._plan.names):
+        moe = a_all.dim() == 4
+        for layer in range(a_all.shape[0]):
+            a_all[layer].copy_(_pool_a(tensors[names[2 * layer]], moe))
+            b_all[layer].copy_(_pool_b(tensors[names[2 * layer + 1]], moe))
 
 
 def _pool_a(a: torch.Tensor, moe: bool) -> torch.Tensor:

@@ -10,6 +10,7 @@ from adapter_fakes import FINGERPRINT, make_weights, read_back, tiny_specs
 from loraserve.adapters.cpu_cache import CpuCache
 from loraserve.adapters.pager import Pager, record_key
 from loraserve.adapters.pool import AdapterPool, PoolConfig
+from loraserve.adapters import slabs as slabs_module
 from loraserve.adapters.slabs import Slabs, SlabWeights
 from loraserve.catalog.errors import BaseMismatch, CorruptBlob, FactorsTooLarge
 from loraserve.catalog.layout import checked_region, load_revision, save_revision
@@ -32,10 +33,14 @@ def adapter(i: int):
     return make_weights(SPECS, 1 + i % 4, kinds=kinds, seed=i, dtype=dtype)
 
 
-def test_a_slab_loads_the_pool_exactly_as_the_decoded_adapter_does():
+@pytest.mark.parametrize("gather", [True, False], ids=["one-gather", "factor-by-factor"])
+def test_a_slab_loads_the_pool_exactly_as_the_decoded_adapter_does(gather, monkeypatch):
     """Twin pools, one loaded from decoded adapters and one from their slabs, hold the same
     rows, row tables and ranks after every load, through evictions that scatter the free rows
-    (so some loads take non-contiguous rows)."""
+    (so some loads take non-contiguous rows); small slots are one gather, large ones are
+    copied factor by factor (here every slot, with the bound set to 0)."""
+    if not gather:
+        monkeypatch.setattr(slabs_module, "GATHER_ELEMS", 0)
     config = PoolConfig(max_slots=3, max_rank=4, max_bytes=None)
     plain, slabbed = AdapterPool(SPECS, config), AdapterPool(SPECS, config)
     slabs = Slabs.for_pool(slabbed)
