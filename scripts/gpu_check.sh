@@ -97,6 +97,15 @@ if "$PY" -c "import safetensors, lmdb, xxhash" 2>/dev/null; then
   status_moe="rc=${PIPESTATUS[0]}"
 fi
 
+# the cold path on CUDA (issue 29): page-ins decoded into pinned CPU-tier slabs, copied into the
+# device pool on its side stream; cold adapters/s against the floor set by the bytes over the
+# measured pinned host-to-device bandwidth, and the share of the copies hidden under compute
+status_cold="not run (missing python packages)"
+if "$PY" -c "import safetensors, lmdb, xxhash, numpy, orjson" 2>/dev/null; then
+  timeout 120 "$PY" bench/pool_load.py --device cuda --rounds 3 2>&1 | tee "$LOG/bench_pool_load.txt"
+  status_cold="rc=${PIPESTATUS[0]}"
+fi
+
 echo
 echo "================ gpu_check summary ================"
 cat "$LOG/env.txt"
@@ -104,6 +113,8 @@ echo "kernel tests : $status_tests"
 echo "kernel bench : $status_bench"
 echo "decode bench : $status_decode"
 echo "moe loading  : $status_moe"
+echo "cold path    : $status_cold"
 grep -E '^#|^ *[0-9T-]' "$LOG/bench_kernels.txt" || true
 cat "$LOG"/bench_decode.txt "$LOG"/bench_lora_decode.txt 2>/dev/null | grep -E 'tok/s|^ +[0-9]|adapters|base only|^#|equal' || true
 tail -n 4 "$LOG/bench_moe_load.txt" 2>/dev/null || true
+grep -E '^\||bandwidth' "$LOG/bench_pool_load.txt" 2>/dev/null || true
