@@ -2,10 +2,10 @@
 
 `loraserve catalog publish DIR --store s3://bucket/prefix` is how a catalog built locally (by
 `catalog materialize`, imports, an rsync'd copy) becomes the store's. Adapters are read a page
-at a time in id order; each page is split into `workers` parts published at once. One listing
-per part tells which adapters the store already has a policy for: those go through the
-ordinary publish (`StoreTier.published`: one policy read, then only what differs). The others,
-new to the store, are written in bulk: their blobs end to end as one segment object
+at a time in id order. One listing per page tells which adapters the store already has a
+policy for: those go through the ordinary publish on `workers` threads (`StoreTier.published`:
+one policy read, then only what differs). The others, new to the store, are split into
+`workers` parts written at once, each in bulk: its blobs end to end as one segment object
 (`segments/<uuid>`), then one policy object each whose `placed` gives every revision's record
 and place in the segment (store_objects). So a new adapter costs one PUT and a share of a
 segment, not five requests. The policy goes last: an adapter is in the store once its policy
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from .errors import CatalogError
 from .records import PolicyRecord
 from .store import Catalog
 from .store_objects import ObjectStore, PolicyDoc
@@ -39,32 +40,34 @@ class PublishReport:
 
 def publish_catalog(catalog: Catalog, tier: StoreTier, *, workers: int = 8, after: str | None = None,
                     progress: bool = True) -> PublishReport:
-    """Publish every adapter of `catalog` (after id `after`) through `tier` (module doc)."""
+    """Publish every adapter of `catalog` (after id `after`) through `tier` (module doc). A
+    store error names the resume point (`--after`)."""
     report = PublishReport(last=after)
     total = catalog.stats()["adapters"] if progress else None
     with ThreadPoolExecutor(workers, thread_name_prefix="loraserve-publish") as pool, \
             tqdm(total=total, unit="adapter", disable=not progress, desc="publish") as bar:
-        while True:
-            page = catalog.list(limit=PAGE, after=report.last)
-            if not page:
-                return report
-            step = -(-len(page) // workers)
-            parts = [page[i:i + step] for i in range(0, len(page), step)]
-            for changed in pool.map(lambda part: publish_part(catalog, tier, part), parts):
-                report.published += changed
+        while page := catalog.list(limit=PAGE, after=report.last):
+            try:
+                report.published += publish_page(catalog, tier, page, pool, workers)
+            except CatalogError as exc:
+                raise type(exc)(f"{exc}; every adapter up to {report.last} is published: resume with "
+                                f"--after {report.last}") from None
             report.adapters += len(page)
             report.last = page[-1].adapter_id
             bar.update(len(page))
+    return report
 
 
-def publish_part(catalog: Catalog, tier: StoreTier, part: list[PolicyRecord]) -> int:
-    """Publish `part` (consecutive adapters): new ones in one segment, the rest one by one;
-    how many uploaded something."""
-    held = stored_policies(tier.store, [p.adapter_id for p in part])
-    fresh = [p for p in part if tier.store.policy_key(p.adapter_id) not in held]
-    changed = sum(tier.published(p.adapter_id) for p in part if p not in fresh)
-    if fresh:
-        write_segment(tier.store, catalog, fresh)
+def publish_page(catalog: Catalog, tier: StoreTier, page: list[PolicyRecord], pool: ThreadPoolExecutor,
+                 workers: int) -> int:
+    """One page: one listing tells which adapters the store has (those: the ordinary publish,
+    one by one), the new ones go in `workers` segments at once; how many uploaded something."""
+    held = stored_policies(tier.store, [p.adapter_id for p in page])
+    fresh = [p for p in page if tier.store.policy_key(p.adapter_id) not in held]
+    changed = sum(pool.map(tier.published, [p.adapter_id for p in page if p not in fresh]))
+    step = -(-len(fresh) // workers) or 1
+    parts = [fresh[i:i + step] for i in range(0, len(fresh), step)]
+    list(pool.map(lambda part: write_segment(tier.store, catalog, part), parts))
     return changed + len(fresh)
 
 
