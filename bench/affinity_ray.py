@@ -1,11 +1,14 @@
-"""Adapter affinity on the real scaled-out server: `loraserve serve --replicas 2` on a local Ray,
+"""Adapter affinity on the real scaled-out server: `loraserve serve --replicas N` on a local Ray,
 Serve's default multiplexed routing (`--replica-routing multiplex`) and loraserve's
-(`affinity`: rendezvous hashing with bounded loads), one after the other in one run.
+(`affinity`: rendezvous hashing with bounded loads, held adapters first), one after the other
+in one run.
 
     python bench/affinity_ray.py                       # demo base on CPU, 2 replicas
     python bench/affinity_ray.py --adapters 12 --max-gpu-adapters 4 --zipf-requests 120
     python bench/affinity_ray.py --adapters 100 --max-gpu-adapters 4 --gaps 0 --rounds 1 \
         --zipf-requests 400
+    python bench/affinity_ray.py --catalog-adapters 100000 --replicas 3 --adapters 3 \
+        --rounds 0 --max-gpu-adapters 8 --zipf-requests 600    # issue 26's 100,000 adapters
 
 Per routing, on a fresh server (the demo base and catalog; `--adapters` adapters: the demo's
 three and more loaded at run time under new ids, the same weights):
@@ -13,8 +16,10 @@ three and more loaded at run time under new ids, the same weights):
      and 2 s between requests (`--rounds` rounds per gap); reported: the adapters that more
      than one replica served (each such adapter takes a device slot on every replica it
      touched), and the sequences of replicas;
-  2. a Zipf workload (exponent 1.1 over the adapters, `--concurrency` clients, `--zipf-requests`
-     requests): requests/s, and the cluster's device-pool hit rate from the replicas' own
+  2. a Zipf workload (exponent 1.1 over the adapters, or with `--catalog-adapters N` over N
+     synthetic rank-1 adapters materialized into the catalog first by `loraserve catalog
+     materialize`; `--concurrency` clients, `--zipf-requests` requests; `--replicas` replicas
+     sharing 2 CPUs): requests/s, and the cluster's device-pool hit rate from the replicas' own
      counters (loraserve_adapter_hits_total / lookups, tier gpu, over all replicas), measured
      as the difference across the workload.
 """
@@ -39,6 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from loraserve.demo import DEMO_ADAPTERS, build_demo
 
 HEADER = "x-loraserve-replica"
+CATALOG_PREFIX = "zipf/a"
 PROMPT = DEMO_ADAPTERS[0][1]
 
 
@@ -48,15 +54,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(demo, work: Path, routing: str, max_gpu_adapters: int) -> tuple[subprocess.Popen, str]:
+def start(demo, work: Path, routing: str, args) -> tuple[subprocess.Popen, str]:
     catalog = work / f"catalog-{routing}"
     shutil.copytree(demo.catalog, catalog)
     port = free_port()
-    cmd = [sys.executable, "-m", "loraserve.cli", "serve", "--replicas", "2", "--ray-num-cpus", "2",
+    cmd = [sys.executable, "-m", "loraserve.cli", "serve", "--replicas", str(args.replicas),
+           "--ray-num-cpus", "2", "--replica-cpus", str(2 / args.replicas),
            "--ray-object-store-mb", "128", "--port", str(port), "--model", str(demo.qwen3),
            "--catalog", str(catalog), "--adapter-root", str(demo.root / "adapters"),
            "--device", "cpu", "--max-model-len", "512", "--max-batch-size", "4",
-           "--max-gpu-adapters", str(max_gpu_adapters), "--torch-threads", "1",
+           "--max-gpu-adapters", str(args.max_gpu_adapters), "--torch-threads", "1",
            "--replica-routing", routing]
     log = open(work / f"server-{routing}.log", "wb")
     ray_tmp = tempfile.mkdtemp(prefix="lsray-", dir="/tmp")
@@ -150,14 +157,25 @@ def zipf(http: httpx.Client, adapters: list[str], requests: int, concurrency: in
     return requests / took, (h1 - h0) / lookups if lookups else float("nan")
 
 
-def run_one(demo, work: Path, routing: str, args) -> dict:
-    proc, url = start(demo, work, routing, args.max_gpu_adapters)
+def materialize(demo, count: int) -> list[str]:
+    """`count` synthetic rank-1 adapters in the demo's catalog (`loraserve catalog
+    materialize`, the bulk CLI), before the servers copy it; their ids, in Zipf rank order."""
+    subprocess.run([sys.executable, "-m", "loraserve.cli", "catalog", "materialize",
+                    str(demo.catalog), "--model", str(demo.qwen3), "--count", str(count),
+                    "--rank", "1", "--prefix", CATALOG_PREFIX, "--no-progress"], check=True)
+    width = max(7, len(str(count - 1)))
+    return [f"{CATALOG_PREFIX}{i:0{width}d}" for i in range(count)]
+
+
+def run_one(demo, work: Path, routing: str, args, catalog_ids: list[str]) -> dict:
+    proc, url = start(demo, work, routing, args)
     try:
         with httpx.Client(base_url=url, timeout=120,
                           limits=httpx.Limits(max_connections=args.concurrency + 4)) as http:
             adapters = load_adapters(http, args.adapters)
-            seq = sequence(http, adapters, args.rounds, args.gaps)
-            rps, hit = zipf(http, adapters, args.zipf_requests, args.concurrency, args.seed)
+            seq = sequence(http, adapters, args.rounds, args.gaps) if args.rounds else {}
+            rps, hit = zipf(http, catalog_ids or adapters, args.zipf_requests, args.concurrency,
+                            args.seed)
     finally:
         stop(proc)
     return {"routing": routing, "sequence": seq, "rps": rps, "hit": hit}
@@ -169,7 +187,7 @@ def report(results: list[dict]) -> None:
         names: dict[str, str] = {}
         for gap, served in res["sequence"].items():
             split = sum(len(set(s)) > 1 for s in served.values())
-            seqs = " ".join("".join(names.setdefault(r, "AB"[len(names)] if len(names) < 2 else "?")
+            seqs = " ".join("".join(names.setdefault(r, "ABCD"[len(names)] if len(names) < 4 else "?")
                                     for r in s) for s in served.values())
             seqs = seqs if len(served) <= 16 else "(" + str(len(served)) + " adapters)"
             print(f"{res['routing']:>10} {gap:>6.1f} {split:>14}/{len(served):<8}  {seqs}")
@@ -191,10 +209,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--routings", nargs="+", default=["multiplex", "affinity"],
                    choices=["multiplex", "affinity"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replicas", type=int, default=2, help="engine replicas (2 CPUs shared)")
+    p.add_argument("--catalog-adapters", type=int, default=0,
+                   help="materialize this many synthetic adapters and draw the Zipf workload "
+                        "over them (0: over the --adapters of the sequence)")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="affinity-ray-"))
     demo = build_demo(work / "demo")
-    results = [run_one(demo, work, routing, args) for routing in args.routings]
+    catalog_ids = materialize(demo, args.catalog_adapters) if args.catalog_adapters else []
+    results = [run_one(demo, work, routing, args, catalog_ids) for routing in args.routings]
     report(results)
     shutil.rmtree(work, ignore_errors=True)
     return 0
