@@ -75,6 +75,10 @@ def per_adapter(built: Catalog, tier: StoreTier, workers: int, progress: bool = 
     return report
 
 
+def built_count(built: Catalog) -> int:
+    return built.stats()["adapters"]
+
+
 def publish_rates(built: Catalog, workers_list: list[int], rerun: bool, path: str) -> None:
     print("| path | workers | publish adapters/s | re-run (resume) adapters/s |")
     print("|---|---|---|---|")
@@ -86,7 +90,7 @@ def publish_rates(built: Catalog, workers_list: list[int], rerun: bool, path: st
         rates = []
         for _ in range(2 if rerun else 1):
             started = time.perf_counter()
-            rep = publish(built, tier, workers=workers, progress=False)
+            rep = publish(built, tier, workers=workers, progress=built_count(built) >= 10000)
             rates.append(rep.adapters / (time.perf_counter() - started))
             print(f"  ({rep.adapters} adapters, {rep.published} published, "
                   f"{time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
