@@ -110,6 +110,20 @@ def tier_stages(weights: list, blobs: list, model: str, rows: list) -> None:
         pool.load(("w", str(i)), weights[i % len(weights)])
     rows.append(("pool load (full pool: evicts one)",
                  _med_us(lambda: [pool.load(("p", str(next(keys))), w) for w in weights], len(weights))))
+    try:
+        from loraserve.adapters.slabs import Slabs
+        from loraserve.catalog.layout import checked_region
+    except ImportError:  # a tree from before the slabs
+        Slabs = None
+    if Slabs is not None:
+        slabs = Slabs.for_pool(pool)
+        fresh = lambda: [bytearray(b) for b in blobs]  # noqa: E731 (a page-in's blob is its own)
+        rows.append(("decode into a CPU-tier slab (same checks)", _med_us(
+            lambda: [slabs.convert(b, *checked_region(b, compute_dtype="float32")) for b in fresh()],
+            len(blobs))))
+        entries = [slabs.convert(b, *checked_region(b)) for b in fresh()]
+        rows.append(("pool load from a slab (full pool)", _med_us(
+            lambda: [pool.load(("s", str(next(keys))), e) for e in entries], len(entries))))
     nbytes = statistics.median(len(b) for b in blobs)
     src, dst = torch.empty(64 * 2**20, dtype=torch.uint8), torch.empty(64 * 2**20, dtype=torch.uint8)
     t = min(_timed(lambda: dst.copy_(src)) for _ in range(10))
