@@ -20,7 +20,8 @@ So:
   flight it goes to its first choice, which holds it from then on (no waiting for a replica to
   report what it holds);
 - a replica leaving moves only its own adapters (the others' holders stay), and one joining
-  takes only new placements of the adapters it now tops;
+  takes no adapter a replica holds: only placements of adapters held nowhere that rank it
+  among their first two choices;
 - a new (or evicted) adapter is never placed on a replica past the bound while one of its
   first two choices is under it.
 
