@@ -1,9 +1,11 @@
 """`loraserve serve --replicas 2` on a local Ray (2 CPUs): two engine replicas of the demo base
 behind the FastAPI ingress. Adapter affinity (router.AffinityRouter: each adapter on its
-rendezvous replica from its first request on, spill only past the load bound, a lost replica's
-adapters alone moving), base requests spread, a tenant's limit held across replicas, the usual
-errors, streams, one catalog writer, per-replica metrics, losing a replica mid-stream, and last,
-SIGTERM: the drain, exit status 0, and no Ray process left.
+rendezvous replica from its first request on, a new one placed past its first choice only over
+the load bound, a lost replica's adapters alone moving, streams closed early leaving no load
+behind), base requests spread, a tenant's limit held across replicas, tenants sharing a
+saturated cluster by weight, the usual errors, streams, one catalog writer, per-replica
+metrics, losing a replica mid-stream, and last, SIGTERM: the drain, exit status 0, and no Ray
+process left.
 
 The server is the real command, in a subprocess of its own session (one start for the module);
 a helper process joins its Ray to kill a replica (the test process never runs Ray).
