@@ -156,7 +156,7 @@ def _own_the_rest(model: nn.Module) -> None:
 
 def unpack_linears(model: nn.Module) -> int:
     """Undo `prepack_linears` (LoRA wrappers included): plain `nn.Linear`s with the same weights,
-    for code that traces the model (torch.compile lowers its own CPU GEMMs); returns how many."""
+    for code that needs plain modules (compiled steps do not: `packed_linear`); returns how many."""
     swaps = [(parent, name, child) for parent in model.modules()
              for name, child in parent.named_children() if isinstance(child, PackedLinear)]
     for parent, name, child in swaps:
