@@ -140,7 +140,11 @@ def main() -> None:
         print(f"moto_server resident memory: {rss_mib(proc.pid)} MiB")
     finally:
         proc.terminate()
-        proc.wait(10)
+        try:
+            proc.wait(60)  # a moto holding 100,000 objects takes a while to go
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         shutil.rmtree(work, ignore_errors=True)
 
 
