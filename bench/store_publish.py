@@ -8,8 +8,8 @@ base; each `--workers` value then publishes the whole catalog (`catalog.store_bu
 new adapters in segments, one policy PUT each) into its own prefix of moto's S3 server (in
 another process, on 127.0.0.1: `moto_server`), timed, and published again (the resume path:
 every adapter already there; `--no-rerun` skips it). `--paths per-adapter` publishes the way it
-was done before segments (five requests an adapter), for a side-by-side ratio. Last, a host whose LMDB starts empty faults
-`--sweep` adapters in one after another (policy read, ranged segment read verified by checksum,
+was done before segments (five requests an adapter), for a side-by-side ratio. Last, a host
+whose LMDB starts empty faults `--sweep` adapters in one after another (policy read, ranged segment read verified by checksum,
 local write). The moto server's resident memory is printed at the end (it keeps every object
 in memory: what bounds a run's size here).
 
