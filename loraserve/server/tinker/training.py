@@ -387,7 +387,7 @@ async def on_core(request: Request, run: RunRecord, call: Callable[[], Awaitable
     try:
         return await call()
     except EngineError as exc:
-        if exc.status != 404:
+        if exc.code != "model_not_found":  # TrainerCore's answer for a run it does not hold
             raise
     await restore(request, run)
     return await call()
