@@ -133,7 +133,8 @@ class CoreClient(EngineFrontend):
         self.heartbeat_s = heartbeat_s if heartbeat_s is not None else min(HEARTBEAT_S,
                                                                            engine_timeout_s / 4)
         self.backoff = backoff or Backoff()
-        # training runs live in the core, beside the model: lost with it when the core restarts
+        # training runs live in the core, beside the model: a restarted core has none, and the
+        # Tinker routes put each back from the state they kept after its last step
         self.trainer = Trainer(lambda op, args: self.call("train", [op, args]), cfg.train_max_tokens)
         self.restarts = 0
         self.restart_causes = dict.fromkeys(CAUSES, 0)
