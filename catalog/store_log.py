@@ -49,6 +49,8 @@ class Changes:
 
     ids: list[str] = field(default_factory=list)
     everything: bool = False
+    keys: list[str] = field(default_factory=list)  # the entries read (`ChangeLog.unread`)
+    before: tuple[str, str] = ("", "")  # the reader's cursor and pruned mark before
 
 
 class ChangeLog:
@@ -75,17 +77,24 @@ class ChangeLog:
     def changed(self) -> Changes:
         """What other hosts changed since the last call, in log order (each entry once)."""
         start = self._window_start()
-        found = Changes()
+        found = Changes(before=(self._cursor, self._pruned))
         for key in self.store.log_after(start):
             if self._applied.get(key) is not None:
                 continue
             self._applied.put(key, True)
+            found.keys.append(key)
             self._cursor = max(self._cursor, key)
             host, adapter_id = entry_adapter(key)
             if host != self.host:
                 found.ids.append(adapter_id)
         self._read_pruned(start, found)
         return found
+
+    def unread(self, found: Changes) -> None:
+        """Applying `found` failed (the store went down midway): the next call reads it again."""
+        for key in found.keys:
+            self._applied.pop(key)
+        self._cursor, self._pruned = found.before
 
     def _read_pruned(self, start: str, found: Changes) -> None:
         """Entries after `start` that compaction pruned: from the snapshot (module doc)."""

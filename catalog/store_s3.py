@@ -140,18 +140,26 @@ class StoreTier:
         an adapter held here (a delete included: store_faultin)."""
         self._settle()
         found = self.changes.changed()
-        applied = 0
-        for adapter_id in self._held_ids() if found.everything else dict.fromkeys(found.ids):
-            if not self._holds(adapter_id):
-                continue
-            doc = self.store.policy_doc(adapter_id)
-            if doc.policy is not None:
-                with self.replaying():
-                    self.copier.follow(doc)
-                self.bound.track(adapter_id)
-                applied += 1
+        try:
+            applied = sum(self._apply(adapter_id) for adapter_id in
+                          (self._held_ids() if found.everything else dict.fromkeys(found.ids)))
+        except CatalogError:
+            self.changes.unread(found)  # what this poll read is read again by the next one
+            raise
         self.changes.save_cursor()
         return applied
+
+    def _apply(self, adapter_id: str) -> int:
+        """Make a held adapter the store's (store_faultin.follow); 1 if held."""
+        if not self._holds(adapter_id):
+            return 0
+        doc = self.store.policy_doc(adapter_id)
+        if doc.policy is None:
+            return 0
+        with self.replaying():
+            self.copier.follow(doc)
+        self.bound.track(adapter_id)
+        return 1
 
     def _held_ids(self) -> list[str]:
         """Every adapter id the local catalog holds (a reconcile after a long absence)."""

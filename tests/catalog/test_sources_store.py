@@ -326,3 +326,21 @@ def test_one_listing_finds_every_stored_policy_of_a_range(hosts, blobs):
         a.catalog.put_revision(adapter_id, blobs[0])
     found = stored_policies(a.store, ids)
     assert found == {a.store.policy_key(i) for i in ids[:3]}
+
+
+def test_a_poll_that_fails_midway_is_read_again(hosts, blobs):
+    """A poll lists the log, then fails to apply an entry (here the newly promoted revision's
+    blob is damaged in the store; a store going down midway is the same): the next poll reads
+    the entry again and applies it once the store serves the blob."""
+    a, b = hosts
+    r1 = a.catalog.put_revision("acme/x", blobs[0])
+    a.catalog.put_revision("acme/x", blobs[1])
+    b.fault_in("acme/x")  # holds r2 only
+    b.poll()
+    good = a.catalog.read_blob(r1)
+    a.store.put(a.store.blob_key(r1.checksum), good[:-1])
+    a.catalog.promote("acme/x", r1.revision)
+    with pytest.raises(CorruptBlob):
+        b.poll()
+    a.store.put(a.store.blob_key(r1.checksum), good)
+    assert b.poll() == 1 and b.catalog.resolve("acme/x").revision == r1.revision
