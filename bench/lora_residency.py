@@ -257,10 +257,12 @@ def process_groups(pid: int) -> dict[str, list[int]]:
     groups: dict[str, list[int]] = {}
     for role, parent in server_pids(pid).items():
         groups[role] = [parent]
-        try:
-            kids = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-        except OSError:
-            kids = []
+        kids = []
+        for task in Path(f"/proc/{parent}/task").glob("*"):  # a host started by a pager thread
+            try:                                              # is that thread's child
+                kids += task.joinpath("children").read_text().split()
+            except OSError:
+                pass
         for kid in kids:
             try:
                 if b"loraserve-shard-host" in Path(f"/proc/{kid}/cmdline").read_bytes():
