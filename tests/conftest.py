@@ -5,9 +5,7 @@ Without CUDA, Triton kernels run in the interpreter; the flag must be set before
 `kernels`, hence here, in the root conftest."""
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import os
 import shutil
 from pathlib import Path
@@ -19,49 +17,23 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from loraserve.demo import build_demo_base
-from loraserve.server.request_log import encodable
+from run_guards import encodable_report, root_logger_restored
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 @pytest.fixture(autouse=True)
 def _logging_left_as_found():
+    """Every test gets the root logger back as it found it (run_guards)."""
     with root_logger_restored():
         yield
 
 
-@contextlib.contextmanager
-def root_logger_restored():
-    """A test that runs `loraserve serve` in process (cli._serve calls configure_logging) would
-    leave the root logger writing to that test's captured stderr, closed once it ends, and at
-    its level: every later log line of the worker then fails to write, and records of other
-    tests' servers land in this worker's captured logs. Each test gets the root logger back as
-    it found it."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        yield
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
+    """Reports xdist can send, whatever a test captured (run_guards)."""
     outcome = yield
     encodable_report(outcome.get_result())
-
-
-def encodable_report(report: pytest.TestReport) -> None:
-    """A report's captured output and failure text as UTF-8 can carry them. xdist sends reports
-    through execnet, which encodes str strictly: one lone surrogate (a fuzzer's adapter id in a
-    captured log line) would end the worker's session mid-run and abort the whole test run
-    with an INTERNALERROR. The escape is the one the server's own logs use."""
-    report.sections = [(name, encodable(text)) for name, text in report.sections]
-    if report.longrepr is not None and not isinstance(report.longrepr, tuple):
-        text = str(report.longrepr)
-        if encodable(text) != text:
-            report.longrepr = encodable(text)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 from _pytest.reports import TestReport
 from execnet.gateway_base import DumpError, dumps
 
-from conftest import encodable_report, root_logger_restored
+from run_guards import encodable_report, root_logger_restored
 from loraserve.cli import main
 
 
