@@ -132,7 +132,7 @@ class AsyncEngine(EngineFrontend):
             timer = threading.Timer(self.engine.grammars.compile_timeout_s, self._cmds.put,
                                     [("compile_late", req)])
             timer.daemon = True
-            timer.start()
+            self.engine.grammars.when_ready(timer.start)
 
             def done(fut: Future) -> None:  # a grammar worker
                 timer.cancel()

@@ -200,3 +200,27 @@ def test_async_engine_fails_a_request_whose_grammar_compiles_past_the_bound(demo
             await eng.shutdown()
 
     asyncio.run(main())
+
+
+def test_the_bound_counts_from_the_tokenizer_info_not_before_it(engine: LLMEngine,
+                                                                monkeypatch) -> None:
+    """The engine's one-time tokenizer setup (slow on a busy host) does not count against the
+    requests that arrive during it: their bound starts once it is built."""
+    gate, real = threading.Event(), GrammarEngine._new_compiler
+
+    def held(*args):
+        gate.wait()
+        return real(*args)
+
+    monkeypatch.setattr(GrammarEngine, "_new_compiler", staticmethod(held))
+    g = GrammarEngine(engine.tokenizer, engine.vocab_size, engine.tokenizer.eos_token_ids,
+                      compile_timeout_s=0.2)
+    since, started = 0.0, threading.Event()  # a request waiting since long ago
+    g.when_ready(started.set)
+    assert not g.late(since) and not started.is_set()  # setup under way: nobody is late
+    gate.set()
+    assert started.wait(60)
+    assert not g.late(since)  # the bound starts now
+    threading.Event().wait(0.3)
+    assert g.late(since)
+    g.close()

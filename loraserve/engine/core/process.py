@@ -110,6 +110,8 @@ class EngineCore:
             os.write(self._wake_w, b"x")
         except BlockingIOError:  # the pipe is full: a wake-up is pending anyway
             pass
+        except OSError:  # closed: a compile that ended after the core stopped has no one to wake
+            pass
 
     # -- the loop -------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -219,8 +221,7 @@ class EngineCore:
         outs: list[RequestOutput] = []
         grammars = self.engine.grammars
         for request_id, (req, record_json, compiled, since) in list(self._compiling.items()):
-            late = time.monotonic() - since > grammars.compile_timeout_s
-            if not compiled.done() and not late:
+            if not compiled.done() and not grammars.late(since):
                 continue
             del self._compiling[request_id]
             error = compiled.exception() if compiled.done() else \

@@ -23,8 +23,10 @@ model's raw distribution.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -129,6 +131,22 @@ class GrammarEngine:
         # one of them, and the requests waiting on it time out
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="loraserve-grammar")
         self._compiler = self._pool.submit(self._new_compiler, tok, vocab_size, stop_token_ids)
+        self._ready_at = math.inf  # when the tokenizer info was built (monotonic)
+        self._compiler.add_done_callback(self._ready)
+
+    def _ready(self, _: Future) -> None:
+        self._ready_at = time.monotonic()
+
+    def when_ready(self, fn: Callable[[], None]) -> None:
+        """Call fn once the tokenizer info is built (at once if it is): where a compile's time
+        bound starts. The bound is on compiling a grammar; the engine's one-time tokenizer setup
+        does not count against the first requests (on a busy host it alone can outlast it)."""
+        self._compiler.add_done_callback(lambda _: fn())
+
+    def late(self, since: float) -> bool:
+        """Whether a request waiting since `since` (monotonic) is past the compile bound,
+        counted from when_ready."""
+        return time.monotonic() - max(since, self._ready_at) > self.compile_timeout_s
 
     @staticmethod
     def _new_compiler(tok: Any, vocab_size: int, stop_token_ids: list[int]) -> tuple[Any, Any]:
