@@ -58,6 +58,7 @@ REPLAYED = ("read", "blobs")  # ops a probe may run again: reads only
 INLINE_BYTES = 256 * 1024  # blobs of one answer up to this many bytes travel inside it
 PIPELINE_BYTES = 64 * 1024  # requests sent ahead of their answers, at most (well below a socket buffer)
 EXIT_UNREADABLE = 86  # a host's exit status when the kernel could not read a mapped page (EFAULT)
+BOOT_TIMEOUT_S = 60.0  # a new host's start-up (an interpreter, the catalog's imports), bounded apart
 
 
 # -- the host process ------------------------------------------------------------------------------
@@ -74,6 +75,7 @@ def serve(conn: Connection, catalog_dir: str, options: dict) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     opts, shards = ShardOptions(**options), {}
     try:
+        conn.send(("ready", None))  # up: from here on the owner times each request
         while (msg := conn.recv()) is not None:
             op, index, payload = msg
             if index not in shards:
@@ -232,6 +234,7 @@ class ShardHost:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
+        self._booting = False  # started, its "ready" not read yet
         self._closed = False
 
     @property
@@ -306,6 +309,7 @@ class ShardHost:
 
     def _reply(self, conn: Connection, deadline: float) -> tuple:
         """`("ok", value)` or `("err", ...)` as the host sent it; a blobs answer as ("ok", blobs)."""
+        deadline = self._booted(conn, deadline)
         reply = self._recv(conn, deadline)
         if reply[0] != "blobs":
             return reply
@@ -324,6 +328,18 @@ class ShardHost:
                 conn.recv_bytes_into(blob)
                 out.append(blob)
         return "ok", out
+
+    def _booted(self, conn: Connection, deadline: float) -> float:
+        """The request's deadline, once a host started for it has said it is up: its start-up
+        (seconds on a busy machine) does not count against the request's `timeout_s`; it has
+        BOOT_TIMEOUT_S of its own."""
+        if not self._booting:
+            return deadline
+        self._wait(conn, time.monotonic() + max(BOOT_TIMEOUT_S, self.timeout_s))
+        if conn.recv() != ("ready", None):
+            raise EOFError("the shard host spoke before it was up")
+        self._booting = False
+        return max(deadline, time.monotonic() + self.timeout_s)
 
     def _recv(self, conn: Connection, deadline: float):
         self._wait(conn, deadline)
@@ -350,7 +366,7 @@ class ShardHost:
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
         finally:
             theirs.close()
-        self._conn = ours
+        self._conn, self._booting = ours, True
         self._poller = select.poll()  # made once: Connection.poll builds a selector per call
         self._poller.register(ours.fileno(), select.POLLIN)
         self.starts += 1
@@ -376,6 +392,7 @@ class ShardHost:
         exit within `grace_s` of the close); its exit code."""
         conn, proc = self._conn, self._proc
         self._conn = self._proc = None
+        self._booting = False
         if conn is not None:
             conn.close()
         if proc is None:
