@@ -7,6 +7,7 @@ a copy of the demo catalog; the saved revisions are served through /v1 as well.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import math
 import shutil
 import threading
@@ -26,6 +27,7 @@ from loraserve.engine.async_engine import AsyncEngine
 from loraserve.engine.config import EngineConfig
 from loraserve.keys import Limits, Principal, append_key
 from loraserve.server import build_app
+from loraserve.server import request_log as rl
 from loraserve.tokenizer import Tokenizer
 
 from .live import LiveServer
@@ -286,6 +288,34 @@ def test_a_sampler_save_is_served_before_its_catalog_write(server: Server, monke
     trainer.save_weights_for_sampler("after").result()  # waits for s2's write, then its own
     assert catalog.policy(f"lab/{trainer.model_id}").promoted == "after"
     assert catalog.resolve(f"lab/{trainer.model_id}", "s2").revision == "s2"
+
+
+def test_request_log_lines_name_the_run_its_tenant_and_tokens(server: Server) -> None:
+    """Tinker's routes fill the request's log line as /v1's do: a training call names its run,
+    the run's tenant, the tokens it charged and its future; a sample its adapter and prompt."""
+    lines: list[dict] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.request)
+
+    handler, level = Keep(), rl.access_log.level
+    rl.access_log.addHandler(handler)
+    rl.access_log.setLevel(logging.INFO)
+    try:
+        trainer = server.service().create_lora_training_client(base_model=BASE, rank=2, seed=0)
+        datum = sft_datum(server)
+        trainer.forward_backward([datum], "cross_entropy").result()
+        greedy_text(server, trainer.save_weights_and_get_sampling_client(), max_tokens=2)
+    finally:
+        rl.access_log.removeHandler(handler)
+        rl.access_log.setLevel(level)
+    [fb] = [line for line in lines if line["path"] == "/api/v1/forward_backward"]
+    assert (fb["tenant"], fb["model"], fb["status"]) == ("lab", trainer.model_id, 200)
+    assert fb["prompt_tokens"] == datum.model_input.length and fb["response_id"].startswith("req")
+    [sample] = [line for line in lines if line["path"] == "/api/v1/asample"]
+    assert sample["tenant"] == "lab" and sample["adapter"].startswith(f"lab/{trainer.model_id}@")
+    assert sample["prompt_tokens"] == len(server.prompt) and sample["response_id"].startswith("req")
 
 
 def test_training_on_another_base_fails_at_once(server: Server) -> None:

@@ -14,6 +14,7 @@ from fastapi import Request
 
 from loraserve.engine.types import ResolvedModel
 from loraserve.server import serving as sv
+from loraserve.server.request_log import current_record
 from loraserve.server.tinker import sampling as ts
 from loraserve.server.errors import APIError, clip
 from loraserve.server.names import lookup_error
@@ -89,6 +90,9 @@ async def start_sample(body: ts.SampleBody, request: Request) -> Future:
     admitted = admit(resolved, principal, [plan.prompt], plan.n, plan.params.max_tokens)  # 429
     future = Future(new_id("req"), owner, dedupe)
     state.futures.add(future)  # before any wait: a concurrent retry finds it
+    if (log := current_record()) is not None:  # the line of the request that starts the sample
+        log.model, log.adapter, log.tenant = model, resolved.ref, admitted.tenant or None
+        log.prompt_tokens, log.response_id = len(plan.prompt.token_ids), future.request_id
     try:
         await _launch(future, plan, resolved, admitted.engine(ctx.engine), ctx, state.futures)
     except BaseException as exc:

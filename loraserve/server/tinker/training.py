@@ -36,6 +36,7 @@ from loraserve.catalog.format import blob_checksum, read_adapter_meta
 from loraserve.catalog.records import RevisionRecord
 from loraserve.engine.types import EngineError, ResolvedModel
 from loraserve.server.errors import APIError, clip
+from loraserve.server.request_log import current_record
 from loraserve.train.run import AdamParams
 from loraserve.server.tenancy import principal_of
 from loraserve.server.tinker import asample as ta
@@ -182,6 +183,9 @@ def submit(request: Request, run: RunRecord, op: Callable[[], Awaitable[dict]]) 
         raise APIError(429, "too many requests in flight; retry later")
     future = Future(ta.new_id("req"), ta.owner_of(request))
     state.futures.add(future)
+    log = current_record()  # the request's log line names the run, its tenant and the future
+    if log is not None:
+        log.model, log.tenant, log.response_id = run.model_id, run.tenant, future.request_id
 
     async def answer() -> None:
         try:
@@ -279,7 +283,10 @@ async def run_pass(request: Request, model_id: str, body: PassInput, backward: b
     data = datums(body, ta.ctx_of(request).engine.max_model_len)  # 400s now, not in the future
     if not data:
         raise APIError(400, "data must hold at least one datum", param="data")
-    weight = charge(request, run, sum(len(tokens) for tokens, _ in data))
+    n_tokens = sum(len(tokens) for tokens, _ in data)
+    weight = charge(request, run, n_tokens)
+    if (log := current_record()) is not None:
+        log.prompt_tokens = n_tokens  # the pass's tokens, as charged
 
     async def op() -> dict:
         result = await on_core(request, run, lambda: train.run_pass(
