@@ -36,6 +36,18 @@ def pytest_runtest_makereport(item, call):
     encodable_report(outcome.get_result())
 
 
+def pytest_collection_modifyitems(config, items):
+    """`ray` tests start a local Ray cluster on every core: an xdist worker (running beside the
+    other tests) leaves them out, reported as deselected; `make test` runs them alone after the
+    rest (`-m ray`)."""
+    if not hasattr(config, "workerinput"):
+        return
+    ray = [item for item in items if item.get_closest_marker("ray")]
+    if ray:
+        config.hook.pytest_deselected(items=ray)
+        items[:] = [item for item in items if not item.get_closest_marker("ray")]
+
+
 @pytest.fixture
 def one_torch_thread():
     """Tiny matmuls run several times faster on one thread than on two busy cores."""

@@ -43,6 +43,7 @@ import psutil  # noqa: E402  (Ray's: on sys.path once ray is imported)
 from loraserve.demo import DEMO_ADAPTERS, DemoPaths, build_demo  # noqa: E402
 from loraserve.ray_serve.routing import preference  # noqa: E402
 from loraserve.server.residency import Bloom  # noqa: E402
+from ray_testing import ready  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -90,8 +91,6 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> DemoPaths:
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker would start its own Ray on both cores
-        pytest.skip("starts a local Ray: run alone (`pytest -m ray`), as `make test` does")
     return build_demo(tmp_path_factory.mktemp("ray-demo"))
 
 
@@ -136,7 +135,7 @@ def server(demo: DemoPaths, tmp_path_factory) -> Iterator[Server]:
     srv = Server(proc, f"http://127.0.0.1:{port}", ray_tmp, log)
     try:
         deadline = time.monotonic() + START_S
-        while not _ready(srv.url):
+        while not ready(srv.url):
             assert proc.poll() is None, f"the server exited ({proc.returncode}):\n{srv.log_tail()}"
             assert time.monotonic() < deadline, f"not ready in {START_S} s:\n{srv.log_tail()}"
             time.sleep(0.5)
@@ -150,13 +149,6 @@ def server(demo: DemoPaths, tmp_path_factory) -> Iterator[Server]:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         shutil.rmtree(ray_tmp, ignore_errors=True)
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/ready", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from loraserve.catalog.store import Catalog  # noqa: E402
 from loraserve.catalog.store_s3 import ObjectStore, StoreTier  # noqa: E402
 from loraserve.demo import DEMO_ADAPTERS, build_demo  # noqa: E402
 
+from ray_testing import ready  # noqa: E402
 from s3_testing import free_port, moto_s3  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -36,17 +37,8 @@ PHRASES = {adapter_id: (prompt, phrase) for adapter_id, prompt, phrase in DEMO_A
 IN_STORE, IN_SOURCE = DEMO_ADAPTERS[0][0], DEMO_ADAPTERS[1][0]
 
 
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/ready", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[str]:
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        pytest.skip("starts a local Ray: run alone (`pytest -m ray`), as `make test` does")
     demo = build_demo(tmp_path_factory.mktemp("ray-demo"))
     work = tmp_path_factory.mktemp("ray-sources")
     source = work / "source"
@@ -77,7 +69,7 @@ def _serve(model: Path, work: Path, source: Path) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_S
-        while not _ready(url):
+        while not ready(url):
             assert proc.poll() is None, f"the server exited:\n{log.read_text()[-6000:]}"
             assert time.monotonic() < deadline, f"not ready:\n{log.read_text()[-6000:]}"
             time.sleep(0.5)
