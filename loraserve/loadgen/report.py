@@ -213,23 +213,33 @@ def _empty(ax, text: str = "no data in this run") -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
-def _lines(title: str, ylabel: str, groups: dict[str, dict[str, list]], scale: float = 1.0,
-           step: bool = False) -> str:
-    fig, ax = _figure(title, "seconds into the run", ylabel)
-    drawn = False
-    for name, g in groups.items():
-        pts = [(t, v * scale) for t, v in zip(g["t"], g["value"]) if v is not None]
-        if pts:
-            xs, ys = zip(*pts)
-            (ax.step if step else ax.plot)(xs, ys, label=name or "-", marker="." if len(xs) < 40 else None,
-                                           **({"where": "mid"} if step else {}))
-            drawn = True
+def _points(g: dict[str, list], scale: float) -> list[tuple[float, float]]:
+    """A series' (t, value * scale) where it has a value."""
+    return [(t, v * scale) for t, v in zip(g["t"], g["value"]) if v is not None]
+
+
+def _finish(fig, ax, drawn: bool) -> str:
+    """The chart's SVG: a legend and a zero floor once a line is drawn, else the no-data mark."""
     if drawn:
         ax.legend(fontsize=8)
         ax.set_ylim(bottom=0)
     else:
         _empty(ax)
     return _svg(fig)
+
+
+def _lines(title: str, ylabel: str, groups: dict[str, dict[str, list]], scale: float = 1.0,
+           step: bool = False) -> str:
+    fig, ax = _figure(title, "seconds into the run", ylabel)
+    drawn = False
+    for name, g in groups.items():
+        pts = _points(g, scale)
+        if pts:
+            xs, ys = zip(*pts)
+            (ax.step if step else ax.plot)(xs, ys, label=name or "-", marker="." if len(xs) < 40 else None,
+                                           **({"where": "mid"} if step else {}))
+            drawn = True
+    return _finish(fig, ax, drawn)
 
 
 def _memory_chart(groups: dict[str, dict[str, list]]) -> str:
@@ -241,7 +251,7 @@ def _memory_chart(groups: dict[str, dict[str, list]]) -> str:
     colours = {"api_server": "tab:blue", "engine_core": "tab:orange"}
     drawn = False
     for name, g in groups.items():
-        pts = [(t, v / 2 ** 20) for t, v in zip(g["t"], g["value"]) if v is not None]
+        pts = _points(g, 1 / 2 ** 20)
         if pts:
             xs, ys = zip(*pts)
             process = name.split(" ", 1)[0]
@@ -249,12 +259,7 @@ def _memory_chart(groups: dict[str, dict[str, list]]) -> str:
                     linestyle="--" if name.endswith("file-backed") else "-",
                     marker="." if len(xs) < 40 else None)
             drawn = True
-    if drawn:
-        ax.legend(fontsize=8)
-        ax.set_ylim(bottom=0)
-    else:
-        _empty(ax)
-    return _svg(fig)
+    return _finish(fig, ax, drawn)
 
 
 def _charts(series: dict) -> list[tuple[str, str]]:

@@ -31,12 +31,12 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from loraserve.catalog.base import base_fingerprint
-from loraserve.catalog.errors import CatalogError
 
 from ..adapters.pool import PoolLimits
 from ..adapters.stats import CacheStats, PagerStats, PoolStats
 from ..engine.client.catalog_view import CatalogView
 from ..engine.client.sourcing import Sourcing
+from ..engine.client.sourcing import resolve as resolve_model
 from ..engine.config import EngineConfig
 from ..engine.directory import EVERYONE, AdapterDirectory
 from ..engine.snapshot import EngineSnapshot
@@ -232,19 +232,9 @@ class RayEngineFrontend:
                 gen.cancel()
 
     async def resolve(self, model: str, principal) -> ResolvedModel:
-        """`directory.resolve(model, principal)`, inline while recent reads were fast (`WarmRefs`);
-        a name the catalog lacks is fetched as the single server does (`Sourcing`)."""
-        try:
-            resolved = await self._warm.call(model, self.directory.resolve, model, principal)
-        except (EngineError, CatalogError) as exc:
-            if exc.status != 404 or self.sourcing is None:
-                raise
-            if not await self.sourcing.fetch_missing(model, principal):
-                raise
-            resolved = await self._warm.call(model, self.directory.resolve, model, principal)
-        if self.sourcing is not None and resolved.adapter is not None:
-            self.sourcing.touch(resolved.adapter[0])
-        return resolved
+        """`directory.resolve(model, principal)`, a name the catalog lacks fetched from the
+        durable tier and the adapter sources (`sourcing.resolve`)."""
+        return await resolve_model(self._warm, self.directory, self.sourcing, model, principal)
 
     def _warm_on(self, rec) -> None:
         """Blocking: page `rec` into the CPU tier of the replica Serve routes its adapter to (the

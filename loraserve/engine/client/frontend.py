@@ -15,11 +15,11 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
-from loraserve.catalog.errors import CatalogError
 
 from ..config import EngineConfig
 from ..directory import EVERYONE, AdapterDirectory, Viewer
 from .output_processor import OutputProcessor
+from .sourcing import resolve as resolve_model
 from ..snapshot import EngineSnapshot
 from ..types import EngineError, GenerateRequest, RequestOutput, ResolvedModel
 from .warm_refs import WarmRefs
@@ -139,21 +139,9 @@ class EngineFrontend(ABC):
                 self._abort(req.request_id)
 
     async def resolve(self, model: str, principal: Viewer) -> ResolvedModel:
-        """`directory.resolve(model, principal)`: on the event loop while recent reads were fast
-        (`WarmRefs`: a catalog read can cost less than the thread hop around it), else on a
-        worker thread. A name the catalog lacks is fetched (`sourcing`: the durable tier, the
-        adapter sources) off the event loop and resolved again; still missing, the one 404."""
-        try:
-            resolved = await self._warm.call(model, self.directory.resolve, model, principal)
-        except (EngineError, CatalogError) as exc:  # CatalogError: RevisionNotFound
-            if exc.status != 404 or self.sourcing is None:
-                raise
-            if not await self.sourcing.fetch_missing(model, principal):
-                raise
-            resolved = await self._warm.call(model, self.directory.resolve, model, principal)
-        if self.sourcing is not None and resolved.adapter is not None:
-            self.sourcing.touch(resolved.adapter[0])  # the local cache's recency (--catalog-store)
-        return resolved
+        """`directory.resolve(model, principal)`, a name the catalog lacks fetched from the
+        durable tier and the adapter sources (`sourcing.resolve`)."""
+        return await resolve_model(self._warm, self.directory, self.sourcing, model, principal)
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         """Event loop: the engine's token-id deltas of one step -> text deltas, each handed to

@@ -39,7 +39,7 @@ from loraserve.catalog.sources import AdapterSources, SingleFlight, importer
 
 from ..config import EngineConfig
 from ..directory import AdapterDirectory, Viewer
-from ..types import EngineError
+from ..types import EngineError, ResolvedModel
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -174,3 +174,23 @@ class Sourcing:
         if self.tier is not None:
             self.tier.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def resolve(warm, directory: AdapterDirectory, sourcing: Sourcing | None, model: str,
+                  principal: Viewer) -> ResolvedModel:
+    """`directory.resolve(model, principal)` through `warm` (`WarmRefs`: on the event loop while
+    recent reads were fast, a catalog read costing less than the thread hop around it, else on a
+    worker thread). A name the catalog lacks is fetched by `sourcing` (the durable tier, the
+    adapter sources) off the event loop and resolved again; still missing, the one 404. The
+    miss path of both hostings: the single server's frontend and the Ray ingress."""
+    try:
+        resolved = await warm.call(model, directory.resolve, model, principal)
+    except (EngineError, CatalogError) as exc:  # CatalogError: RevisionNotFound
+        if exc.status != 404 or sourcing is None:
+            raise
+        if not await sourcing.fetch_missing(model, principal):
+            raise
+        resolved = await warm.call(model, directory.resolve, model, principal)
+    if sourcing is not None and resolved.adapter is not None:
+        sourcing.touch(resolved.adapter[0])  # the local cache's recency (--catalog-store)
+    return resolved
