@@ -127,6 +127,27 @@ class ObjectStore:
             if not token:
                 return keys
 
+    def list_objects(self, prefix: str, start: str = ""):
+        """(key, last modified unix time, size) of every object under `prefix/` after `start`,
+        in key order, a page (1,000) at a time: a listing that need not hold them all."""
+        token = None
+        while True:
+            extra = {"ContinuationToken": token} if token else {}
+            page = self._call(prefix, self.client.list_objects_v2, Prefix=self.key(prefix) + "/",
+                              StartAfter=start, **extra)
+            for o in page.get("Contents", []):
+                yield o["Key"], o["LastModified"].timestamp(), o["Size"]
+            token = page.get("NextContinuationToken")
+            if not token:
+                return
+
+    def modified(self, key: str) -> float | None:
+        """When `key` was last written (unix time), or None when it is absent."""
+        try:
+            return self._call(key, self.client.head_object, Key=key)["LastModified"].timestamp()
+        except SourceNotFound:
+            return None
+
     def log_after(self, start: str) -> list[str]:
         """The change log's keys after `start`, in order (every page)."""
         return self.list_after("log", start)

@@ -9,7 +9,8 @@ tags as the local write left them (last writer wins); and, when the store had th
 already, a change-log entry (a new adapter needs none: no host holds it yet). A whole adapter
 deleted here leaves the store a policy with no revisions (so a stale host cannot publish its
 old revisions back), and the records of deleted revisions go; blobs stay (content-addressed,
-possibly shared). Idempotent: what the store holds as it is here is skipped after one policy
+possibly shared) until `loraserve catalog store-gc` (store_gc) finds no live revision naming
+them. Idempotent: what the store holds as it is here is skipped after one policy
 read.
 """
 from __future__ import annotations
@@ -23,6 +24,8 @@ from .store import Catalog
 from .store_log import ChangeLog
 from .store_objects import ObjectStore, PolicyDoc
 from .tombstones import read_tombstones
+
+REUSE_S = 6 * 3600.0  # a stored blob this young is reused by a publish; an older one is uploaded again
 
 
 class Publisher:
@@ -40,15 +43,21 @@ class Publisher:
         if local is None and remote is None:
             return False  # deleted before it was ever published
         known = set(remote.revisions) if remote is not None else set()
+        refreshed = []
         for rev in local.revisions if local is not None else ():
             if rev not in known and rev not in dead:
-                self.publish_revision(self.catalog.resolve(adapter_id, rev))
+                record = self.catalog.resolve(adapter_id, rev)
+                if self.publish_revision(record):
+                    refreshed.append(record)
         policy = self._merged(adapter_id, local, remote, dead)
         if remote is not None and policy.revisions == remote.revisions and dead.keys() == remote_dead.keys() \
                 and (remote.promoted, remote.tags) == (policy.promoted, policy.tags):
             return False
         placed = {rev: where for rev, where in doc.placed.items() if rev not in dead}
         self.store.put_policy(PolicyDoc(policy, dead, placed))
+        for record in refreshed:  # a store GC that raced the re-upload: upload it again (store_gc)
+            if not self.store.exists(self.store.blob_key(record.checksum)):
+                self.store.put(self.store.blob_key(record.checksum), self.catalog.read_blob(record))
         gone = [r for r in known if r in dead]
         if gone:
             self.store.delete([self.store.record_key(adapter_id, r) for r in gone])
@@ -84,8 +93,16 @@ class Publisher:
                             local.previous if local.previous in keep else None,
                             {t: r for t, r in local.tags.items() if r in keep}, local.created, time.time())
 
-    def publish_revision(self, record: RevisionRecord) -> None:
+    def publish_revision(self, record: RevisionRecord) -> bool:
+        """Upload `record`'s blob, unless the store holds it written within `REUSE_S`, then the
+        record. A blob written before is uploaded again (its age starts over), so that a store
+        GC (store_gc), which deletes only blobs older than its `min_age_s` > `REUSE_S`, never
+        takes a blob a publish just reused; whether it was so re-uploaded (`publish` checks it
+        is still there once the policy names it)."""
         blob_key = self.store.blob_key(record.checksum)
-        if not self.store.exists(blob_key):
+        written = self.store.modified(blob_key)
+        again = written is not None and written < time.time() - REUSE_S
+        if written is None or again:
             self.store.put(blob_key, self.catalog.read_blob(record))
         self.store.put(self.store.record_key(record.adapter_id, record.revision), record.to_json())
+        return again

@@ -26,7 +26,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     cat = sub.add_parser("catalog", help="manage an adapter catalog (init, import, materialize, audit, ...)")
     csub = cat.add_subparsers(dest="catalog_command", required=True, metavar="SUBCOMMAND")
     for add in (_add_init, _add_import, _add_materialize, _add_audit, _add_show, _add_list, _add_stats,
-                _add_promote, _add_rollback, _add_tag, _add_delete, _add_gc, _add_publish, _add_compact_log):
+                _add_promote, _add_rollback, _add_tag, _add_delete, _add_gc, _add_publish, _add_compact_log,
+                _add_store_gc):
         add(csub)
 
 
@@ -198,6 +199,19 @@ def _add_compact_log(csub) -> None:
                    help="the snapshot names the adapters changed in the last S seconds; a host "
                         "away longer re-checks every adapter it holds (default: 7 days)")
     p.set_defaults(func=cmd_compact_log)
+
+
+def _add_store_gc(csub) -> None:
+    from loraserve.catalog.store_publish import REUSE_S
+    p = csub.add_parser("store-gc", help="delete a durable tier's blobs, segments and records that no live "
+                                         "revision names (catalog/store_gc.py)")
+    p.add_argument("--store", required=True, metavar="s3://BUCKET/PREFIX")
+    p.add_argument("--min-age", type=float, default=86400.0, metavar="S",
+                   help="only objects written at least S seconds before the GC starts, so a publish "
+                        f"racing it loses nothing (default: 86400; at least {REUSE_S + 3600:g})")
+    p.add_argument("--workers", type=int, default=8, help="policies and records read at once (default: 8)")
+    p.add_argument("--dry-run", action="store_true", help="report what would be deleted; delete nothing")
+    p.set_defaults(func=cmd_store_gc)
 
 
 # -- commands -------------------------------------------------------------------------------
@@ -406,6 +420,24 @@ def cmd_compact_log(args) -> int:
         raise ValueError("--keep-s must be >= 0 and --horizon-s >= --keep-s")
     pruned = compact(ObjectStore(parse_store_uri(args.store)[0]), keep_s=args.keep_s, horizon_s=args.horizon_s)
     print(f"change-log entries folded into the snapshot: {pruned}")
+    return 0
+
+
+def cmd_store_gc(args) -> int:
+    from loraserve.catalog.store_gc import collect
+    from loraserve.catalog.store_publish import REUSE_S
+    from loraserve.catalog.store_s3 import ObjectStore, parse_store_uri
+
+    if args.min_age < REUSE_S + 3600 or args.workers < 1:
+        raise ValueError(f"--min-age must be >= {REUSE_S + 3600:g} (a publish reuses a blob written "
+                         f"within {REUSE_S:g} s) and --workers >= 1")
+    store = ObjectStore(parse_store_uri(args.store)[0], max_pool=max(10, args.workers))
+    rep = collect(store, min_age_s=args.min_age, workers=args.workers, dry_run=args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
+    print(f"live: {rep.policies} adapters, {rep.live_revisions} revisions; {verb}: "
+          + ", ".join(f"{n} {kind}" for kind, n in rep.deleted.items())
+          + f" ({rep.bytes_freed} bytes); pending (written < {args.min_age:g} s ago): {rep.pending}; "
+          f"dead bytes in segments kept for a live revision: {rep.dead_in_live_segments}")
     return 0
 
 
