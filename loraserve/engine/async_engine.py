@@ -21,7 +21,7 @@ from .core.engine_loop import EngineLoop
 from .client.frontend import EngineFrontend
 from .client.sourcing import Sourcing
 from .core.llm_engine import LLMEngine
-from .core.training import trainer_of
+from .core.training import close_trainer, trainer_of
 from .snapshot import EngineSnapshot
 from .training import Trainer
 from .types import GenerateRequest, RequestOutput
@@ -97,6 +97,7 @@ class AsyncEngine(EngineFrontend):
         self._cmds.put(("wake", None))
         await asyncio.to_thread(self._thread.join, 10)
         self._thread = None
+        close_trainer(self.engine)
         if self.sourcing is not None:
             self.sourcing.close()
         if self.engine.adapters is not None:

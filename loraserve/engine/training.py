@@ -29,9 +29,10 @@ class Trainer:
         self.max_tokens = max_tokens
         self._pass_ids = itertools.count()
 
-    async def create(self, run_id: str, config: dict) -> dict:
-        """A run with `config` (RunConfig's fields): {kinds, trainable}."""
-        return await self._call("create", [run_id, config])
+    async def create(self, run_id: str, config: dict, resume_path: str | None = None) -> dict:
+        """A run with `config` (RunConfig's fields): {kinds, trainable}. With `resume_path`, the
+        engine writes the run's state there after every step (behind its answer, newest only)."""
+        return await self._call("create", [run_id, config, resume_path])
 
     async def run_pass(self, run_id: str, data: list, loss: str, loss_config: dict | None,
                        backward: bool, tenant: str, weight: float = 1.0) -> dict:
@@ -45,6 +46,7 @@ class Trainer:
         return result
 
     async def optim_step(self, run_id: str, adam: dict) -> dict:
+        """{metrics, steps}: the step's metrics and the run's step count after it."""
         return await self._call("optim_step", [run_id, adam])
 
     async def publish(self, run_id: str, source: str, adapter_id: str, revision: str) -> bytes:
@@ -55,8 +57,9 @@ class Trainer:
     async def state_blob(self, run_id: str) -> bytes:
         return await self._call("state_blob", [run_id])
 
-    async def load_state(self, run_id: str, blob: bytes, optimizer: bool) -> None:
-        await self._call("load_state", [run_id, blob, optimizer])
+    async def load_state(self, run_id: str, blob: bytes, optimizer: bool, keep: bool = True) -> int:
+        """The run's step count after; `keep`: the state becomes its resume state too."""
+        return await self._call("load_state", [run_id, blob, optimizer, keep])
 
     async def drop(self, run_id: str) -> bool:
         return await self._call("drop", [run_id])

@@ -227,6 +227,14 @@ class TrainingRun:
         self.steps += 1
         return {"grad_norm:mean": float(norm)}
 
+    def state_metadata(self) -> dict[str, str]:
+        """What a training-state file says beside its tensors: the step count and the run's shape
+        (`weights_info` reads it back without loading the tensors)."""
+        cfg = self.config
+        return {"steps": str(self.steps), "rank": str(cfg.rank), "alpha": str(cfg.alpha),
+                "train_attn": str(cfg.train_attn), "train_mlp": str(cfg.train_mlp),
+                "train_unembed": str(cfg.train_unembed)}
+
     def state_tensors(self) -> dict[str, Tensor]:
         """Training state by name: each factor and its two Adam moments (`.exp_avg`,
         `.exp_avg_sq`); the optimizer's step count is `steps` (saved beside, not a tensor)."""

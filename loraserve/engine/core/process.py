@@ -42,7 +42,7 @@ from ..config import EngineConfig
 from .engine_loop import EngineLoop
 from ..heartbeat import ALIVE, HEARTBEAT_S, LOOP_WAITING, PROGRESS, Beat
 from .llm_engine import LLMEngine
-from .training import trainer_of
+from .training import close_trainer, trainer_of
 from ..types import EngineError, GenerateRequest, RequestOutput
 from ..wire import (error_to_wire, output_to_wire, pack, request_from_wire, snapshot_to_wire,
                    unpacker)
@@ -168,6 +168,7 @@ class EngineCore:
     def close(self) -> None:
         if self._beat is not None:
             self._beat.stop()
+        close_trainer(self.engine)
         if self.engine.adapters is not None:
             self.engine.adapters.close()
         self.conn.close()

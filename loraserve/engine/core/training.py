@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import struct
 import weakref
+from pathlib import Path
 from typing import Any
 
 import safetensors.torch
@@ -23,6 +24,7 @@ import torch
 
 from ...catalog.layout import save_revision
 from ...train.config import RunConfig, TrainingError
+from ...train.resume import ResumeWriter, snapshot
 from ...train.run import AdamParams, Datum, Pass, TrainingRun
 from ..types import EngineError
 from .llm_engine import LLMEngine
@@ -36,6 +38,13 @@ def trainer_of(engine: LLMEngine) -> TrainerCore:
     if core is None:
         core = _CORES[engine] = TrainerCore(engine)
     return core
+
+
+def close_trainer(engine: LLMEngine) -> None:
+    """At engine shutdown: every resume state queued is on disk (the writer thread is gone)."""
+    core = _CORES.get(engine)
+    if core is not None:
+        core.writer.flush()
 
 
 def _refused(exc: Exception) -> EngineError:
@@ -52,6 +61,8 @@ class TrainerCore:
         self.runs: dict[str, TrainingRun] = {}
         self.passes: dict[str, Pass] = {}
         self.payers: dict[str, tuple[str, float]] = {}  # pass id -> (tenant, fair-share weight)
+        self.resume: dict[str, Path] = {}  # run id -> where its state goes after each step
+        self.writer = ResumeWriter()
 
     def handle(self, op: str, args: list) -> Any:
         """Run one operation; TrainingError / ValueError become a 400 EngineError."""
@@ -69,15 +80,19 @@ class TrainerCore:
                               "the server restarted)", status=404, code="model_not_found")
         return run
 
-    def create(self, run_id: str, config: dict) -> dict:
+    def create(self, run_id: str, config: dict, resume_path: str | None = None) -> dict:
         """A new run with fresh factors; refused when the serving pool could not serve its
-        revisions (rank or targets beyond what it holds), so every save is servable."""
+        revisions (rank or targets beyond what it holds), so every save is servable. With
+        `resume_path`, its state is written there after every optim_step and load_state
+        (`_keep`), for the API side to put back after a core restart."""
         cfg = RunConfig(**config)
         run = TrainingRun(self.engine.model, cfg)
         mgr = self.engine.adapters
         if mgr is not None:
             mgr.pool.check_admissible(cfg.rank, run.factors.kinds)
         self.runs[run_id] = run
+        if resume_path is not None:
+            self.resume[run_id] = Path(resume_path)
         return {"kinds": run.factors.kinds, "trainable": sum(p.numel() for p in run.factors.parameters())}
 
     def begin(self, run_id: str, pass_id: str, data: list, loss: str, loss_config: dict | None,
@@ -118,7 +133,19 @@ class TrainerCore:
         del self.passes[pass_id], self.payers[pass_id]
 
     def optim_step(self, run_id: str, adam: dict) -> dict:
-        return self._run(run_id).optim_step(AdamParams(**adam))
+        """One Adam step: {metrics, steps} (the run's step count after it, which its resume
+        state, written behind, carries too)."""
+        run = self._run(run_id)
+        metrics = run.optim_step(AdamParams(**adam))
+        self._keep(run_id, run)
+        return {"metrics": metrics, "steps": run.steps}
+
+    def _keep(self, run_id: str, run: TrainingRun) -> None:
+        """Queue the run's state for its resume file: a copy now (a memcpy of factors and
+        moments on this thread), serialised and written by the writer thread, newest only."""
+        path = self.resume.get(run_id)
+        if path is not None:
+            self.writer.put(path, snapshot(run.state_tensors()), run.state_metadata())
 
     def publish(self, run_id: str, source: str, adapter_id: str, revision: str) -> bytes:
         """The run's current factors as revision `adapter_id@revision`, servable at once: the
@@ -138,22 +165,26 @@ class TrainerCore:
         """Training state (factors, Adam moments; step count in the metadata) as safetensors."""
         run = self._run(run_id)
         tensors = {k: v.detach().cpu().contiguous() for k, v in run.state_tensors().items()}
-        cfg = run.config
-        meta = {"steps": str(run.steps), "rank": str(cfg.rank), "alpha": str(cfg.alpha),
-                "train_attn": str(cfg.train_attn), "train_mlp": str(cfg.train_mlp),
-                "train_unembed": str(cfg.train_unembed)}
-        return safetensors.torch.save(tensors, metadata=meta)
+        return safetensors.torch.save(tensors, metadata=run.state_metadata())
 
-    def load_state(self, run_id: str, blob: bytes, optimizer: bool) -> None:
+    def load_state(self, run_id: str, blob: bytes, optimizer: bool, keep: bool = True) -> int:
+        """Put a state blob in the run; its step count after. `keep`: write it as the resume
+        state too (a load_weights; not the restore of the resume state itself)."""
         run = self._run(run_id)
         tensors = safetensors.torch.load(bytes(blob))
         steps = int(_metadata(blob).get("steps", "0"))
         run.load_state({k: v.to(self.engine.device) for k, v in tensors.items()}, steps, optimizer=optimizer)
+        if keep:
+            self._keep(run_id, run)
+        return run.steps
 
     def drop(self, run_id: str) -> bool:
         """Forget a run (and its passes); True if it was here."""
         self.passes = {k: p for k, p in self.passes.items() if p.run is not self.runs.get(run_id)}
         self.payers = {k: v for k, v in self.payers.items() if k in self.passes}
+        path = self.resume.pop(run_id, None)
+        if path is not None:
+            self.writer.discard(path)
         return self.runs.pop(run_id, None) is not None
 
 

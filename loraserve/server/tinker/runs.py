@@ -67,9 +67,10 @@ class RunRecord:
     sampler_saves: int = 0
     tail: asyncio.Future | None = None
     writing: asyncio.Future | None = None  # the catalog write of its last unnamed save
-    resume_writing: asyncio.Future | None = None  # the write of its resume state (after a step)
+    steps: int = 0  # optim_steps answered (or the step count of the state last loaded)
     grads_pending: int = 0  # forward_backward calls since its last optim_step
     lost_grads: bool = False  # the engine core restarted and lost gradients of this step
+    lost_steps: tuple[int, int] | None = None  # (put back at, had answered): its resume state was behind
 
     @property
     def adapter_id(self) -> str:
@@ -166,7 +167,8 @@ class RunRegistry:
 
     def resume_file(self, run: RunRecord) -> Path:
         """The run's state after its last optim_step, to put it back in an engine core that
-        restarted (not a checkpoint: no tinker:// name reaches it)."""
+        restarted (not a checkpoint: no tinker:// name reaches it). The engine writes it
+        (engine/core/training.py), behind each step's answer."""
         return self.state_dir / run.tenant / run.model_id / "resume.state"
 
     def state_file(self, tenant: str, model_id: str, name: str) -> Path:

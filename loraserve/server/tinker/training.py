@@ -37,6 +37,7 @@ from loraserve.catalog.records import RevisionRecord
 from loraserve.engine.types import EngineError, ResolvedModel
 from loraserve.server.errors import APIError, clip
 from loraserve.server.request_log import current_record
+from loraserve.train.resume import write_atomic
 from loraserve.train.run import AdamParams
 from loraserve.server.tenancy import principal_of
 from loraserve.server.tinker import asample as ta
@@ -255,7 +256,7 @@ async def create_model(body: CreateModelBody, request: Request) -> dict:
 
     async def create() -> dict:
         try:
-            await train.create(run.model_id, run.config)
+            await train.create(run.model_id, run.config, str(runs.resume_file(run)))
         except BaseException:
             runs.runs.pop(run.model_id, None)
             raise
@@ -301,19 +302,15 @@ async def optim_step(body: OptimStepBody, request: Request) -> dict:
     run, train = _run(request, body.model_id), trainer(request)
 
     async def step() -> dict:  # after a restore too: a step must not run without its gradients
-        if run.lost_grads:
-            run.lost_grads = False
-            raise APIError(409, f"the engine core restarted during this step of {run.model_id}: the "
-                           "gradients of its forward_backward calls since the last optim_step were lost "
-                           "(the run is as after that step); run them again, then optim_step",
-                           code="gradients_lost")
+        lost = lost_work(run)
+        if lost is not None:
+            raise APIError(409, lost, code="gradients_lost")
         return await train.optim_step(run.model_id, body.adam_params.model_dump())
 
     async def op() -> dict:
-        metrics = await on_core(request, run, step)
-        run.grads_pending = 0
-        await keep_resume(request, run)
-        return {"metrics": metrics, "type": "optim_step"}
+        result = await on_core(request, run, step)
+        run.grads_pending, run.steps = 0, result["steps"]
+        return {"metrics": result["metrics"], "type": "optim_step"}
 
     return submit(request, run, op)
 
@@ -378,7 +375,7 @@ async def save_weights(body: SaveBody, request: Request) -> dict:
             raise APIError(409, f"checkpoint {label!r} of {run.model_id} exists; pass overwrite=True",
                            code="checkpoint_exists", param="path")
         blob = await on_core(request, run, lambda: train.state_blob(run.model_id))
-        await asyncio.to_thread(_write_atomic, target, blob)
+        await asyncio.to_thread(write_atomic, target, blob)
         entry = run.add_checkpoint("training", label, len(blob))
         return {"path": entry["tinker_path"], "type": "save_weights"}
 
@@ -403,37 +400,36 @@ async def on_core(request: Request, run: RunRecord, call: Callable[[], Awaitable
 async def restore(request: Request, run: RunRecord) -> None:
     """Re-create the run in the engine from its config (the seed draws the same initial factors)
     and its resume state, if a step was taken; gradients of this step are lost, which its next
-    optim_step says."""
-    if run.resume_writing is not None:
-        await asyncio.wait({run.resume_writing})
-    await trainer(request).create(run.model_id, run.config)
+    optim_step says. The engine writes the resume state behind each step's answer (newest
+    only), so a core killed within that write leaves the one before: the run is then put back
+    at that step, and its next optim_step says that too."""
     path = registry(request).resume_file(run)
+    await trainer(request).create(run.model_id, run.config, str(path))
+    steps = 0
     if path.is_file():
-        await trainer(request).load_state(run.model_id, await asyncio.to_thread(path.read_bytes), True)
-    run.lost_grads, run.grads_pending = run.lost_grads or run.grads_pending > 0, 0
-    log.warning("training run %s put back in the engine after a core restart", run.model_id)
+        blob = await asyncio.to_thread(path.read_bytes)
+        steps = await trainer(request).load_state(run.model_id, blob, True, keep=False)
+    if steps < run.steps:
+        run.lost_steps = (steps, run.steps if run.lost_steps is None else run.lost_steps[1])
+    run.lost_grads, run.grads_pending, run.steps = run.lost_grads or run.grads_pending > 0, 0, steps
+    log.warning("training run %s put back in the engine after a core restart (at step %d)", run.model_id, steps)
 
 
-async def keep_resume(request: Request, run: RunRecord) -> None:
-    """Take the run's state (factors, Adam moments, step) after a step for `restore`; the file
-    is written behind the answer, in order (the previous write first)."""
-    blob = await on_core(request, run, lambda: trainer(request).state_blob(run.model_id))
-    previous, path = run.resume_writing, registry(request).resume_file(run)
-
-    async def write() -> None:
-        if previous is not None:
-            await asyncio.wait({previous})
-        await asyncio.to_thread(_write_atomic, path, blob)
-
-    run.resume_writing = asyncio.ensure_future(write())
-
-
-def _write_atomic(path, blob: bytes) -> None:
-    """A checkpoint appears whole or not at all (a run killed mid-save keeps the last one)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(blob)
-    os.replace(tmp, path)
+def lost_work(run: RunRecord) -> str | None:
+    """What a core restart lost of this run since its last optim_step answered (once): the
+    gradients of the step in progress, and steps whose resume state was not yet written."""
+    said = []
+    if run.lost_grads:
+        said.append("the gradients of its forward_backward calls since the last optim_step were lost")
+    if run.lost_steps is not None:
+        at, had = run.lost_steps
+        said.append(f"steps {at + 1}-{had} were lost, their state not yet written")
+    if not said:
+        return None
+    at = run.steps
+    run.lost_grads, run.lost_steps = False, None
+    return (f"the engine core restarted during this step of {run.model_id}: {'; '.join(said)} (the run "
+            f"is as after step {at}); run them again, then optim_step")
 
 
 async def load_weights(body: LoadBody, request: Request) -> dict:
@@ -445,9 +441,8 @@ async def load_weights(body: LoadBody, request: Request) -> dict:
 
     async def op() -> dict:
         blob = await asyncio.to_thread(source.read_bytes)
-        await on_core(request, run, lambda: train.load_state(run.model_id, blob, body.optimizer))
-        run.grads_pending = 0
-        await keep_resume(request, run)
+        run.steps = await on_core(request, run, lambda: train.load_state(run.model_id, blob, body.optimizer))
+        run.grads_pending, run.lost_steps = 0, None
         return {"path": body.path, "type": "load_weights"}
 
     return submit(request, run, op)
