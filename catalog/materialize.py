@@ -3,7 +3,9 @@
 Ids are `{prefix}{i:07d}` for i in 0..N-1 (wider when N needs it); worker w owns the shards
 s with s % workers == w, so no two processes write one shard. Safe to kill at any moment:
 each batch is one LMDB txn of whole adapters, and a rerun of the same command skips what
-exists, finishing with exactly N adapters under the prefix and no duplicates.
+exists, finishing with exactly N adapters under the prefix and no duplicates. With `store`
+(`--store s3://bucket/prefix`) each worker also publishes every batch it commits into that
+durable tier, resumably (catalog.store_materialize).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class MaterializeConfig:
     batch: int = 1000  # adapters per LMDB txn
     progress: bool = True
     initial_map_size: int = 256 * MiB
+    store: str | None = None  # s3://bucket/prefix: each worker publishes its batches (store_materialize)
 
     def __post_init__(self) -> None:
         self.catalog_dir, self.model_dir = Path(self.catalog_dir), Path(self.model_dir)
@@ -67,6 +70,8 @@ class MaterializeReport:
     errors: list[str]
     seconds: float
     failed_workers: int = 0
+    published: int = 0  # with a store: adapters whose policy this run wrote there
+    already: int = 0  # with a store: adapters it found there already
 
     @property
     def ok(self) -> bool:
@@ -81,7 +86,7 @@ def _jobs(cfg: MaterializeConfig, num_shards: int, base: BaseInfo) -> list[Worke
     return [
         WorkerJob(cfg.catalog_dir, num_shards, list(range(w, num_shards, workers)), cfg.count, cfg.prefix,
                   cfg.width, cfg.seed, cfg.rank, cfg.targets, base.fingerprint, template, cfg.batch,
-                  cfg.initial_map_size)
+                  cfg.initial_map_size, cfg.store)
         for w in range(workers)
     ]
 
@@ -107,7 +112,8 @@ def materialize(cfg: MaterializeConfig, base: BaseInfo | None = None) -> Materia
     skipped = sum(s[2] for s in summaries)
     errors = [e for s in summaries for e in s[3]]
     failed = sum(1 for s in summaries if s[0] != "ok") + (len(procs) - len(summaries))
-    return MaterializeReport(written, skipped, errors, time.perf_counter() - start, failed)
+    return MaterializeReport(written, skipped, errors, time.perf_counter() - start, failed,
+                             sum(s[4] for s in summaries), sum(s[5] for s in summaries))
 
 
 def _watch(procs, progress, results, cfg: MaterializeConfig) -> list[tuple]:

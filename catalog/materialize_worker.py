@@ -47,6 +47,7 @@ class WorkerJob:
     template: BlobTemplate
     batch: int
     initial_map_size: int
+    store: str | None = None  # s3://bucket/prefix: publish each committed batch there (store_materialize)
 
 
 def adapter_id(prefix: str, index: int, width: int) -> str:
@@ -103,7 +104,8 @@ def _put_sorted(txn, db, items: list[tuple[bytes, bytes]]) -> None:
 
 
 def _put_batch(job: WorkerJob, ids: list[str], now: float):
-    """Txn body for one batch of sorted ids: write each id not yet present. Returns (written, skipped, errors)."""
+    """Txn body for one batch of sorted ids: write each id not yet present. Returns (written,
+    skipped, errors, and with `job.store` the written adapters' (policy, [(record, blob)]) to publish)."""
 
     def body(txn, dbs):
         todo = [a for a in ids if txn.get(a.encode(), db=dbs.policy) is None]
@@ -111,7 +113,7 @@ def _put_batch(job: WorkerJob, ids: list[str], now: float):
         try:
             blobs = job.template.blobs(todo, job.seed)
         except Exception as e:  # a build error is counted and reported, never half-written
-            return 0, len(ids) - len(todo), [f"batch {todo[:1]}..: {e}"]
+            return 0, len(ids) - len(todo), [f"batch {todo[:1]}..: {e}"], []
         pol_t, rev_t = record_templates(job, len(blobs[0]) if blobs else 0, now)
         policies, revisions, blob_items = [], [], []
         for aid, blob in zip(todo, blobs):
@@ -123,21 +125,34 @@ def _put_batch(job: WorkerJob, ids: list[str], now: float):
         _put_sorted(txn, dbs.revision, revisions)
         _put_sorted(txn, dbs.policy, policies)
         add_blob_bytes(txn, dbs, sum(len(b) for _, b in blob_items))
-        return len(todo), len(ids) - len(todo), errors
+        return len(todo), len(ids) - len(todo), errors, _to_publish(job, policies, revisions, blob_items)
 
     return body
 
 
-def _build_shard(job: WorkerJob, shard: Shard, ids: list[str], progress) -> tuple[int, int, list[str]]:
+def _to_publish(job: WorkerJob, policies, revisions, blob_items) -> list:
+    if job.store is None:
+        return []
+    return [(PolicyRecord.from_json(p), [(RevisionRecord.from_json(r), b)])
+            for (_, p), (_, r), (_, b) in zip(policies, revisions, blob_items)]
+
+
+def _build_shard(job: WorkerJob, shard: Shard, ids: list[str], progress, publisher=None) -> tuple[int, int, list[str]]:
+    """Write the ids of `shard` it lacks, batch by batch; with `publisher` (store_materialize),
+    first publish what an earlier run committed but did not publish, then each batch as committed."""
     have = existing_ids(shard, job.prefix)
+    if publisher is not None:
+        publisher.catch_up(shard, [i for i in ids if i in have], job.batch)
     todo = [i for i in ids if i not in have]
     written, skipped, errors = 0, len(ids) - len(todo), []
     with progress.get_lock():
         progress.value += skipped
     for lo in range(0, len(todo), job.batch):
         batch = todo[lo : lo + job.batch]
-        w, sk, err = shard.write(_put_batch(job, batch, time.time()))
+        w, sk, err, made = shard.write(_put_batch(job, batch, time.time()))
         written, skipped, errors = written + w, skipped + sk, errors + err
+        if publisher is not None:
+            publisher.publish(shard.index, made)
         with progress.get_lock():
             progress.value += len(batch)
     return written, skipped, errors
@@ -186,14 +201,25 @@ def run_worker(job: WorkerJob, progress, results, parent_pid: int | None = None)
         exit_with_parent(parent_pid)
     opts = ShardOptions(initial_map_size=job.initial_map_size, sync=False)
     written, skipped, errors, opened = 0, 0, [], []
+    publisher = None
     try:
+        if job.store is not None:
+            from .store_materialize import BatchPublisher
+            publisher = BatchPublisher(job.store, job.catalog_dir)
         for s, ids in ids_by_shard(job).items():
             opened.append(Shard(job.catalog_dir, s, opts))
-            w, sk, err = _build_shard(job, opened[-1], ids, progress)
+            w, sk, err = _build_shard(job, opened[-1], ids, progress, publisher)
             written, skipped, errors = written + w, skipped + sk, errors + err
         for shard in opened:
             shard.sync()
             shard.close()
-        results.put(("ok", written, skipped, errors))
-    except Exception as e:  # storage failure: report it, the parent exits non-zero
-        results.put(("failed", written, skipped, errors + [f"{type(e).__name__}: {e}"]))
+        results.put(("ok", written, skipped, errors, *_published(publisher)))
+    except Exception as e:  # storage (or store) failure: report it, the parent exits non-zero
+        results.put(("failed", written, skipped, errors + [f"{type(e).__name__}: {e}"], *_published(publisher)))
+    finally:
+        if publisher is not None:
+            publisher.close()
+
+
+def _published(publisher) -> tuple[int, int]:
+    return (0, 0) if publisher is None else (publisher.published, publisher.already)

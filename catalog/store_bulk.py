@@ -15,6 +15,7 @@ A new adapter needs no change-log entry (no host holds it yet).
 """
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -23,9 +24,9 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from .errors import CatalogError
-from .records import PolicyRecord
+from .records import PolicyRecord, RevisionRecord
 from .store import Catalog
-from .store_objects import ObjectStore, PolicyDoc
+from .store_objects import ObjectStore, PolicyDoc, WriteConflict, policy_bytes
 from .store_s3 import StoreTier
 
 PAGE = 1000
@@ -81,20 +82,43 @@ def stored_policies(store: ObjectStore, adapter_ids: list[str]) -> set[str]:
 
 def write_segment(store: ObjectStore, catalog: Catalog, policies: list[PolicyRecord]) -> None:
     """The blobs of `policies`' revisions as one segment, then each adapter's policy object."""
+    adapters = []
+    for policy in policies:
+        records = [catalog.resolve(policy.adapter_id, rev) for rev in policy.revisions]
+        adapters.append((policy, [(record, catalog.read_blob(record)) for record in records]))
+    put_segment(store, adapters)
+
+
+def put_segment(store: ObjectStore, adapters: list[tuple[PolicyRecord, list[tuple[RevisionRecord, bytes]]]], *,
+                new_only: bool = False, pool: ThreadPoolExecutor | None = None) -> int:
+    """The blobs of `adapters`' revisions end to end as one segment object, then one policy
+    object each, whose `placed` gives every revision's record and place (on `pool`'s threads
+    when given). `new_only`: each policy is a conditional PUT that only creates (If-None-Match),
+    so an adapter the store holds already is left as it is there. How many policies were written."""
     segment = store.key("segments", uuid.uuid4().hex)
     chunks, offset, docs = [], 0, []
-    for policy in policies:
+    for policy, revisions in adapters:
         placed = {}
-        for rev in policy.revisions:
-            record = catalog.resolve(policy.adapter_id, rev)
-            chunks.append(catalog.read_blob(record))
-            placed[rev] = {**_fields(record), "segment": segment, "offset": offset}
+        for record, blob in revisions:
+            chunks.append(blob)
+            placed[record.revision] = {**_fields(record), "segment": segment, "offset": offset}
             offset += record.size
         policy.updated = time.time()
         docs.append(PolicyDoc(policy, {}, placed))
     store.put(segment, b"".join(chunks))
-    for doc in docs:
+    put = functools.partial(_put_policy, store, new_only)
+    return sum(pool.map(put, docs) if pool is not None else map(put, docs))
+
+
+def _put_policy(store: ObjectStore, new_only: bool, doc: PolicyDoc) -> bool:
+    if not new_only:
         store.put_policy(doc)
+        return True
+    try:
+        store.put_if(store.policy_key(doc.policy.adapter_id), policy_bytes(doc))
+    except WriteConflict:
+        return False
+    return True
 
 
 def _fields(record) -> dict:

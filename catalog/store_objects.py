@@ -28,6 +28,12 @@ from .format import blob_checksum
 from .records import PolicyRecord, RevisionRecord
 
 
+class WriteConflict(CatalogError):
+    """A conditional write lost: the object was created or changed by another writer."""
+
+    status = 409
+
+
 @dataclass(slots=True)
 class PolicyDoc:
     """An adapter's policy object: the record (None: the store never had the adapter), the
@@ -37,6 +43,16 @@ class PolicyDoc:
     policy: PolicyRecord | None
     deleted: dict[str, float] = field(default_factory=dict)
     placed: dict[str, dict] = field(default_factory=dict)
+
+
+def policy_bytes(doc: PolicyDoc) -> bytes:
+    """The policy object's body: the record's fields plus `deleted` and `placed` when any."""
+    out = json.loads(doc.policy.to_json())
+    if doc.deleted:
+        out["deleted"] = doc.deleted
+    if doc.placed:
+        out["placed"] = doc.placed
+    return json.dumps(out, separators=(",", ":"), sort_keys=True).encode()
 
 
 def parse_store_uri(uri: str) -> tuple[str, int | None]:
@@ -99,6 +115,30 @@ class ObjectStore:
 
     def put(self, key: str, data: bytes) -> None:
         self._call(key, self.client.put_object, Key=key, Body=data)
+
+    def put_if(self, key: str, data: bytes, etag: str | None = None) -> str:
+        """A conditional PUT (S3's If-None-Match / If-Match): `key` is written only when it is
+        absent (`etag` None) or still holds the object of that ETag. The new ETag; WriteConflict
+        when the condition fails (another writer got there first)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+        condition = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
+        try:
+            return self.client.put_object(Bucket=self.bucket, Key=key, Body=data, **condition)["ETag"]
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+                raise WriteConflict(f"{self.uri}: {key} was written by another writer") from None
+            raise s3_error(exc, f"{self.uri}: {key}") from None
+        except BotoCoreError as exc:
+            raise SourceUnavailable(f"{self.uri}: {key}: store unreachable ({exc})") from None
+
+    def get_with_etag(self, key: str) -> tuple[bytes, str] | None:
+        """(the object, its ETag), or None when absent."""
+        try:
+            got = self._call(key, self.client.get_object, Key=key)
+        except SourceNotFound:
+            return None
+        return got["Body"].read(), got["ETag"]
 
     def delete(self, keys: list[str]) -> None:
         """Delete `keys` (a thousand a request; absent ones are no error)."""
@@ -175,12 +215,7 @@ class ObjectStore:
         return PolicyDoc(PolicyRecord.from_json(json.dumps(doc).encode()), deleted, placed)
 
     def put_policy(self, doc: PolicyDoc) -> None:
-        out = json.loads(doc.policy.to_json())
-        if doc.deleted:
-            out["deleted"] = doc.deleted
-        if doc.placed:
-            out["placed"] = doc.placed
-        self.put_json(self.policy_key(doc.policy.adapter_id), out)
+        self.put(self.policy_key(doc.policy.adapter_id), policy_bytes(doc))
 
     def locate(self, doc: PolicyDoc, revision: str) -> tuple[RevisionRecord | None, dict | None]:
         """(the record of `revision` of `doc`'s adapter, where its blob is in a segment, or None:

@@ -68,6 +68,9 @@ def _add_materialize(csub) -> None:
     p.add_argument("--shards", type=int, default=100, help="shard count if DIR is not a catalog yet")
     p.add_argument("--batch", type=int, default=1000, help="adapters per LMDB transaction")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--store", metavar="s3://BUCKET/PREFIX",
+                   help="also publish every batch into this durable tier as it is committed (a "
+                        "segment per batch and worker; resumable like the build)")
     p.set_defaults(func=cmd_materialize)
 
 
@@ -257,15 +260,18 @@ def cmd_import(args) -> int:
 def cmd_materialize(args) -> int:
     from loraserve.catalog.materialize import MaterializeConfig, materialize
     from loraserve.catalog.store import Catalog
+    from loraserve.catalog.store_objects import parse_store_uri
 
     if not (Path(args.dir) / "catalog.json").exists():
         Catalog.create(args.dir, shards=args.shards).close()
     cfg = MaterializeConfig(args.dir, args.model, args.count, rank=args.rank, targets=args.targets,
                             prefix=args.prefix, workers=args.workers, seed=args.seed, dtype=args.dtype,
-                            batch=args.batch, progress=not args.no_progress)
+                            batch=args.batch, progress=not args.no_progress,
+                            store=parse_store_uri(args.store)[0] if args.store else None)
     rep = materialize(cfg)
+    published = f"; published {rep.published}, already in the store {rep.already}" if args.store else ""
     print(f"materialized {rep.written} new, {rep.skipped} already present, "
-          f"{len(rep.errors)} build errors, {rep.seconds:.1f} s")
+          f"{len(rep.errors)} build errors, {rep.seconds:.1f} s{published}")
     for e in rep.errors[:20]:
         print(f"  error: {e}", file=sys.stderr)
     if rep.failed_workers:
