@@ -15,6 +15,16 @@ in memory: what bounds a run's size here).
 
 moto is a Python server on the same 2 cores as the publishing threads: the figures are this
 machine's ceiling for the protocol and our per-adapter work, not an object store's.
+
+    python bench/store_publish.py --materialize [--servers moto,s3rver] [--steps 50000,100000]
+                                  [--minutes 40] [--rank 1] [--sweep 1000]
+
+times `catalog materialize --store` instead: each worker publishes every batch as it commits it
+(catalog.store_materialize). Each step is a rerun of the same materialize over a larger count
+(the resume path), until `--minutes` have passed; then the cold sweep. `--servers` picks the S3
+server, one after the other: moto_server, or s3rver (npm's Node server, keeping objects as files
+rather than in memory; installed into .loraserve/s3rver on first use; it ignores If-None-Match,
+so the policies' conditional creates are plain PUTs there, the same request count).
 """
 from __future__ import annotations
 
@@ -39,21 +49,57 @@ from loraserve.catalog.store_bulk import PublishReport, publish_catalog  # noqa:
 from loraserve.catalog.store_s3 import ObjectStore, StoreTier  # noqa: E402
 
 
-def start_moto() -> tuple[subprocess.Popen, str]:
+S3RVER = REPO / ".loraserve/s3rver"  # npm's s3rver (a Node S3 server keeping objects as files), installed here
+S3RVER_VERSION = "3.7.1"
+
+
+def start_server(kind: str, work: Path) -> tuple[subprocess.Popen, str]:
+    """moto_server (Python, every object in its memory) or s3rver (Node, objects as files under
+    `work`) on a free port of 127.0.0.1, the AWS environment pointed at it, with a bucket `bench`."""
     import os
+    import boto3
     import httpx
     port = free_port()
-    proc = subprocess.Popen([str(REPO / ".venv/bin/moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if kind == "moto":
+        cmd, env = [str(REPO / ".venv/bin/moto_server"), "-H", "127.0.0.1", "-p", str(port)], ENV
+    else:
+        cmd = [str(s3rver_bin()), "-d", str(work / "s3rver"), "-a", "127.0.0.1", "-p", str(port), "--silent"]
+        env = {**ENV, "AWS_ACCESS_KEY_ID": "S3RVER", "AWS_SECRET_ACCESS_KEY": "S3RVER"}  # its fixed key
+        (work / "s3rver").mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    os.environ.update(ENV, AWS_ENDPOINT_URL=url)
+    os.environ.update(env, AWS_ENDPOINT_URL=url)
     for _ in range(100):
         try:
             httpx.get(url, timeout=1)
+            boto3.session.Session().client("s3").create_bucket(Bucket="bench")  # this environment's keys
             return proc, url
         except httpx.HTTPError:
             time.sleep(0.2)
-    raise SystemExit("moto_server did not start")
+    raise SystemExit(f"{kind} did not start")
+
+
+def s3rver_bin() -> Path:
+    """s3rver's entry point, installed from the npm registry into .loraserve/s3rver when missing."""
+    binary = S3RVER / "node_modules/.bin/s3rver"
+    if not binary.exists():
+        S3RVER.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(S3RVER),
+                        f"s3rver@{S3RVER_VERSION}"], check=True, stdout=subprocess.DEVNULL)
+    return binary
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)  # a moto holding 100,000 objects takes a while to go
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def disk_mib(path: Path) -> int:
+    return int(subprocess.run(["du", "-sm", str(path)], capture_output=True, text=True).stdout.split()[0])
 
 
 def rss_mib(pid: int) -> int:
@@ -111,22 +157,37 @@ def cold_sweep(work: Path, prefix: str, built: MaterializeConfig, sweep: int) ->
           f"{took / len(ids) * 1e3:.1f} ms each")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--adapters", type=int, default=2000)
-    ap.add_argument("--rank", type=int, default=8)
-    ap.add_argument("--workers", default="1,4,8,16")
-    ap.add_argument("--sweep", type=int, default=500)
-    ap.add_argument("--no-rerun", dest="rerun", action="store_false")
-    ap.add_argument("--paths", default="segments,per-adapter",
-                    help="segments (catalog publish) and/or per-adapter (the publish before segments)")
-    args = ap.parse_args()
-    base = REPO / ".loraserve/demo/qwen3"
-    work = Path(tempfile.mkdtemp(prefix="bench-publish-"))
-    proc, _ = start_moto()
+def materialize_into(kind: str, work: Path, base: Path, args) -> None:
+    """`catalog materialize --store` into `kind`'s server, a step of `--steps` at a time (each a
+    rerun over a larger count: the resume path), until `--minutes`; then the cold sweep."""
+    proc, _ = start_server(kind, work)
     try:
-        import boto3
-        boto3.client("s3").create_bucket(Bucket="bench")
+        Catalog.create(work / "built", shards=8).close()
+        print("| server | adapters | step s | step adapters/s | all adapters/s |\n|---|---|---|---|---|", flush=True)
+        began, cfg = time.perf_counter(), None
+        for count in [int(c) for c in args.steps.split(",")]:
+            started = time.perf_counter()
+            cfg = MaterializeConfig(work / "built", base, count, rank=args.rank, workers=2, progress=False,
+                                    store="s3://bench/materialized")
+            rep = materialize(cfg)
+            if not rep.ok or rep.published != rep.written:
+                raise SystemExit(f"materialize --store: {rep}")
+            took, total = time.perf_counter() - started, time.perf_counter() - began
+            print(f"| {kind} | {count} | {took:.0f} | {rep.written / took:.0f} | {count / total:.0f} |", flush=True)
+            if total > args.minutes * 60:
+                break
+        cold_sweep(work, "s3://bench/materialized", cfg, args.sweep)
+        where = f"resident memory {rss_mib(proc.pid)} MiB" if kind == "moto" else \
+            f"objects on disk {disk_mib(work / 's3rver')} MiB"
+        print(f"{kind}: {where}; the local catalog {disk_mib(work / 'built')} MiB", flush=True)
+    finally:
+        stop_server(proc)
+
+
+def publish_into(kind: str, work: Path, base: Path, args) -> None:
+    """`catalog publish` of a materialized catalog (module doc), then the cold sweep."""
+    proc, _ = start_server(kind, work)
+    try:
         Catalog.create(work / "built", shards=8).close()
         started = time.perf_counter()
         cfg = MaterializeConfig(work / "built", base, args.adapters, rank=args.rank, workers=2, progress=False)
@@ -137,15 +198,34 @@ def main() -> None:
             for path in args.paths.split(","):
                 publish_rates(built, workers, args.rerun, path)
         cold_sweep(work, f"s3://bench/{args.paths.split(',')[0]}-w{workers[-1]}", cfg, args.sweep)
-        print(f"moto_server resident memory: {rss_mib(proc.pid)} MiB")
+        if kind == "moto":
+            print(f"moto_server resident memory: {rss_mib(proc.pid)} MiB")
     finally:
-        proc.terminate()
+        stop_server(proc)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--adapters", type=int, default=2000)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--workers", default="1,4,8,16")
+    ap.add_argument("--sweep", type=int, default=500)
+    ap.add_argument("--no-rerun", dest="rerun", action="store_false")
+    ap.add_argument("--paths", default="segments,per-adapter",
+                    help="segments (catalog publish) and/or per-adapter (the publish before segments)")
+    ap.add_argument("--servers", default="moto", help="moto and/or s3rver, run one after the other")
+    ap.add_argument("--materialize", action="store_true",
+                    help="time `catalog materialize --store` (build and publish as it goes) instead")
+    ap.add_argument("--steps", default="2000", help="--materialize: the counts, each a rerun over more")
+    ap.add_argument("--minutes", type=float, default=40.0, help="--materialize: no further step after this")
+    args = ap.parse_args()
+    base = REPO / ".loraserve/demo/qwen3"
+    for kind in args.servers.split(","):
+        work = Path(tempfile.mkdtemp(prefix=f"bench-publish-{kind}-"))
         try:
-            proc.wait(60)  # a moto holding 100,000 objects takes a while to go
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(work, ignore_errors=True)
+            (materialize_into if args.materialize else publish_into)(kind, work, base, args)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
