@@ -2,6 +2,8 @@
 
 Forward hooks on the target modules add `scale * B(A x)` to each output; nothing of the model is
 replaced or copied, so decode steps between training slices see the model exactly as before.
+`attached_rows` does it for several runs at once, each on its own contiguous rows of one batch
+(the serving path's segmented LoRA, in training): one pass over the base for all of them.
 The hooks go on whatever sits at the target path: a plain `nn.Linear`, a `PackedLinear`, or the
 serving LoRA wrapper around either (the host clears the serving LoRA state first, so the wrapper
 adds nothing of its own during a training forward).
@@ -58,15 +60,45 @@ def _target(model: CausalLM, path: str) -> nn.Module:
     return model.get_submodule(path if path == "lm_head" else f"model.{path}")
 
 
+def _rows_hook(parts: list[tuple[int, int, tuple[nn.Parameter, nn.Parameter] | None, float]]):
+    """Rows s..e-1 of the batch get their run's `scale * B(A x)` (none where `pair` is None: that
+    run does not train this module)."""
+    def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+        x = args[0]
+        deltas = []
+        for s, e, pair, scale in parts:
+            if pair is None:
+                deltas.append(output.new_zeros(e - s, output.shape[-1]))
+            else:
+                a, b = pair
+                deltas.append((F.linear(F.linear(x[s:e].to(a.dtype), a), b) * scale).to(output.dtype))
+        return output + torch.cat(deltas)
+    return hook
+
+
 @contextmanager
-def attached(model: CausalLM, factors: LoRAFactors) -> Iterator[None]:
-    """Within the block, `model(...)` computes base + this run's LoRA, differentiable in the factors
-    (and in every activation, packed layers included). Hooks are removed on exit, error or not."""
+def _hooked(model: CausalLM, hooks: dict[str, object]) -> Iterator[None]:
+    """`hooks` (module path -> forward hook) and the packed layers' input gradient, on until exit."""
     handles = [m.register_forward_hook(_packed_hook) for m in model.modules() if isinstance(m, PackedLinear)]
     try:
-        for path, (a, b) in factors.pairs.items():
-            handles.append(_target(model, path).register_forward_hook(_lora_hook(a, b, factors.config.scale)))
+        for path, hook in hooks.items():
+            handles.append(_target(model, path).register_forward_hook(hook))
         yield
     finally:
         for h in handles:
             h.remove()
+
+
+def attached(model: CausalLM, factors: LoRAFactors):
+    """Within the block, `model(...)` computes base + this run's LoRA, differentiable in the factors
+    (and in every activation, packed layers included). Hooks are removed on exit, error or not."""
+    scale = factors.config.scale
+    return _hooked(model, {path: _lora_hook(a, b, scale) for path, (a, b) in factors.pairs.items()})
+
+
+def attached_rows(model: CausalLM, runs: list[tuple[LoRAFactors, int, int]]):
+    """As `attached`, for several runs in one batch: rows s..e-1 (contiguous, in order, covering
+    the batch) computed with that run's factors. Runs may train different modules and ranks."""
+    paths = dict.fromkeys(path for factors, _, _ in runs for path in factors.pairs)
+    return _hooked(model, {path: _rows_hook([(s, e, f.pairs.get(path), f.config.scale) for f, s, e in runs])
+                           for path in paths})

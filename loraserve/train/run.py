@@ -2,9 +2,10 @@
 optim_step, and its training state.
 
 A pass (`TrainingRun.start`) works through its datums a slice at a time (`Pass.advance(budget)`),
-so the host can run decode steps between slices; a datum longer than the slice budget runs a
-chunk per slice (chunked.py), so neither a slice's time nor its activations grow with a datum's
-length. Its gradients collect in the pass's own buffer
+so the host can run decode steps between slices; a slice's whole datums run as one batch
+(grouped.py, which also batches several runs' passes into one slice), and a datum longer than
+the slice budget runs a chunk per slice (chunked.py), so neither a slice's time nor its
+activations grow with a datum's length. Its gradients collect in the pass's own buffer
 and reach the run only when the whole pass is done and finite: a diverging batch (NaN/Inf loss
 or gradient) fails its own call and leaves the run as it was, so no later save can serve it.
 Gradients of successive passes add up, as Tinker's forward_backward calls do, until optim_step.
@@ -19,10 +20,10 @@ import torch
 from torch import Tensor
 
 from loraserve.model import CausalLM
-from loraserve.train.chunked import ChunkedDatum, target_logprobs
+from loraserve.train.chunked import ChunkedDatum
 from loraserve.train.config import RunConfig, TrainingError
 from loraserve.train.factors import LoRAFactors
-from loraserve.train.hooks import attached
+from loraserve.train.grouped import pick, run_group
 from loraserve.train.losses import loss_spec
 
 
@@ -61,7 +62,7 @@ class PassResult:
 BACKWARD_COST = 2  # a backward pass costs about two forwards (in forward-token equivalents)
 
 
-@dataclass
+@dataclass(eq=False)  # a pass is itself (a key of the grouped slice's maps), not its fields
 class Pass:
     """One forward or forward_backward call in progress."""
 
@@ -81,33 +82,25 @@ class Pass:
     def done(self) -> bool:
         return self.done_datums == len(self.data)
 
+    def groupable(self, max_tokens: int) -> bool:
+        """Whether this pass's next slice is whole datums (it may share a slice with other runs'
+        passes, grouped.py) rather than a chunk of a datum longer than `max_tokens`."""
+        return not self.done and self.chunked is None and self.data[self.done_datums].num_tokens <= max_tokens
+
     def advance(self, max_tokens: int) -> bool:
-        """Run datums while they fit in `max_tokens`, or one chunk of a datum longer than that
-        (chunked.py); True once every datum ran. TrainingError if a loss or gradient is not
-        finite (the run is left untouched)."""
-        used = 0
-        while not self.done:
-            n = self.data[self.done_datums].num_tokens
-            if self.chunked is not None or n > max_tokens:
-                if used == 0:
-                    self._chunk_step(max_tokens)
-                break
-            if used + n > max_tokens:
-                break
-            self._one(self.data[self.done_datums])
-            used += n
+        """Run the datums that fit in `max_tokens` as one batch, or one chunk of a datum longer
+        than that (chunked.py); True once every datum ran. TrainingError if a loss or gradient
+        is not finite (the run is left untouched)."""
+        if self.groupable(max_tokens):
+            failed = run_group(pick([self], max_tokens))
+            if failed:
+                raise failed[self]
+        elif not self.done:
+            self._chunk_step(max_tokens)
         return self.done
 
-    def _one(self, datum: Datum) -> None:
-        spec, run = loss_spec(self.loss), self.run
-        with torch.inference_mode(False), torch.set_grad_enabled(self.backward), attached(run.model, run.factors):
-            positions = torch.arange(datum.num_tokens, device=datum.tokens.device)
-            target_lp = target_logprobs(run.model, run.model(datum.tokens, positions), datum.inputs["target_tokens"])
-            elementwise = spec.fn(target_lp, datum.inputs, self.loss_config)
-            loss = elementwise.sum()
-            self._check_finite(loss)
-            if self.backward:
-                self._accumulate(torch.autograd.grad(loss, run.factors.parameters()))
+    def ran(self, datum: Datum, target_lp: Tensor, elementwise: Tensor) -> None:
+        """A whole datum of this pass ran (its gradients, if any, already `accumulate`d)."""
         self.work += datum.num_tokens * (1 + BACKWARD_COST * self.backward)
         self._finish_datum(target_lp, elementwise)
 
@@ -125,7 +118,7 @@ class Pass:
         if c.done:
             self.chunked = None
             if c.grads is not None:
-                self._accumulate(c.grads)
+                self.accumulate(c.grads)
             self._finish_datum(c.logprobs, c.elementwise)
 
     def _check_finite(self, loss: Tensor) -> None:
@@ -138,7 +131,7 @@ class Pass:
         self.outputs.append({"logprobs": target_lp.detach().float(), "elementwise_loss": elementwise.detach().float()})
         self.done_datums += 1
 
-    def _accumulate(self, grads: tuple[Tensor, ...]) -> None:
+    def accumulate(self, grads: tuple[Tensor, ...]) -> None:
         if self.grads is None:
             self.grads = [g.detach().clone() for g in grads]
         else:

@@ -92,7 +92,8 @@ def test_split_datum_equals_unsplit(name, one_torch_thread):
         whole, whole_grads, _ = _pass(run, data, loss, budget=64)
         split, split_grads, calls = _pass(run, data, loss, budget=7)
         assert calls >= 1 + 2 * 5  # 30 tokens: 5 forward and 5 backward chunks, one per slice
-        assert split.metrics["loss:sum"] == pytest.approx(whole.metrics["loss:sum"], rel=1e-5)
+        # rel: the packed layers' sums depend on the batch's row count (a whole slice batches its datums)
+        assert split.metrics["loss:sum"] == pytest.approx(whole.metrics["loss:sum"], rel=rel)
         for got, want in zip(split.outputs, whole.outputs):
             for key in ("logprobs", "elementwise_loss"):
                 _close(got[key], want[key], f"{loss} {key}", rel)

@@ -25,6 +25,7 @@ import torch
 from ...catalog.layout import save_revision
 from ...train.config import RunConfig, TrainingError
 from ...train.resume import ResumeWriter, snapshot
+from ...train.grouped import pick, run_group
 from ...train.run import AdamParams, Datum, Pass, TrainingRun
 from ..types import EngineError
 from .llm_engine import LLMEngine
@@ -61,6 +62,7 @@ class TrainerCore:
         self.runs: dict[str, TrainingRun] = {}
         self.passes: dict[str, Pass] = {}
         self.payers: dict[str, tuple[str, float]] = {}  # pass id -> (tenant, fair-share weight)
+        self.failures: dict[str, BaseException] = {}  # pass id -> how it failed in another's slice
         self.resume: dict[str, Path] = {}  # run id -> where its state goes after each step
         self.writer = ResumeWriter()
 
@@ -108,29 +110,63 @@ class TrainerCore:
         self.payers[pass_id] = (tenant, weight)
 
     def advance(self, pass_id: str, max_tokens: int) -> dict | None:
-        """Run one slice of the pass; its result (outputs as lists, metrics) once the last ran.
-        A failure ends the pass (its gradients never reach the run)."""
+        """Run one slice of the pass, batched with the next datums of other runs' passes waiting
+        too (`_slice`); its result (outputs as lists, metrics) once its last datum ran, in its own
+        slice or another pass's. A failure ends the pass (its gradients never reach the run)."""
         p = self.passes.get(pass_id)
         if p is None:
             raise EngineError(f"no training pass {pass_id!r}", status=404, code="not_found")
-        if self.engine.runner.lora is not None:  # the wrappers add nothing during a training forward
-            self.engine.runner.lora.set_slots([])
-        work, (tenant, weight) = p.work, self.payers[pass_id]
+        failure = self.failures.pop(pass_id, None)
         try:
-            result = p.finish() if p.advance(max_tokens) else None
-        except BaseException:  # a failed slice fails the whole pass: its gradients never count
+            if failure is None and not p.done:
+                failure = self._slice(p, max_tokens)
+            if failure is not None:
+                raise failure
+            result = p.finish() if p.done else None
+        except BaseException:
             self._end(pass_id)
             raise
-        finally:  # the tenant pays for what ran, failed or not
-            self.engine.scheduler.charge(tenant, p.work - work, weight)
         if result is None:
             return None
         self._end(pass_id)
         return {"outputs": [{k: v.cpu().tolist() for k, v in out.items()} for out in result.outputs],
                 "metrics": result.metrics}
 
+    def _slice(self, p: Pass, max_tokens: int) -> BaseException | None:
+        """One slice of at most `max_tokens`: p's next whole datums and, one datum each in turn,
+        those of other runs' passes that wait (one pass per run), as ONE batch through the base
+        (train/grouped.py); or the next chunk of p's datum longer than the budget, alone. Each
+        pass's tenant pays for its own rows, failed or not. p's failure is returned; another
+        pass's is kept for its own next `advance` to raise."""
+        if self.engine.runner.lora is not None:  # the wrappers add nothing during a training forward
+            self.engine.runner.lora.set_slots([])
+        ids = {q: qid for qid, q in self.passes.items() if qid not in self.failures}
+        group, runs, whole = [p], {id(p.run)}, p.groupable(max_tokens)
+        if whole:
+            for q in ids:
+                if id(q.run) not in runs and q.groupable(max_tokens):
+                    group.append(q)
+                    runs.add(id(q.run))
+        work = [q.work for q in group]
+        try:
+            if whole:
+                failed = run_group(pick(group, max_tokens))
+            else:
+                p.advance(max_tokens)
+                failed = {}
+        except BaseException as exc:  # beyond a loss of one run: every pass of the slice fails
+            failed = {q: exc for q in group}
+        for q, before in zip(group, work):
+            tenant, weight = self.payers[ids[q]]
+            self.engine.scheduler.charge(tenant, q.work - before, weight)
+        for q, exc in failed.items():
+            if q is not p:
+                self.failures[ids[q]] = exc
+        return failed.get(p)
+
     def _end(self, pass_id: str) -> None:
         del self.passes[pass_id], self.payers[pass_id]
+        self.failures.pop(pass_id, None)
 
     def optim_step(self, run_id: str, adam: dict) -> dict:
         """One Adam step: {metrics, steps} (the run's step count after it, which its resume
@@ -182,6 +218,7 @@ class TrainerCore:
         """Forget a run (and its passes); True if it was here."""
         self.passes = {k: p for k, p in self.passes.items() if p.run is not self.runs.get(run_id)}
         self.payers = {k: v for k, v in self.payers.items() if k in self.passes}
+        self.failures = {k: v for k, v in self.failures.items() if k in self.passes}
         path = self.resume.pop(run_id, None)
         if path is not None:
             self.writer.discard(path)
