@@ -17,7 +17,7 @@ runs share a slice fairly and a datum longer than the budget (chunked.py) never 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -28,8 +28,9 @@ from loraserve.train.config import TrainingError
 from loraserve.train.hooks import attached_rows
 from loraserve.train.losses import loss_spec
 
-if TYPE_CHECKING:
-    from loraserve.train.run import Datum, Pass
+# run.Pass and run.Datum (run.py imports this module, so they are not named here)
+Pass = Any
+Datum = Any
 
 
 def segmented_attention(segments: list[tuple[int, int]]):
