@@ -21,7 +21,9 @@ SDK (training) and httpx (serving). Prints two tables:
   with a decode step after each, 512 in one.
 - runs (`--runs 1,3,8`, on the last server): N runs of `--steps` steps each (the same passes),
   one after another against all at once (a thread each); wall time and the peak resident memory
-  of the server and its engine core during each (sampled every 20 ms).
+  of the server and its engine core during each (sampled every 20 ms). Runs at once share
+  slices: the core batches their waiting datums into one forward/backward (train/grouped.py).
+  `--handoffs 0` measures the runs table alone.
 """
 from __future__ import annotations
 
@@ -244,13 +246,16 @@ def measure(demo, budget: int, source: str | None, args: argparse.Namespace, run
         proc = serve(demo.qwen3, root / "catalog", root, port, budget, source)
         url = f"http://127.0.0.1:{port}"
         try:
-            with httpx.Client(base_url=url, timeout=120) as http:
-                sampler, named, export = handoff(url, http, root, demo.qwen3, args.handoffs)
-                itl = serving(url, http, args.tokens, args.train_datums, args.train_tokens)
+            if args.handoffs:
+                with httpx.Client(base_url=url, timeout=120) as http:
+                    sampler, named, export = handoff(url, http, root, demo.qwen3, args.handoffs)
+                    itl = serving(url, http, args.tokens, args.train_datums, args.train_tokens)
             rows = runs_table(url, proc.pid, [int(x) for x in args.runs.split(",")], args) if runs else []
         finally:
             proc.terminate()
             proc.wait(timeout=60)
+    if not args.handoffs:
+        return None, rows
     a, n, b = (statistics.median(xs) * 1e3 for xs in (sampler, named, export))
     alone, (loaded, rate) = itl["alone"][0], itl["training"]
     return (f"| {source or 'this tree'} | {budget} | {a:.1f} | {n:.1f} | {b:.1f} | {b / a:.2f}x |"
@@ -277,18 +282,23 @@ def main() -> None:
     for budget in budgets:  # trees interleaved per budget: what the machine's load does hits both
         for source in [None, *args.source]:
             row, more = measure(demo, budget, source, args, runs=bool(args.runs) and budget == budgets[-1])
-            rows.append(row)
+            rows += [row] if row else []
             runs_rows += [f"| {source or 'this tree'} | {r[2:]}" for r in more]
-    print("| tree | --train-max-tokens | handoff: sampler save -> sample (ms) | handoff: named save -> /v1 (ms) |"
-          " handoff: export + import -> /v1 (ms) | export / sampler | ITL alone p50 / p99 (ms) |"
-          " ITL while training p50 / p99 (ms) | training steps/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+    if rows:
+        print_rows(rows)
     if runs_rows:
         print(f"\n| tree | runs (--train-max-tokens {budgets[-1]}) | one after another (s) | at once (s) | ratio |"
               " peak RSS one after another (MiB) | peak RSS at once (MiB) |")
         print("|---|---|---|---|---|---|---|")
         print("\n".join(runs_rows))
+
+
+def print_rows(rows: list[str]) -> None:
+    print("| tree | --train-max-tokens | handoff: sampler save -> sample (ms) | handoff: named save -> /v1 (ms) |"
+          " handoff: export + import -> /v1 (ms) | export / sampler | ITL alone p50 / p99 (ms) |"
+          " ITL while training p50 / p99 (ms) | training steps/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":
