@@ -92,16 +92,19 @@ class LoRAState:
 
 
 class LoRALinear(nn.Module):
-    """y = base(x) + x @ A[a(t)]^T @ B[a(t)]^T per token t. x [T, H_in] -> [T, H_out]."""
+    """y = base(x) + x @ A[a(t)]^T @ B[a(t)]^T per token t. x [T, H_in] -> [T, H_out].
+
+    A base that is one slice of a fused GEMM (`model.layers.FusedSlice`) is called with the fused
+    output too, and y is its columns of it: the delta lands there in place."""
 
     def __init__(self, base: nn.Module, kind: str, layer: int, state: LoRAState):
         super().__init__()
         self.base, self.kind, self.layer, self.state = base, kind, layer, state
         self.weights = state.tensors(kind, layer)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *fused: torch.Tensor) -> torch.Tensor:
         base = self.base  # a plain nn.Linear is called as F.linear: two Python frames fewer
-        y = F.linear(x, base.weight, base.bias) if type(base) is nn.Linear else base(x)
+        y = F.linear(x, base.weight, base.bias) if type(base) is nn.Linear else base(x, *fused)
         st = self.state
         if st.meta is None:
             return y

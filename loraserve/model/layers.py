@@ -80,13 +80,27 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, device)
         else:
             self.q_norm = self.k_norm = nn.Identity()
+        self.qkv_proj: nn.Module | None = None  # q/k/v in one GEMM once `fuse` ran
+
+    def fuse(self) -> bool:
+        """Put q/k/v's weights into one `qkv_proj` (a GEMM instead of three); False if done or
+        not plain linears."""
+        fused = fuse_linears(self, ("q_proj", "k_proj", "v_proj"))
+        if fused is not None:
+            self.qkv_proj = fused
+        return fused is not None
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionFn | None) -> Tensor:
         """x [T, H] -> [T, H]."""
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))     # [T, Hq, D]
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)               # [T, Hkv, D]
+        if self.qkv_proj is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            qkv = self.qkv_proj(x)
+            q, k, v = self.q_proj(x, qkv), self.k_proj(x, qkv), self.v_proj(x, qkv)
+        q = self.q_norm(q.view(t, self.num_heads, self.head_dim))      # [T, Hq, D]
+        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))   # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)                # [T, Hkv, D]
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if attn is None:
@@ -106,6 +120,59 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias, device=device)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias, device=device)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias, device=device)
+        self.gate_up_proj: nn.Module | None = None  # gate/up in one GEMM once `fuse` ran
+
+    def fuse(self) -> bool:
+        """Put gate/up's weights into one `gate_up_proj`; False if done or not plain linears."""
+        fused = fuse_linears(self, ("gate_proj", "up_proj"))
+        if fused is not None:
+            self.gate_up_proj = fused
+        return fused is not None
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        both = self.gate_up_proj(x)
+        return self.down_proj(F.silu(self.gate_proj(x, both)) * self.up_proj(x, both))
+
+
+class FusedSlice(nn.Module):
+    """One projection's columns of a fused GEMM's output (q of `qkv_proj`, gate of `gate_up_proj`).
+
+    It stays at the projection's own module path (`self_attn.q_proj`), so whatever finds a
+    projection by path finds it there: the serving LoRA wrapper, which then adds its adapters'
+    delta to these columns in place; the training hooks, which return slice + delta; the adapter
+    pool's shapes (`in_features`, `out_features`). The parent runs the one GEMM and hands its
+    output in: forward(x [T, in], fused [T, sum of outs]) -> fused[:, lo:lo + out], a view."""
+
+    def __init__(self, in_features: int, out_features: int, lo: int):
+        super().__init__()
+        self.in_features, self.out_features, self.lo = in_features, out_features, lo
+
+    def forward(self, x: Tensor, fused: Tensor) -> Tensor:  # noqa: ARG002 (x: for LoRA and hooks)
+        return fused[..., self.lo:self.lo + self.out_features]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, columns from {self.lo}"
+
+
+@torch.no_grad()
+def fuse_linears(owner: nn.Module, names: tuple[str, ...]) -> nn.Linear | None:
+    """One `nn.Linear` holding the weights (and biases) of `owner`'s plain linears `names`,
+    concatenated along the output axis; each of `names` becomes its `FusedSlice`. None (and
+    nothing changed) unless every one is a plain `nn.Linear` on one input: already fused,
+    wrapped by LoRA or packed, the owner keeps its separate GEMMs."""
+    parts = [getattr(owner, n) for n in names]
+    if not all(type(p) is nn.Linear for p in parts) or len({p.in_features for p in parts}) != 1:
+        return None
+    w = torch.cat([p.weight for p in parts])                                   # [sum out, in]
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+    fused.weight = nn.Parameter(w, requires_grad=False)
+    if any(p.bias is not None for p in parts):
+        fused.bias = nn.Parameter(torch.cat([p.bias if p.bias is not None else w.new_zeros(p.out_features)
+                                             for p in parts]), requires_grad=False)
+    lo = 0
+    for name, p in zip(names, parts):
+        setattr(owner, name, FusedSlice(p.in_features, p.out_features, lo))
+        lo += p.out_features
+    return fused

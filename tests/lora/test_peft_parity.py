@@ -76,7 +76,8 @@ def test_packed_base_weights_mixed_batch_match_peft(base, request):
     wrappers: a mixed batch still equals transformers + PEFT."""
     aset = request.getfixturevalue(base)
     eng = _engine(aset, "torch", weight_prepack="on")
-    assert isinstance(eng.model.model.layers[0].self_attn.q_proj.base, PackedLinear)
+    attn = eng.model.model.layers[0].self_attn  # q/k/v fused into one packed GEMM, LoRA per slice
+    assert isinstance(attn.qkv_proj, PackedLinear) and isinstance(attn.o_proj.base, PackedLinear)
     adapters = ["t/qv-r4", None, "t/all-r8-rslora", "t/o-head-r2"] if base == "dense_set" else \
         ["t/moe-r4", None, "t/moe-r4"]
     _check(aset, eng, adapters, seed=6)

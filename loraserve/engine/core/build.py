@@ -35,9 +35,11 @@ def pool_targets(model: torch.nn.Module, kinds: set[str] | None = None) -> list[
     for kind, layer, _, mod in target_modules(model):
         if kinds is not None and kind not in kinds:
             continue
-        w = mod.base.weight if hasattr(mod, "base") else mod.weight
-        experts = w.shape[0] if kind in EXPERT_KINDS else 0
-        h_out, h_in = w.shape[-2], w.shape[-1]
+        inner = getattr(mod, "base", mod)  # a LoRA wrapper's target
+        if kind in EXPERT_KINDS:
+            experts, h_out, h_in = inner.weight.shape  # [E, out, in]
+        else:  # no weight read: a packed or fused base's would be a copy
+            experts, h_out, h_in = 0, inner.out_features, inner.in_features
         spec = by_kind.get(kind)
         if spec is None:
             by_kind[kind] = TargetSpec(kind=kind, layers=[layer], h_in=h_in, h_out=h_out, experts=experts)

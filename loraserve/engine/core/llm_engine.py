@@ -83,6 +83,7 @@ class LLMEngine:
         self.model_config = mc
         self.dtype = resolve_dtype(cfg.dtype, mc, self.device)
         self.model = load_model(cfg.model_dir, dtype=self.dtype, device=self.device).eval()
+        self.model.fuse_projections()  # q/k/v and gate/up: one GEMM each, before packing and LoRA
         if self.device.type == "cpu":  # threads and weight layout follow the base's size
             big = outgrows_last_level_cache(self.model)
             torch.set_num_threads(cfg.torch_threads or default_torch_threads(big, usable_cpus()))

@@ -1,0 +1,75 @@
+"""q/k/v and gate/up fused into one GEMM each (`CausalLM.fuse_projections`): the same model as
+transformers', plain or packed, and a projection's slice still takes a hook's delta and its gradient."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraserve.model import load_model
+from loraserve.model.layers import FusedSlice
+from loraserve.model.prepack import PackedLinear, prepack_linears
+from loraserve.train.hooks import _packed_hook
+
+VOCAB = 96  # tests/model/conftest.py
+CASES = {
+    "qwen3": dict(arch="qwen3"),
+    "llama-biases": dict(arch="llama", attention_bias=True, mlp_bias=True, head_dim=None),
+    "qwen2-qkv-bias": dict(arch="qwen2", head_dim=None),
+    "moe-mixed-layers": dict(arch="qwen3_moe", num_hidden_layers=3, decoder_sparse_step=2, mlp_only_layers=[2]),
+}
+
+
+def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.compute_logits(model(ids, torch.arange(len(ids)))).log_softmax(-1)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fused_model_matches_transformers(case, packed, tmp_path, make_hf):
+    spec = dict(CASES[case])
+    ref = make_hf(spec.pop("arch"), **spec)
+    ref.save_pretrained(tmp_path)
+    ours = load_model(tmp_path)
+    dense_mlps = sum(not hasattr(layer.mlp, "experts") for layer in ours.model.layers)
+    assert ours.fuse_projections() == len(ours.model.layers) + dense_mlps
+    assert ours.fuse_projections() == 0  # done once
+    attn = ours.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, FusedSlice) and attn.q_proj.out_features == ref.config.num_attention_heads * (
+        attn.head_dim) and attn.qkv_proj.out_features == attn.head_dim * (attn.num_heads + 2 * attn.num_kv_heads)
+    if packed:
+        prepack_linears(ours, batch_hint=8)
+        assert isinstance(attn.qkv_proj, PackedLinear)
+    ids = torch.randint(0, VOCAB, (16,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0].float().log_softmax(-1)
+    assert (_logprobs(ours, ids) - want).abs().max().item() <= 1e-4
+
+
+def test_a_hook_on_a_fused_slice_adds_its_delta_and_gets_its_gradient(hf_dense_dir):
+    """What the training hooks rely on: a forward hook at `self_attn.k_proj` / `mlp.up_proj` sees
+    x and that projection's output, returns output + delta, and the delta's parameter gets the
+    same gradient as on the unfused model (packed too: the fused GEMM passes the gradient on)."""
+    results = []
+    for fuse in (False, True):
+        model = load_model(hf_dense_dir)
+        if fuse:
+            model.fuse_projections()
+            prepack_linears(model, batch_hint=8)
+            for m in model.modules():
+                if isinstance(m, PackedLinear):
+                    m.register_forward_hook(_packed_hook)  # a packed GEMM's input gradient
+        layer = model.model.layers[1]
+        gains = [torch.zeros(p.out_features, requires_grad=True) for p in (layer.self_attn.k_proj, layer.mlp.up_proj)]
+        for proj, gain in zip((layer.self_attn.k_proj, layer.mlp.up_proj), gains):
+            proj.register_forward_hook(lambda mod, args, out, g=gain: out + args[0][:, :1] * g)
+        ids = torch.arange(12) % VOCAB
+        emb = model.model.embed_tokens(ids).detach().requires_grad_(True)  # a packed GEMM wants x to need grad
+        model.model.embed_tokens.forward = lambda _ids, e=emb: e
+        loss = model.compute_logits(model(ids, torch.arange(12))).log_softmax(-1)[:, 3].sum()
+        loss.backward()
+        results.append((loss.detach(), [g.grad for g in gains]))
+    (loss0, grads0), (loss1, grads1) = results
+    assert torch.allclose(loss0, loss1, rtol=1e-5)
+    for g0, g1 in zip(grads0, grads1):
+        assert g0.abs().sum() > 0 and torch.allclose(g0, g1, rtol=1e-4, atol=1e-5)
