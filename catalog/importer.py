@@ -67,13 +67,14 @@ def promoted_if_equal(catalog: Catalog, adapter_id: str, blob: bytes) -> Revisio
 
 def import_peft(
     catalog: Catalog, adapter_id: str, peft_dir: str | Path | AdapterSource, model_dir: str | Path,
-    revision: str | None = None, promote: bool = True, *, base: BaseInfo | None = None, dtype: str | None = None,
+    revision: str | Callable[[bytes], str] | None = None, promote: bool = True, *, base: BaseInfo | None = None, dtype: str | None = None,
     admit: Admit | None = None, source: str | None = None, keep_promoted: bool = False,
 ) -> RevisionRecord:
     """Export `peft_dir` against the base in `model_dir` and store it as a new revision of `adapter_id`.
 
     `admit(rank, targets)` runs after the export and before the write; if it raises, nothing is written.
-    `source`: the provenance the record keeps (default `peft:<dir name>`). `keep_promoted`: when
+    `revision`: an id, or a function naming the revision after the exported blob (None: the
+    next `r{n}`). `source`: the provenance the record keeps (default `peft:<dir name>`). `keep_promoted`: when
     the export is byte for byte the promoted revision (the same files imported again), that
     revision is the answer and nothing is written.
     """
@@ -87,4 +88,6 @@ def import_peft(
         return same
     if source is None:
         source = f"peft:{peft_dir.name if isinstance(peft_dir, AdapterSource) else Path(peft_dir).name}"
+    if callable(revision):
+        revision = revision(blob)
     return catalog.put_revision(adapter_id, blob, revision=revision, promote=promote, source=source)

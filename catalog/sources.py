@@ -34,6 +34,7 @@ from typing import Callable, Protocol, TypeVar
 
 from .base import BaseInfo
 from .errors import CatalogError, InvalidAdapterId, SourceForbidden, SourceNotFound, SourceUnavailable
+from .format import blob_checksum
 from .ids import NAME_MAX, TENANT_MAX, validate_adapter_id
 from .importer import Admit, import_peft
 from .lru import BoundedLRU
@@ -209,12 +210,20 @@ class AdapterSources:
         raise SourceNotFound(f"adapter {adapter_id!r} is in no adapter source")
 
 
+def content_revision(blob: bytes) -> str:
+    """The revision id of an import made while the durable tier was down (`importer`'s
+    `by_content`): named after its bytes, so it can never be taken for a revision of the store
+    holding other bytes (store_s3 `_settle`)."""
+    return "src-" + blob_checksum(blob)[:16]
+
+
 def importer(catalog: Catalog, adapter_id: str, model_dir: str | Path, base: BaseInfo,
-             admit: Admit | None = None) -> Callable[[AdapterSource, str], RevisionRecord]:
+             admit: Admit | None = None, *, by_content: bool = False) -> Callable[[AdapterSource, str], RevisionRecord]:
     """The `into` of `AdapterSources.fetch` that imports the fetched directory as a new, promoted
     revision of `adapter_id` (checked against `base`, then `admit`), its record's source the URI;
-    the same files fetched again are the promoted revision, not a new one."""
+    the same files fetched again are the promoted revision, not a new one. `by_content`: the
+    revision id is `content_revision` of its bytes rather than the next `r{n}`."""
     def into(peft_dir: AdapterSource, uri: str) -> RevisionRecord:
-        return import_peft(catalog, adapter_id, peft_dir, model_dir, promote=True, base=base,
-                           admit=admit, source=uri, keep_promoted=True)
+        return import_peft(catalog, adapter_id, peft_dir, model_dir, content_revision if by_content else None,
+                           promote=True, base=base, admit=admit, source=uri, keep_promoted=True)
     return into

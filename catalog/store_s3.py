@@ -33,6 +33,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import TypeVar
 
+from .deletes import delete
 from .errors import AdapterNotFound, CatalogError
 from .records import RevisionRecord
 from .store import Catalog
@@ -105,8 +106,9 @@ class StoreTier:
         return record
 
     def provisional(self, adapter_id: str, fetch: Callable[[], T]) -> T:
-        """`fetch()` imports `adapter_id` from an adapter source while the store is down: its
-        write is not published now; the first poll that reaches the store settles it (`_settle`)."""
+        """`fetch()` imports `adapter_id` from an adapter source while the store is down (under
+        a revision id named after its bytes: sources.content_revision): its write is not
+        published now; the first poll that reaches the store settles it (`_settle`)."""
         with self.replaying():
             result = fetch()
         with self._provisional_lock:
@@ -114,10 +116,10 @@ class StoreTier:
         return result
 
     def _settle(self) -> None:
-        """Publish the provisional imports the store still lacks. One the store holds under the
-        same promoted checksum is its copy already; one it holds otherwise is kept as the source
-        gave it (the store and the source disagree: logged), following the store's changes from
-        now on."""
+        """Settle the provisional imports by the rule that the store is the fleet's copy of
+        every adapter it holds (a source only fills ids it lacks): one the store lacks (or
+        deleted) is published now; one it holds under the same promoted checksum is its copy
+        already; one it holds with other bytes yields (`_yield_to_store`)."""
         with self._provisional_lock:
             pending = sorted(self._provisional)
         for adapter_id in pending:
@@ -125,10 +127,29 @@ class StoreTier:
             if doc.policy is None or not doc.policy.revisions:
                 self.published(adapter_id)
             elif not self._same_promoted(doc):
-                log.warning("%s: the adapter source and %s hold different bytes; serving the source's",
-                            adapter_id, self.store.uri)
+                self._yield_to_store(doc)
             with self._provisional_lock:
                 self._provisional.discard(adapter_id)
+
+    def _yield_to_store(self, doc: PolicyDoc) -> None:
+        """The store holds the adapter with other bytes than the source gave this host while
+        the store was down: this host takes the store's promoted revision (as every other host
+        serves it) and drops its provisional one, which, named after its bytes, is never taken
+        for one of the store's. Nothing is published."""
+        adapter_id = doc.policy.adapter_id
+        ours = self.catalog.resolve(adapter_id)
+        if doc.policy.promoted is None:
+            log.warning("%s: %s holds it with no promoted revision; serving the source's %s",
+                        adapter_id, self.store.uri, ours.revision)
+            return
+        log.warning("%s: the adapter source gave %s (checksum %s) while %s was down, and the store "
+                    "holds other bytes; serving the store's %s from now on", adapter_id, ours.revision,
+                    ours.checksum, self.store.uri, doc.policy.promoted)
+        with self.replaying():
+            self.copier.follow(doc)
+            if ours.revision not in doc.policy.revisions:
+                delete(self.catalog, adapter_id, ours.revision, force=True)
+        self.bound.track(adapter_id)
 
     def _same_promoted(self, doc: PolicyDoc) -> bool:
         promoted = doc.policy.promoted

@@ -344,3 +344,39 @@ def test_a_poll_that_fails_midway_is_read_again(hosts, blobs):
         b.poll()
     a.store.put(a.store.blob_key(r1.checksum), good)
     assert b.poll() == 1 and b.catalog.resolve("acme/x").revision == r1.revision
+
+
+def test_an_import_from_a_source_while_the_store_was_down_yields_to_the_store(s3, hosts, blobs, dense_base,
+                                                                             tmp_path):
+    """The rule for a store and a source holding different bytes for one id: the store is the
+    fleet's copy of every adapter it holds. A host that fetched the adapter from a source while
+    the store was down (under a revision id named after its bytes) takes the store's promoted
+    revision at the first poll that reaches the store and drops its own; an adapter the store
+    lacks is published from the source's copy."""
+    from catalog_fixtures import make_peft
+    from loraserve.catalog.sources import AdapterSources, importer
+    a, b = hosts
+    root = tmp_path / "sources"
+    for seed, name in ((5, "x"), (6, "y")):
+        make_peft(dense_base, root / "acme" / name, "qwen3", seed=seed, r=4, lora_alpha=8,
+                  target_modules=["q_proj", "v_proj"])
+    sources = AdapterSources([f"{root}/{{tenant}}/{{name}}"], max_bytes=1 << 26)
+    base = BaseInfo.from_dir(dense_base)
+    stored = a.catalog.put_revision("acme/x", blobs[0])  # the store holds x, other bytes than the source's
+    s3.stop()
+    try:
+        for adapter_id in ("acme/x", "acme/y"):
+            into = importer(b.catalog, adapter_id, dense_base, base, by_content=True)
+            got = b.provisional(adapter_id, lambda: sources.fetch(adapter_id, into))
+            assert got.revision.startswith("src-") and b.catalog.resolve(adapter_id) == got
+    finally:
+        s3.start()
+    provisional_x = b.catalog.resolve("acme/x")
+    b.poll()
+    x = b.catalog.resolve("acme/x")
+    assert (x.revision, x.checksum) == (stored.revision, stored.checksum)
+    assert b.catalog.policy("acme/x").revisions == [stored.revision]  # its own is gone, unpublished
+    assert b.catalog.read_blob(x) == blobs[0] and provisional_x.checksum != stored.checksum
+    assert a.store.policy("acme/x").revisions == [stored.revision]
+    y = b.catalog.resolve("acme/y")
+    assert a.store.policy("acme/y").promoted == y.revision and a.fault_in("acme/y").checksum == y.checksum

@@ -138,3 +138,19 @@ def test_a_promote_over_http_is_published(hosts) -> None:
     r = http.post("/v1/adapters/acme/p/promote", json={"revision": r1.revision})
     assert r.status_code == 200, r.text
     assert other.store.policy("acme/p").promoted == r1.revision
+
+
+def test_a_load_by_uri_wins_over_the_store_and_is_numbered_after_its_revisions(hosts, hf_dense) -> None:
+    """The store holds acme/named (r1, other bytes) and this server does not: loading the
+    source's files by URI faults the store's revisions in first, so the import is r2, promoted
+    and published, and the other host follows it."""
+    http, engine, other, blobs, s3, src = hosts
+    theirs = other.catalog.put_revision("acme/named", blobs[2])
+    write_peft(src / "acme" / "named", hf_dense, seed=12)
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "acme/named", "lora_path": f"file://{src}/acme/named"})
+    assert r.status_code == 200, r.text
+    mine = engine.adapter_manager.catalog.resolve("acme/named")
+    assert mine.revision == "r2" and mine.checksum != theirs.checksum
+    other.poll()
+    assert other.store.policy("acme/named").promoted == "r2"
+    assert other.catalog.resolve("acme/named").checksum == mine.checksum

@@ -8,9 +8,10 @@ store never takes a thread that other requests' resolves or page-ins need):
    see its tenant, else nothing is fetched and the answer stays the one 404 (a template then
    only ever yields ids inside the requesting key's tenants);
 2. `--catalog-store`: the revision is faulted in from the durable tier (catalog.store_s3); with
-   the store down, a bare `tenant/name` goes on to the sources (its import is published once
-   the store answers again: StoreTier.provisional), and the store's 503 stands only when no
-   source has it;
+   the store down, a bare `tenant/name` goes on to the sources (imported under a revision id
+   named after its bytes; once the store answers again it is published, or, when the store
+   holds the adapter with other bytes, replaced by the store's: StoreTier.provisional), and the
+   store's 503 stands only when no source has it;
 3. `--adapter-source` (a bare `tenant/name` only: a source holds one version of an adapter):
    the PEFT directory is fetched (catalog.sources, verified by catalog.fetchers), exported
    against the served base, checked against the pool's limits and imported as a new promoted
@@ -131,7 +132,8 @@ class Sourcing:
                 raise
             log.warning("catalog store down (%s); fetching %s from the adapter sources", down, adapter_id)
             try:
-                self.tier.provisional(adapter_id, lambda: self.sources.fetch(adapter_id, self.into(adapter_id)))
+                self.tier.provisional(adapter_id, lambda: self.sources.fetch(
+                    adapter_id, self.into(adapter_id, by_content=True)))
             except SourceNotFound:
                 raise down from None
             return True
@@ -144,9 +146,10 @@ class Sourcing:
             return False
         return True
 
-    def into(self, adapter_id: str):
+    def into(self, adapter_id: str, by_content: bool = False):
         """How a fetched directory becomes a revision here: exported against the served base,
-        admitted against the pool's limits (400 otherwise), imported and promoted."""
+        admitted against the pool's limits (400 otherwise), imported and promoted (`by_content`:
+        under an id named after its bytes, catalog.sources.content_revision)."""
         base = BaseInfo.from_dir(self.cfg.model_dir, fingerprint=self.manager.base_fingerprint)
 
         def admit(rank: int, targets: list[str]) -> None:
@@ -155,7 +158,7 @@ class Sourcing:
             except ValueError as exc:
                 raise EngineError(f"adapter {adapter_id!r} cannot be served here: {exc}; nothing was "
                                   "imported", status=400, param="model") from None
-        return importer(self.manager.catalog, adapter_id, self.cfg.model_dir, base, admit)
+        return importer(self.manager.catalog, adapter_id, self.cfg.model_dir, base, admit, by_content=by_content)
 
     def touch(self, adapter_id: str) -> None:
         """Event loop: a request resolved `adapter_id` (the durable tier's recency)."""
@@ -164,11 +167,17 @@ class Sourcing:
 
     def load(self, adapter_id: str, uri: str) -> RevisionRecord:
         """Blocking: `/v1/load_lora_adapter` with a source URI: fetched from the one template it
-        is `adapter_id`'s location in (403 otherwise), imported and promoted."""
+        is `adapter_id`'s location in (403 otherwise), imported and promoted. The caller named
+        these bytes, so they win over the store's: with `--catalog-store` the store's revisions
+        are faulted in first, so the import is numbered after them (and is the promoted one
+        when its bytes are), then published (the store down: 503, nothing imported)."""
         if self.sources is None:
             raise EngineError("no adapter sources are configured (start the server with --adapter-source)",
                               status=403, code="forbidden", param="lora_path")
-        return self.sources.fetch(adapter_id, self.into(adapter_id), only=self.sources.template_of(uri, adapter_id))
+        only = self.sources.template_of(uri, adapter_id)
+        if self.tier is not None:
+            self._fault_in(adapter_id, None)
+        return self.sources.fetch(adapter_id, self.into(adapter_id), only=only)
 
     def close(self) -> None:
         if self.tier is not None:
