@@ -69,14 +69,18 @@ def start_server(kind: str, work: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     os.environ.update(env, AWS_ENDPOINT_URL=url)
-    for _ in range(100):
-        try:
-            httpx.get(url, timeout=1)
-            boto3.session.Session().client("s3").create_bucket(Bucket="bench")  # this environment's keys
-            return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise SystemExit(f"{kind} did not start")
+    try:
+        for _ in range(100):
+            try:
+                httpx.get(url, timeout=1)
+                boto3.session.Session().client("s3").create_bucket(Bucket="bench")  # this environment's keys
+                return proc, url
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise SystemExit(f"{kind} did not start")
+    except BaseException:
+        stop_server(proc)
+        raise
 
 
 def s3rver_bin() -> Path:

@@ -24,6 +24,9 @@ uploads again. Each doomed object's age is read again (HEAD) right before its de
 upload made since the listing keeps it; and a publish that uploaded a blob again checks that it
 is still there once its policy names it (store_publish). What is left is a publish doing that
 upload, its policy and its check, all between the HEAD and the DELETE of that one blob.
+
+`loraserve catalog store-gc` holds the store's maintenance lease (store_lease) for its run, so
+no other GC and no log compaction runs on the store meanwhile.
 """
 from __future__ import annotations
 
@@ -70,15 +73,16 @@ def chunks(items: Iterable, size: int = PAGE) -> Iterator[list]:
 
 
 def collect(store: ObjectStore, *, min_age_s: float, workers: int = 8, dry_run: bool = False,
-            now: float | None = None) -> StoreGCReport:
+            now: float | None = None, lease=None) -> StoreGCReport:
     """Mark, then sweep, the objects of `store` (module doc). `now` stands for the time the GC
-    starts (a test's clock); `dry_run` deletes nothing and reports what would go."""
+    starts (a test's clock); `dry_run` deletes nothing and reports what would go; `lease`
+    (store_lease.StoreLease, held for the run) is checked before each delete."""
     cutoff = (time.time() if now is None else now) - min_age_s
     with ThreadPoolExecutor(workers, thread_name_prefix="loraserve-store-gc") as pool:
         live = mark(store, pool)
     report = StoreGCReport(policies=live.policies, live_revisions=live.revisions)
     for kind in KINDS:
-        sweep(store, kind, live, cutoff, report, dry_run)
+        sweep(store, kind, live, cutoff, report, dry_run, lease)
     return report
 
 
@@ -117,7 +121,7 @@ def _record_of(store: ObjectStore):
 
 
 def sweep(store: ObjectStore, kind: str, live: Live, cutoff: float, report: StoreGCReport,
-          dry_run: bool) -> None:
+          dry_run: bool, lease=None) -> None:
     """Delete the objects under `kind/` that nothing live names and that are older than
     `cutoff`, a listing page at a time."""
     for page in chunks(store.list_objects(kind)):
@@ -131,6 +135,8 @@ def sweep(store: ObjectStore, kind: str, live: Live, cutoff: float, report: Stor
                 doomed.append((key, size))
         if not dry_run:  # its age again, right before the delete: an upload since keeps it
             doomed = [(k, s) for k, s in doomed if (m := store.modified(k)) is not None and m < cutoff]
+            if lease is not None:
+                lease.check()
             store.delete([k for k, _ in doomed])
         report.deleted[kind] += len(doomed)
         report.bytes_freed += sum(s for _, s in doomed)

@@ -9,7 +9,8 @@ within `skew_s`; an entry inside the window is applied once, remembered by key),
 cursor in `store-cursor.json` beside the shards, so a restarted host reads the changes it missed
 while it was down (a cursor saved for another store is ignored).
 
-Compaction (`compact`, `loraserve catalog compact-log`; one compactor per store at a time)
+Compaction (`compact`, `loraserve catalog compact-log`; one compactor per store at a time: the
+command holds the store's maintenance lease, store_lease)
 folds the entries older than `keep_s` into `log-snapshot.json` (`changed`: adapter id -> its
 newest pruned key, only those newer than `horizon_s`; `since`: the key from which it is
 complete; `upto`: the newest pruned key), writes the small `log-pruned.json` (`since`, `upto`),
@@ -139,9 +140,11 @@ def log_key(store: ObjectStore, ns: int) -> str:
 
 
 def compact(store: ObjectStore, *, keep_s: float = 3600.0, horizon_s: float = 7 * 86400.0,
-            now_ns: int | None = None) -> int:
+            now_ns: int | None = None, lease=None) -> int:
     """Fold the log entries older than `keep_s` into the snapshot and delete them (module doc);
-    how many were pruned."""
+    how many were pruned. `lease` (store_lease.StoreLease, held for the run) is checked before
+    each write, so a compactor that lost it stops before it writes."""
+    check = lease.check if lease is not None else lambda: None
     now_ns = time.time_ns() if now_ns is None else now_ns
     cutoff = log_key(store, now_ns - int(keep_s * 1e9))
     old = [k for k in store.log_after("") if k < cutoff]
@@ -155,8 +158,10 @@ def compact(store: ObjectStore, *, keep_s: float = 3600.0, horizon_s: float = 7 
     horizon = log_key(store, now_ns - int(horizon_s * 1e9))
     since = max(snapshot["since"], horizon)
     upto = max(old)
+    check()
     store.put_json(store.key(SNAPSHOT), {"since": since, "upto": upto,
                                          "changed": {i: k for i, k in changed.items() if k >= since}})
     store.put_json(store.key(PRUNED), {"since": since, "upto": upto})
+    check()
     store.delete(old)
     return len(old)

@@ -194,7 +194,7 @@ def _add_publish(csub) -> None:
 
 def _add_compact_log(csub) -> None:
     p = csub.add_parser("compact-log", help="fold a durable tier's old change-log entries into its "
-                                            "snapshot (run by one process per store at a time)")
+                                            "snapshot (holding the store's maintenance lease)")
     p.add_argument("--store", required=True, metavar="s3://BUCKET/PREFIX")
     p.add_argument("--keep-s", type=float, default=3600.0, metavar="S",
                    help="keep the entries of the last S seconds as entries (default: 3600)")
@@ -419,18 +419,22 @@ def cmd_publish(args) -> int:
 
 
 def cmd_compact_log(args) -> int:
+    from loraserve.catalog.store_lease import maintenance
     from loraserve.catalog.store_log import compact
     from loraserve.catalog.store_s3 import ObjectStore, parse_store_uri
 
     if args.keep_s < 0 or args.horizon_s < args.keep_s:
         raise ValueError("--keep-s must be >= 0 and --horizon-s >= --keep-s")
-    pruned = compact(ObjectStore(parse_store_uri(args.store)[0]), keep_s=args.keep_s, horizon_s=args.horizon_s)
+    store = ObjectStore(parse_store_uri(args.store)[0])
+    with maintenance(store, "compact-log") as lease:
+        pruned = compact(store, keep_s=args.keep_s, horizon_s=args.horizon_s, lease=lease)
     print(f"change-log entries folded into the snapshot: {pruned}")
     return 0
 
 
 def cmd_store_gc(args) -> int:
     from loraserve.catalog.store_gc import collect
+    from loraserve.catalog.store_lease import maintenance
     from loraserve.catalog.store_publish import REUSE_S
     from loraserve.catalog.store_s3 import ObjectStore, parse_store_uri
 
@@ -438,7 +442,8 @@ def cmd_store_gc(args) -> int:
         raise ValueError(f"--min-age must be >= {REUSE_S + 3600:g} (a publish reuses a blob written "
                          f"within {REUSE_S:g} s) and --workers >= 1")
     store = ObjectStore(parse_store_uri(args.store)[0], max_pool=max(10, args.workers))
-    rep = collect(store, min_age_s=args.min_age, workers=args.workers, dry_run=args.dry_run)
+    with maintenance(store, "store-gc") as lease:
+        rep = collect(store, min_age_s=args.min_age, workers=args.workers, dry_run=args.dry_run, lease=lease)
     verb = "would delete" if args.dry_run else "deleted"
     print(f"live: {rep.policies} adapters, {rep.live_revisions} revisions; {verb}: "
           + ", ".join(f"{n} {kind}" for kind, n in rep.deleted.items())
