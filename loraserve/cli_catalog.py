@@ -173,9 +173,15 @@ def _writing(args):
         if not args.store:
             yield cat
             return
+        from loraserve.catalog.errors import AdapterNotFound, RevisionNotFound
         from loraserve.catalog.store_s3 import ObjectStore, StoreTier, parse_store_uri
         tier = StoreTier(ObjectStore(parse_store_uri(args.store)[0]), cat)
         try:
+            if getattr(args, "adapter_id", None):  # the store's state first: a new revision is numbered after its
+                try:
+                    tier.fault_in(args.adapter_id)
+                except (AdapterNotFound, RevisionNotFound):
+                    pass
             yield cat
         finally:
             tier.close()

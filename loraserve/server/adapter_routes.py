@@ -148,6 +148,8 @@ def import_adapter(engine, name: str, lora_path: str, deadline: float) -> Revisi
     mgr, cfg = engine.adapter_manager, engine.config
     validate_adapter_id(name)
     source = AdapterSource(lora_path, root=cfg.adapter_root, max_bytes=cfg.max_adapter_mb * MiB)
+    if engine.sourcing is not None:
+        engine.sourcing.store_first(name)  # numbered after the durable tier's revisions
 
     def admit(rank: int, targets: list[str]) -> None:
         try:

@@ -380,3 +380,26 @@ def test_an_import_from_a_source_while_the_store_was_down_yields_to_the_store(s3
     assert a.store.policy("acme/x").revisions == [stored.revision]
     y = b.catalog.resolve("acme/y")
     assert a.store.policy("acme/y").promoted == y.revision and a.fault_in("acme/y").checksum == y.checksum
+
+
+def test_an_import_on_a_host_without_the_adapter_is_numbered_after_the_store(hosts, dense_base, tmp_path, blobs):
+    """The store holds acme/both r1; a catalog that lacks it imports other bytes with
+    `catalog import --store`: the store's r1 comes in first, the import is r2, published and
+    followed by the other host (never a second r1 of other bytes)."""
+    from catalog_fixtures import make_peft
+    from loraserve.cli_catalog import run
+    a, b = hosts
+    theirs = b.catalog.put_revision("acme/both", blobs[1])
+    a.fault_in("acme/both")
+    Catalog.create(tmp_path / "ops", shards=2).close()
+    peft, _ = make_peft(dense_base, tmp_path / "peft", "qwen3", seed=9, r=4, lora_alpha=8,
+                        target_modules=["q_proj", "v_proj"])
+    assert run(["catalog", "import", str(tmp_path / "ops"), "acme/both", str(peft), "--model", str(dense_base),
+                "--store", a.store.uri]) == 0
+    with Catalog.open(tmp_path / "ops") as ops:
+        assert ops.policy("acme/both").revisions == ["r1", "r2"]
+        assert ops.resolve("acme/both", "r1").checksum == theirs.checksum
+        mine = ops.resolve("acme/both")
+    assert mine.revision == "r2" and a.store.policy("acme/both").promoted == "r2"
+    a.poll()
+    assert a.catalog.resolve("acme/both").checksum == mine.checksum

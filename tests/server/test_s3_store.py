@@ -145,7 +145,7 @@ def test_a_load_by_uri_wins_over_the_store_and_is_numbered_after_its_revisions(h
     source's files by URI faults the store's revisions in first, so the import is r2, promoted
     and published, and the other host follows it."""
     http, engine, other, blobs, s3, src = hosts
-    theirs = other.catalog.put_revision("acme/named", blobs[2])
+    theirs = other.catalog.put_revision("acme/named", blobs[0])
     write_peft(src / "acme" / "named", hf_dense, seed=12)
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "acme/named", "lora_path": f"file://{src}/acme/named"})
     assert r.status_code == 200, r.text
