@@ -130,6 +130,7 @@ class AdapterManager:
         self.max_staged = 2 * pool.config.max_slots
         self._fetching: dict[AdapterKey, RevisionRecord] = {}  # engine thread only: page-ins asked
         self.page_ins = PageIns()  # (key, weights, error) of finished loads
+        self._finishing = False  # the engine thread is in `finish_reads` (it drains `page_ins` next)
         self.notify: Callable[[], None] = lambda: None  # wakes the engine thread (set by its owner)
         # engine thread only: revisions whose numbers went non-finite in a step -> why; never
         # admitted again by this engine (bounded: the oldest are forgotten, and the page-in's
@@ -177,8 +178,18 @@ class AdapterManager:
     # -- engine thread ---------------------------------------------------------------------------
     def finish_reads(self) -> None:
         """Decode the blobs the pager has read for this thread (`Pager.decode_on_owner`); their
-        results land on `page_ins` before this returns."""
-        self.pager.finish_reads()
+        results land on `page_ins` before this returns, and the engine thread drains them next,
+        so they wake nobody (a wake-up would only make the loop run an empty turn)."""
+        self._finishing = True
+        try:
+            self.pager.finish_reads()
+        finally:
+            self._finishing = False
+
+    def wait_reads(self, timeout: float) -> None:
+        """Give the page-ins just asked for up to `timeout` seconds to be read, so that this
+        step's `finish_reads` lands them (`Pager.wait_reads`)."""
+        self.pager.wait_reads(timeout)
 
     def is_ready(self, key: AdapterKey) -> bool:
         """Whether key can be admitted without a page-in."""
@@ -205,7 +216,7 @@ class AdapterManager:
     def _done(self, key: AdapterKey, fut: Future) -> None:
         """Pager thread: hand the result over to the engine thread (woken once per batch)."""
         err = fut.exception()
-        if self.page_ins.put((key, None if err else fut.result(), err)):
+        if self.page_ins.put((key, None if err else fut.result(), err)) and not self._finishing:
             self.notify()
 
     def settle(self, key: AdapterKey, weights) -> None:

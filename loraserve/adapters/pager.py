@@ -91,6 +91,7 @@ class Pager:
         self._lock = threading.Lock()
         self._queue: deque[_Load] = deque()  # loads no drain task has taken yet, oldest first
         self._draining = 0  # drain tasks submitted and not finished
+        self._drained = threading.Condition(self._lock)  # notified when `_draining` drops to 0
         self._inflight: dict[AdapterKey, Future] = {}  # queued or loading, by key
         self._owner_wake: Callable[[], None] | None = None  # set: the owner decodes (finish_reads)
         self._read: deque[tuple[float, list[tuple[_Load, bytearray | Exception]]]] = deque()
@@ -171,6 +172,15 @@ class Pager:
             finished += len(batch)
         return finished
 
+    def wait_reads(self, timeout: float) -> bool:
+        """Block up to `timeout` seconds (the GIL released) until every load asked for so far
+        has been read, so that `finish_reads` can complete them now; whether they all were.
+        The engine thread calls it, briefly, before a step when it has just asked for page-ins:
+        a host's answer for a small adapter takes well under a millisecond, so its request
+        joins this step's batch instead of the next one (bench/RESULTS.md, issue 29)."""
+        with self._lock:
+            return self._drained.wait_for(lambda: self._draining == 0, timeout)
+
     def wait(self, future: Future):
         """`future.result()` for a fetch of this pager: a caller that would block on it (warm,
         pin) finishes read batches meanwhile, so it also works on the owner's own thread."""
@@ -209,6 +219,8 @@ class Pager:
             with self._lock:
                 if not self._queue:
                     self._draining -= 1
+                    if not self._draining:
+                        self._drained.notify_all()
                     return
                 loads = [self._queue.popleft() for _ in range(min(self.batch, len(self._queue)))]
             self._load_batch(loads)

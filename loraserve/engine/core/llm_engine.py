@@ -34,6 +34,10 @@ from ..types import EngineError, GenerateRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 AdapterKey = tuple[str, str]
+# how long a step waits for the page-ins asked for since the last one to be read (the shard
+# host's answer: well under a millisecond for a small adapter on an idle machine), so their
+# requests join this step's batch rather than the next (bench/RESULTS.md, issue 29)
+PAGE_IN_GRACE_S = 0.005
 
 
 def resolve_device(name: str) -> torch.device:
@@ -114,6 +118,7 @@ class LLMEngine:
         self.default_gen = torch.Generator().manual_seed(cfg.seed)
         self.seqs: dict[str, Sequence] = {}
         self._waiting_for: dict[AdapterKey, list[Sequence]] = {}  # parked sequences by adapter
+        self._asked = False  # page-ins were asked for since the last step (`_drain_page_ins`)
         self.last_batch_size = 0
         self._notify = lambda: None  # wakes the owner thread when a page-in completes
         self.snapshot = EngineSnapshot(max_lora=0)
@@ -172,6 +177,7 @@ class LLMEngine:
         self.scheduler.park(seq)
         self._waiting_for.setdefault(key, []).append(seq)
         self.adapters.fetch(seq.adapter_record)  # once per key until it settles
+        self._asked = True
 
     def set_notify(self, wake) -> None:
         """wake() is called from other threads when the engine has new work (a page-in landed)."""
@@ -234,9 +240,13 @@ class LLMEngine:
 
     def _drain_page_ins(self) -> list[RequestOutput]:
         """Adapters that finished paging in: stage them and unpark their sequences, or fail them.
-        Blobs the pager read for this thread are decoded first (AdapterManager.finish_reads)."""
+        Blobs the pager read for this thread are decoded first (AdapterManager.finish_reads),
+        after a short wait for the reads asked for since the last step (PAGE_IN_GRACE_S)."""
         outs = []
         if self.adapters is not None:
+            if self._asked:
+                self._asked = False
+                self.adapters.wait_reads(PAGE_IN_GRACE_S)
             self.adapters.finish_reads()
         while self.adapters is not None:
             try:
