@@ -66,7 +66,9 @@ def start_server(kind: str, work: Path) -> tuple[subprocess.Popen, str]:
         cmd = [str(s3rver_bin()), "-d", str(work / "s3rver"), "-a", "127.0.0.1", "-p", str(port), "--silent"]
         env = {**ENV, "AWS_ACCESS_KEY_ID": "S3RVER", "AWS_SECRET_ACCESS_KEY": "S3RVER"}  # its fixed key
         (work / "s3rver").mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # s3rver's continuation tokens use a cipher Node 17+ keeps behind the legacy provider
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "NODE_OPTIONS": "--openssl-legacy-provider"})
     url = f"http://127.0.0.1:{port}"
     os.environ.update(env, AWS_ENDPOINT_URL=url)
     try:
@@ -181,11 +183,23 @@ def materialize_into(kind: str, work: Path, base: Path, args) -> None:
             if total > args.minutes * 60:
                 break
         cold_sweep(work, "s3://bench/materialized", cfg, args.sweep)
+        if args.gc:
+            gc_pass(ObjectStore("s3://bench/materialized", timeout_s=120.0, max_pool=16))
         where = f"resident memory {rss_mib(proc.pid)} MiB" if kind == "moto" else \
             f"objects on disk {disk_mib(work / 's3rver')} MiB"
         print(f"{kind}: {where}; the local catalog {disk_mib(work / 'built')} MiB", flush=True)
     finally:
         stop_server(proc)
+
+
+def gc_pass(store: ObjectStore) -> None:
+    """`catalog store-gc --dry-run`'s pass over the store, timed: the mark reads every policy."""
+    from loraserve.catalog.store_gc import collect
+    started = time.perf_counter()
+    rep = collect(store, min_age_s=0.0, workers=8, dry_run=True)
+    took = time.perf_counter() - started
+    print(f"store-gc --dry-run: {rep.policies} policies, {rep.live_revisions} live revisions in {took:.1f} s "
+          f"({rep.policies / took:.0f} policies/s); would delete {sum(rep.deleted.values())}", flush=True)
 
 
 def publish_into(kind: str, work: Path, base: Path, args) -> None:
@@ -222,6 +236,7 @@ def main() -> None:
                     help="time `catalog materialize --store` (build and publish as it goes) instead")
     ap.add_argument("--steps", default="2000", help="--materialize: the counts, each a rerun over more")
     ap.add_argument("--minutes", type=float, default=40.0, help="--materialize: no further step after this")
+    ap.add_argument("--gc", action="store_true", help="--materialize: then time a store-gc --dry-run pass")
     args = ap.parse_args()
     base = REPO / ".loraserve/demo/qwen3"
     for kind in args.servers.split(","):
