@@ -80,9 +80,9 @@ def collect(store: ObjectStore, *, min_age_s: float, workers: int = 8, dry_run: 
     cutoff = (time.time() if now is None else now) - min_age_s
     with ThreadPoolExecutor(workers, thread_name_prefix="loraserve-store-gc") as pool:
         live = mark(store, pool)
-    report = StoreGCReport(policies=live.policies, live_revisions=live.revisions)
-    for kind in KINDS:
-        sweep(store, kind, live, cutoff, report, dry_run, lease)
+        report = StoreGCReport(policies=live.policies, live_revisions=live.revisions)
+        for kind in KINDS:
+            sweep(store, kind, live, cutoff, report, dry_run, lease, pool)
     return report
 
 
@@ -121,7 +121,7 @@ def _record_of(store: ObjectStore):
 
 
 def sweep(store: ObjectStore, kind: str, live: Live, cutoff: float, report: StoreGCReport,
-          dry_run: bool, lease=None) -> None:
+          dry_run: bool, lease=None, pool: ThreadPoolExecutor | None = None) -> None:
     """Delete the objects under `kind/` that nothing live names and that are older than
     `cutoff`, a listing page at a time."""
     for page in chunks(store.list_objects(kind)):
@@ -134,7 +134,8 @@ def sweep(store: ObjectStore, kind: str, live: Live, cutoff: float, report: Stor
             else:
                 doomed.append((key, size))
         if not dry_run:  # its age again, right before the delete: an upload since keeps it
-            doomed = [(k, s) for k, s in doomed if (m := store.modified(k)) is not None and m < cutoff]
+            written = (pool.map if pool is not None else map)(store.modified, [k for k, _ in doomed])
+            doomed = [(k, s) for (k, s), m in zip(doomed, written) if m is not None and m < cutoff]
             if lease is not None:
                 lease.check()
             store.delete([k for k, _ in doomed])
