@@ -134,8 +134,8 @@ def sweep(store: ObjectStore, kind: str, live: Live, cutoff: float, report: Stor
             else:
                 doomed.append((key, size))
         if not dry_run:  # its age again, right before the delete: an upload since keeps it
-            written = (pool.map if pool is not None else map)(store.modified, [k for k, _ in doomed])
-            doomed = [(k, s) for (k, s), m in zip(doomed, written) if m is not None and m < cutoff]
+            ages = (pool.map if pool is not None else map)(store.modified, [k for k, _ in doomed])
+            doomed = [(k, s) for (k, s), m in zip(doomed, ages) if m is not None and m < cutoff]
             if lease is not None:
                 lease.check()
             store.delete([k for k, _ in doomed])
