@@ -42,7 +42,8 @@ from .records import RevisionRecord
 from .shardfile import DATA_FILE, DataFileWatch
 from .shardhost import REPLAYED, HostLost, ShardHost, call_hosts, child_pids, close_hosts, unwrap
 from .shards import CATALOG_META, ShardOptions, shard_dirname
-from .store import Catalog
+from .ids import validate_adapter_id, validate_revision
+from .store import Catalog, lookup_revision
 
 log = logging.getLogger("loraserve.catalog")
 HOSTS_ENV = "LORASERVE_CATALOG_HOSTS"
@@ -212,6 +213,43 @@ class IsolatedCatalog(Catalog):
         """`Catalog._shards_blobs` through the hosts, all at once (`_on_hosts`): a page-in batch
         costs about one round trip, not one per shard."""
         return self._on_hosts("blobs", by_shard)
+
+    def resolve_ahead(self, refs: list[tuple[str, str | None]]) -> None:
+        """Read the revision records of many `(adapter_id, revision)` into the resolve cache in
+        one exchange with the hosts (all at once, as a page-in batch), so that each request's
+        own `resolve` is then a cache hit: the API process's cold resolves of one event-loop
+        turn cost one round trip, not one each (bench/RESULTS.md, issue 29). Nothing is raised:
+        an id that is invalid or unknown, or a shard that cannot answer, is left for that
+        request's own `resolve` to report, as it would have without this (a host lost or a
+        damaged page still quarantines the shard here, as `HostedShard.settle` does)."""
+        todo: dict[ShardHost, list[tuple[tuple[str, str | None], HostedShard, tuple]]] = {}
+        generations: dict[int, int | None] = {}
+        for key in dict.fromkeys(refs):
+            try:
+                if key[1] is not None:
+                    validate_revision(key[1])
+                shard = self._shards[self.shard_index(validate_adapter_id(key[0]))]
+                if shard.index not in generations:
+                    generations[shard.index] = shard.generation()
+            except CatalogError:  # ShardUnavailable too: the request's resolve answers it
+                continue
+            generation = generations[shard.index]
+            if generation is not None and self.resolved.get(key, generation) is not None:
+                continue
+            lookup = functools.partial(lookup_revision, adapter_id=key[0], revision=key[1])
+            todo.setdefault(shard.host, []).append((key, shard, (lookup, None)))
+        if not todo:
+            return
+        replies = call_hosts([(host, [("read", shard.index, payload) for _, shard, payload in items])
+                              for host, items in todo.items()])
+        for items, answers in zip(todo.values(), replies):
+            for (key, shard, payload), reply in zip(items, answers):
+                try:
+                    found = shard.settle("read", payload, reply)
+                except Exception:  # noqa: BLE001 - that request's own resolve reports it
+                    continue
+                if found is not None:
+                    self.resolved.put(key, *found)
 
     def _read_every(self, bodies: dict[int, functools.partial], what: str) -> dict[int, list]:
         """`Catalog._read_every` (a listing's rounds) through the hosts, all at once."""

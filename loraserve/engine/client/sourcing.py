@@ -29,8 +29,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
+from loraserve.catalog.aliases import is_alias
 from loraserve.catalog.base import BaseInfo
 from loraserve.catalog.errors import (AdapterNotFound, CatalogError, InvalidAdapterId, RevisionNotFound,
                                       SourceNotFound, SourceUnavailable)
@@ -192,13 +195,86 @@ class Sourcing:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+class ResolveAhead:
+    """The cold resolves of one event-loop turn, read from the catalog in one exchange.
+
+    With the catalog behind shard hosts (`IsolatedCatalog`), each cold resolve was a blocking
+    round trip to a host process on the event loop: at namespace scale, where most requests
+    name a revision never seen, that was the API process's largest cost of a cold request
+    (bench/RESULTS.md, issue 29). A request for a ref that is not warm now registers it here
+    and waits for the end of the turn; the turn's refs are read together
+    (`IsolatedCatalog.resolve_ahead`: one exchange with the hosts, all at once), which fills
+    the catalog's resolve cache, and each request then resolves as before, from that cache,
+    with every check made as before (visibility, base, limits, the shard's health). The read
+    runs on the event loop while `warm` keeps cold reads inline, else on a worker thread."""
+
+    def __init__(self, catalog) -> None:
+        self.catalog = catalog
+        self._batch: dict[tuple[str, str | None], None] | None = None
+        self._done: asyncio.Future | None = None
+
+    @staticmethod
+    def of(catalog) -> ResolveAhead | None:
+        """The catalog's coalescer; None when its resolves are in-process reads (nothing to
+        coalesce)."""
+        if not hasattr(catalog, "resolve_ahead"):
+            return None
+        ahead = _AHEAD.get(catalog)
+        if ahead is None:
+            ahead = _AHEAD[catalog] = ResolveAhead(catalog)
+        return ahead
+
+    async def prefetch(self, directory: AdapterDirectory, model: str, warm) -> None:
+        """Wait for the end of this turn, by when `model`'s revision record has been read
+        together with the turn's other cold refs (nothing is raised here: the request's own
+        resolve reports whatever is wrong with the name)."""
+        if is_alias(model) or model == directory.base_name:
+            return
+        try:
+            key = parse_model_ref(directory.canonical(model))
+        except InvalidAdapterId:
+            return
+        if self._batch is None:
+            loop = asyncio.get_running_loop()
+            self._batch, self._done = {}, loop.create_future()
+            loop.call_soon(self._flush, warm)
+        self._batch[key] = None
+        await asyncio.shield(self._done)
+        warm.touch(model)  # its record is in the catalog's resolve cache: resolved inline next
+
+    def _flush(self, warm) -> None:
+        """Event loop, at the end of the turn: read the batch, then let its requests go on."""
+        batch, done = list(self._batch), self._done
+        self._batch = self._done = None
+        if warm.cold_inline():
+            started = time.perf_counter()
+            self._read(batch)
+            warm.timed((time.perf_counter() - started) / len(batch))  # a read's share of it
+            done.set_result(None)
+            return
+        task = asyncio.get_running_loop().run_in_executor(None, self._read, batch)
+        task.add_done_callback(lambda _: done.set_result(None))
+
+    def _read(self, batch: list[tuple[str, str | None]]) -> None:
+        try:
+            self.catalog.resolve_ahead(batch)
+        except Exception:  # noqa: BLE001 - each request's own resolve meets it again
+            log.debug("resolving %d refs ahead failed", len(batch), exc_info=True)
+
+
+_AHEAD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # catalog -> its ResolveAhead
+
+
 async def resolve(warm, directory: AdapterDirectory, sourcing: Sourcing | None, model: str,
                   principal: Viewer) -> ResolvedModel:
     """`directory.resolve(model, principal)` through `warm` (`WarmRefs`: on the event loop while
     recent reads were fast, a catalog read costing less than the thread hop around it, else on a
-    worker thread). A name the catalog lacks is fetched by `sourcing` (the durable tier, the
-    adapter sources) off the event loop and resolved again; still missing, the one 404. The
-    miss path of both hostings: the single server's frontend and the Ray ingress."""
+    worker thread); a ref that is not warm is read first with the turn's other cold refs, in one
+    exchange (`ResolveAhead`). A name the catalog lacks is fetched by `sourcing` (the durable
+    tier, the adapter sources) off the event loop and resolved again; still missing, the one
+    404. The miss path of both hostings: the single server's frontend and the Ray ingress."""
+    if not warm.is_warm(model) and (ahead := ResolveAhead.of(getattr(directory, "catalog", None))) is not None:
+        await ahead.prefetch(directory, model, warm)
     try:
         resolved = await warm.call(model, directory.resolve, model, principal)
     except (EngineError, CatalogError) as exc:  # CatalogError: RevisionNotFound

@@ -41,8 +41,10 @@ class WarmRefs:
 
     def inline(self, ref: str) -> bool:
         """Whether to resolve `ref` on the event loop now."""
-        if self.is_warm(ref):
-            return True
+        return self.is_warm(ref) or self.cold_inline()
+
+    def cold_inline(self) -> bool:
+        """Whether a ref not resolved recently is read on the event loop now."""
         return self.inline_cold and time.monotonic() >= self._slow_until
 
     async def call(self, ref: str, fn, *args):
