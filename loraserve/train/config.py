@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraserve.catalog.targets import DENSE_KINDS, LM_HEAD
+from loraserve.catalog.targets import DENSE_KINDS, EXPERT_KINDS, LM_HEAD
 
 ATTENTION_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_KINDS = tuple(k for k in DENSE_KINDS if k not in ATTENTION_KINDS)
@@ -36,11 +36,9 @@ class RunConfig:
         """PEFT's LoRA scale, alpha / rank (folded into B when saved for serving)."""
         return self.alpha / self.rank
 
-    def kinds(self, is_moe: bool) -> list[str]:
-        """Target kinds in the catalog's canonical order. MoE experts have no trainer: a MoE base
-        refuses train_mlp rather than silently training less than asked."""
-        if is_moe and self.train_mlp:
-            raise TrainingError("LoRA training of MoE experts is not supported; create the run with "
-                                "train_mlp=False on a mixture-of-experts base")
-        kinds = [*(ATTENTION_KINDS if self.train_attn else ()), *(MLP_KINDS if self.train_mlp else ())]
-        return kinds + ([LM_HEAD] if self.train_unembed else [])
+    def kinds(self, dense_mlp: bool = True, experts: bool = False) -> list[str]:
+        """Target kinds in the catalog's canonical order. train_mlp trains every MLP the base has:
+        its dense MLPs (`dense_mlp`) and its routed experts (`experts`: every expert's gate, up
+        and down projections, a LoRA pair per expert)."""
+        mlp = [*(MLP_KINDS if dense_mlp else ()), *(EXPERT_KINDS if experts else ())] if self.train_mlp else []
+        return [*(ATTENTION_KINDS if self.train_attn else ()), *mlp] + ([LM_HEAD] if self.train_unembed else [])

@@ -15,9 +15,9 @@ from torch import nn
 
 from loraserve.catalog.export import fold
 from loraserve.catalog.layout import AdapterWeights
-from loraserve.catalog.targets import module_path, parse_module_path, tensor_names
+from loraserve.catalog.targets import EXPERT_KINDS, module_path, parse_module_path, tensor_names
 from loraserve.model import CausalLM
-from loraserve.train.config import RunConfig
+from loraserve.train.config import ATTENTION_KINDS, RunConfig
 
 
 def peft_init(rank: int, fan_in: int, fan_out: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,11 +28,23 @@ def peft_init(rank: int, fan_in: int, fan_out: int, gen: torch.Generator) -> tup
     return a, torch.zeros(fan_out, rank)
 
 
-def _linear_shape(model: CausalLM, path: str) -> tuple[int, int]:
-    """(in, out) of the target module at catalog module path `path` (wrappers and packing aside)."""
+def _shape(model: CausalLM, path: str) -> tuple[int, int, int | None]:
+    """(in, out, experts or None) of the target module at catalog module path `path` (wrappers
+    and packing aside)."""
     module = model.get_submodule(path if path == "lm_head" else f"model.{path}")
     inner = getattr(module, "base", module)  # a serving LoRA wrapper keeps its target as .base
-    return inner.in_features, inner.out_features
+    return inner.in_features, inner.out_features, getattr(inner, "num_experts", None)
+
+
+def _init(rank: int, path: str, model: CausalLM, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's init of one target: a Linear's A [r, in], B [out, r]; packed experts' A [E, r, in],
+    B [E, out, r], drawn as PEFT draws `target_parameters` on an expert stack (A one [E*r, in]
+    kaiming-uniform matrix, B zero)."""
+    fan_in, fan_out, experts = _shape(model, path)
+    if experts is None:
+        return peft_init(rank, fan_in, fan_out, gen)
+    a, _ = peft_init(rank * experts, fan_in, fan_out, gen)
+    return a.view(experts, rank, fan_in), torch.zeros(experts, fan_out, rank)
 
 
 class LoRAFactors:
@@ -40,17 +52,22 @@ class LoRAFactors:
 
     def __init__(self, model: CausalLM, config: RunConfig, device: torch.device | None = None):
         self.config = config
-        self.kinds = config.kinds(model.config.is_moe)
+        mc = model.config
+        moe_layers = [mc.is_moe_layer(l) for l in range(mc.num_layers)]
+        self.kinds = config.kinds(dense_mlp=not all(moe_layers), experts=any(moe_layers))
         device = device or model.model.embed_tokens.weight.device
         gen = torch.Generator().manual_seed(config.seed)
         self.pairs: dict[str, tuple[nn.Parameter, nn.Parameter]] = {}
-        for path in self._paths(model.config.num_layers):
-            a, b = peft_init(config.rank, *_linear_shape(model, path), gen)
+        for path in self._paths(moe_layers):
+            a, b = _init(config.rank, path, model, gen)
             self.pairs[path] = (nn.Parameter(a.to(device)), nn.Parameter(b.to(device)))
 
-    def _paths(self, num_layers: int) -> list[str]:
-        layer_kinds = [k for k in self.kinds if k != "lm_head"]
-        paths = [module_path(k, l) for l in range(num_layers) for k in layer_kinds]
+    def _paths(self, moe_layers: list[bool]) -> list[str]:
+        """Each layer's targets (its dense MLP or its experts, as the layer has), then lm_head."""
+        def in_layer(kind: str, moe: bool) -> bool:
+            return kind in ATTENTION_KINDS or (kind != "lm_head" and (kind in EXPERT_KINDS) == moe)
+
+        paths = [module_path(k, l) for l, moe in enumerate(moe_layers) for k in self.kinds if in_layer(k, moe)]
         return paths + (["lm_head"] if "lm_head" in self.kinds else [])
 
     def parameters(self) -> list[nn.Parameter]:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loraserve.model import CausalLM
+from loraserve.model.moe import ExpertLinear
 from loraserve.model.prepack import PackedLinear
 from loraserve.train.factors import LoRAFactors
 
@@ -48,10 +49,50 @@ def _packed_hook(module: PackedLinear, args: tuple, output: Tensor) -> Tensor | 
     return _PackedInputGrad.apply(x, output.detach(), module)
 
 
-def _lora_hook(a: nn.Parameter, b: nn.Parameter, scale: float):
+Part = tuple[int, "int | None", "tuple[nn.Parameter, nn.Parameter] | None", float]  # rows s..e-1, factors, scale
+
+
+def _rows_hook(parts: list[Part]):
+    """Rows s..e-1 of the batch (e None: to the end) get their run's `scale * B(A x)` (none where
+    the pair is None: that run does not train this module)."""
     def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
         x = args[0]
-        delta = F.linear(F.linear(x.to(a.dtype), a), b) * scale
+        deltas = []
+        for s, e, pair, scale in parts:
+            if pair is None:
+                deltas.append(output.new_zeros(e - s, output.shape[-1]))
+            else:
+                a, b = pair
+                deltas.append((F.linear(F.linear(x[s:e].to(a.dtype), a), b) * scale).to(output.dtype))
+        return output + (deltas[0] if len(deltas) == 1 else torch.cat(deltas))
+    return hook
+
+
+def _per_expert(x: Tensor, expert_ids: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """B[e](A[e] x) for (token, expert) pairs grouped by expert: x [P, in] -> [P, out]
+    (a [E, r, in], b [E, out, r]); one product pair per expert that has rows."""
+    counts = torch.bincount(expert_ids, minlength=a.shape[0]).tolist()
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            outs.append(F.linear(F.linear(x[start:start + n].to(a.dtype), a[e]), b[e]))
+            start += n
+    return torch.cat(outs)
+
+
+def _experts_hook(parts: list[Part]):
+    """As `_rows_hook` for packed experts (`ExpertLinear(x, expert_ids, token_index)`): its rows
+    are (token, expert) pairs, each pair is its token's run's (token_index in s..e-1)."""
+    def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+        x, expert_ids, token_index = args
+        delta = output.new_zeros(output.shape, dtype=torch.float32)
+        for s, e, pair, scale in parts:
+            if pair is None:
+                continue
+            mine = token_index >= s if e is None else (token_index >= s) & (token_index < e)
+            rows = mine.nonzero().view(-1)  # still grouped by expert
+            if rows.numel():
+                delta = delta.index_add(0, rows, _per_expert(x[rows], expert_ids[rows], *pair).float() * scale)
         return output + delta.to(output.dtype)
     return hook
 
@@ -92,13 +133,16 @@ def _hooked(model: CausalLM, hooks: dict[str, object]) -> Iterator[None]:
 def attached(model: CausalLM, factors: LoRAFactors):
     """Within the block, `model(...)` computes base + this run's LoRA, differentiable in the factors
     (and in every activation, packed layers included). Hooks are removed on exit, error or not."""
-    scale = factors.config.scale
-    return _hooked(model, {path: _lora_hook(a, b, scale) for path, (a, b) in factors.pairs.items()})
+    return attached_rows(model, [(factors, 0, None)])
 
 
-def attached_rows(model: CausalLM, runs: list[tuple[LoRAFactors, int, int]]):
+def attached_rows(model: CausalLM, runs: list[tuple[LoRAFactors, int, int | None]]):
     """As `attached`, for several runs in one batch: rows s..e-1 (contiguous, in order, covering
     the batch) computed with that run's factors. Runs may train different modules and ranks."""
-    paths = dict.fromkeys(path for factors, _, _ in runs for path in factors.pairs)
-    return _hooked(model, {path: _rows_hook([(s, e, f.pairs.get(path), f.config.scale) for f, s, e in runs])
-                           for path in paths})
+    hooks = {}
+    for path in dict.fromkeys(path for factors, _, _ in runs for path in factors.pairs):
+        parts = [(s, e, f.pairs.get(path), f.config.scale) for f, s, e in runs]
+        module = _target(model, path)
+        experts = isinstance(getattr(module, "base", module), ExpertLinear)  # bare or in a serving wrapper
+        hooks[path] = _experts_hook(parts) if experts else _rows_hook(parts)
+    return _hooked(model, hooks)

@@ -119,3 +119,43 @@ def test_core_process_trains_as_in_process(demo_dense):
                     "cross_entropy", backward=False)
     p.advance(10_000)
     assert remote[1] == pytest.approx(p.finish().metrics["loss:sum"], rel=1e-5)
+
+
+def test_a_moe_runs_expert_lora_is_served_as_it_trained(tmp_path):
+    """On a Qwen3-MoE base train_mlp trains every expert; the saved revision (experts packed
+    [E, r, in] / [E, out, r], as the catalog's export makes of PEFT's) scores a prompt on the
+    serving path as the run's forward does."""
+    from loraserve.catalog.store import Catalog
+    from loraserve.engine.core.build import build_engine
+    from loraserve.model.tiny import random_model, tiny_config, write_tokenizer_files
+    from loraserve.model.writer import save_checkpoint
+
+    base = tmp_path / "moe"  # the demo's MoE base, smaller (the demo tokenizer's vocabulary)
+    save_checkpoint(random_model(tiny_config("qwen3_moe", hidden_size=64, num_layers=2, num_experts=4,
+                                             moe_intermediate_size=32), seed=0), base)
+    write_tokenizer_files(base)
+    Catalog.create(tmp_path / "catalog", shards=2).close()
+    core = trainer_of(build_engine(_cfg(base, catalog_dir=str(tmp_path / "catalog"))))
+    assert "experts.up_proj" in core.create("m", RUN)["kinds"]
+    data = _data(2, 10)
+    for step in range(3):  # B moves off zero
+        core.begin("m", f"p{step}", data, "cross_entropy", None, True, "default", 1.0)
+        while core.advance(f"p{step}", 64) is None:
+            pass
+        core.optim_step("m", ADAM)
+    core.begin("m", "f", data[:1], "cross_entropy", None, False, "default", 1.0)
+    trained = core.advance("f", 64)["outputs"][0]["logprobs"]
+    blob = core.publish("m", "test", "default/m", "s1")
+    core.engine.adapters.catalog.put_revision("default/m", blob, revision="s1", promote=True, source="test")
+    tokens = data[0][0] + [data[0][1]["target_tokens"][-1]]
+    seq = core.engine.add_request(GenerateRequest("g", tokens, SamplingParams(
+        max_tokens=1, temperature=0.0, prompt_logprobs=0), adapter="default/m@s1"))
+    while core.engine.has_work():
+        core.engine.step()
+    served = [lp.logprob for lp in seq.prompt_logprobs[1:]]
+    assert served == pytest.approx(trained, abs=1e-4)
+    base_seq = core.engine.add_request(GenerateRequest("b", tokens, SamplingParams(
+        max_tokens=1, temperature=0.0, prompt_logprobs=0)))
+    while core.engine.has_work():
+        core.engine.step()
+    assert max(abs(a.logprob - b) for a, b in zip(base_seq.prompt_logprobs[1:], trained)) > 1e-3  # it learned

@@ -134,3 +134,84 @@ def test_forward_backward_matches_peft(base, packed, targets, request, one_torch
         for name, want in ref_grads.items():
             _close(got[name], want, f"{loss} grad {name}")
         run.grads = None  # the next loss starts from no accumulated gradient
+
+
+def _peft_experts(base_dir, factors: dict[str, torch.Tensor]):
+    """PEFT on Qwen3-MoE as transformers 5 lays its experts out: one [E, 2I, H] gate_up_proj and
+    one [E, H, I] down_proj Parameter per layer, LoRA through `target_parameters` (a gate_up
+    pair shares its A). Our run trains gate and up apart; with gate's A equal to up's (set
+    below) the two models are the same function, and PEFT's gradients are ours summed (A) or
+    stacked (B). Returns the model and {our gate/down module path: (PEFT A, PEFT B)}."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora.layer import ParamWrapper
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    peft = get_peft_model(model, LoraConfig(
+        r=RANK, lora_alpha=ALPHA, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], lora_dropout=0.0,
+        init_lora_weights=False))
+    experts = {}
+    for name, m in peft.named_modules():
+        if isinstance(m, ParamWrapper):
+            layer = name.split("layers.")[1].split(".")[0]
+            proj = "gate_proj" if m.parameter_name == "gate_up_proj" else "down_proj"
+            experts[f"layers.{layer}.mlp.experts.{proj}"] = (m.lora_A["default"].weight, m.lora_B["default"].weight)
+    with torch.no_grad():
+        for path, (pa, pb) in experts.items():
+            a, b = factors[f"{path}.lora_A"], factors[f"{path}.lora_B"]            # [E, r, in], [E, out, r]
+            if path.endswith("gate_proj"):
+                b = torch.cat([b, factors[f"{path.replace('gate', 'up')}.lora_B"]], dim=1)  # [E, 2I, r]
+            pa.copy_(a.reshape(-1, a.shape[-1]))                                    # [E*r, in]
+            pb.copy_(b.permute(1, 2, 0).reshape(b.shape[1], -1))                    # [out, r*E], expert minor
+    dense = {k: v for k, v in factors.items() if ".experts." not in k}
+    named = {}
+    for name, p in peft.named_parameters():
+        key = name.removeprefix("base_model.model.").removeprefix("model.").replace(".default.weight", "")
+        if key in dense:
+            with torch.no_grad():
+                p.copy_(dense[key])
+            named[key] = p
+    named.update({f"{path}#{ab}": t for path, pair in experts.items() for ab, t in zip("AB", pair)})
+    return peft, named
+
+
+def _ours_as_peft(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our expert gradients in PEFT's parameters' layout: gate's and up's A summed (PEFT's one A
+    feeds both), gate's and up's B stacked; attention's as they are."""
+    out = {k: v for k, v in grads.items() if ".experts." not in k}
+    for name in [k for k in grads if k.endswith("experts.gate_proj.lora_A") or k.endswith("experts.down_proj.lora_A")]:
+        path = name.removesuffix(".lora_A")
+        a, b = grads[name], grads[f"{path}.lora_B"]
+        if path.endswith("gate_proj"):
+            up = path.replace("gate_proj", "up_proj")
+            a, b = a + grads[f"{up}.lora_A"], torch.cat([b, grads[f"{up}.lora_B"]], dim=1)
+        out[f"{path}#A"], out[f"{path}#B"] = a.reshape(-1, a.shape[-1]), b.permute(1, 2, 0).reshape(b.shape[1], -1)
+    return out
+
+
+def test_moe_expert_lora_matches_peft_target_parameters(hf_moe, one_torch_thread):
+    run = _run(hf_moe, False, dict(train_unembed=False))
+    with torch.no_grad():  # PEFT's gate_up LoRA has one A for both: tie ours the same way
+        for path, (a, _) in run.factors.pairs.items():
+            if path.endswith("experts.up_proj"):
+                a.copy_(run.factors.pairs[path.replace("up_proj", "gate_proj")][0])
+    factors = {k: v.detach().clone() for k, v in run.factors.named_tensors().items()}
+    assert any(".experts." in k for k in factors)
+    peft, named = _peft_experts(hf_moe, factors)
+    data = _data(run.vocab_size, seed=11)
+    _, _, ref_lps = _peft_loss_and_grads(peft, named, data, None)
+    data = _with_sampler_logprobs(data, ref_lps, seed=5)
+    for loss in ("cross_entropy", "ppo"):
+        needed = ("target_tokens", "weights") if loss == "cross_entropy" else ("target_tokens", "logprobs", "advantages")
+        p = run.start([Datum(d.tokens, {k: d.inputs[k] for k in needed}) for d in data], loss)
+        while not p.advance(max_tokens=9):
+            pass
+        result = p.finish()
+        ref_loss, ref_grads, _ = _peft_loss_and_grads(peft, named, data, loss)
+        assert result.metrics["loss:sum"] == pytest.approx(ref_loss, rel=1e-5), loss
+        got = _ours_as_peft(dict(zip(run.factors.named_tensors(), run.grads)))
+        assert set(got) == set(ref_grads)
+        for name, want in ref_grads.items():
+            _close(got[name], want, f"{loss} grad {name}")
+        run.grads = None

@@ -83,10 +83,21 @@ def test_refusals_name_the_problem():
         run.start([_sft([1, 2, 9999])], "cross_entropy")
     with pytest.raises(TrainingError, match="not parameters of 'ppo'"):
         run.start([_sft([1, 2])], "ppo", {"beta": 1.0})
-    with pytest.raises(TrainingError, match="MoE experts"):
-        TrainingRun(random_model(tiny_config("qwen3_moe", **CFG)), RunConfig())
     with pytest.raises(TrainingError, match="nothing to train"):
         RunConfig(train_attn=False, train_mlp=False, train_unembed=False)
+
+
+def test_a_moe_run_trains_each_layers_experts_or_dense_mlp():
+    cfg = tiny_config("qwen3_moe", **CFG, mlp_only_layers=[1])
+    run = TrainingRun(random_model(cfg), RunConfig(rank=2, seed=0))
+    assert run.factors.kinds == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                 "experts.gate_proj", "experts.up_proj", "experts.down_proj", "lm_head"]
+    paths = list(run.factors.pairs)
+    assert "layers.0.mlp.experts.up_proj" in paths and "layers.0.mlp.up_proj" not in paths
+    assert "layers.1.mlp.up_proj" in paths and "layers.1.mlp.experts.up_proj" not in paths
+    a, b = run.factors.pairs["layers.0.mlp.experts.down_proj"]
+    assert a.shape == (cfg.num_experts, 2, cfg.moe_intermediate_size) and b.shape == (cfg.num_experts, cfg.hidden_size, 2)
+    assert not bool(b.any())  # PEFT's init: B zero
 
 
 def test_state_round_trips_and_serving_layout_folds_scale(one_torch_thread):
