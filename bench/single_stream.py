@@ -59,6 +59,7 @@ def layouts(rows: int, reps: int, fused: bool) -> dict[str, float]:
     prepared = {
         "F.linear [out,in]": weights,
         "x @ W^T-contiguous [in,out]": [{k: w.t().contiguous() for k, w in l.items()} for l in weights],
+        "W @ x^T [out,in]": weights,
         "oneDNN packed (hint 1)": [{k: torch.ops.mkldnn._reorder_linear_weight(w, 1) for k, w in l.items()}
                                    for l in weights],
         "oneDNN packed (hint 256)": [{k: torch.ops.mkldnn._reorder_linear_weight(w, 256)
@@ -67,6 +68,7 @@ def layouts(rows: int, reps: int, fused: bool) -> dict[str, float]:
     calls = {
         "F.linear [out,in]": lambda w, x: F.linear(x, w),
         "x @ W^T-contiguous [in,out]": lambda w, x: torch.mm(x, w),
+        "W @ x^T [out,in]": lambda w, x: torch.mm(w, x.t()),
         "oneDNN packed (hint 1)": lambda w, x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
         "oneDNN packed (hint 256)": lambda w, x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
     }
