@@ -2,7 +2,7 @@
 over the base per slice (issue 24; train/grouped.py), in the engine core's own code, no HTTP.
 
     python bench/train_group.py [--runs 1,3,8] [--steps 2] [--datums 8] [--tokens 64]
-                                [--budget 512] [--rounds 3] [--threads 1]
+                                [--budget 512] [--rounds 3] [--threads 1] [--prepack]
 
 `TrainerCore` on an `LLMEngine` of the demo base (rank 8 on attention, MLP and lm_head), each
 run `--steps` steps of forward_backward over `--datums` datums of `--tokens` tokens, then
@@ -14,8 +14,11 @@ optim_step. Three ways for N runs:
 - batched: the same, each slice through `TrainerCore.advance`, which takes the waiting runs'
   datums one each in turn up to `--budget` as one batch.
 
-Wall time best of `--rounds` (rounds interleave the three ways), and the peak bytes torch's CPU
+Wall time and this process's CPU time, each the best of `--rounds` (rounds interleave the three
+ways; on a shared machine the CPU time is the steadier figure), and the peak bytes torch's CPU
 allocator held in one more profiled run of each (the profiler's allocation events).
+`--prepack`: the base's linears in oneDNN's packed layout (`--weight-prepack on`), whose
+backward unpacks each weight once per slice (train/hooks.py): once for all runs when batched.
 """
 from __future__ import annotations
 
@@ -88,26 +91,29 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prepack", action="store_true")
     args = ap.parse_args()
     from loraserve.demo import build_demo
     demo = build_demo(Path(".loraserve/demo"))
-    core = TrainerCore(LLMEngine(EngineConfig(model_dir=str(demo.qwen3), device="cpu", torch_threads=args.threads)))
+    core = TrainerCore(LLMEngine(EngineConfig(model_dir=str(demo.qwen3), device="cpu", torch_threads=args.threads,
+                                              weight_prepack="on" if args.prepack else "off")))
     torch.set_num_threads(args.threads)
     modes = ("one after another", "turns", "batched")
-    print(f"| runs | {' | '.join(f'{m} (s)' for m in modes)} | one after another / batched |"
+    print(f"| runs | {' | '.join(f'{m} wall / CPU (s)' for m in modes)} | one after another / batched (CPU) |"
           f" {' | '.join(f'peak MiB {m}' for m in modes)} |")
     print("|---|---|---|---|---|---|---|---|")
     for n in (int(x) for x in args.runs.split(",")):
         trial(core, n, "batched", args)  # warm
-        best = {m: float("inf") for m in modes}
+        wall, cpu = ({m: float("inf") for m in modes} for _ in range(2))
         for _ in range(args.rounds):
             for m in modes:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 trial(core, n, m, args)
-                best[m] = min(best[m], time.perf_counter() - t0)
+                wall[m] = min(wall[m], time.perf_counter() - t0)
+                cpu[m] = min(cpu[m], time.process_time() - c0)
         peak = {m: peak_bytes(lambda m=m: trial(core, n, m, args)) / 2**20 for m in modes}
-        print(f"| {n} | {' | '.join(f'{best[m]:.2f}' for m in modes)} | {best[modes[0]] / best['batched']:.2f}x |"
-              f" {' | '.join(f'{peak[m]:.1f}' for m in modes)} |")
+        print(f"| {n} | {' | '.join(f'{wall[m]:.2f} / {cpu[m]:.2f}' for m in modes)} |"
+              f" {cpu[modes[0]] / cpu['batched']:.2f}x | {' | '.join(f'{peak[m]:.1f}' for m in modes)} |", flush=True)
 
 
 if __name__ == "__main__":
