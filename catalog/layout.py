@@ -190,7 +190,8 @@ def _check_values(buf: bytearray, start: int, dtype: str, views, plan: GainPlan,
     raw = np.frombuffer(buf, dtype=np.float32 if dtype == "float32" else int_type, offset=start)
     if dtype == "float16":
         raw = raw.view(np.float16)
-    if plan.gain(as_float32(raw, dtype)) <= gain_limit(dtype, compute_dtype or dtype):
+    limit = gain_limit(dtype, compute_dtype or dtype)
+    if plan.gain(as_float32(raw, dtype), limit) <= limit:
         return
     flat, tensors = views()
     if not _all_finite(buf, start, dtype):

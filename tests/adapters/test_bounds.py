@@ -115,3 +115,30 @@ def test_flat_gain_equals_per_target_gains(seed, rank, dtype, spikes, tail, kind
         return
     with pytest.raises((FactorsTooLarge, CorruptBlob)):
         load_revision(blob, finite=True)
+
+
+@pytest.mark.parametrize("scale", [0.999, 1.001, 0.4999, 0.5001])
+def test_the_float32_first_check_decides_as_the_float64_one_at_the_limit(scale):
+    """`GainPlan.gain(flat, limit)` sums rows in float32 first and keeps that only far under the
+    limit: adapters whose gain sits just under or over the limit (or just around half of it,
+    where the float32 answer stops being kept) are accepted or refused exactly as the float64
+    reference decides, and the float32 sums overflowing is refused as too large, not NaN."""
+    weights = make_weights(SPECS, 2, kinds=["q_proj"], seed=3)
+    reference = max(target_gains(weights.tensors).values())
+    target = GAIN_LIMITS["float32"] * scale
+    for name, t in weights.tensors.items():  # A scaled so that the gain lands on `target`
+        if name.endswith("lora_A"):
+            t.mul_(target / reference)
+    expected = max(target_gains(weights.tensors).values()) <= GAIN_LIMITS["float32"]
+    blob = bytearray(save_revision(weights, check=False))
+    if expected:
+        assert load_revision(blob, finite=True)
+    else:
+        with pytest.raises(FactorsTooLarge):
+            load_revision(blob, finite=True)
+
+
+def test_a_float32_overflow_of_the_row_sums_is_refused_as_too_large():
+    weights = _filled(["q_proj"], 3e38)  # a row of A sums past float32's range
+    with pytest.raises(FactorsTooLarge):
+        load_revision(bytearray(save_revision(weights, check=False)), finite=True)
