@@ -4,6 +4,7 @@ bandwidth, each weight layout's GEMM time at a few rows, and the engine's decode
     python bench/single_stream.py bandwidth                # GB/s of a large sum and copy
     python bench/single_stream.py layouts [--rows 1,4,32]  # per-layout GEMM at 0.6B shapes
     python bench/single_stream.py step --model DIR [--batches 1,4] [--profile]
+    python bench/single_stream.py step --model DIR --variants 'packed:weight_prepack=on;plain:weight_prepack=off'
 
 `layouts` times every linear of one decode step at Qwen3-0.6B shapes (28 layers: q/k/v, o,
 gate/up, down; each layer its own weights, so they stream from memory as a model's do) in each
@@ -115,6 +116,51 @@ def step_profile(model: str, batches: list[int], tokens: int, profile: bool, ext
             print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
 
 
+def _engine(model: str, max_batch: int, tokens: int, fields: dict):
+    """An engine for `step`; `fields` are EngineConfig fields (strings), and fuse=off builds the
+    base without fused q/k/v and gate/up (CausalLM.fuse_projections), for a before/after."""
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.core.build import build_engine
+    from loraserve.model.transformer import CausalLM
+    fields = dict(fields)
+    fuse = fields.pop("fuse", "on") != "off"
+    ints = {"max_batch_size", "torch_threads", "max_lora_rank", "max_gpu_adapters"}
+    fields = {k: int(v) if k in ints else v for k, v in fields.items()}
+    fields.setdefault("max_batch_size", max_batch)
+    real = CausalLM.fuse_projections
+    if not fuse:
+        CausalLM.fuse_projections = lambda self: 0
+    try:
+        return build_engine(EngineConfig(model_dir=model, max_model_len=32 + tokens + 1,
+                                         prefix_caching=False, **fields))
+    finally:
+        CausalLM.fuse_projections = real
+
+
+def step_variants(model: str, batches: list[int], tokens: int, rounds: int, variants: dict) -> None:
+    """Decode ms/step of each variant (an engine each), interleaved: every round runs every batch
+    size on every variant in turn, so the machine's noise lands on all alike; best of `rounds`,
+    and each variant's ratio to the first. A variant's threads (torch_threads) are set before
+    each of its runs (the setting is per process)."""
+    from bench.decode import measure   # noqa: E402 (bench/ on the path)
+    engines = {name: _engine(model, max(batches), tokens, fields) for name, fields in variants.items()}
+    threads = {name: int(f.get("torch_threads", 0)) or torch.get_num_threads() for name, f in variants.items()}
+    best: dict[tuple[str, int], float] = {}
+    for r in range(rounds + 1):  # round 0 warms up
+        for b in batches:
+            for name, eng in engines.items():
+                torch.set_num_threads(threads[name])
+                ms = measure(eng, b, 32, tokens if r else 4)[1]
+                if r:
+                    best[name, b] = min(best.get((name, b), float("inf")), ms)
+    first = next(iter(engines))
+    print(f"{'batch':>5} {'variant':<24} {'ms/step':>9} {'tok/s':>8} {'vs ' + first:>12}")
+    for b in batches:
+        for name in engines:
+            ms = best[name, b]
+            print(f"{b:>5} {name:<24} {ms:9.2f} {1e3 * b / ms:8.1f} {best[first, b] / ms:11.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["bandwidth", "layouts", "step"])
@@ -127,6 +173,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--engine-args", default="", help="step: EngineConfig fields, k=v,k=v")
+    ap.add_argument("--variants", default=None,
+                    help="step: engines side by side, 'name:k=v,k=v;name:...' (EngineConfig fields, "
+                         "and fuse=off), interleaved, best of --rounds")
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.what == "bandwidth":
@@ -141,6 +191,13 @@ def main() -> None:
                 best = layouts(rows, args.reps, args.fused)
             for name, s in best.items():
                 print(f"rows {rows:>3}  {name:<30} {s * 1e3:8.2f} ms  {nbytes / s / 1e9:6.1f} GB/s")
+    elif args.variants:
+        variants = {}
+        for spec in args.variants.split(";"):
+            name, _, fields = spec.partition(":")
+            variants[name] = dict(kv.split("=", 1) for kv in fields.split(",") if kv)
+        step_variants(args.model, [int(b) for b in args.batches.split(",")], args.tokens, args.rounds,
+                      variants)
     else:
         extra = dict(kv.split("=", 1) for kv in args.engine_args.split(",") if kv)
         step_profile(args.model, [int(b) for b in args.batches.split(",")], args.tokens,

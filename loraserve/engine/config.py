@@ -102,7 +102,9 @@ class EngineConfig:
                 "weights in oneDNN's blocked layout, packed "
                 "once at start-up instead of on every GEMM (batch-32 decode steps 1.3x faster on "
                 "an H 512 base): auto (when they outgrow the last-level cache, where packing "
-                "pays) | on | off. A decode step compiled on the CPU keeps them packed"})
+                "pays, and max-batch-size is above 1: one sequence at a time reads plain weights "
+                "faster, as matrix-vector products) | on | off. A decode step compiled on the CPU "
+                "keeps them packed"})
     torch_threads: int | None = field(default=None, metadata={
         "help": "CPU intra-op threads (more pay off for large matrices only: a second thread made "
                 "the demo base's 1-token requests 2.5x slower, an H 512 base's batches 1.6x faster)",

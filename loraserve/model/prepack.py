@@ -26,6 +26,7 @@ import weakref
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 DEFAULT_LLC_BYTES = 32 * 2**20  # when sysfs names no cache
@@ -65,7 +66,7 @@ def last_level_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cach
 def linear_weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's `nn.Linear` weights, plain or packed (a tied head counts again: it is
     packed too)."""
-    plain = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) is nn.Linear)
+    plain = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
     return plain + sum(m.in_features * m.out_features * m.packed.element_size()
                        for m in model.modules() if isinstance(m, PackedLinear))
 
@@ -74,6 +75,26 @@ def outgrows_last_level_cache(model: nn.Module, cache_bytes: int | None = None) 
     """Whether the plain linear weights outgrow the last-level cache: then every GEMM streams its
     weight from memory, packing pays (module doc) and so does a second thread."""
     return linear_weight_bytes(model) > (cache_bytes or last_level_cache_bytes())
+
+
+# A step of at most this many sequences reads plain weights faster: one row is a matrix-vector
+# product, and `torch.mv` over the [out, in] weight streamed it 1.3x faster than oneDNN's GEMM
+# over the packed layout at 0.6B shapes; from 4 rows on the packed layout wins (bench/RESULTS.md).
+PLAIN_MAX_BATCH = 1
+
+
+def weight_layout(setting: str, model: nn.Module, device: torch.device, dtype: torch.dtype,
+                  max_batch: int, cache_bytes: int | None = None) -> str:
+    """"packed" (oneDNN's layout, `prepack_linears`) or "plain" for `--weight-prepack` `setting`
+    (auto | on | off). auto packs a base whose weights outgrow the last-level cache, unless no
+    step can hold more than PLAIN_MAX_BATCH sequences: one copy of the weights serves every batch
+    size, so the layout follows the largest batch the engine can run."""
+    if setting == "off" or not can_prepack(device, dtype):
+        return "plain"
+    if setting == "on":
+        return "packed"
+    big = outgrows_last_level_cache(model, cache_bytes)
+    return "packed" if big and max_batch > PLAIN_MAX_BATCH else "plain"
 
 
 _HANDLES: dict[int, weakref.ref] = {}  # handle -> a live PackedLinear's packed weight
@@ -127,6 +148,29 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
                f"bias={self.bias is not None}, layout=onednn"
+
+
+class VectorLinear(nn.Linear):
+    """An `nn.Linear` in the plain [out, in] layout whose one-row calls are `torch.mv`: BLAS's
+    matrix-vector product streams the weight faster than a GEMM of one row (bench/RESULTS.md)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 2 or x.shape[0] != 1:
+            return F.linear(x, self.weight, self.bias)
+        y = torch.mv(self.weight, x[0])
+        return (y if self.bias is None else y + self.bias).unsqueeze(0)
+
+
+def vector_linears(model: nn.Module) -> int:
+    """Make every plain `nn.Linear` of model a `VectorLinear` (same weights, no copy), in place;
+    returns how many. For plain-layout serving: after loading and fusing, before LoRA wrappers."""
+    count = 0
+    for module in model.modules():
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                child.__class__ = VectorLinear
+                count += 1
+    return count
 
 
 def prepack_linears(model: nn.Module, batch_hint: int) -> int:

@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraserve.model import load_model
-from loraserve.model.prepack import (DEFAULT_LLC_BYTES, PackedLinear, bf16_kernels, can_prepack,
-                                     last_level_cache_bytes, linear_weight_bytes, prepack_linears,
-                                     outgrows_last_level_cache, unpack_linears)
+from loraserve.model.prepack import (DEFAULT_LLC_BYTES, PLAIN_MAX_BATCH, PackedLinear, VectorLinear,
+                                     bf16_kernels, can_prepack, last_level_cache_bytes, linear_weight_bytes,
+                                     outgrows_last_level_cache, prepack_linears, unpack_linears,
+                                     vector_linears, weight_layout)
 
 
 def test_prepack_applies_to_float32_and_native_bfloat16_on_the_cpu_only():
@@ -36,6 +37,36 @@ def test_packed_linear_equals_f_linear_for_any_row_count(bias):
     torch.testing.assert_close(packed(x), plain(x), rtol=1e-5, atol=1e-5)
     assert torch.equal(packed.weight, plain.weight.detach())  # unpacking is exact
     assert packed.in_features == 48 and packed.out_features == 80
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_vector_linear_equals_f_linear_and_keeps_the_weight(bias):
+    """One row as torch.mv, any other shape as F.linear; `vector_linears` swaps the class only."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 80, bias=bias), nn.ReLU(), nn.Linear(80, 8, bias=bias))
+    ref = [(m.weight, m.bias) for m in (model[0], model[2])]
+    xs = [torch.randn(1, 48), torch.randn(5, 48), torch.randn(2, 3, 48)]
+    want = [model(x) for x in xs]
+    assert vector_linears(model) == 2 and vector_linears(model) == 0
+    assert all(type(m) is VectorLinear for m in (model[0], model[2]))
+    assert [(m.weight, m.bias) for m in (model[0], model[2])] == ref  # the same Parameters
+    for x, y in zip(xs, want):
+        torch.testing.assert_close(model(x), y, rtol=1e-5, atol=1e-5)
+
+
+def test_weight_layout_packs_a_big_base_that_can_batch():
+    cpu, f32 = torch.device("cpu"), torch.float32
+    model = nn.Sequential(nn.Linear(64, 64))
+    size = linear_weight_bytes(model)
+    big, small = size - 1, size  # last-level cache bytes: outgrown, not outgrown
+    assert weight_layout("auto", model, cpu, f32, 64, cache_bytes=big) == "packed"
+    assert weight_layout("auto", model, cpu, f32, PLAIN_MAX_BATCH, cache_bytes=big) == "plain"
+    assert weight_layout("auto", model, cpu, f32, 64, cache_bytes=small) == "plain"
+    assert weight_layout("on", model, cpu, f32, 1, cache_bytes=small) == "packed"
+    assert weight_layout("off", model, cpu, f32, 64, cache_bytes=big) == "plain"
+    assert weight_layout("on", model, torch.device("cuda"), f32, 64) == "plain"
+    vector_linears(model)
+    assert linear_weight_bytes(model) == size  # still counted as plain weights
 
 
 @pytest.mark.parametrize("arch,tie", [("qwen3", False), ("qwen3", True), ("qwen3_moe", False)])

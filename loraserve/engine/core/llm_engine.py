@@ -17,7 +17,7 @@ import torch
 from ...adapters.manager import RevisionQuarantined
 from ...model.config import ModelConfig
 from ...model.loader import load_model, resolve_dtype
-from ...model.prepack import can_prepack, outgrows_last_level_cache, prepack_linears
+from ...model.prepack import outgrows_last_level_cache, prepack_linears, vector_linears, weight_layout
 from ...tokenizer import Tokenizer
 from .attention import KVCache
 from .block_manager import BlockManager
@@ -91,12 +91,14 @@ class LLMEngine:
         if self.device.type == "cpu":  # threads and weight layout follow the base's size
             big = outgrows_last_level_cache(self.model)
             torch.set_num_threads(cfg.torch_threads or default_torch_threads(big, usable_cpus()))
-            packed = can_prepack(self.device, self.dtype) and (
-                cfg.weight_prepack == "on" or (cfg.weight_prepack == "auto" and big))
-            if packed:
+            layout = weight_layout(cfg.weight_prepack, self.model, self.device, self.dtype,
+                                   cfg.max_batch_size)
+            if layout == "packed":
                 prepack_linears(self.model, batch_hint=cfg.max_batch_size)  # before LoRA wraps them
+            elif big:
+                vector_linears(self.model)  # one-row steps as matrix-vector products
             log.info("CPU engine: %d intra-op threads, base weights %s", torch.get_num_threads(),
-                     "packed for oneDNN" if packed else "plain")
+                     "packed for oneDNN" if layout == "packed" else "plain")
         self.tokenizer = Tokenizer.from_dir(cfg.model_dir)
         self.model_name = cfg.model_name
         self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings)
