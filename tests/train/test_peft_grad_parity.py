@@ -98,9 +98,9 @@ def _run(base_dir, packed: bool, targets: dict) -> TrainingRun:
     return run
 
 
-def _close(got, want, what):
+def _close(got, want, what, rel=1e-5):
     err = (got - want).norm() / want.norm().clamp_min(1e-12)
-    assert err <= 1e-5, f"{what}: relative error {err:.2e}"
+    assert err <= rel, f"{what}: relative error {err:.2e}"
 
 
 CASES = [("hf_dense", False, dict()), ("hf_dense", True, dict(train_mlp=False)),
@@ -112,6 +112,7 @@ CASES = [("hf_dense", False, dict()), ("hf_dense", True, dict(train_mlp=False)),
 def test_forward_backward_matches_peft(base, packed, targets, request, one_torch_thread):
     base_dir = request.getfixturevalue(base)
     run = _run(base_dir, packed, targets)
+    rel = 2e-5 if packed else 1e-5  # oneDNN's packed GEMMs sum in another order than PEFT's (~1e-5)
     factors = {k: v.detach().clone() for k, v in run.factors.named_tensors().items()}
     kinds = sorted({k.split(".")[-2] for k in factors})
     peft, named = _peft(base_dir, factors, kinds)
@@ -128,11 +129,11 @@ def test_forward_backward_matches_peft(base, packed, targets, request, one_torch
         ref_loss, ref_grads, _ = _peft_loss_and_grads(peft, named, data, loss)
         assert result.metrics["loss:sum"] == pytest.approx(ref_loss, rel=1e-5), loss
         for out, d, lp in zip(result.outputs, data, ref_lps):
-            _close(out["logprobs"], lp, f"{loss} logprobs")
-            _close(out["elementwise_loss"], _reference_elementwise(loss, lp, d.inputs), f"{loss} elementwise")
+            _close(out["logprobs"], lp, f"{loss} logprobs", rel)
+            _close(out["elementwise_loss"], _reference_elementwise(loss, lp, d.inputs), f"{loss} elementwise", rel)
         got = dict(zip(run.factors.named_tensors(), run.grads))
         for name, want in ref_grads.items():
-            _close(got[name], want, f"{loss} grad {name}")
+            _close(got[name], want, f"{loss} grad {name}", rel)
         run.grads = None  # the next loss starts from no accumulated gradient
 
 
