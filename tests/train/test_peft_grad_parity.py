@@ -1,7 +1,8 @@
 """forward_backward on the resident base equals transformers + PEFT on the same tiny checkpoint:
 the loss and every LoRA gradient, for each Tinker loss, dense Qwen3, tied Llama (biases) and
-Qwen3-MoE (attention and lm_head: experts are not trained), with the base's linears plain or
-prepacked (oneDNN layout)."""
+Qwen3-MoE (attention and lm_head; and its experts against PEFT's `target_parameters` LoRA on
+transformers 5's fused expert Parameters), with the base's linears plain or prepacked (oneDNN
+layout)."""
 from __future__ import annotations
 
 import pytest
