@@ -5,7 +5,8 @@
 process). A forward or forward_backward is a pass of slices: each `advance` call runs at most
 `max_tokens` tokens of it on the engine's owner thread and returns, and the owner thread runs a
 decode step before it takes the next call, so one training step never holds serving back by more
-than one slice (`--train-max-tokens`). Passes of different runs interleave slice by slice.
+than one slice (`--train-max-tokens`). Passes of different runs share slices: the core batches
+their waiting datums into one pass over the base, so a pass may end in another's slice.
 
 A hosting that cannot train has `trainer = None` (engine/interface.py), and the server refuses
 training routes there with a 400 that says so.

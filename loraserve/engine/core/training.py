@@ -3,9 +3,11 @@
 `TrainerCore` lives beside the `LLMEngine` and is only touched on the engine's owner thread
 (the engine thread in process, the core's main thread in the engine-core process), so a training
 slice and a decode step never run at once and the model needs no lock. Each call is one bounded
-piece of work: `advance` runs a pass's datums up to the per-call token budget
-(`EngineConfig.train_max_tokens`) and returns, and the owner thread runs a decode step before the
-next slice, so serving keeps going while a run trains (engine/training.py drives the slices).
+piece of work: `advance` runs one slice of at most the per-call token budget
+(`EngineConfig.train_max_tokens`): its pass's next datums batched with those of other runs'
+passes waiting too (train/grouped.py), and returns; the owner thread runs a decode step before the
+next slice, so serving keeps going while runs train (engine/training.py drives the slices). After
+each optim_step a run's state is written for a core restart by a writer thread (train/resume.py).
 
 Every argument and result is plain data (lists, dicts, bytes): the same calls travel over the
 engine-core socket (`call("train", [op, args])`) as they run in process. Errors the caller made
