@@ -175,9 +175,10 @@ class Pager:
     def wait_reads(self, timeout: float) -> bool:
         """Block up to `timeout` seconds (the GIL released) until every load asked for so far
         has been read, so that `finish_reads` can complete them now; whether they all were.
-        The engine thread calls it, briefly, before a step when it has just asked for page-ins:
-        a host's answer for a small adapter takes well under a millisecond, so its request
-        joins this step's batch instead of the next one (bench/RESULTS.md, issue 29)."""
+        The engine thread calls it, briefly, before a step when it has just asked for page-ins,
+        so that a read landing within the wait has its request join this step's batch instead
+        of the next one's (bench/RESULTS.md, issue 29: cold requests ran in steps of 30-45
+        sequences against 46-62 warm, costing 1.3-1.9x the steps per request)."""
         with self._lock:
             return self._drained.wait_for(lambda: self._draining == 0, timeout)
 

@@ -221,3 +221,17 @@ def test_non_finite_revision_is_refused_at_page_in(catalog, pager) -> None:
     assert record_key(bad) not in pager.cpu_cache
     assert pager.fetch(good).result(WAIT) is not None
     assert record_key(good) in pager.cpu_cache
+
+
+def test_wait_reads_returns_once_every_load_asked_for_is_read(catalog, pager):
+    """`wait_reads` (the engine's short wait before a step): False while a read is still in
+    flight, True once every load asked for has been read, its blob left for the owner to decode."""
+    woken = threading.Event()
+    pager.decode_on_owner(woken.set)
+    assert pager.wait_reads(0)  # nothing asked for
+    catalog.gate.clear()
+    future = pager.fetch(pager.resolve("acme/a1"))
+    assert not pager.wait_reads(0.01) and not future.done()
+    catalog.gate.set()
+    assert pager.wait_reads(WAIT) and woken.is_set() and not future.done()
+    assert pager.finish_reads() == 1 and future.result(0).rank == 4

@@ -34,9 +34,9 @@ from ..types import EngineError, GenerateRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 AdapterKey = tuple[str, str]
-# how long a step waits for the page-ins asked for since the last one to be read (the shard
-# host's answer: well under a millisecond for a small adapter on an idle machine), so their
-# requests join this step's batch rather than the next (bench/RESULTS.md, issue 29)
+# how long a step waits for the page-ins asked for since the last one to be read, so that their
+# requests join this step's batch rather than the next (bench/RESULTS.md, issue 29: on the busy
+# 2-core box 21-40% of such waits ended early; 0 turns the wait off)
 PAGE_IN_GRACE_S = 0.005
 
 
