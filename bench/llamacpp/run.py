@@ -70,6 +70,11 @@ def machine_busy_seconds() -> float:
     return (sum(f) - f[3] - f[4]) / CLK_TCK   # all but idle and iowait
 
 
+def rate(tok_s: float) -> str:
+    """Tokens/s to print: whole numbers from 100 on, three significant digits below (one stream)."""
+    return f"{tok_s:.0f}" if tok_s >= 100 else f"{tok_s:.3g}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -413,8 +418,8 @@ def main() -> None:
                         # in cores: the noise each measurement ran under
                         r.setdefault(s.name + " others_cores", []).append((busy - cpu) / dt)
                 print(f"[threads {threads}] round {rep + 1}/{args.reps}: " + ", ".join(
-                    f"{m} {results[f't{threads}'][m]['loraserve'][-1]:.0f}/"
-                    f"{results[f't{threads}'][m]['llama.cpp'][-1]:.0f}" for m in timed_mixes)
+                    f"{m} {rate(results[f't{threads}'][m]['loraserve'][-1])}/"
+                    f"{rate(results[f't{threads}'][m]['llama.cpp'][-1])}" for m in timed_mixes)
                     + " tok/s (loraserve/llama.cpp)")
             print(f"[threads {threads}] timed responses whose text differed from step 1: {text_mismatch}")
         finally:
@@ -437,8 +442,8 @@ def main() -> None:
             a, b = r["loraserve"], r["llama.cpp"]
             ratios = [x / y for x, y in zip(a, b)]
             others = r["loraserve others_cores"] + r["llama.cpp others_cores"]
-            print(f"| {tkey[1:]} | {mix} | {med(a):.0f} ({min(a):.0f}-{max(a):.0f}) | "
-                  f"{med(b):.0f} ({min(b):.0f}-{max(b):.0f}) | **{med(ratios):.2f}x** "
+            print(f"| {tkey[1:]} | {mix} | {rate(med(a))} ({rate(min(a))}-{rate(max(a))}) | "
+                  f"{rate(med(b))} ({rate(min(b))}-{rate(max(b))}) | **{med(ratios):.2f}x** "
                   f"({min(ratios):.2f}-{max(ratios):.2f}) | {med(r['loraserve cpu_ms_per_token']):.2f} / "
                   f"{med(r['llama.cpp cpu_ms_per_token']):.2f} | {med(others):.1f} |")
     if args.json:
