@@ -60,7 +60,7 @@ def _rows_hook(parts: list[Part]):
         deltas = []
         for s, e, pair, scale in parts:
             if pair is None:
-                deltas.append(output.new_zeros(e - s, output.shape[-1]))
+                deltas.append(output.new_zeros(x[s:e].shape[0], output.shape[-1]))
             else:
                 a, b = pair
                 deltas.append((F.linear(F.linear(x[s:e].to(a.dtype), a), b) * scale).to(output.dtype))
@@ -99,22 +99,6 @@ def _experts_hook(parts: list[Part]):
 
 def _target(model: CausalLM, path: str) -> nn.Module:
     return model.get_submodule(path if path == "lm_head" else f"model.{path}")
-
-
-def _rows_hook(parts: list[tuple[int, int, tuple[nn.Parameter, nn.Parameter] | None, float]]):
-    """Rows s..e-1 of the batch get their run's `scale * B(A x)` (none where `pair` is None: that
-    run does not train this module)."""
-    def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
-        x = args[0]
-        deltas = []
-        for s, e, pair, scale in parts:
-            if pair is None:
-                deltas.append(output.new_zeros(e - s, output.shape[-1]))
-            else:
-                a, b = pair
-                deltas.append((F.linear(F.linear(x[s:e].to(a.dtype), a), b) * scale).to(output.dtype))
-        return output + torch.cat(deltas)
-    return hook
 
 
 @contextmanager
