@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraserve.catalog.errors import InvalidAdapterId
 from loraserve.catalog.ids import parse_model_ref, validate_adapter_id
@@ -197,7 +197,8 @@ _CURRENT: ContextVar[RequestTenancy | None] = ContextVar("loraserve_request_tena
 
 class AuthMiddleware:
     """Resolve each HTTP request's principal (`Tenancy.caller`) before the app sees it; release
-    what the request held (sequences in flight) when its response has ended, streamed or not."""
+    what the request held (sequences in flight) as its response's last body message goes out,
+    streamed or not, and in any case when the app returns (an error, a client gone)."""
 
     def __init__(self, app: ASGIApp, tenancy: Tenancy):
         self.app = app
@@ -216,8 +217,16 @@ class AuthMiddleware:
         scope.setdefault("state", {})["principal"] = principal
         current = RequestTenancy(self.tenancy, principal)
         token = _CURRENT.set(current)
+
+        async def send_releasing(message: Message) -> None:
+            # the leases go before the response's last bytes do: a client that has read the
+            # whole answer (a stream's [DONE] included) finds its slot free for the next request
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                current.release()
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_releasing)
         finally:
             _CURRENT.reset(token)
             current.release()

@@ -355,6 +355,60 @@ def test_two_keys_of_a_tenant_share_its_concurrency(tenants_served) -> None:
     assert http.post("/v1/completions", json=completion(), headers=as_key("d2")).status_code == 200
 
 
+def test_a_tenant_at_its_concurrency_may_send_again_once_it_has_read_an_answer(tenants_served) -> None:
+    """The slot is free when the client has the whole answer ([DONE] of a stream, the body of
+    a plain one), not some moment after: back-to-back requests of a max_concurrent = 1 tenant,
+    alternating keys and stream/plain, are all served, and another tenant meanwhile too."""
+    http, engine = tenants_served
+    engine.delay_s = 0.001
+    for i in range(30):
+        key = as_key("d1" if i % 2 else "d2")
+        if i % 3:
+            with http.stream("POST", "/v1/completions", headers=key,
+                             json=completion("delta/x", max_tokens=3, stream=True)) as stream:
+                assert stream.status_code == 200
+                assert [ln for ln in stream.iter_lines() if ln.startswith("data:")][-1] == "data: [DONE]"
+        else:
+            assert http.post("/v1/completions", json=completion(), headers=key).status_code == 200
+    assert http.post("/v1/completions", json=completion("beta/secret"),
+                     headers=as_key("beta")).status_code == 200
+
+
+def test_leases_are_released_before_the_last_body_message_is_sent() -> None:
+    """The rule the test above samples, made exact at the middleware: when the response's last
+    body message reaches the transport, the request's sequences are already out of its
+    tenant's count, streamed (chunks, then an empty last message) or not (one message)."""
+    import asyncio
+
+    from loraserve.server.limits import Lease, Usage
+    from loraserve.server.tenancy import AuthMiddleware, _CURRENT
+
+    class Caller:
+        def caller(self, path, method, key):
+            return Principal(key_id="p", admin=False, tenants=("delta",))
+
+    usage = Usage(Limits(max_concurrent=1), None, None)
+
+    async def app(scope, receive, send):
+        usage.in_flight += 1
+        _CURRENT.get().leases.append(Lease((usage,), 1))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for more in scope["bodies"]:
+            await send({"type": "http.response.body", "body": b"x", "more_body": more})
+
+    for bodies in ([False], [True, True, False]):
+        seen = []
+
+        async def send(message):
+            if message["type"] == "http.response.body":
+                seen.append((message.get("more_body", False), usage.in_flight))
+
+        scope = {"type": "http", "path": "/v1/completions", "method": "POST", "headers": [],
+                 "bodies": bodies}
+        asyncio.run(AuthMiddleware(app, Caller())(scope, None, send))
+        assert seen == [(m, 1 if m else 0) for m in bodies]
+
+
 def test_two_keys_of_a_tenant_share_its_request_rate(tenants_served) -> None:
     http, _ = tenants_served
     assert http.post("/v1/completions", json=completion(), headers=as_key("e1")).status_code == 200
