@@ -11,7 +11,8 @@ Writes, under --out (every step is skipped when its output is there):
                     tokenizer as tokenizer.json (what loraserve reads); both tokenize every
                     training line identically (checked here)
   peft/aNN/         --adapters PEFT LoRA adapters, rank --rank, on all seven projections
-  gguf/base-f32.gguf, gguf/aNN-f32.gguf   the same weights for llama.cpp (f32, no quantization)
+  gguf/base-f32.gguf, gguf/aNN-f32.gguf   the same weights for llama.cpp (f32, no quantization);
+                    --outtypes f32,bf16 also writes gguf/base-bf16.gguf, gguf/aNN-bf16.gguf
   prompts.json      --prompts prompt texts (2-3 generated sentences: 30-105 tokens)
 
 Why this tokenizer: llama.cpp's converter recognises a byte-level BPE tokenizer only by a hash of
@@ -147,31 +148,34 @@ def llamacpp_src(cache: Path) -> Path:
     return found[-1]
 
 
-def convert(out: Path, n: int, cache: Path) -> None:
+def convert(out: Path, n: int, cache: Path, outtype: str = "f32") -> None:
+    """The base and n adapters as gguf/base-{outtype}.gguf and gguf/aNN-{outtype}.gguf. f32 keeps
+    the checkpoint's weights exactly; bf16 and f16 round them (bf16 as torch's `.to(bfloat16)`
+    does: round to nearest even), and the converter keeps 1-D tensors (norms) in f32."""
     src = llamacpp_src(cache)
     gg = out / "gguf"
     gg.mkdir(exist_ok=True)
-    if not (gg / "base-f32.gguf").is_file():
+    base = gg / f"base-{outtype}.gguf"
+    if not base.is_file():
         subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(out / "hf"),
-                        "--outtype", "f32", "--outfile", str(gg / "base-f32.gguf.tmp")],
-                       check=True)
-        (gg / "base-f32.gguf.tmp").rename(gg / "base-f32.gguf")
-    todo = [i for i in range(n) if not (gg / f"a{i:02d}-f32.gguf").is_file()]
+                        "--outtype", outtype, "--outfile", str(base) + ".tmp"], check=True)
+        Path(str(base) + ".tmp").rename(base)
+    todo = [i for i in range(n) if not (gg / f"a{i:02d}-{outtype}.gguf").is_file()]
     # two converters at a time (each is mostly python start-up)
     procs: list[tuple[int, subprocess.Popen]] = []
     for i in todo + [None, None]:
         if i is not None:
             procs.append((i, subprocess.Popen(
                 [sys.executable, str(src / "convert_lora_to_gguf.py"), str(out / "peft" / f"a{i:02d}"),
-                 "--base", str(out / "hf"), "--outtype", "f32",
-                 "--outfile", str(gg / f"a{i:02d}-f32.gguf.tmp")],
+                 "--base", str(out / "hf"), "--outtype", outtype,
+                 "--outfile", str(gg / f"a{i:02d}-{outtype}.gguf.tmp")],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
         while len(procs) >= (2 if i is not None else 1):
             j, p = procs.pop(0)
             _, err = p.communicate()
             if p.returncode:
                 raise SystemExit(f"convert_lora_to_gguf failed on a{j:02d}:\n{err.decode()[-3000:]}")
-            (gg / f"a{j:02d}-f32.gguf.tmp").rename(gg / f"a{j:02d}-f32.gguf")
+            (gg / f"a{j:02d}-{outtype}.gguf.tmp").rename(gg / f"a{j:02d}-{outtype}.gguf")
 
 
 def write_prompts(out: Path, n: int) -> None:
@@ -193,6 +197,9 @@ def main() -> None:
     ap.add_argument("--sigma", type=float, default=0.04, help="std of LoRA B entries")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--outtypes", default="f32",
+                    help="GGUF weight types to write, comma-separated: f32, bf16, f16 (the "
+                         "checkpoint stays float32; run.py --dtype picks one)")
     ap.add_argument("--cache", type=Path, default=None,
                     help="build.sh's cache dir (default: the parent of --out)")
     args = ap.parse_args()
@@ -204,7 +211,8 @@ def main() -> None:
     if not (hf / "model.safetensors").is_file():
         write_base(hf, args.hidden, args.layers, args.head_dim, args.seed, args.heads)
     write_adapters(hf, out / "peft", args.adapters, args.rank, args.sigma)
-    convert(out, args.adapters, (args.cache or out.parent).resolve())
+    for outtype in args.outtypes.split(","):
+        convert(out, args.adapters, (args.cache or out.parent).resolve(), outtype.strip())
     if not (out / "prompts.json").is_file():
         write_prompts(out, args.prompts)
     print(f"model, {args.adapters} adapters and prompts under {out}")
