@@ -5,7 +5,8 @@ s with s % workers == w, so no two processes write one shard. Safe to kill at an
 each batch is one LMDB txn of whole adapters, and a rerun of the same command skips what
 exists, finishing with exactly N adapters under the prefix and no duplicates. With `store`
 (`--store s3://bucket/prefix`) each worker also publishes every batch it commits into that
-durable tier, resumably (catalog.store_materialize).
+durable tier, resumably (catalog.store_materialize); with `store_only` as well, the workers build
+into the store alone and the local catalog keeps nothing (a bounded local footprint).
 """
 from __future__ import annotations
 
@@ -44,11 +45,14 @@ class MaterializeConfig:
     progress: bool = True
     initial_map_size: int = 256 * MiB
     store: str | None = None  # s3://bucket/prefix: each worker publishes its batches (store_materialize)
+    store_only: bool = False  # with `store`: build into the store alone, nothing kept locally (store_materialize)
 
     def __post_init__(self) -> None:
         self.catalog_dir, self.model_dir = Path(self.catalog_dir), Path(self.model_dir)
         if self.count < 0 or self.rank < 1 or self.workers < 1 or self.batch < 1:
             raise ValueError("need count >= 0, rank >= 1, workers >= 1, batch >= 1")
+        if self.store_only and not self.store:
+            raise ValueError("store_only needs a store")
         if isinstance(self.targets, str):
             self.targets = parse_targets(self.targets)
         parse_targets(",".join(self.targets))
@@ -86,7 +90,7 @@ def _jobs(cfg: MaterializeConfig, num_shards: int, base: BaseInfo) -> list[Worke
     return [
         WorkerJob(cfg.catalog_dir, num_shards, list(range(w, num_shards, workers)), cfg.count, cfg.prefix,
                   cfg.width, cfg.seed, cfg.rank, cfg.targets, base.fingerprint, template, cfg.batch,
-                  cfg.initial_map_size, cfg.store)
+                  cfg.initial_map_size, cfg.store, cfg.store_only)
         for w in range(workers)
     ]
 

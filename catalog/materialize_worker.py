@@ -48,6 +48,7 @@ class WorkerJob:
     batch: int
     initial_map_size: int
     store: str | None = None  # s3://bucket/prefix: publish each committed batch there (store_materialize)
+    store_only: bool = False  # build into `store` alone, nothing into the local shards (store_materialize)
 
 
 def adapter_id(prefix: str, index: int, width: int) -> str:
@@ -103,6 +104,19 @@ def _put_sorted(txn, db, items: list[tuple[bytes, bytes]]) -> None:
     cur.putmulti(items, append=append)
 
 
+def build_items(job: WorkerJob, ids: list[str], now: float) -> tuple[list, list, list]:
+    """(policies, revisions, blobs) of `ids` as LMDB (key, value) items, in id order; raises on a build error."""
+    blobs = job.template.blobs(ids, job.seed)
+    pol_t, rev_t = record_templates(job, len(blobs[0]) if blobs else 0, now)
+    policies, revisions, blob_items = [], [], []
+    for aid, blob in zip(ids, blobs):
+        a, key = aid.encode(), f"{aid}@{REVISION}".encode()
+        policies.append((a, pol_t.replace(_ID.encode(), a)))
+        revisions.append((key, rev_t.replace(_ID.encode(), a).replace(_SUM.encode(), blob_checksum(blob).encode())))
+        blob_items.append((key, blob))
+    return policies, revisions, blob_items
+
+
 def _put_batch(job: WorkerJob, ids: list[str], now: float):
     """Txn body for one batch of sorted ids: write each id not yet present. Returns (written,
     skipped, errors, and with `job.store` the written adapters' (policy, [(record, blob)]) to publish)."""
@@ -111,16 +125,9 @@ def _put_batch(job: WorkerJob, ids: list[str], now: float):
         todo = [a for a in ids if txn.get(a.encode(), db=dbs.policy) is None]
         errors: list[str] = []
         try:
-            blobs = job.template.blobs(todo, job.seed)
+            policies, revisions, blob_items = build_items(job, todo, now)
         except Exception as e:  # a build error is counted and reported, never half-written
             return 0, len(ids) - len(todo), [f"batch {todo[:1]}..: {e}"], []
-        pol_t, rev_t = record_templates(job, len(blobs[0]) if blobs else 0, now)
-        policies, revisions, blob_items = [], [], []
-        for aid, blob in zip(todo, blobs):
-            a, key = aid.encode(), f"{aid}@{REVISION}".encode()
-            policies.append((a, pol_t.replace(_ID.encode(), a)))
-            revisions.append((key, rev_t.replace(_ID.encode(), a).replace(_SUM.encode(), blob_checksum(blob).encode())))
-            blob_items.append((key, blob))
         _put_sorted(txn, dbs.blob, blob_items)
         _put_sorted(txn, dbs.revision, revisions)
         _put_sorted(txn, dbs.policy, policies)
@@ -133,6 +140,11 @@ def _put_batch(job: WorkerJob, ids: list[str], now: float):
 def _to_publish(job: WorkerJob, policies, revisions, blob_items) -> list:
     if job.store is None:
         return []
+    return as_adapters(policies, revisions, blob_items)
+
+
+def as_adapters(policies, revisions, blob_items) -> list[tuple[PolicyRecord, list[tuple[RevisionRecord, bytes]]]]:
+    """`build_items`' output as the (policy, [(record, blob)]) list a segment is published from."""
     return [(PolicyRecord.from_json(p), [(RevisionRecord.from_json(r), b)])
             for (_, p), (_, r), (_, b) in zip(policies, revisions, blob_items)]
 
@@ -207,8 +219,11 @@ def run_worker(job: WorkerJob, progress, results, parent_pid: int | None = None)
             from .store_materialize import BatchPublisher
             publisher = BatchPublisher(job.store, job.catalog_dir)
         for s, ids in ids_by_shard(job).items():
-            opened.append(Shard(job.catalog_dir, s, opts))
-            w, sk, err = _build_shard(job, opened[-1], ids, progress, publisher)
+            if job.store_only:
+                w, sk, err = publisher.build_shard(job, s, ids, progress)
+            else:
+                opened.append(Shard(job.catalog_dir, s, opts))
+                w, sk, err = _build_shard(job, opened[-1], ids, progress, publisher)
             written, skipped, errors = written + w, skipped + sk, errors + err
         for shard in opened:
             shard.sync()

@@ -13,10 +13,20 @@ order, so on a rerun every adapter of the shard up to that id is in the store. T
 that the catalog already holds were committed but perhaps not published (a kill between the
 two). The worker publishes them first (`catch_up`), read back from the shard, and only then
 builds the rest.
+
+`store_only` (`--store-only`) keeps the local catalog out of it, for a namespace larger than one
+host's disk: a worker builds each batch in memory and publishes it, and nothing is written to
+LMDB, so the run's local footprint is the markers alone (the store is the copy; hosts fault in).
+The marker is then the only resume point: a rerun skips each shard's ids up to it and builds the
+rest again. Building is deterministic (an adapter's blob is a function of its id and the seed),
+and the policies are conditional creates, so a batch published before a kill but not yet marked
+is built again and found `already` (its second segment is unreferenced: `catalog store-gc`'s).
+A build error stops that shard before its marker passes the batch, so the rerun retries it.
 """
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -82,6 +92,25 @@ class BatchPublisher:
         for lo in range(0, len(pending), batch):
             ids = pending[lo:lo + batch]
             self.publish(shard.index, shard.read(lambda txn, dbs: read_adapters_in_txn(txn, dbs, ids), default=[]))
+
+    def build_shard(self, job, shard: int, ids: list[str], progress) -> tuple[int, int, list[str]]:
+        """`store_only`: build the ids of `shard` after its marker, batch by batch, and publish each
+        (module doc); (built, skipped, errors) like the local build. `job` is a materialize_worker.WorkerJob."""
+        from .materialize_worker import as_adapters, build_items
+        last = self.marker(shard)
+        todo = [a for a in ids if last is None or a > last]
+        with progress.get_lock():
+            progress.value += len(ids) - len(todo)
+        for lo in range(0, len(todo), job.batch):
+            batch = todo[lo:lo + job.batch]
+            try:
+                made = as_adapters(*build_items(job, batch, time.time()))
+            except Exception as e:  # counted and reported; the marker stays before this batch
+                return lo, len(ids) - len(todo), [f"batch {batch[:1]}..: {e}"]
+            self.publish(shard, made)
+            with progress.get_lock():
+                progress.value += len(batch)
+        return len(todo), len(ids) - len(todo), []
 
     def close(self) -> None:
         self.pool.shutdown()

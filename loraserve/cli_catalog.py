@@ -71,6 +71,9 @@ def _add_materialize(csub) -> None:
     p.add_argument("--store", metavar="s3://BUCKET/PREFIX",
                    help="also publish every batch into this durable tier as it is committed (a "
                         "segment per batch and worker; resumable like the build)")
+    p.add_argument("--store-only", action="store_true",
+                   help="with --store: build into the store alone, keeping nothing in the local catalog "
+                        "(its disk stays bounded; resumable by the markers in DIR/store-published)")
     p.set_defaults(func=cmd_materialize)
 
 
@@ -268,12 +271,16 @@ def cmd_materialize(args) -> int:
     from loraserve.catalog.store import Catalog
     from loraserve.catalog.store_objects import parse_store_uri
 
+    if args.store_only and not args.store:
+        print("--store-only needs --store s3://BUCKET/PREFIX", file=sys.stderr)
+        return 2
     if not (Path(args.dir) / "catalog.json").exists():
         Catalog.create(args.dir, shards=args.shards).close()
     cfg = MaterializeConfig(args.dir, args.model, args.count, rank=args.rank, targets=args.targets,
                             prefix=args.prefix, workers=args.workers, seed=args.seed, dtype=args.dtype,
                             batch=args.batch, progress=not args.no_progress,
-                            store=parse_store_uri(args.store)[0] if args.store else None)
+                            store=parse_store_uri(args.store)[0] if args.store else None,
+                            store_only=args.store_only)
     rep = materialize(cfg)
     published = f"; published {rep.published}, already in the store {rep.already}" if args.store else ""
     print(f"materialized {rep.written} new, {rep.skipped} already present, "
