@@ -21,7 +21,8 @@ machine's ceiling for the protocol and our per-adapter work, not an object store
 
 times `catalog materialize --store` instead: each worker publishes every batch as it commits it
 (catalog.store_materialize). Each step is a rerun of the same materialize over a larger count
-(the resume path), until `--minutes` have passed; then the cold sweep. `--servers` picks the S3
+(the resume path), until `--minutes` have passed; then the cold sweep. `--store-only` builds
+into the store alone (`catalog materialize --store-only`: the local catalog keeps nothing). `--servers` picks the S3
 server, one after the other: moto_server, or s3rver (npm's Node server, keeping objects as files
 rather than in memory; installed into .loraserve/s3rver on first use; it ignores If-None-Match,
 so the policies' conditional creates are plain PUTs there, the same request count).
@@ -29,6 +30,7 @@ so the policies' conditional creates are plain PUTs there, the same request coun
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -108,6 +110,17 @@ def disk_mib(path: Path) -> int:
     return int(subprocess.run(["du", "-sm", str(path)], capture_output=True, text=True).stdout.split()[0])
 
 
+def bucket_bytes(root: Path, adapters: int) -> str:
+    """The bytes of the objects s3rver holds under `root` (its object files, not its metadata
+    files or the file system's blocks), per adapter: what a real bucket would bill."""
+    total = objects = 0
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith("._S3rver_object"):
+                total, objects = total + os.stat(os.path.join(folder, name)).st_size, objects + 1
+    return f"{objects} objects, {total / 2**20:.0f} MiB of object bytes, {total / max(adapters, 1):.0f} B an adapter"
+
+
 def rss_mib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -169,24 +182,27 @@ def materialize_into(kind: str, work: Path, base: Path, args) -> None:
     proc, _ = start_server(kind, work)
     try:
         Catalog.create(work / "built", shards=8).close()
-        print("| server | adapters | step s | step adapters/s | all adapters/s |\n|---|---|---|---|---|", flush=True)
+        print("| server | adapters | step s | step adapters/s | all adapters/s | load average |\n"
+              "|---|---|---|---|---|---|", flush=True)
         began, cfg = time.perf_counter(), None
         for count in [int(c) for c in args.steps.split(",")]:
             started = time.perf_counter()
             cfg = MaterializeConfig(work / "built", base, count, rank=args.rank, workers=2, progress=False,
-                                    store="s3://bench/materialized")
+                                    store="s3://bench/materialized", store_only=args.store_only)
             rep = materialize(cfg)
             if not rep.ok or rep.published != rep.written:
                 raise SystemExit(f"materialize --store: {rep}")
             took, total = time.perf_counter() - started, time.perf_counter() - began
-            print(f"| {kind} | {count} | {took:.0f} | {rep.written / took:.0f} | {count / total:.0f} |", flush=True)
+            load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+            print(f"| {kind} | {count} | {took:.0f} | {rep.written / took:.0f} | {count / total:.0f} | {load} |",
+                  flush=True)
             if total > args.minutes * 60:
                 break
         cold_sweep(work, "s3://bench/materialized", cfg, args.sweep)
         if args.gc:
             gc_pass(ObjectStore("s3://bench/materialized", timeout_s=120.0, max_pool=16))
         where = f"resident memory {rss_mib(proc.pid)} MiB" if kind == "moto" else \
-            f"objects on disk {disk_mib(work / 's3rver')} MiB"
+            f"objects on disk {disk_mib(work / 's3rver')} MiB ({bucket_bytes(work / 's3rver', cfg.count)})"
         print(f"{kind}: {where}; the local catalog {disk_mib(work / 'built')} MiB", flush=True)
     finally:
         stop_server(proc)
@@ -237,6 +253,8 @@ def main() -> None:
     ap.add_argument("--steps", default="2000", help="--materialize: the counts, each a rerun over more")
     ap.add_argument("--minutes", type=float, default=40.0, help="--materialize: no further step after this")
     ap.add_argument("--gc", action="store_true", help="--materialize: then time a store-gc --dry-run pass")
+    ap.add_argument("--store-only", action="store_true",
+                    help="--materialize: `--store-only` (nothing kept in the local catalog)")
     args = ap.parse_args()
     base = REPO / ".loraserve/demo/qwen3"
     for kind in args.servers.split(","):
