@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -95,17 +94,12 @@ def put_segment(store: ObjectStore, adapters: list[tuple[PolicyRecord, list[tupl
     object each, whose `placed` gives every revision's record and place (on `pool`'s threads
     when given). `new_only`: each policy is a conditional PUT that only creates (If-None-Match),
     so an adapter the store holds already is left as it is there. How many policies were written."""
-    segment = store.key("segments", uuid.uuid4().hex)
-    chunks, offset, docs = [], 0, []
+    entries = iter(store.put_segment([pair for _, revisions in adapters for pair in revisions]))
+    docs = []
     for policy, revisions in adapters:
-        placed = {}
-        for record, blob in revisions:
-            chunks.append(blob)
-            placed[record.revision] = {**_fields(record), "segment": segment, "offset": offset}
-            offset += record.size
+        placed = {record.revision: next(entries) for record, _ in revisions}
         policy.updated = time.time()
         docs.append(PolicyDoc(policy, {}, placed))
-    store.put(segment, b"".join(chunks))
     put = functools.partial(_put_policy, store, new_only)
     return sum(pool.map(put, docs) if pool is not None else map(put, docs))
 
@@ -120,6 +114,3 @@ def _put_policy(store: ObjectStore, new_only: bool, doc: PolicyDoc) -> bool:
         return False
     return True
 
-
-def _fields(record) -> dict:
-    return {name: getattr(record, name) for name in record.__slots__}

@@ -13,17 +13,18 @@ revisions' blobs end to end: store_bulk) stay. `collect` frees them in two passe
   revision is kept whole, not rewritten; the report counts the bytes of dead revisions left
   in such segments (`dead_in_live_segments`).
 
-Why a publish racing the GC loses nothing (with `min_age_s` above the longest publish and above
-`store_publish.REUSE_S`): a publish writes its blob or segment and its record first and the
-policy that names them last. A policy the mark read before the publish wrote it names objects
-written after the GC started, less one publish's duration: younger than the cutoff, so they
-stay. The mark runs before the listing for this reason. The one object a publish does not
-write afresh is a blob the store already holds (same bytes, another revision): it reuses it
-only when it was written within `REUSE_S`, hence younger than the cutoff too; an older one it
-uploads again. Each doomed object's age is read again (HEAD) right before its delete, so an
-upload made since the listing keeps it; and a publish that uploaded a blob again checks that it
-is still there once its policy names it (store_publish). What is left is a publish doing that
-upload, its policy and its check, all between the HEAD and the DELETE of that one blob.
+Why a publish racing the GC loses nothing, by construction: every object the GC may delete
+(a segment, or a blob or record from before segments) is written once, under a key no publish
+writes again or reuses (store_objects; store_publish writes each publish's blobs into a new
+segment and the records into the policy). So an object's one write time, as listed, is the
+one that counts, and the GC's rule (unnamed by every policy the mark read, and written before
+`cutoff` = the GC's start less `min_age_s`) never meets a publish's: a publish writes its
+segment first and the policy naming it last. If the mark read that policy before the publish
+wrote it, the segment was written after the GC started less one publish's duration, so with
+`min_age_s` above the longest publish (and the clock skew between the host and the store)
+it is younger than the cutoff and stays. The mark runs before the listing for this reason. No
+object is read again before its delete, and no conditional delete is needed (S3's If-Match on
+a delete compares ETags, which equal bytes written again would share).
 
 `loraserve catalog store-gc` holds the store's maintenance lease (store_lease) for its run, so
 no other GC and no log compaction runs on the store meanwhile.
@@ -39,6 +40,7 @@ from .store_objects import ObjectStore, PolicyDoc
 
 PAGE = 1000
 KINDS = ("segments", "blobs", "revisions")  # the prefixes swept
+MIN_AGE_FLOOR_S = 3600.0  # `--min-age` at least this: longer than any publish, plus clock skew
 
 
 @dataclass(slots=True)
@@ -133,9 +135,7 @@ def sweep(store: ObjectStore, kind: str, live: Live, cutoff: float, report: Stor
                 report.pending += 1
             else:
                 doomed.append((key, size))
-        if not dry_run:  # its age again, right before the delete: an upload since keeps it
-            ages = (pool.map if pool is not None else map)(store.modified, [k for k, _ in doomed])
-            doomed = [(k, s) for (k, s), m in zip(doomed, ages) if m is not None and m < cutoff]
+        if not dry_run:  # written once: its listed age is final (module doc)
             if lease is not None:
                 lease.check()
             store.delete([k for k, _ in doomed])

@@ -8,9 +8,15 @@
                                               no revision left: the adapter is deleted)
     log/<unix ns>-<host>-<n>-<quoted id>      the change log: one entry per policy change
     log-snapshot.json, log-pruned.json        what compaction pruned from the log (store_log)
-    segments/<uuid>                           many revisions' blobs end to end, written by a
-                                              bulk publish (store_bulk); the policy's `placed`
-                                              says where each is (its record rides along)
+    segments/<uuid>                           revisions' blobs end to end, one segment per
+                                              publish (store_publish) or bulk part (store_bulk);
+                                              the policy's `placed` says where each is (its
+                                              record rides along)
+
+Every key but a policy's and the log's is written once. A publish puts its revisions' blobs in
+a new segment, under a key never used before, and their records in the policy: it writes no
+`blobs/` or `revisions/` object (those are read, from stores written before segments, and
+collected). That is what makes the store GC safe by construction (store_gc).
 
 `ObjectStore` reads and writes them through boto3 (endpoint and credentials from the standard
 AWS environment and config). Every error is one of ours: a missing key is SourceNotFound (or
@@ -20,6 +26,7 @@ fails its record's checksum is CorruptBlob.
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass, field
 
 from .errors import CatalogError, CorruptBlob, SourceNotFound, SourceUnavailable
@@ -213,6 +220,18 @@ class ObjectStore:
             return PolicyDoc(None)
         deleted, placed = doc.pop("deleted", {}), doc.pop("placed", {})
         return PolicyDoc(PolicyRecord.from_json(json.dumps(doc).encode()), deleted, placed)
+
+    def put_segment(self, revisions: list[tuple[RevisionRecord, bytes]]) -> list[dict]:
+        """The blobs of `revisions` end to end as one new segment object (a fresh key); the
+        `placed` entry of each, in order: its record's fields, the segment and its offset."""
+        segment = self.key("segments", uuid.uuid4().hex)
+        placed, offset = [], 0
+        for record, blob in revisions:
+            placed.append({**{name: getattr(record, name) for name in record.__slots__},
+                           "segment": segment, "offset": offset})
+            offset += record.size
+        self.put(segment, b"".join(blob for _, blob in revisions))
+        return placed
 
     def put_policy(self, doc: PolicyDoc) -> None:
         self.put(self.policy_key(doc.policy.adapter_id), policy_bytes(doc))

@@ -214,13 +214,13 @@ def _add_compact_log(csub) -> None:
 
 
 def _add_store_gc(csub) -> None:
-    from loraserve.catalog.store_publish import REUSE_S
+    from loraserve.catalog.store_gc import MIN_AGE_FLOOR_S
     p = csub.add_parser("store-gc", help="delete a durable tier's blobs, segments and records that no live "
                                          "revision names (catalog/store_gc.py)")
     p.add_argument("--store", required=True, metavar="s3://BUCKET/PREFIX")
     p.add_argument("--min-age", type=float, default=86400.0, metavar="S",
                    help="only objects written at least S seconds before the GC starts, so a publish "
-                        f"racing it loses nothing (default: 86400; at least {REUSE_S + 3600:g})")
+                        f"racing it loses nothing (default: 86400; at least {MIN_AGE_FLOOR_S:g})")
     p.add_argument("--workers", type=int, default=8, help="policies and records read at once (default: 8)")
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted; delete nothing")
     p.set_defaults(func=cmd_store_gc)
@@ -446,14 +446,13 @@ def cmd_compact_log(args) -> int:
 
 
 def cmd_store_gc(args) -> int:
-    from loraserve.catalog.store_gc import collect
+    from loraserve.catalog.store_gc import MIN_AGE_FLOOR_S, collect
     from loraserve.catalog.store_lease import maintenance
-    from loraserve.catalog.store_publish import REUSE_S
     from loraserve.catalog.store_s3 import ObjectStore, parse_store_uri
 
-    if args.min_age < REUSE_S + 3600 or args.workers < 1:
-        raise ValueError(f"--min-age must be >= {REUSE_S + 3600:g} (a publish reuses a blob written "
-                         f"within {REUSE_S:g} s) and --workers >= 1")
+    if args.min_age < MIN_AGE_FLOOR_S or args.workers < 1:
+        raise ValueError(f"--min-age must be >= {MIN_AGE_FLOOR_S:g} (longer than any publish, plus the "
+                         f"clock skew between hosts and the store) and --workers >= 1")
     store = ObjectStore(parse_store_uri(args.store)[0], max_pool=max(10, args.workers))
     with maintenance(store, "store-gc") as lease:
         rep = collect(store, min_age_s=args.min_age, workers=args.workers, dry_run=args.dry_run, lease=lease)

@@ -66,3 +66,14 @@ def moto_s3() -> Iterator[MotoS3]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def blob_object(store, adapter_id: str, revision: str) -> str:
+    """The key of the store's object holding `adapter_id@revision`'s blob: the segment its
+    publish wrote (the blob alone in it, at offset 0), or `blobs/<checksum>` in a store written
+    before segments. A test corrupts the blob by writing that object."""
+    record, where = store.locate(store.policy_doc(adapter_id), revision)
+    if where is None:
+        return store.blob_key(record.checksum)
+    assert where["offset"] == 0, "a bulk-published segment holds other blobs too"
+    return where["segment"]

@@ -16,7 +16,7 @@ from loraserve.catalog.importer import adapter_blob
 from loraserve.catalog.store import Catalog
 from loraserve.catalog.store_s3 import ObjectStore, StoreTier
 
-from s3_testing import moto_s3
+from s3_testing import blob_object, moto_s3
 
 URI = "s3://catalog/prod"
 
@@ -69,7 +69,7 @@ def test_a_write_is_published_and_faults_in_elsewhere_with_the_same_bytes(hosts,
     a.catalog.put_revision("acme/x", blobs[1])
     assert log_count(a) == 0  # a new adapter: no host holds it, nothing to follow
     rec = a.catalog.put_revision("acme/x", blobs[0])
-    assert a.store.exists(a.store.key("blobs", rec.checksum))
+    assert a.store.exists(blob_object(a.store, "acme/x", rec.revision))
     assert a.store.policy("acme/x").promoted == rec.revision and log_count(a) == 1
     with pytest.raises(AdapterNotFound):
         b.catalog.resolve("acme/x")
@@ -119,7 +119,7 @@ def test_a_corrupt_blob_is_refused_and_never_cached(hosts, blobs):
     rec = a.catalog.put_revision("acme/x", blobs[0])
     data = bytearray(a.catalog.read_blob(rec))
     data[-1] ^= 0xFF
-    a.store.put(a.store.key("blobs", rec.checksum), bytes(data))
+    a.store.put(blob_object(a.store, "acme/x", rec.revision), bytes(data))
     with pytest.raises(CorruptBlob, match="fails its checksum"):
         b.fault_in("acme/x")
     with pytest.raises(AdapterNotFound):
@@ -338,11 +338,11 @@ def test_a_poll_that_fails_midway_is_read_again(hosts, blobs):
     b.fault_in("acme/x")  # holds r2 only
     b.poll()
     good = a.catalog.read_blob(r1)
-    a.store.put(a.store.blob_key(r1.checksum), good[:-1])
+    a.store.put(blob_object(a.store, "acme/x", r1.revision), good[:-1])
     a.catalog.promote("acme/x", r1.revision)
     with pytest.raises(CorruptBlob):
         b.poll()
-    a.store.put(a.store.blob_key(r1.checksum), good)
+    a.store.put(blob_object(a.store, "acme/x", r1.revision), good)
     assert b.poll() == 1 and b.catalog.resolve("acme/x").revision == r1.revision
 
 

@@ -8,15 +8,15 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from loraserve.catalog import store_publish
 from loraserve.catalog.deletes import delete
 from loraserve.catalog.layout import AdapterWeights, save_revision
 from loraserve.catalog.store import Catalog
 from loraserve.catalog.store_bulk import publish_catalog
-from loraserve.catalog.store_gc import collect, mark, StoreGCReport, sweep
+from loraserve.catalog.store_gc import KINDS, collect, mark, StoreGCReport, sweep
+from loraserve.catalog.store_objects import PolicyDoc
 from loraserve.catalog.store_s3 import ObjectStore, StoreTier
 
-from s3_testing import moto_s3
+from s3_testing import blob_object, moto_s3
 
 URI = "s3://catalog/gc"
 LATER = 10 * 86400.0  # a GC "run" this much later: every object is old enough
@@ -54,25 +54,50 @@ def gc(store: ObjectStore, **kw) -> StoreGCReport:
     return collect(store, min_age_s=kw.pop("min_age_s", 60.0), now=kw.pop("now", time.time() + LATER), **kw)
 
 
-def test_blobs_and_records_no_live_revision_names_are_deleted(tier):
+def test_segments_no_live_revision_names_are_deleted(tier):
     store, cat = tier.store, tier.catalog
     x1 = cat.put_revision("acme/x", blob(1))
     x2 = cat.put_revision("acme/x", blob(2))
-    y1 = cat.put_revision("acme/y", blob(1))  # the same bytes as x@r1: one blob
-    store.put(store.record_key("acme/ghost", "r1"), x2.to_json())  # a publish that died before its policy
+    y1 = cat.put_revision("acme/y", blob(1))  # the same bytes as x@r1, in a segment of its own
+    assert len(keys(store, "segments")) == 3 and not keys(store, "blobs") and not keys(store, "revisions")
+    kept = {blob_object(store, "acme/x", x2.revision), blob_object(store, "acme/y", y1.revision)}
+    store.put(store.key("segments", "ghost"), blob(9))  # a publish that died before its policy
     young = gc(store, now=time.time())
-    assert (young.pending, sum(young.deleted.values())) == (1, 0)  # the ghost's record, young: it waits
+    assert (young.pending, sum(young.deleted.values())) == (1, 0)  # the ghost, young: it waits
     delete(cat, "acme/x", x1.revision, force=True)
     rep = gc(store)
-    assert rep.deleted == {"segments": 0, "blobs": 0, "revisions": 1}  # the ghost's record; x1's blob is y's
-    assert keys(store, "blobs") == {store.blob_key(x2.checksum), store.blob_key(y1.checksum)}
+    assert rep.deleted == {"segments": 2, "blobs": 0, "revisions": 0}  # the ghost and x@r1's
+    assert keys(store, "segments") == kept
     delete(cat, "acme/y", force=True)
     dry = gc(store, dry_run=True)
-    assert dry.deleted["blobs"] == 1 and store.blob_key(y1.checksum) in keys(store, "blobs")
+    assert dry.deleted["segments"] == 1 and keys(store, "segments") == kept
     rep = gc(store)
-    assert rep.deleted["blobs"] == 1 and rep.bytes_freed == y1.size
-    assert keys(store, "blobs") == {store.blob_key(x2.checksum)}
+    assert rep.deleted["segments"] == 1 and rep.bytes_freed == y1.size
+    assert keys(store, "segments") == {blob_object(store, "acme/x", x2.revision)}
     assert (rep.policies, rep.live_revisions) == (2, 1)  # y's policy stays, with no revision
+
+
+def test_blobs_and_records_from_before_segments_are_read_and_collected(tier, tmp_path):
+    """A store written before segments: a revision's blob under blobs/, its record under
+    revisions/, a policy without `placed`. It faults in, and the GC keeps both while the
+    policy names the revision and deletes both once it does not."""
+    store, cat = tier.store, tier.catalog
+    x = cat.put_revision("acme/old", blob(5))
+    store.put(store.blob_key(x.checksum), cat.read_blob(x))
+    store.put(store.record_key("acme/old", x.revision), x.to_json())
+    store.put_policy(PolicyDoc(cat.policy("acme/old")))  # no `placed`: the segment is garbage
+    rep = gc(store)
+    assert rep.deleted == {"segments": 1, "blobs": 0, "revisions": 0} and rep.live_revisions == 1
+    other = StoreTier(store, Catalog.create(tmp_path / "other", shards=2))
+    try:
+        assert other.fault_in("acme/old").checksum == x.checksum
+    finally:
+        other.close()
+        other.catalog.close()
+    policy = cat.policy("acme/old")
+    policy.revisions, policy.promoted = [], None
+    store.put_policy(PolicyDoc(policy))
+    assert gc(store).deleted == {"segments": 0, "blobs": 1, "revisions": 1}
 
 
 def test_a_segment_goes_only_when_no_live_revision_points_into_it(tier, tmp_path):
@@ -97,24 +122,27 @@ def test_a_segment_goes_only_when_no_live_revision_points_into_it(tier, tmp_path
     tier.close()
 
 
-def test_a_publish_reusing_an_old_blob_while_the_gc_runs_keeps_it(tier, tmp_path, monkeypatch):
-    """The mark has read every policy; then a publish names a blob the store has held since
-    before the cutoff (another revision's, deleted); then the sweep. The publish uploaded the
-    blob again (older than REUSE_S), so the sweep keeps it."""
+def test_a_publish_between_the_mark_and_the_sweep_loses_nothing(tier, tmp_path):
+    """The mark has read every policy; then a publish of the same bytes as a dead revision's;
+    then the sweep, with a cutoff between the two. The publish wrote a new segment, never the
+    dead one's, so the sweep deletes the dead segment and the new one waits (younger than the
+    cutoff): nothing a policy names goes, whatever the order of the GC's requests and the
+    publish's (store_gc: every swept key is written once)."""
     store, cat = tier.store, tier.catalog
-    monkeypatch.setattr(store_publish, "REUSE_S", 0.5)
     x = cat.put_revision("acme/x", blob(7))
+    dead = blob_object(store, "acme/x", x.revision)
     delete(cat, "acme/x", force=True)
-    time.sleep(1.5)
+    time.sleep(2.5)  # past the listing's one-second LastModified
     start = time.time()
     with ThreadPoolExecutor(2) as pool:
-        live = mark(store, pool)  # x is dead: its blob is garbage now
-    assert store.blob_key(x.checksum) not in live.keys
+        live = mark(store, pool)  # x is dead: its segment is garbage now
+    assert dead not in live.keys
     y = cat.put_revision("acme/y", blob(7))  # the same bytes, published between mark and sweep
     report = StoreGCReport()
-    for kind in ("segments", "blobs", "revisions"):
+    for kind in KINDS:
         sweep(store, kind, live, start - 1.0, report, dry_run=False)
-    assert report.deleted["blobs"] == 0
+    assert (report.deleted["segments"], report.pending) == (1, 1)
+    assert keys(store, "segments") == {blob_object(store, "acme/y", y.revision)} != {dead}
     other = StoreTier(store, Catalog.create(tmp_path / "other", shards=2))
     try:
         assert other.fault_in("acme/y").checksum == y.checksum

@@ -25,7 +25,7 @@ from loraserve.server import build_app
 
 from .adapter_files import write_peft
 from .live import LiveServer
-from s3_testing import moto_s3
+from s3_testing import blob_object, moto_s3
 
 STORE = "s3://catalog/prod"
 
@@ -88,7 +88,7 @@ def test_a_corrupt_blob_in_the_store_is_refused_and_never_cached(hosts) -> None:
     rec = other.catalog.put_revision("acme/c", blobs[2])
     bad = bytearray(blobs[2])
     bad[-1] ^= 0xFF
-    other.store.put(other.store.key("blobs", rec.checksum), bytes(bad))
+    other.store.put(blob_object(other.store, "acme/c", rec.revision), bytes(bad))
     r = complete(http, "acme/c")
     assert r.status_code >= 500 and "checksum" in r.json()["error"]["message"]
     with pytest.raises(AdapterNotFound):
