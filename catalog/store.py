@@ -172,6 +172,9 @@ class Catalog:
         # called with the adapter id after each write committed through the methods below (the
         # durable tier publishes it: store_s3.StoreTier); an observer's error fails the call
         self.observers: list[Callable[[str], None]] = []
+        # called with (adapter id, revision id, blob) before a write that names its revision
+        # (a training save); an error refuses the write (store_s3.StoreTier.named_revision)
+        self.before_named: list[Callable[[str, str, bytes], None]] = []
 
     @classmethod
     def create(cls, path: str | Path, shards: int = 100, options: ShardOptions | None = None) -> Catalog:
@@ -364,6 +367,8 @@ class Catalog:
         """Store a new immutable revision (default id `r{n+1}`); optionally promote it. Idempotent for equal bytes."""
         if revision is not None:
             validate_revision(revision)
+            for check in self.before_named:
+                check(adapter_id, revision, blob)
         now = time.time()
         return self._wrote(adapter_id, self._shard_for(adapter_id).write(
             functools.partial(put_revision_in_txn, adapter_id=adapter_id, blob=blob, revision=revision,

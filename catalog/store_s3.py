@@ -7,7 +7,8 @@ host's LMDB catalog to it, in four parts:
 - publish (`store_publish`): every write this process's catalog commits through its methods
   (put_revision, promote, rollback, tag) calls `published(id)` (`Catalog.observers`), which
   makes the store agree. A failed upload fails the write's call with 503 after the local
-  commit; the call is idempotent, and re-running it publishes. `publish_catalog`
+  commit; the call is idempotent, and re-running it publishes. A write that names a revision
+  the store holds (a training save) is compared by checksum first (`named_revision`). `publish_catalog`
   (catalog.store_bulk) publishes a whole catalog.
 - fault in (`store_faultin`): `fault_in(id, rev)` copies a revision the local catalog lacks from
   the store, verified by checksum (a corrupt object is refused and never written).
@@ -34,7 +35,8 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 from .deletes import delete
-from .errors import AdapterNotFound, CatalogError
+from .errors import AdapterNotFound, CatalogError, RevisionExists
+from .format import blob_checksum
 from .records import RevisionRecord
 from .store import Catalog
 from .store_bound import LocalBound
@@ -64,6 +66,7 @@ class StoreTier:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         catalog.observers.append(self.published)
+        catalog.before_named.append(self.named_revision)
 
     @property
     def max_bytes(self) -> int | None:
@@ -91,6 +94,33 @@ class StoreTier:
         if changed:
             self.bound.track(adapter_id)
         return changed
+
+    def named_revision(self, adapter_id: str, revision: str, blob: bytes) -> None:
+        """Before a write names its revision (a training save, `s1` or a checkpoint's name) that
+        the local catalog lacks: the store is the fleet's copy of every revision it holds, so
+        the write must be that revision's bytes. Compared by checksum: equal, the write goes on
+        (publishing then uploads nothing); other bytes, or a revision the store deleted, and it
+        is refused (RevisionExists, 409) before anything is written, as the local catalog
+        refuses a revision id taken by other bytes. One policy read; the store down: its 503."""
+        if getattr(self._replay, "on", False) or revision in self._local_revisions(adapter_id):
+            return
+        doc = self.store.policy_doc(adapter_id)
+        if doc.policy is None:
+            return
+        if revision in doc.deleted:
+            raise RevisionExists(f"{adapter_id}@{revision} was deleted in {self.store.uri}; a revision id is "
+                                 "never reused: save under another name")
+        if revision in doc.policy.revisions:
+            record = self.store.locate(doc, revision)[0]
+            if record is None or record.checksum != blob_checksum(blob):
+                raise RevisionExists(f"{adapter_id}@{revision}: {self.store.uri} holds that revision with "
+                                     "other bytes, and the store's copy wins: save under another name")
+
+    def _local_revisions(self, adapter_id: str) -> list[str]:
+        try:
+            return self.catalog.policy(adapter_id).revisions
+        except AdapterNotFound:
+            return []
 
     def fault_in(self, adapter_id: str, revision: str | None = None) -> RevisionRecord:
         """Copy `adapter_id@revision` (default: the promoted one; a tag resolves) from the store
@@ -226,3 +256,5 @@ class StoreTier:
             self._thread.join(timeout=self.poll_s + 30)
         if self.published in self.catalog.observers:
             self.catalog.observers.remove(self.published)
+        if self.named_revision in self.catalog.before_named:
+            self.catalog.before_named.remove(self.named_revision)

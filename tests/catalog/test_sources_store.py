@@ -403,3 +403,32 @@ def test_an_import_on_a_host_without_the_adapter_is_numbered_after_the_store(hos
     assert mine.revision == "r2" and a.store.policy("acme/both").promoted == "r2"
     a.poll()
     assert a.catalog.resolve("acme/both").checksum == mine.checksum
+
+
+def test_a_named_save_of_a_revision_the_store_holds_is_compared_by_checksum(hosts, blobs):
+    """A training save names its revision (`s1`, a checkpoint's name). On a host that lacks the
+    adapter while the store holds that revision, the save is compared with the store's by
+    checksum: other bytes are refused before anything is written (the store's copy wins),
+    equal bytes go on and upload nothing, and a revision the store deleted is never reused."""
+    from loraserve.catalog.deletes import delete
+    from loraserve.catalog.errors import RevisionExists
+    a, b = hosts
+    a.catalog.put_revision("acme/run", blobs[0], revision="s1", source="tinker:run-a")
+    segments = set(a.store.list_after("segments"))
+    with pytest.raises(RevisionExists, match="other bytes"):
+        b.catalog.put_revision("acme/run", blobs[1], revision="s1", source="tinker:run-b")
+    with pytest.raises(AdapterNotFound):
+        b.catalog.resolve("acme/run")  # nothing written here
+    same = b.catalog.put_revision("acme/run", blobs[0], revision="s1", source="tinker:run-b")
+    assert same.checksum == a.catalog.resolve("acme/run", "s1").checksum
+    assert set(a.store.list_after("segments")) == segments  # equal bytes: nothing uploaded
+    b.catalog.put_revision("acme/run", blobs[1], revision="s2", source="tinker:run-b")  # a new name: published
+    assert a.fault_in("acme/run", "s2").checksum == b.catalog.resolve("acme/run", "s2").checksum
+    delete(a.catalog, "acme/run", "s1", force=True)
+    fresh = StoreTier(a.store, Catalog.create(b.catalog.path.parent / "c", shards=2))
+    try:
+        with pytest.raises(RevisionExists, match="deleted"):
+            fresh.catalog.put_revision("acme/run", blobs[2], revision="s1", source="tinker:run-c")
+    finally:
+        fresh.close()
+        fresh.catalog.close()
