@@ -11,6 +11,11 @@ off on both. Each batch is 32 concurrent `/v1/completions` requests x 32 new tok
 its `lora` field (`[{"id": N, "scale": 1.0}]`; every adapter is loaded at start, at scale 0, so a
 request without `lora` is the base). Mixes: the base alone, 1 adapter, 8 adapters, 32 adapters.
 Both run float32 weights and KV cache; llama.cpp's flash attention is off (`--llama-flash-attn`).
+`--dtype bfloat16` (or float16) runs both at that type instead: loraserve `--dtype`, llama.cpp the
+GGUFs `make_model.py --outtypes f32,bf16` wrote and its KV cache in that type; the references are
+transformers + PEFT at that type too. Rounding differs between the three, so a greedy output may
+leave the others after some tokens: each mix prints where the first difference falls, and such
+mixes are timed anyway (the texts each server gave in step 1 stay the check of its timed runs).
 
 1. Correctness first, per mix: every request's greedy token ids from loraserve (logprobs with
    `return_tokens_as_token_ids`) and from llama.cpp (`/completion` with `return_tokens`) must be
@@ -87,6 +92,10 @@ def adapter_of(mix: str, i: int) -> int | None:
     return None if n == 0 else i % n
 
 
+# loraserve --dtype -> the GGUF type and llama.cpp KV cache type of the same precision
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
 # ---------------------------------------------------------------------------------------------
 # setup: loraserve catalog, reference outputs
 
@@ -110,9 +119,11 @@ def ensure_catalog(model_dir: Path, n: int) -> Path:
 
 
 def reference_outputs(model_dir: Path, prompts: list[list[int]], pairs: set[tuple[int, int | None]],
-                      tokens: int) -> dict[tuple[int, int | None], list[int]]:
-    """transformers + PEFT greedy ids for each (prompt, adapter) pair, cached on disk."""
-    path = model_dir / f"reference-{tokens}.json"
+                      tokens: int, dtype: str = "float32") -> dict[tuple[int, int | None], list[int]]:
+    """transformers + PEFT greedy ids for each (prompt, adapter) pair, at `dtype` (the float32
+    checkpoint cast, as both servers do), cached on disk."""
+    path = model_dir / (f"reference-{tokens}.json" if dtype == "float32" else
+                        f"reference-{tokens}-{GGUF_TYPES[dtype]}.json")
     cache = {}
     if path.is_file():
         cache = {(int(p), None if a == "base" else int(a)): v
@@ -124,7 +135,7 @@ def reference_outputs(model_dir: Path, prompts: list[list[int]], pairs: set[tupl
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(2)
-        base = AutoModelForCausalLM.from_pretrained(model_dir / "hf", dtype=torch.float32).eval()
+        base = AutoModelForCausalLM.from_pretrained(model_dir / "hf", dtype=getattr(torch, dtype)).eval()
         adapters = sorted({a for _, a in todo if a is not None})
         model = None
         for a in adapters:
@@ -198,13 +209,14 @@ class LoraServe(Server):
     name = "loraserve"
 
     def __init__(self, model_dir: Path, catalog: Path, threads: int, n_adapters: int, batch: int,
-                 max_len: int, extra: list[str] = (), binary: Path | None = None):
+                 max_len: int, extra: list[str] = (), binary: Path | None = None,
+                 dtype: str = "float32"):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.cmd = [str(binary or ROOT / ".venv" / "bin" / "loraserve"), "serve", *extra,
                     "--model", str(model_dir / "hf"), "--catalog", str(catalog),
                     "--served-model-name", "base", "--host", "127.0.0.1", "--port", str(port),
-                    "--device", "cpu", "--dtype", "float32", "--torch-threads", str(threads),
+                    "--device", "cpu", "--dtype", dtype, "--torch-threads", str(threads),
                     "--no-prefix-caching", "--max-batch-size", str(batch),
                     "--max-model-len", str(max_len), "--max-gpu-adapters", str(max(n_adapters, 1)),
                     "--max-lora-rank", "16", "--log-level", "warning"]
@@ -227,14 +239,16 @@ class LlamaCpp(Server):
     name = "llama.cpp"
 
     def __init__(self, binary: Path, model_dir: Path, threads: int, n_adapters: int, batch: int,
-                 max_len: int, flash_attn: str = "off"):
+                 max_len: int, flash_attn: str = "off", dtype: str = "float32"):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        gg = model_dir / "gguf"
-        self.cmd = [str(binary), "-m", str(gg / "base-f32.gguf"), "--host", "127.0.0.1",
+        gg, kind = model_dir / "gguf", GGUF_TYPES[dtype]
+        if not (gg / f"base-{kind}.gguf").is_file():
+            raise SystemExit(f"no {gg}/base-{kind}.gguf: run make_model.py --outtypes f32,{kind}")
+        self.cmd = [str(binary), "-m", str(gg / f"base-{kind}.gguf"), "--host", "127.0.0.1",
                     "--port", str(port), "-t", str(threads), "-tb", str(threads),
                     "-np", str(batch), "-c", str(batch * max_len), "-ngl", "0",
-                    "-ctk", "f32", "-ctv", "f32", "--no-cache-prompt", "--cache-ram", "0", "--no-webui"]
+                    "-ctk", kind, "-ctv", kind, "--no-cache-prompt", "--cache-ram", "0", "--no-webui"]
         self.cmd += ["-fa", flash_attn]
         if n_adapters:
             # One flag, comma-separated (a repeated --lora keeps only the last). Scale 0 at load:
@@ -242,7 +256,7 @@ class LlamaCpp(Server):
             # (`--lora-init-without-apply` alone leaves them at 1.0, so the "base" would be all
             # 32 adapters at once).
             self.cmd += ["--lora-init-without-apply", "--lora-scaled", ",".join(
-                f"{gg / f'a{i:02d}-f32.gguf'}:0.0" for i in range(n_adapters))]
+                f"{gg / f'a{i:02d}-{kind}.gguf'}:0.0" for i in range(n_adapters))]
 
     def body(self, prompt: str, adapter: int | None, tokens: int, check: bool) -> tuple[str, dict]:
         b = {"prompt": prompt, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
@@ -305,6 +319,21 @@ def check_mix(mix: str, ls_out, lc_out, ref: dict, adapters: list[int | None]) -
     return bad
 
 
+def divergence(ls_out, lc_out, ref: dict, adapters: list[int | None]) -> str:
+    """Per request, the index of the first token where loraserve and llama.cpp, loraserve and the
+    reference, llama.cpp and the reference differ ('=' where equal throughout): at bfloat16 a
+    greedy output follows the others until a near-tie rounds the other way."""
+    def at(a: list[int] | None, b: list[int] | None) -> str:
+        if a is None or b is None:
+            return "-"
+        return "=" if a == b else str(first_diff(a, b))
+    cells = []
+    for i, ((_, _, ids1), (_, _, ids2), a) in enumerate(zip(ls_out, lc_out, adapters)):
+        r = ref.get((i, a))
+        cells.append(f"r{i} {at(ids1, ids2)}/{at(ids1, r)}/{at(ids2, r)}")
+    return "first difference at token (ls/lc, ls/ref, lc/ref): " + ", ".join(cells)
+
+
 def main() -> None:
     # a SIGTERM (e.g. from `timeout`) must still run the `finally` that stops both servers
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -316,9 +345,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, default=32, help="concurrent requests")
+    ap.add_argument("--check-requests", type=int, default=0,
+                    help="requests in the correctness step, when more than --batch (all at once: "
+                         "each server runs at most --batch of them together)")
     ap.add_argument("--llama-flash-attn", default="off", choices=["off", "on", "auto"],
                     help="llama.cpp -fa (default off: its CPU flash attention rounds through "
                          "float16, and greedy outputs then differ from float32 references)")
+    ap.add_argument("--dtype", default="float32", choices=list(GGUF_TYPES),
+                    help="weights and KV cache on both sides (and the reference): float32, or "
+                         "bfloat16/float16 with make_model.py --outtypes f32,bf16/f16")
     ap.add_argument("--no-reference", action="store_true", help="skip transformers + PEFT")
     ap.add_argument("--time-mismatched", action="store_true", help="time mixes with mismatches too")
     ap.add_argument("--logs", type=Path, default=None, help="server logs (default: MODEL_DIR/logs)")
@@ -333,9 +368,10 @@ def main() -> None:
     model_dir = args.model_dir.resolve()
     mixes = [m.strip() for m in args.mixes.split(",")]
     n_adapters = max(MIXES[m] for m in mixes)
-    texts = json.loads((model_dir / "prompts.json").read_text())[: args.batch]
-    if len(texts) < args.batch:
-        texts = [texts[i % len(texts)] + f" {i}" for i in range(args.batch)]
+    n_check = max(args.batch, args.check_requests)
+    texts = json.loads((model_dir / "prompts.json").read_text())[:n_check]
+    if len(texts) < n_check:
+        texts = [texts[i % len(texts)] + f" {i}" for i in range(n_check)]
     logs = (args.logs or model_dir / "logs").resolve()
     logs.mkdir(parents=True, exist_ok=True)
 
@@ -346,20 +382,20 @@ def main() -> None:
     catalog = ensure_catalog(model_dir, n_adapters)
     ref: dict = {}
     if not args.no_reference:
-        pairs = {(i, adapter_of(m, i)) for m in mixes for i in range(args.batch)}
+        pairs = {(i, adapter_of(m, i)) for m in mixes for i in range(n_check)}
         t0 = time.time()
-        ref = reference_outputs(model_dir, prompt_ids, pairs, args.tokens)
+        ref = reference_outputs(model_dir, prompt_ids, pairs, args.tokens, args.dtype)
         print(f"transformers + PEFT reference: {len(pairs)} (prompt, adapter) pairs "
               f"({time.time() - t0:.0f} s, cached in {model_dir}/reference-{args.tokens}.json)")
 
     print(f"model {model_dir}: prompts {min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens, "
-          f"{args.batch} requests x {args.tokens} new tokens, reps {args.reps}")
+          f"{args.batch} requests x {args.tokens} new tokens, reps {args.reps}, {args.dtype}")
     results: dict = {}
     for threads in [int(t) for t in args.threads.split(",")]:
         servers = [LoraServe(model_dir, catalog, threads, n_adapters, args.batch, max_len,
-                             args.loraserve_args.split(), args.loraserve_bin),
+                             args.loraserve_args.split(), args.loraserve_bin, args.dtype),
                    LlamaCpp(args.llama_server, model_dir, threads, n_adapters, args.batch, max_len,
-                            args.llama_flash_attn)]
+                            args.llama_flash_attn, args.dtype)]
         for s in servers:
             print(f"[threads {threads}] {s.name}: {' '.join(s.cmd)}")
             s.start(logs / f"{s.name}-t{threads}.log")
@@ -374,7 +410,7 @@ def main() -> None:
             expected: dict[str, dict[str, list[str]]] = {}
             timed_mixes = []
             for mix in mixes:
-                adapters = [adapter_of(mix, i) for i in range(args.batch)]
+                adapters = [adapter_of(mix, i) for i in range(n_check)]
                 _, ls_out = asyncio.run(run_batch(ls, texts, adapters, args.tokens, check=True))
                 _, lc_out = asyncio.run(run_batch(lc, texts, adapters, args.tokens, check=True))
                 bad = check_mix(mix, ls_out, lc_out, ref, adapters)
@@ -385,20 +421,23 @@ def main() -> None:
                 # (invalid UTF-8), which the two render differently.
                 same_strip = sum(a[0].lstrip(" ") == b[0].lstrip(" ") for a, b in zip(ls_out, lc_out))
                 print(f"[threads {threads}] {mix}: token ids equal (loraserve = llama.cpp"
-                      f"{' = transformers+PEFT' if ref else ''}) for {args.batch - len(bad)}/{args.batch} "
-                      f"requests; {distinct} distinct outputs; texts equal {same_text}/{args.batch} "
+                      f"{' = transformers+PEFT' if ref else ''}) for {n_check - len(bad)}/{n_check} "
+                      f"requests; {distinct} distinct outputs; texts equal {same_text}/{n_check} "
                       f"({same_strip} without the leading space)")
                 for line in bad[:8]:
                     print(line)
-                expected[mix] = {"loraserve": [o[0] for o in ls_out], "llama.cpp": [o[0] for o in lc_out]}
+                if bad:
+                    print(f"[threads {threads}] {mix}: " + divergence(ls_out, lc_out, ref, adapters))
+                expected[mix] = {"loraserve": [o[0] for o in ls_out[:args.batch]],
+                                 "llama.cpp": [o[0] for o in lc_out[:args.batch]]}
                 results.setdefault(f"t{threads}", {}).setdefault(mix, {})["mismatches"] = len(bad)
-                if not bad or args.time_mismatched:
+                if not bad or args.time_mismatched or args.dtype != "float32":
                     timed_mixes.append(mix)
             # warm the OpenAI-compatible path of llama.cpp too (correctness used /completion)
             for mix in timed_mixes:
                 adapters = [adapter_of(mix, i) for i in range(args.batch)]
-                asyncio.run(run_batch(lc, texts, adapters, args.tokens, check=False))
-                asyncio.run(run_batch(ls, texts, adapters, args.tokens, check=False))
+                asyncio.run(run_batch(lc, texts[:args.batch], adapters, args.tokens, check=False))
+                asyncio.run(run_batch(ls, texts[:args.batch], adapters, args.tokens, check=False))
             # 2. timing, interleaved
             text_mismatch = {s.name: 0 for s in servers}
             for rep in range(args.reps):
@@ -407,7 +446,8 @@ def main() -> None:
                     order = servers if (rep + k) % 2 == 0 else servers[::-1]
                     for s in order:
                         cpu0, busy0 = tree_cpu_seconds(s.proc.pid), machine_busy_seconds()
-                        dt, outs = asyncio.run(run_batch(s, texts, adapters, args.tokens, check=False))
+                        dt, outs = asyncio.run(run_batch(s, texts[:args.batch], adapters, args.tokens,
+                                                         check=False))
                         cpu, busy = tree_cpu_seconds(s.proc.pid) - cpu0, machine_busy_seconds() - busy0
                         n = sum(o[1] for o in outs)
                         text_mismatch[s.name] += sum(o[0] != e for o, e in zip(outs, expected[mix][s.name]))
