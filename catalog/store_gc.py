@@ -36,6 +36,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from . import store_compact
 from .store_objects import ObjectStore, PolicyDoc
 
 PAGE = 1000
@@ -49,8 +50,11 @@ class Live:
 
     keys: set[str] = field(default_factory=set)
     segments: dict[str, int] = field(default_factory=dict)
+    members: dict[str, list[str]] = field(default_factory=dict)  # segment -> the adapters live in it
     policies: int = 0
     revisions: int = 0
+    retired: dict[str, float] = field(default_factory=dict)  # store_compact: segment -> when retired
+    mostly_dead: dict[str, int] = field(default_factory=dict)  # old live segments seen, for store_compact
 
 
 @dataclass(slots=True)
@@ -61,6 +65,8 @@ class StoreGCReport:
     bytes_freed: int = 0
     pending: int = 0  # unreferenced, written after the cutoff: the next GC's
     dead_in_live_segments: int = 0  # bytes of dead revisions inside segments kept for a live one
+    rewritten: int = 0  # mostly dead segments whose live revisions moved to a new one (store_compact)
+    rewritten_bytes: int = 0  # the live bytes so copied
 
 
 def chunks(items: Iterable, size: int = PAGE) -> Iterator[list]:
@@ -82,10 +88,25 @@ def collect(store: ObjectStore, *, min_age_s: float, workers: int = 8, dry_run: 
     cutoff = (time.time() if now is None else now) - min_age_s
     with ThreadPoolExecutor(workers, thread_name_prefix="loraserve-store-gc") as pool:
         live = mark(store, pool)
+        live.retired = store_compact.retired(store)
         report = StoreGCReport(policies=live.policies, live_revisions=live.revisions)
         for kind in KINDS:
             sweep(store, kind, live, cutoff, report, dry_run, lease, pool)
+        doomed = store_compact.candidates(live.mostly_dead, live.segments)
+        if dry_run:
+            report.rewritten = len(doomed)
+        elif doomed or live.retired:
+            _forget_deleted(store, live)
+            report.rewritten, report.rewritten_bytes = store_compact.rewrite_all(
+                store, doomed, live.members, pool, lease)
     return report
+
+
+def _forget_deleted(store: ObjectStore, live: Live) -> None:
+    """Drop the retired segments this sweep deleted from `gc-retired.json`."""
+    kept = {k: t for k, t in live.retired.items() if k in live.keys or store.exists(k)}
+    if kept != live.retired:
+        store_compact.save_retired(store, kept)
 
 
 def mark(store: ObjectStore, pool: ThreadPoolExecutor) -> Live:
@@ -112,6 +133,7 @@ def _mark_policy(store: ObjectStore, doc: PolicyDoc, live: Live) -> list[tuple[s
         if placed is not None:
             live.segments[placed["segment"]] = live.segments.get(placed["segment"], 0) + placed["size"]
             live.keys.add(placed["segment"])
+            live.members.setdefault(placed["segment"], []).append(adapter_id)
         else:
             live.keys.add(store.record_key(adapter_id, rev))
             records.append((adapter_id, rev))
@@ -131,8 +153,10 @@ def sweep(store: ObjectStore, kind: str, live: Live, cutoff: float, report: Stor
         for key, written, size in page:
             if key in live.keys:
                 report.dead_in_live_segments += size - live.segments.get(key, size)
-            elif written >= cutoff:
-                report.pending += 1
+                if key in live.segments and written < cutoff:
+                    live.mostly_dead[key] = size  # store_compact picks those mostly dead
+            elif written >= cutoff or live.retired.get(key, float("-inf")) >= cutoff:
+                report.pending += 1  # young, or retired by a rewrite since the cutoff (store_compact)
             else:
                 doomed.append((key, size))
         if not dry_run:  # written once: its listed age is final (module doc)

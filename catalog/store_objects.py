@@ -62,6 +62,13 @@ def policy_bytes(doc: PolicyDoc) -> bytes:
     return json.dumps(out, separators=(",", ":"), sort_keys=True).encode()
 
 
+def parse_policy(raw: bytes) -> PolicyDoc:
+    """A policy object's body (`policy_bytes`) read back."""
+    doc = json.loads(raw)
+    deleted, placed = doc.pop("deleted", {}), doc.pop("placed", {})
+    return PolicyDoc(PolicyRecord.from_json(json.dumps(doc).encode()), deleted, placed)
+
+
 def parse_store_uri(uri: str) -> tuple[str, int | None]:
     """`s3://bucket/prefix[?cache_mb=N]` -> (the store's URI, the local bound in MiB or None)."""
     base, sep, query = uri.partition("?")
@@ -215,11 +222,8 @@ class ObjectStore:
         return self.policy_doc(adapter_id).policy
 
     def policy_doc(self, adapter_id: str) -> PolicyDoc:
-        doc = self.get_json(self.policy_key(adapter_id))
-        if doc is None:
-            return PolicyDoc(None)
-        deleted, placed = doc.pop("deleted", {}), doc.pop("placed", {})
-        return PolicyDoc(PolicyRecord.from_json(json.dumps(doc).encode()), deleted, placed)
+        raw = self.get(self.policy_key(adapter_id))
+        return PolicyDoc(None) if raw is None else parse_policy(raw)
 
     def put_segment(self, revisions: list[tuple[RevisionRecord, bytes]]) -> list[dict]:
         """The blobs of `revisions` end to end as one new segment object (a fresh key); the

@@ -460,7 +460,9 @@ def cmd_store_gc(args) -> int:
     print(f"live: {rep.policies} adapters, {rep.live_revisions} revisions; {verb}: "
           + ", ".join(f"{n} {kind}" for kind, n in rep.deleted.items())
           + f" ({rep.bytes_freed} bytes); pending (written < {args.min_age:g} s ago): {rep.pending}; "
-          f"dead bytes in segments kept for a live revision: {rep.dead_in_live_segments}")
+          f"dead bytes in segments kept for a live revision: {rep.dead_in_live_segments}; mostly dead "
+          f"segments {'to rewrite' if args.dry_run else 'rewritten'}: {rep.rewritten} "
+          f"({rep.rewritten_bytes} live bytes copied)")
     return 0
 
 

@@ -12,6 +12,8 @@ from loraserve.catalog.deletes import delete
 from loraserve.catalog.layout import AdapterWeights, save_revision
 from loraserve.catalog.store import Catalog
 from loraserve.catalog.store_bulk import publish_catalog
+from loraserve.catalog.format import blob_checksum
+from loraserve.catalog.store_compact import retired
 from loraserve.catalog.store_gc import KINDS, collect, mark, StoreGCReport, sweep
 from loraserve.catalog.store_objects import PolicyDoc
 from loraserve.catalog.store_s3 import ObjectStore, StoreTier
@@ -149,6 +151,45 @@ def test_a_publish_between_the_mark_and_the_sweep_loses_nothing(tier, tmp_path):
     finally:
         other.close()
         other.catalog.close()
+
+
+def test_a_mostly_dead_segment_is_rewritten_and_the_old_one_retired_until_the_cutoff(tier, tmp_path):
+    """Two of six adapters of a bulk-published segment live (under REWRITE_BELOW): the GC moves
+    them to a new segment and retires the old one. A reader that read a policy before the
+    rewrite still finds the old segment until a GC whose cutoff is past the retirement; a
+    publish that writes back a policy read before the rewrite makes the old segment live again,
+    and nothing it names is deleted."""
+    store, cat = tier.store, tier.catalog
+    tier.close()
+    for i in range(6):
+        cat.put_revision(f"acme/m{i}", blob(20 + i))
+    tier = StoreTier(store, cat)
+    publish_catalog(cat, tier, workers=1, progress=False)
+    [old] = keys(store, "segments")
+    before = {i: store.policy_doc(f"acme/m{i}") for i in (4, 5)}  # read before the rewrite
+    for i in range(4):
+        delete(cat, f"acme/m{i}", force=True)
+    rep = gc(store)
+    live = [cat.resolve(f"acme/m{i}") for i in (4, 5)]
+    assert (rep.rewritten, rep.rewritten_bytes) == (1, sum(r.size for r in live))
+    [new] = keys(store, "segments") - {old}
+    for i, rec in zip((4, 5), live):
+        doc = store.policy_doc(f"acme/m{i}")
+        assert store.locate(doc, rec.revision)[1]["segment"] == new
+        assert blob_checksum(store.blob(*store.locate(before[i], rec.revision))) == rec.checksum  # old still read
+    assert gc(store, now=time.time()).deleted["segments"] == 0  # retired after this cutoff: it waits
+    store.put_policy(before[5])  # a publish that read m5's policy before the rewrite writes it back
+    rep = gc(store)  # the old segment is m5's again: kept, and m5 moved again (to a third segment)
+    assert (rep.deleted["segments"], rep.rewritten) == (0, 1) and old in keys(store, "segments")
+    other = StoreTier(store, Catalog.create(tmp_path / "other", shards=2))
+    try:
+        assert [other.fault_in(f"acme/m{i}").checksum for i in (4, 5)] == [r.checksum for r in live]
+    finally:
+        other.close()
+        other.catalog.close()
+    rep = gc(store)  # nothing names the old segment now, retired before this cutoff
+    assert rep.deleted["segments"] == 1 and old not in keys(store, "segments") and len(keys(store, "segments")) == 2
+    assert retired(store) == {}
 
 
 def test_store_gc_command(tier, capsys):
