@@ -4,9 +4,11 @@ A delete leaves a policy without the revision, and the publisher deletes the rev
 but blobs (content-addressed, possibly shared by several revisions) and segments (many
 revisions' blobs end to end: store_bulk) stay. `collect` frees them in two passes:
 
-- mark: every policy object is read, and every revision it still lists is live: a bulk-published
-  one keeps its segment (`placed`), any other keeps its record and, through the record's
-  checksum, its blob (one GET per such record).
+- mark: every policy object is listed, and every revision it still lists is live: one in a
+  segment keeps its segment (`placed`), one from before segments keeps its record and, through
+  the record's checksum, its blob. Only the policies that are new or changed since the last
+  mark are read (store_mark: what each named, kept by its ETag); the rest cost their share of
+  a listing.
 - sweep: then `blobs/`, `segments/` and `revisions/` are listed, and an object no live revision
   names is deleted when it was last written before `cutoff` = the GC's start less `min_age_s`.
   A segment is deleted only when no live revision points into it. One that still holds a live
@@ -36,8 +38,8 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from . import store_compact
-from .store_objects import ObjectStore, PolicyDoc
+from . import store_compact, store_mark
+from .store_objects import ObjectStore
 
 PAGE = 1000
 KINDS = ("segments", "blobs", "revisions")  # the prefixes swept
@@ -109,39 +111,22 @@ def _forget_deleted(store: ObjectStore, live: Live) -> None:
         store_compact.save_retired(store, kept)
 
 
-def mark(store: ObjectStore, pool: ThreadPoolExecutor) -> Live:
-    """Every object a live revision names (module doc), a page of policies at a time."""
-    live = Live()
-    policy_root = store.key("policies") + "/"
-    for page in chunks(key for key, _, _ in store.list_objects("policies")):
-        ids = [key[len(policy_root):-len(".json")] for key in page]
-        for doc in pool.map(store.policy_doc, ids):
-            if doc.policy is not None:
-                records = _mark_policy(store, doc, live)
-                live.keys.update(store.blob_key(r.checksum) for r in pool.map(_record_of(store), records)
-                                 if r is not None)
+def mark(store: ObjectStore, pool: ThreadPoolExecutor, cached: bool = True) -> Live:
+    """Every object a live revision names (module doc), a page of policies at a time. A policy
+    whose listed ETag is the one the last mark read names what it named then (`gc-mark.json.gz`,
+    store_mark): only new and changed policies are read. `cached=False` reads every one."""
+    live, old, new = Live(), store_mark.load(store) if cached else {}, {}
+    root = store.key("policies") + "/"
+    for page in chunks(store.list_objects("policies", etags=True)):
+        todo = [key for key, _, _, etag in page if etag is None or old.get(key, (None,))[0] != etag]
+        new.update((key, old[key]) for key, *_ in page if key in old and key not in todo)
+        new.update((key, entry) for key, entry in zip(todo, pool.map(lambda k: store_mark.named(store, k), todo))
+                   if entry is not None)
+        for key, *_ in page:
+            if key in new:
+                store_mark.apply(live, key[len(root):-len(".json")], new[key])
+    store_mark.save(store, new)
     return live
-
-
-def _mark_policy(store: ObjectStore, doc: PolicyDoc, live: Live) -> list[tuple[str, str]]:
-    """Mark `doc`'s segments and records; the (id, revision) whose record names a blob."""
-    live.policies += 1
-    adapter_id, records = doc.policy.adapter_id, []
-    for rev in doc.policy.revisions:
-        live.revisions += 1
-        placed = doc.placed.get(rev)
-        if placed is not None:
-            live.segments[placed["segment"]] = live.segments.get(placed["segment"], 0) + placed["size"]
-            live.keys.add(placed["segment"])
-            live.members.setdefault(placed["segment"], []).append(adapter_id)
-        else:
-            live.keys.add(store.record_key(adapter_id, rev))
-            records.append((adapter_id, rev))
-    return records
-
-
-def _record_of(store: ObjectStore):
-    return lambda ref: store.record(*ref)
 
 
 def sweep(store: ObjectStore, kind: str, live: Live, cutoff: float, report: StoreGCReport,

@@ -181,16 +181,18 @@ class ObjectStore:
             if not token:
                 return keys
 
-    def list_objects(self, prefix: str, start: str = ""):
+    def list_objects(self, prefix: str, start: str = "", etags: bool = False):
         """(key, last modified unix time, size) of every object under `prefix/` after `start`,
-        in key order, a page (1,000) at a time: a listing that need not hold them all."""
+        in key order, a page (1,000) at a time: a listing that need not hold them all. With
+        `etags`, (key, time, size, ETag)."""
         token = None
         while True:
             extra = {"ContinuationToken": token} if token else {}
             page = self._call(prefix, self.client.list_objects_v2, Prefix=self.key(prefix) + "/",
                               StartAfter=start, **extra)
             for o in page.get("Contents", []):
-                yield o["Key"], o["LastModified"].timestamp(), o["Size"]
+                got = (o["Key"], o["LastModified"].timestamp(), o["Size"])
+                yield (*got, o.get("ETag")) if etags else got
             token = page.get("NextContinuationToken")
             if not token:
                 return

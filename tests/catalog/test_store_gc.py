@@ -192,6 +192,33 @@ def test_a_mostly_dead_segment_is_rewritten_and_the_old_one_retired_until_the_cu
     assert retired(store) == {}
 
 
+def test_the_mark_reads_only_the_policies_changed_since_the_last_one(tier):
+    """store_mark: a second mark takes what an unchanged policy (same listed ETag) named from
+    the last mark's cache; a changed one is read again; the result is a full read's."""
+    store, cat = tier.store, tier.catalog
+    for i in range(5):
+        cat.put_revision(f"acme/k{i}", blob(40 + i))
+    reads = []
+    get = store.get_with_etag
+    store.get_with_etag = lambda key: reads.append(key) or get(key)  # counts; the real request is made
+    with ThreadPoolExecutor(2) as pool:
+        first = mark(store, pool)
+        assert len(reads) == 5
+        again = mark(store, pool)
+        assert len(reads) == 5 and again.keys == first.keys and again.policies == 5
+        delete(cat, "acme/k1", force=True)
+        cat.put_revision("acme/k5", blob(45))
+        changed = mark(store, pool)
+        assert sorted(reads[5:]) == [store.policy_key("acme/k1"), store.policy_key("acme/k5")]
+        full = mark(store, pool, cached=False)
+    assert (changed.keys, changed.segments, changed.revisions) == (full.keys, full.segments, full.revisions) \
+        and changed.revisions == 5
+    store.put(store.key("gc-mark.json.gz"), b"not gzip")  # an unreadable cache: every policy is read
+    with ThreadPoolExecutor(2) as pool:
+        before = len(reads)
+        assert mark(store, pool).keys == full.keys and len(reads) - before == 6
+
+
 def test_store_gc_command(tier, capsys):
     from loraserve.cli_catalog import run
     store, cat = tier.store, tier.catalog
