@@ -1,8 +1,8 @@
 """Garbage collection of the durable tier: `loraserve catalog store-gc --store s3://bucket/prefix`.
 
-A delete leaves a policy without the revision, and the publisher deletes the revision's record,
-but blobs (content-addressed, possibly shared by several revisions) and segments (many
-revisions' blobs end to end: store_bulk) stay. `collect` frees them in two passes:
+A delete leaves a policy without the revision, but the segment holding its blob (one publish's
+or bulk part's blobs end to end) stays, and so do a record and a content-addressed blob from
+before segments. `collect` frees them in two passes, then rewrites mostly dead segments:
 
 - mark: every policy object is listed, and every revision it still lists is live: one in a
   segment keeps its segment (`placed`), one from before segments keeps its record and, through
@@ -11,9 +11,12 @@ revisions' blobs end to end: store_bulk) stay. `collect` frees them in two passe
   a listing.
 - sweep: then `blobs/`, `segments/` and `revisions/` are listed, and an object no live revision
   names is deleted when it was last written before `cutoff` = the GC's start less `min_age_s`.
-  A segment is deleted only when no live revision points into it. One that still holds a live
-  revision is kept whole, not rewritten; the report counts the bytes of dead revisions left
-  in such segments (`dead_in_live_segments`).
+  A segment is deleted only when no live revision points into it, and a segment retired by a
+  rewrite only once retired before the cutoff. One that still holds a live revision is kept;
+  the report counts the bytes of dead revisions left in such segments
+  (`dead_in_live_segments`).
+- rewrite (store_compact): an old live segment with less than half its bytes live has them
+  copied to a new segment, its policies moved there, and is retired.
 
 Why a publish racing the GC loses nothing, by construction: every object the GC may delete
 (a segment, or a blob or record from before segments) is written once, under a key no publish
@@ -56,7 +59,7 @@ class Live:
     policies: int = 0
     revisions: int = 0
     retired: dict[str, float] = field(default_factory=dict)  # store_compact: segment -> when retired
-    mostly_dead: dict[str, int] = field(default_factory=dict)  # old live segments seen, for store_compact
+    old_live: dict[str, int] = field(default_factory=dict)  # old live segments seen, for store_compact
 
 
 @dataclass(slots=True)
@@ -94,7 +97,7 @@ def collect(store: ObjectStore, *, min_age_s: float, workers: int = 8, dry_run: 
         report = StoreGCReport(policies=live.policies, live_revisions=live.revisions)
         for kind in KINDS:
             sweep(store, kind, live, cutoff, report, dry_run, lease, pool)
-        doomed = store_compact.candidates(live.mostly_dead, live.segments)
+        doomed = store_compact.candidates(live.old_live, live.segments)
         if dry_run:
             report.rewritten = len(doomed)
         elif doomed or live.retired:
@@ -139,7 +142,7 @@ def sweep(store: ObjectStore, kind: str, live: Live, cutoff: float, report: Stor
             if key in live.keys:
                 report.dead_in_live_segments += size - live.segments.get(key, size)
                 if key in live.segments and written < cutoff:
-                    live.mostly_dead[key] = size  # store_compact picks those mostly dead
+                    live.old_live[key] = size  # store_compact picks those mostly dead
             elif written >= cutoff or live.retired.get(key, float("-inf")) >= cutoff:
                 report.pending += 1  # young, or retired by a rewrite since the cutoff (store_compact)
             else:
