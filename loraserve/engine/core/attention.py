@@ -28,6 +28,9 @@ class KVCache:
         shape = (num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # one view per layer, made once: an eager step indexes a tuple, not the tensor (a
+        # dispatch, 4 a layer), for its writes and gathers
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads  # a plain int: static even where cache dims are symbolic
         self.null_block = num_blocks
@@ -66,15 +69,19 @@ class PagedAttention:
     shape: tuple[int, int, int]  # B, Q, C
     single_query: bool           # Q == 1: every sequence brings one token (decode)
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask, on first use
+    full: bool = False           # the mask is all True (decode, no sequence shorter than C): SDPA takes none
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  window: int | None = None) -> torch.Tensor:
         # q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]; with `window`, only the last `window` positions
+        cache = self.cache
         if torch.compiler.is_compiling():  # an opaque in-place op: no functional copy of the cache
-            torch.ops.loraserve.kv_write(self.cache.k, self.cache.v, layer, self.slot_mapping, k, v)
+            torch.ops.loraserve.kv_write(cache.k, cache.v, layer, self.slot_mapping, k, v)
+            kc, vc = cache.k[layer], cache.v[layer]
         else:
-            _kv_write(self.cache.k, self.cache.v, layer, self.slot_mapping, k, v)
-        kc, vc = self.cache.k[layer], self.cache.v[layer]
+            kc, vc = cache.k_layers[layer], cache.v_layers[layer]
+            kc.index_copy_(0, self.slot_mapping, _as(k, kc.dtype))
+            vc.index_copy_(0, self.slot_mapping, _as(v, vc.dtype))
         b, _, nq, c = self.mask.shape  # from a tensor, not `shape`: symbolic under torch.compile
         heads, d = q.shape[1], q.shape[2]
         kb = kc.index_select(0, self.kv_index).view(b, c, -1, d).transpose(1, 2)   # [B, Hkv, C, D]
@@ -86,8 +93,11 @@ class PagedAttention:
             # CUDA: a boolean mask rules out flash attention, and the memory-efficient kernel
             # does not take GQA, so repeat K/V rather than fall back to the math kernel
             kb, vb = kb.repeat_interleave(rep, dim=1), vb.repeat_interleave(rep, dim=1)
-        mask = self.mask if window is None else self.window_mask(window)
-        out = F.scaled_dot_product_attention(qb, kb.to(qb.dtype), vb.to(qb.dtype), attn_mask=mask,
+        if window is not None:
+            mask = self.window_mask(window)
+        else:  # a mask of all True is none: SDPA skips building an additive mask from it
+            mask = None if self.full else self.mask
+        out = F.scaled_dot_product_attention(qb, _as(kb, qb.dtype), _as(vb, qb.dtype), attn_mask=mask,
                                              enable_gqa=heads != self.cache.num_kv_heads)
         out = out.transpose(1, 2).reshape(b * nq, heads, d)                          # [B * Q, Hq, D]
         return out if self.single_query else out.index_select(0, self.q_valid_pos)
@@ -133,7 +143,12 @@ class PagedAttention:
         valid_pos = q_valid.flatten().nonzero().squeeze(1)  # token rows are in (b, i) order
         to = lambda x: x.to(device, non_blocking=True)
         return cls(cache, to(slot_mapping), to(q_index.flatten()), to(valid_pos), to(kv_index.flatten()),
-                   to(mask[:, None]), (len(starts), Q, C), Q == 1)
+                   to(mask[:, None]), (len(starts), Q, C), Q == 1, full=Q == 1 and min(ends) == C)
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype; x itself when it already is (no dispatch: a step calls this 112 times)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor,
