@@ -16,6 +16,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 from _common import base_or_demo  # bench/_common.py, beside this script
 
 import argparse
+import logging
 import time
 from pathlib import Path
 
@@ -59,6 +60,9 @@ def main() -> None:
                     help="the engine's --compile; both: eager and compiled engines side by side, "
                          "interleaved per batch size, with their ratio")
     args = ap.parse_args()
+    # DecodeGraphs.choose logs its start-up timing of each batch bucket (compiled against eager)
+    logging.basicConfig(level=logging.WARNING, format="# %(name)s: %(message)s")
+    logging.getLogger("loraserve.engine.core.decode_graphs").setLevel(logging.INFO)
     model = base_or_demo(args.model)
     batches = [int(b) for b in args.batches.split(",")]
     modes = ["off", "on"] if args.compile == "both" else [args.compile]
@@ -70,9 +74,14 @@ def main() -> None:
             max_model_len=args.prompt_len + args.tokens + 1, compile=mode,
             compile_batch_sizes=batches))
         graphs = engines[mode].runner.graphs
+        print(f"# --compile {mode}: engine built in {time.perf_counter() - t0:.1f} s")
         if graphs is not None:
             print(f"# --compile {mode}: {graphs.kind}, {len(graphs.batch_sizes)} batch x "
-                  f"{len(graphs.context_sizes)} context buckets made in {time.perf_counter() - t0:.1f} s")
+                  f"{len(graphs.context_sizes)} context buckets")
+            for b, (eager, compiled) in getattr(graphs, "timings", {}).items():
+                print(f"#   start-up timing (DecodeGraphs.choose), batch bucket {b}: eager "
+                      f"{eager * 1e3:.1f} ms, compiled {compiled * 1e3:.1f} ms -> "
+                      f"{'eager' if b in graphs.eager_batches else 'compiled'}")
         measure(engines[mode], 2, args.prompt_len, 4)  # warm-up
     eng = engines[modes[0]]
     print(f"model={model} device={eng.device} dtype={eng.dtype} prompt={args.prompt_len} tokens={args.tokens}")
