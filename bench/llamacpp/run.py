@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -128,6 +129,14 @@ def reference_outputs(model_dir: Path, prompts: list[list[int]], pairs: set[tupl
     if path.is_file():
         cache = {(int(p), None if a == "base" else int(a)): v
                  for p, a, v in json.loads(path.read_text())}
+    # a longer run's references, cut: greedy decoding's first `tokens` ids do not depend on how
+    # many come after (EOS is never picked: make_model.py)
+    suffix = "" if dtype == "float32" else f"-{GGUF_TYPES[dtype]}"
+    for longer in sorted(model_dir.glob("reference-*.json")):
+        m = re.fullmatch(rf"reference-(\d+){suffix}\.json", longer.name)
+        if m and int(m[1]) > tokens:
+            for p, a, v in json.loads(longer.read_text()):
+                cache.setdefault((int(p), None if a == "base" else int(a)), v[:tokens])
     todo = sorted(pairs - cache.keys(), key=lambda pa: (pa[1] is not None, pa[1] or 0, pa[0]))
     if todo:
         import torch
