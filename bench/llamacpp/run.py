@@ -366,7 +366,7 @@ def main() -> None:
     ap.add_argument("--no-reference", action="store_true", help="skip transformers + PEFT")
     ap.add_argument("--time-mismatched", action="store_true", help="time mixes with mismatches too")
     ap.add_argument("--logs", type=Path, default=None, help="server logs (default: MODEL_DIR/logs)")
-    ap.add_argument("--json", type=Path, default=None, help="write all timings here")
+    ap.add_argument("--json", type=Path, default=None, help="write all timings (and the correctness step's token ids) here")
     ap.add_argument("--loraserve-args", default="",
                     help="more `loraserve serve` options, e.g. '--compile on'")
     ap.add_argument("--loraserve-bin", type=Path, default=None,
@@ -439,7 +439,9 @@ def main() -> None:
                     print(f"[threads {threads}] {mix}: " + divergence(ls_out, lc_out, ref, adapters))
                 expected[mix] = {"loraserve": [o[0] for o in ls_out[:args.batch]],
                                  "llama.cpp": [o[0] for o in lc_out[:args.batch]]}
-                results.setdefault(f"t{threads}", {}).setdefault(mix, {})["mismatches"] = len(bad)
+                entry = results.setdefault(f"t{threads}", {}).setdefault(mix, {})
+                entry["mismatches"] = len(bad)
+                entry["ids"] = {"loraserve": [o[2] for o in ls_out], "llama.cpp": [o[2] for o in lc_out]}
                 if not bad or args.time_mismatched or args.dtype != "float32":
                     timed_mixes.append(mix)
             # warm the OpenAI-compatible path of llama.cpp too (correctness used /completion)
