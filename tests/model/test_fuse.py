@@ -73,3 +73,27 @@ def test_a_hook_on_a_fused_slice_adds_its_delta_and_gets_its_gradient(hf_dense_d
     assert torch.allclose(loss0, loss1, rtol=1e-5)
     for g0, g1 in zip(grads0, grads1):
         assert g0.abs().sum() > 0 and torch.allclose(g0, g1, rtol=1e-4, atol=1e-5)
+
+
+def test_q_and_k_rotated_together_equal_apart(hf_dense_dir, monkeypatch):
+    """A fused Qwen3 normalises and rotates q and k as one tensor (`Attention._qk_together`):
+    bit-for-bit what the separate per-projection norms and rotations give, in inference mode
+    (the serving path), over a prompt and at one row (a decode step)."""
+    from loraserve.model import layers
+    model = load_model(hf_dense_dir)
+    model.fuse_projections()
+    attn = model.model.layers[0].self_attn
+    assert attn.qk_norm_weight.shape == (attn.num_heads + attn.num_kv_heads, attn.head_dim)
+    calls = []
+    real = layers.Attention._qk_together
+    monkeypatch.setattr(layers.Attention, "_qk_together", lambda *a: calls.append(1) or real(*a))
+    for n in (16, 1):
+        ids = torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n))
+        with torch.inference_mode():
+            together = model(ids, torch.arange(n))
+            with monkeypatch.context() as m:
+                m.setattr(layers, "_in_place", lambda *a: False)  # as if a hook replaced q or k
+                apart = model(ids, torch.arange(n))
+        assert len(calls) == len(model.model.layers)  # the first run only
+        assert torch.equal(together, apart)
+        calls.clear()
