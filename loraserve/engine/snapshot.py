@@ -26,6 +26,8 @@ class EngineSnapshot:
     kv_usage: float = 0.0                 # fraction of KV blocks in use
     preemptions: int = 0
     prefix_cache_hit_rate: float = 0.0
+    prefix_cache_queries: int = 0         # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0            # of those, found cached (their K/V not computed again)
     running_adapters: tuple[str, ...] = ()  # adapters (names as asked) with a running sequence, sorted
     waiting_adapters: tuple[str, ...] = ()  # the same, with a waiting or parked sequence
     resident: frozenset[AdapterKey] = frozenset()  # (adapter_id, revision) in the device pool
@@ -42,7 +44,9 @@ class EngineSnapshot:
         """The gauges the server exports (`engine.stats()`)."""
         return {"running": self.running, "waiting": self.waiting, "parked": self.parked,
                 "batch_size": self.batch_size, "kv_usage": self.kv_usage,
-                "preemptions": self.preemptions, "prefix_cache_hit_rate": self.prefix_cache_hit_rate}
+                "preemptions": self.preemptions, "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+                "prefix_cache_queries": self.prefix_cache_queries,
+                "prefix_cache_hits": self.prefix_cache_hits}
 
     def quarantine_reason(self, key: AdapterKey) -> str | None:
         """Why revision `key` is quarantined (its numbers went non-finite), None if it is not."""

@@ -112,7 +112,7 @@ def merged(snaps: list[EngineSnapshot]) -> EngineSnapshot:
         return EngineSnapshot()
     total = {name: sum(getattr(s, name) for s in snaps)
              for name in ("running", "waiting", "parked", "batch_size", "preemptions", "max_lora",
-                          "num_kv_blocks")}
+                          "num_kv_blocks", "prefix_cache_queries", "prefix_cache_hits")}
     return EngineSnapshot(
         **total, kv_usage=sum(s.kv_usage for s in snaps) / len(snaps),
         prefix_cache_hit_rate=sum(s.prefix_cache_hit_rate for s in snaps) / len(snaps),

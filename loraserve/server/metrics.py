@@ -5,6 +5,7 @@ from typing import Any
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                generate_latest)
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -17,6 +18,26 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 _STAT_GAUGES = {"running": "running", "waiting": "waiting", "batch_size": "batch_size",
                 "kv_usage": "kv_usage", "prefix_cache_hit_rate": "prefix_hit_rate",
                 "engine_restarts": "engine_restarts", "engine_ready": "engine_ready"}
+# engine.stats() key -> (counter name, documentation): totals the engine keeps, exposed as they are
+ENGINE_COUNTERS = {
+    "prefix_cache_queries": ("loraserve_prefix_cache_queries",
+                             "Prompt tokens looked up in the prefix cache (vllm:prefix_cache_queries)"),
+    "prefix_cache_hits": ("loraserve_prefix_cache_hits",
+                          "Prompt tokens found in the prefix cache, their K/V not computed again "
+                          "(vllm:prefix_cache_hits)")}
+
+
+class EngineCounters(Collector):
+    """The engine's own running totals as Prometheus counters, read at scrape time from the
+    stats `ServerMetrics.refresh` saw last (a restarted engine core starts again from 0: a
+    counter reset, which `rate()` allows for)."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, Any] = {}
+
+    def collect(self):
+        for key, (name, doc) in ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=float(self.stats.get(key, 0)))
 
 
 class ServerMetrics:
@@ -55,6 +76,8 @@ class ServerMetrics:
         self.prefix_hit_rate = Gauge("loraserve_prefix_cache_hit_rate",
                                      "Prompt tokens found in the prefix cache / looked up, since start",
                                      registry=r)
+        self.engine_counters = EngineCounters()
+        r.register(self.engine_counters)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, fds (Linux)
 
     def register(self, collector: Collector) -> None:
@@ -69,6 +92,7 @@ class ServerMetrics:
         for key, attr in _STAT_GAUGES.items():
             value = stats.get(key, 0)
             getattr(self, attr).set(float(value) if isinstance(value, int | float) else 0.0)
+        self.engine_counters.stats = stats
 
     def render(self, stats: dict[str, Any]) -> bytes:
         """The Prometheus text exposition, gauges refreshed from `stats` first."""

@@ -12,6 +12,7 @@ from loraserve.engine.async_engine import AsyncEngine
 from loraserve.server import build_app
 
 from .live import LiveServer
+from .test_auth_metrics_lifecycle import samples
 
 MAX_MODEL_LEN = 96
 
@@ -106,3 +107,9 @@ def test_long_prompt_chunked_and_cached_gives_one_answer(client: openai.OpenAI,
     again = client.completions.create(**{**kw, "n": 2}).choices
     assert streamed == first and [c.text for c in again] == [first, first]
     assert engine.engine.blocks.prefix_hit_tokens > hits
+    # /metrics counts them as vLLM does, in tokens: the engine's own totals, published when idle
+    blocks = engine.engine.blocks
+    m = samples(httpx.get(f"{live[0].url}/metrics", timeout=30).text)
+    assert m[("loraserve_prefix_cache_hits_total", ())] == blocks.prefix_hit_tokens
+    assert m[("loraserve_prefix_cache_queries_total", ())] == blocks.prefix_query_tokens
+    assert blocks.prefix_query_tokens > blocks.prefix_hit_tokens > hits

@@ -422,6 +422,7 @@ class LLMEngine:
             running=len(sch.running), waiting=len(sch.waiting), parked=len(sch.parked),
             batch_size=self.last_batch_size, kv_usage=b.usage, preemptions=sch.num_preemptions,
             prefix_cache_hit_rate=b.prefix_hit_tokens / b.prefix_query_tokens if b.prefix_query_tokens else 0.0,
+            prefix_cache_queries=b.prefix_query_tokens, prefix_cache_hits=b.prefix_hit_tokens,
             running_adapters=tuple(sorted({s.adapter_ref for s in sch.running if s.adapter_ref})),
             waiting_adapters=tuple(sorted({s.adapter_ref for s in waiting if s.adapter_ref})),
             resident=frozenset(pool.resident()) if pool is not None else frozenset(),
