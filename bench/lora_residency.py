@@ -14,8 +14,11 @@ sweep: one server (--max-gpu-adapters 64 --cpu-cache-mb 256) serves N distinct a
 wrk:   issue 29's workload, wrk at 64 connections, 2-token requests, `--max-gpu-adapters 64
        --cpu-cache-mb 256`: base only, warm (48 adapters that stay resident) and cold (every
        request a never-seen adapter, a fresh slice of the catalog per run), per server tree (this
-       one and each --source, one server each, runs interleaved); req/s, cold/warm, and the CPU
-       ms per request of each process (API, engine core, and their catalog shard hosts).
+       one and each --source, one server each, runs interleaved); req/s, cold/warm, the CPU
+       ms per request of each process (API, engine core, and their catalog shard hosts), and
+       the prompt tokens each request computed (a warm adapter's requests find most of their
+       prompt in its prefix cache; a never-seen adapter's find nothing: `--serve-args
+       --no-prefix-caching` takes that difference out and leaves the price of paging in).
 The catalog must be built for the same base (e.g. `loraserve catalog materialize`).
 Each measured run also writes `loraserve loadtest`'s report (report.html: throughput, latency and
 TTFT CDFs, tier hit rates, page-ins, resident adapters and server memory over time; summary.json)
@@ -90,6 +93,8 @@ def scrape(url: str) -> dict[str, float]:
             out[f"{m.group(1)}[{m.group(2)}]"] = float(m.group(3))
         elif line.startswith("loraserve_requests_total{"):  # answered requests, every status
             out["requests"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith(("loraserve_prefix_cache_queries_total ", "loraserve_prefix_cache_hits_total ")):
+            out[line.split("_total ")[0].rsplit("_", 1)[1]] = float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -287,13 +292,18 @@ def group_cpu(groups: dict[str, list[int]]) -> dict[str, float]:
 
 
 def wrk_run(url: str, groups: dict[str, list[int]], adapters: list[str], seconds: float) -> dict:
-    """One wrk run (c64, 2-token non-streamed completions); req/s and CPU ms/request per role."""
+    """One wrk run (c64, 2-token non-streamed completions); req/s, CPU ms/request per role, and
+    prompt tokens per request looked up and computed (not found in the prefix cache)."""
+    before = scrape(url)
     cpu0 = group_cpu(groups)
     rep = run_loadtest(LoadTestConfig(url=url, adapters=adapters, dist="cycle", concurrency=64,
                                       duration=seconds, client="wrk", stream=False, prompt_len=4,
                                       max_tokens=2, progress=False, timeout=60))
     cpu1 = group_cpu(groups)
     rep["cpu_ms"] = {r: 1e3 * (cpu1[r] - cpu0[r]) / max(rep["ok"], 1) for r in cpu0}
+    after, n = scrape(url), max(rep["ok"], 1)
+    looked_up = after.get("queries", 0.0) - before.get("queries", 0.0)
+    rep["prompt"] = (looked_up / n, (looked_up - after.get("hits", 0.0) + before.get("hits", 0.0)) / n)
     return rep
 
 
@@ -337,12 +347,16 @@ def wrk_mode(args, model: str) -> None:
 
 def print_wrk_table(rows, serve: list[str]) -> None:
     print(f"\nwrk c64, 2-token completions, {shlex.join(serve)}")
-    print("| round | tree | base req/s | warm req/s | cold req/s | cold/warm | errors |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| round | tree | base req/s | warm req/s | cold req/s | cold/warm | errors "
+          "| prompt tokens computed / request, warm -> cold |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r, name, base, hot, chill in rows:
         errors = base["errors"] + hot["errors"] + chill["errors"]
+        computed = (f"{hot['prompt'][1]:.1f} -> {chill['prompt'][1]:.1f} of {chill['prompt'][0]:.1f}"
+                    if chill["prompt"][0] else "-")  # a tree without the prefix-cache counters
         print(f"| {r} | {name} | {base['req_per_s']:,.0f} | {hot['req_per_s']:,.0f} | "
-              f"{chill['req_per_s']:,.0f} | {chill['req_per_s'] / hot['req_per_s']:.2f} | {errors} |")
+              f"{chill['req_per_s']:,.0f} | {chill['req_per_s'] / hot['req_per_s']:.2f} | {errors} "
+              f"| {computed} |")
     roles = sorted({k for *_, hot, chill in rows for k in (*hot["cpu_ms"], *chill["cpu_ms"])})
     print("\nCPU ms per request, warm -> cold (the extra a cold request costs each process)")
     print("| round | tree | " + " | ".join(roles) + " |")
