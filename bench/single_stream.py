@@ -5,12 +5,16 @@ bandwidth, each weight layout's GEMM time at a few rows, and the engine's decode
     python bench/single_stream.py layouts [--rows 1,4,32]  # per-layout GEMM at 0.6B shapes
     python bench/single_stream.py step --model DIR [--batches 1,4] [--profile]
     python bench/single_stream.py step --model DIR --variants 'packed:weight_prepack=on;plain:weight_prepack=off'
+    python bench/single_stream.py ops --model DIR [--engine-args max_batch_size=1]   # ops a step dispatches
 
 `layouts` times every linear of one decode step at Qwen3-0.6B shapes (28 layers: q/k/v, o,
 gate/up, down; each layer its own weights, so they stream from memory as a model's do) in each
 layout, interleaved, best of --reps, and prints the achieved weight-read bandwidth. `step` runs
 the engine's decode step at each batch size and, with --profile, the torch profiler's ops.
-Threads: --threads (default 2, the comparison's). Machine noise: every figure is a best-of.
+`ops` counts the aten ops one batch-1 decode step dispatches (by op, and by the loraserve line
+that called them): at one token a step pays per op, and a count does not move with the machine's
+load the way a time does. Threads: --threads (default 2, the comparison's). Machine noise: every
+figure is a best-of.
 """
 from __future__ import annotations
 
@@ -161,9 +165,46 @@ def step_variants(model: str, batches: list[int], tokens: int, rounds: int, vari
             print(f"{b:>5} {name:<24} {ms:9.2f} {1e3 * b / ms:8.1f} {best[first, b] / ms:11.2f}x")
 
 
+def step_ops(model: str, fields: dict, rows: int) -> None:
+    """The aten ops of one batch-1 decode step (`LLMEngine.step`, prefill done), counted under a
+    TorchDispatchMode: in all, by op, and the top `rows` (loraserve source line, op) pairs."""
+    import collections
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from loraserve.engine.types import GenerateRequest, SamplingParams
+    fields = dict(fields)
+    adapter = fields.pop("adapter", None)  # with catalog_dir: the request's adapter
+    eng = _engine(model, 1, 64, fields)
+    eng.add_request(GenerateRequest("ops", list(range(5, 37)), SamplingParams(
+        max_tokens=60, temperature=0.0, ignore_eos=True), adapter))
+    while eng.scheduler.waiting or eng.scheduler.parked:
+        eng.step()
+    eng.step()
+    ops, lines = collections.Counter(), collections.Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            op = str(func.overloadpacket)
+            ops[op] += 1
+            frame = next((f for f in reversed(traceback.extract_stack(limit=12))
+                          if "/loraserve/" in f.filename), None)
+            if frame is not None:
+                lines[f"{frame.filename.split('/loraserve/')[-1]}:{frame.lineno} {op}"] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        eng.step()
+    print(f"ops dispatched by one batch-1 decode step: {sum(ops.values())}")
+    print(", ".join(f"{op} {n}" for op, n in ops.most_common()))
+    for where, n in lines.most_common(rows):
+        print(f"{n:6} {where}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["bandwidth", "layouts", "step"])
+    ap.add_argument("what", choices=["bandwidth", "layouts", "step", "ops"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--rows", default="1,4,32")
@@ -191,6 +232,9 @@ def main() -> None:
                 best = layouts(rows, args.reps, args.fused)
             for name, s in best.items():
                 print(f"rows {rows:>3}  {name:<30} {s * 1e3:8.2f} ms  {nbytes / s / 1e9:6.1f} GB/s")
+    elif args.what == "ops":
+        fields = dict(kv.split("=", 1) for kv in args.engine_args.split(",") if kv)
+        step_ops(args.model, {"compile": "off", "max_batch_size": "1", **fields}, 30)
     elif args.variants:
         variants = {}
         for spec in args.variants.split(";"):
