@@ -8,8 +8,9 @@ count, [[named key, live bytes in it or -1], ...]], written at the end of each m
 mark reads only the policies whose listed ETag differs (new, changed, or missing from it) and
 takes the rest from it: a listing request per 1,000 adapters plus one GET per change. What a
 revision from before segments names through its record (its blob) is kept too: records are
-written once. The cache is a plain object of the store: a GC that finds none, or an unreadable
-one, reads every policy, as before.
+written once. The cache is a plain object of the store, written by every mark (a `--dry-run`'s
+too: it deletes nothing, and the cache only saves reads): a GC that finds none, or an
+unreadable one, reads every policy, as before.
 """
 from __future__ import annotations
 
