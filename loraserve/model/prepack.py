@@ -80,6 +80,8 @@ def outgrows_last_level_cache(model: nn.Module, cache_bytes: int | None = None) 
 # A step of at most this many sequences reads plain weights faster: one row is a matrix-vector
 # product, and `torch.mv` over the [out, in] weight streamed it 1.3x faster than oneDNN's GEMM
 # over the packed layout at 0.6B shapes; from 4 rows on the packed layout wins (bench/RESULTS.md).
+# The same holds in bfloat16 (bench/gemv_dtypes.py: mv 1.6x faster than packed at one row), so
+# the rule does not depend on the dtype.
 PLAIN_MAX_BATCH = 1
 
 
