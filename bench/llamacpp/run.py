@@ -395,7 +395,8 @@ def main() -> None:
         t0 = time.time()
         ref = reference_outputs(model_dir, prompt_ids, pairs, args.tokens, args.dtype)
         print(f"transformers + PEFT reference: {len(pairs)} (prompt, adapter) pairs "
-              f"({time.time() - t0:.0f} s, cached in {model_dir}/reference-{args.tokens}.json)")
+              f"({time.time() - t0:.0f} s, cached in {model_dir}/reference-{args.tokens}"
+              f"{'' if args.dtype == 'float32' else '-' + GGUF_TYPES[args.dtype]}.json)")
 
     print(f"model {model_dir}: prompts {min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens, "
           f"{args.batch} requests x {args.tokens} new tokens, reps {args.reps}, {args.dtype}")
