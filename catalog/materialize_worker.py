@@ -220,7 +220,8 @@ def run_worker(job: WorkerJob, progress, results, parent_pid: int | None = None)
             publisher = BatchPublisher(job.store, job.catalog_dir)
         for s, ids in ids_by_shard(job).items():
             if job.store_only:
-                w, sk, err = publisher.build_shard(job, s, ids, progress)
+                w, sk, err = publisher.build_shard(
+                    s, ids, job.batch, lambda b: as_adapters(*build_items(job, b, time.time())), progress)
             else:
                 opened.append(Shard(job.catalog_dir, s, opts))
                 w, sk, err = _build_shard(job, opened[-1], ids, progress, publisher)

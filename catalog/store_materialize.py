@@ -26,7 +26,6 @@ A build error stops that shard before its marker passes the batch, so the rerun 
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -93,18 +92,20 @@ class BatchPublisher:
             ids = pending[lo:lo + batch]
             self.publish(shard.index, shard.read(lambda txn, dbs: read_adapters_in_txn(txn, dbs, ids), default=[]))
 
-    def build_shard(self, job, shard: int, ids: list[str], progress) -> tuple[int, int, list[str]]:
-        """`store_only`: build the ids of `shard` after its marker, batch by batch, and publish each
-        (module doc); (built, skipped, errors) like the local build. `job` is a materialize_worker.WorkerJob."""
-        from .materialize_worker import as_adapters, build_items
+    def build_shard(self, shard: int, ids: list[str], batch_size: int, build, progress
+                    ) -> tuple[int, int, list[str]]:
+        """`store_only`: build the ids of `shard` after its marker, `batch_size` at a time, and
+        publish each batch (module doc); (built, skipped, errors) like the local build.
+        `build(ids)` makes a batch's adapters (the materialize worker's builder: passed in, so
+        this module never imports the worker, which imports it)."""
         last = self.marker(shard)
         todo = [a for a in ids if last is None or a > last]
         with progress.get_lock():
             progress.value += len(ids) - len(todo)
-        for lo in range(0, len(todo), job.batch):
-            batch = todo[lo:lo + job.batch]
+        for lo in range(0, len(todo), batch_size):
+            batch = todo[lo:lo + batch_size]
             try:
-                made = as_adapters(*build_items(job, batch, time.time()))
+                made = build(batch)
             except Exception as e:  # counted and reported; the marker stays before this batch
                 return lo, len(ids) - len(todo), [f"batch {batch[:1]}..: {e}"]
             self.publish(shard, made)
