@@ -56,6 +56,17 @@ def gc(store: ObjectStore, **kw) -> StoreGCReport:
     return collect(store, min_age_s=kw.pop("min_age_s", 60.0), now=kw.pop("now", time.time() + LATER), **kw)
 
 
+def fault_in_elsewhere(store: ObjectStore, tmp_path, refs: list[str]) -> list[str]:
+    """The checksums a second host, its local catalog empty, faults `refs` in with from the store."""
+    other = StoreTier(store, Catalog.create(tmp_path / "other", shards=2))
+    try:
+        return [other.fault_in(ref).checksum for ref in refs]
+    finally:
+        other.close()
+        other.catalog.close()
+
+
+
 def test_segments_no_live_revision_names_are_deleted(tier):
     store, cat = tier.store, tier.catalog
     x1 = cat.put_revision("acme/x", blob(1))
@@ -90,12 +101,7 @@ def test_blobs_and_records_from_before_segments_are_read_and_collected(tier, tmp
     store.put_policy(PolicyDoc(cat.policy("acme/old")))  # no `placed`: the segment is garbage
     rep = gc(store)
     assert rep.deleted == {"segments": 1, "blobs": 0, "revisions": 0} and rep.live_revisions == 1
-    other = StoreTier(store, Catalog.create(tmp_path / "other", shards=2))
-    try:
-        assert other.fault_in("acme/old").checksum == x.checksum
-    finally:
-        other.close()
-        other.catalog.close()
+    assert fault_in_elsewhere(store, tmp_path, ["acme/old"]) == [x.checksum]
     policy = cat.policy("acme/old")
     policy.revisions, policy.promoted = [], None
     store.put_policy(PolicyDoc(policy))
@@ -115,12 +121,7 @@ def test_a_segment_goes_only_when_no_live_revision_points_into_it(tier, tmp_path
         delete(cat, f"acme/s{i}", force=True)
     rep = gc(store)
     assert rep.deleted["segments"] == 1 and rep.dead_in_live_segments == len(blob(12))
-    other = StoreTier(store, Catalog.create(tmp_path / "other", shards=2))
-    try:
-        assert other.fault_in("acme/s3").checksum == cat.resolve("acme/s3").checksum
-    finally:
-        other.close()
-        other.catalog.close()
+    assert fault_in_elsewhere(store, tmp_path, ["acme/s3"]) == [cat.resolve("acme/s3").checksum]
     tier.close()
 
 
@@ -145,12 +146,7 @@ def test_a_publish_between_the_mark_and_the_sweep_loses_nothing(tier, tmp_path):
         sweep(store, kind, live, start - 1.0, report, dry_run=False)
     assert (report.deleted["segments"], report.pending) == (1, 1)
     assert keys(store, "segments") == {blob_object(store, "acme/y", y.revision)} != {dead}
-    other = StoreTier(store, Catalog.create(tmp_path / "other", shards=2))
-    try:
-        assert other.fault_in("acme/y").checksum == y.checksum
-    finally:
-        other.close()
-        other.catalog.close()
+    assert fault_in_elsewhere(store, tmp_path, ["acme/y"]) == [y.checksum]
 
 
 def test_a_mostly_dead_segment_is_rewritten_and_the_old_one_retired_until_the_cutoff(tier, tmp_path):
@@ -181,12 +177,7 @@ def test_a_mostly_dead_segment_is_rewritten_and_the_old_one_retired_until_the_cu
     store.put_policy(before[5])  # a publish that read m5's policy before the rewrite writes it back
     rep = gc(store)  # the old segment is m5's again: kept, and m5 moved again (to a third segment)
     assert (rep.deleted["segments"], rep.rewritten) == (0, 1) and old in keys(store, "segments")
-    other = StoreTier(store, Catalog.create(tmp_path / "other", shards=2))
-    try:
-        assert [other.fault_in(f"acme/m{i}").checksum for i in (4, 5)] == [r.checksum for r in live]
-    finally:
-        other.close()
-        other.catalog.close()
+    assert fault_in_elsewhere(store, tmp_path, [f"acme/m{i}" for i in (4, 5)]) == [r.checksum for r in live]
     rep = gc(store)  # nothing names the old segment now, retired before this cutoff
     assert rep.deleted["segments"] == 1 and old not in keys(store, "segments") and len(keys(store, "segments")) == 2
     assert retired(store) == {}

@@ -11,10 +11,10 @@ import torch
 import loraserve.engine.core.llm_engine as llm_engine
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.core.build import build_engine
-from loraserve.engine.types import GenerateRequest, SamplingParams
 from loraserve.model.prepack import PackedLinear, VectorLinear, can_prepack
 
-TOKENS = 6
+from .test_peft_parity import _run_mixed
+
 # bfloat16's own error, measured: ours against float32 PEFT may be off by at most this many times
 # what PEFT in bfloat16 is off from float32 PEFT (the logits here reach ~30, where bfloat16 rounds
 # to 1/8, so a fixed logprob tolerance would be either loose or flaky), plus a little
@@ -63,15 +63,6 @@ def _check_against_peft(aset, adapter, prompt, prompt_logprobs, output_ids):
     assert (gap == 0).float().mean() >= 0.8, (adapter, gap)
 
 
-def _run(eng, requests):
-    seqs = [eng.add_request(GenerateRequest(f"b{i}", prompt, SamplingParams(
-        max_tokens=TOKENS, temperature=0.0, ignore_eos=True, prompt_logprobs=0), adapter))
-        for i, (adapter, prompt) in enumerate(requests)]
-    while eng.has_work():
-        eng.step()
-    return [(s.prompt_logprobs, s.output_ids) for s in seqs]
-
-
 def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab - 3, (6 + 3 * i,), generator=g).tolist() for i in range(n)]
@@ -85,7 +76,7 @@ def test_packed_bf16_mixed_batch_matches_peft_in_bf16(dense_set):
         assert isinstance(qkv, PackedLinear) and qkv.packed.dtype == torch.bfloat16
     adapters = ["t/all-r8-rslora", None, "t/qv-r4", "t/o-head-r2"]
     prompts = _prompts(eng.vocab_size, len(adapters), seed=11)
-    for adapter, prompt, (lps, out) in zip(adapters, prompts, _run(eng, list(zip(adapters, prompts)))):
+    for adapter, prompt, (lps, out) in zip(adapters, prompts, _run_mixed(eng, list(zip(adapters, prompts)))):
         _check_against_peft(dense_set, adapter, prompt, lps, out)
 
 
@@ -98,5 +89,5 @@ def test_one_sequence_bf16_torch_mv_matches_peft_in_bf16(dense_set, monkeypatch)
     assert eng.model.model.layers[0].mlp.down_proj.base.weight.dtype == torch.bfloat16
     for i, adapter in enumerate(["t/all-r8-rslora", None, "t/o-head-r2"]):
         prompt = _prompts(eng.vocab_size, 1, seed=20 + i)[0]
-        (lps, out), = _run(eng, [(adapter, prompt)])
+        (lps, out), = _run_mixed(eng, [(adapter, prompt)])
         _check_against_peft(dense_set, adapter, prompt, lps, out)
