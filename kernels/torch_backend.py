@@ -46,6 +46,9 @@ STRATEGIES = ("padded", "gather", "segments")  # what `plan_torch(strategy=)` ca
 # Cost model of one small-batch call on a CPU core, calibrated on the 2-core dev machine (in situ,
 # weights not in L1/L2): a torch op's fixed cost, a GEMM MAC, a gathered weight element.
 OP_NS, MAC_NS, COPY_NS = 5000.0, 0.05, 0.5
+# One adapter's few decode rows in these dtypes run in float32 on the CPU (`_Padded.run`).
+_WIDEN_ON_CPU = (torch.bfloat16, torch.float16)
+_WIDEN_MAX_ROWS = 8
 
 
 def _cached_view(views: dict, pool: torch.Tensor, make, shape: int = 0) -> torch.Tensor:
@@ -197,7 +200,14 @@ class _Padded:
         s, length, _ = self.shape
         if s == 1 and self.vtok is None and A_rows.dtype == x.dtype and B_rows.dtype == y.dtype:
             # one adapter (the common decode step): two plain GEMMs cost ~5 us less than the bmm pair
-            y[:length].addmm_(x[:length] @ self.pick_one(A_rows).T, self.pick_one(B_rows))
+            a, b = self.pick_one(A_rows), self.pick_one(B_rows)
+            if x.dtype in _WIDEN_ON_CPU and x.is_cpu and length <= _WIDEN_MAX_ROWS:
+                # a few rows in bfloat16/float16 on the CPU: oneDNN's reduced-precision GEMM costs
+                # 40-50 us a call at these shapes, widening the rank rows and GEMMing in float32
+                # about half (bench/RESULTS.md, issue 30 session 13); the sum rounds once, into y
+                y[:length].add_((x[:length].float() @ a.float().T) @ b.float())
+                return
+            y[:length].addmm_(x[:length] @ a.T, b)
             return
         if self.vtok is None:
             xs = x[: s * length].view(s, length, -1)

@@ -21,6 +21,7 @@ cache (bench/RESULTS.md).
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import weakref
 from pathlib import Path
@@ -152,26 +153,50 @@ class PackedLinear(nn.Module):
                f"bias={self.bias is not None}, layout=onednn"
 
 
+# Dtypes whose one-row product runs fastest over a column-major weight (the [out, in] weight
+# stored as [in, out]): MKL's float32 GEMM of one row by a contiguous [in, out] matrix streamed
+# 0.6B shapes ~8% faster than `torch.mv` over [out, in], and its 42-row prefill GEMM too. The
+# bfloat16 kernels are the other way round: `torch.mv` over the row-major weight is fastest
+# there, column-major 2-3x slower (bench/single_stream.py layouts --dtype, bench/RESULTS.md).
+COLUMN_MAJOR_DTYPES = (torch.float32,)
+
+
 class VectorLinear(nn.Linear):
-    """An `nn.Linear` in the plain [out, in] layout whose one-row calls are `torch.mv`: BLAS's
-    matrix-vector product streams the weight faster than a GEMM of one row (bench/RESULTS.md)."""
+    """An `nn.Linear` in a plain layout for one sequence at a time, its weight laid out the way
+    its dtype's one-row kernel streams fastest (`vector_linears`): column-major float32, whose
+    every call is the GEMM `x @ [in, out]`, or row-major bfloat16, whose one-row calls are
+    `torch.mv`. The weight's shape is [out, in] either way, so whatever reads it (LoRA shapes,
+    training hooks through `F.linear`) sees an ordinary linear."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dim() != 2 or x.shape[0] != 1:
-            return F.linear(x, self.weight, self.bias)
-        y = torch.mv(self.weight, x[0])
+        w = self.weight
+        if x.dim() != 2 or x.shape[0] != 1 or not w.is_contiguous():
+            return F.linear(x, w, self.bias)
+        y = torch.mv(w, x[0])
         return (y if self.bias is None else y + self.bias).unsqueeze(0)
 
 
+@torch.no_grad()
 def vector_linears(model: nn.Module) -> int:
-    """Make every plain `nn.Linear` of model a `VectorLinear` (same weights, no copy), in place;
-    returns how many. For plain-layout serving: after loading and fusing, before LoRA wrappers."""
-    count = 0
+    """Make every plain `nn.Linear` of model a `VectorLinear`, in place; returns how many. A
+    weight of a `COLUMN_MAJOR_DTYPES` dtype is copied column-major (once; the copy replaces it),
+    unless another module shares it (a tied head keeps its embedding's layout), and the rest of
+    the model then moves out of the checkpoint's file mapping as `prepack_linears` does. For
+    plain-layout serving: after loading and fusing, before LoRA wrappers."""
+    shared = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    count, moved = 0, set()
     for module in model.modules():
-        for name, child in list(module.named_children()):
-            if type(child) is nn.Linear:
-                child.__class__ = VectorLinear
-                count += 1
+        for child in module.children():
+            if type(child) is not nn.Linear:
+                continue
+            child.__class__ = VectorLinear
+            count += 1
+            w = child.weight
+            if w.dtype in COLUMN_MAJOR_DTYPES and shared[id(w)] == 1 and w.is_contiguous():
+                child.weight = nn.Parameter(w.t().contiguous().t(), requires_grad=w.requires_grad)
+                moved.add(id(child.weight))
+    if moved:
+        _own_the_rest(model, skip=moved)
     return count
 
 
@@ -188,14 +213,15 @@ def prepack_linears(model: nn.Module, batch_hint: int) -> int:
 
 
 @torch.no_grad()
-def _own_the_rest(model: nn.Module) -> None:
+def _own_the_rest(model: nn.Module, skip: set[int] = frozenset()) -> None:
     """Copy the tensors left plain (embedding, norms, experts) into memory of their own. The
     loader's tensors are views of the checkpoint's file mapping, which stays mapped while any of
     them lives, and packing has just read every page of it: without this the process would hold
     the old weights' pages as well as the packed copies (H 512 base: 441 against 345 MiB RSS)."""
     for module in model.modules():
         for param in module.parameters(recurse=False):
-            param.data = param.data.clone()
+            if id(param) not in skip:  # already a copy of its own
+                param.data = param.data.clone()
         for name, buf in list(module.named_buffers(recurse=False)):
             setattr(module, name, buf.clone())
 

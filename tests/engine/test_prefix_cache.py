@@ -162,3 +162,19 @@ def test_random_workload_keeps_the_books_balanced(ops):
         bm.free(seq)
     bm.check_invariants([])
     assert bm.num_free == bm.num_blocks
+
+
+def test_one_sequence_at_a_time_gets_consecutive_blocks_whatever_was_freed_before():
+    """Fresh blocks come lowest first, so a lone sequence's context is one run of the cache
+    (`PagedAttention.kv_run` reads it as a slice): however earlier sequences freed theirs."""
+    bm = BlockManager(12, 4, prefix_caching=False)
+    a, b = _seq(range(10)), _seq(range(20, 33))
+    bm.allocate(a), bm.allocate(b)
+    assert a.block_table == [0, 1, 2] and b.block_table == [3, 4, 5, 6]
+    bm.free(a), bm.free(b)           # freed tail first, in two interleaved runs
+    for n in (30, 7, 45):
+        seq = _seq(range(n))
+        bm.allocate(seq)
+        assert seq.block_table == list(range(len(seq.block_table)))
+        bm.free(seq)
+    bm.check_invariants([])

@@ -92,3 +92,27 @@ def test_plan_cache_reuses_shares_and_drops_plans(monkeypatch):
             call(meta, "o_proj", o)  # other rows: its own plan
         assert len(built) == 3 * (step + 1), "one plan per distinct rows and scope per step"
     assert all(k == {"strategy": "gather"} for k in built)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 4, 12])
+def test_one_adapter_in_reduced_precision_matches_the_float32_oracle(dtype, rows):
+    """One adapter's decode rows in bfloat16/float16 on the CPU run in float32 (`_Padded.run`
+    widens its rank rows: oneDNN's reduced-precision GEMM costs twice as much at these shapes);
+    past `_WIDEN_MAX_ROWS` the GEMMs stay in the dtype. Either way the result is the float32
+    oracle's to the dtype's rounding, and it lands in y's dtype."""
+    gen = torch.Generator().manual_seed(rows)
+    H, O, P, R = 64, 96, 64, 8
+    A_rows, B_rows = torch.randn(P, H, generator=gen).to(dtype), torch.randn(P, O, generator=gen).to(dtype)
+    table = (torch.arange(R) + 16).view(1, R).int()
+    ranks = torch.full((1,), R, dtype=torch.int32)
+    slots = torch.zeros(rows, dtype=torch.int32)
+    x, y = torch.randn(rows, H, generator=gen).to(dtype), torch.randn(rows, O, generator=gen).to(dtype)
+    want = y.float()
+    add_lora_ref(want, x.float(), A_rows.float(), B_rows.float(), table, ranks, slots)
+    meta = LoRAMeta.build(slots, max_segments=1)
+    plan = kernels.plan_torch(meta, table, ranks, A_rows, B_rows, strategy="padded")
+    assert plan.row_range is not None and plan.vtok is None   # the one-adapter fast path
+    kernels.add_lora_torch(y, x, A_rows, B_rows, table, ranks, meta, plan=plan)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=0.25)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections import deque
 
 import numpy as np
 import pytest
@@ -164,8 +163,10 @@ def test_hostile_adapters_never_touch_other_sequences(tmp_path, hf_dense, one_to
     if defences == "runtime only":
         _runtime_only(monkeypatch, eng)
     # blocks are handed out in a seeded random order, so any block (the one padding used to
-    # read, block 0, included) may be written by a hostile sequence, then freed and reused
-    eng.blocks._free = deque(int(b) for b in np.random.default_rng(rounds).permutation(eng.blocks.num_blocks))
+    # read, block 0, included) may be written by a hostile sequence, then freed and reused (the
+    # free list is a heap; a list in random order is not one, and heap pops and pushes still hand
+    # out each of its blocks once, in an order no invariant relies on)
+    eng.blocks._free = [int(b) for b in np.random.default_rng(rounds).permutation(eng.blocks.num_blocks)]
     finished_tame = hostile_failed = 0
     for _, reqs in plan:
         got = _run(eng, reqs)

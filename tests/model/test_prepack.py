@@ -40,18 +40,37 @@ def test_packed_linear_equals_f_linear_for_any_row_count(bias):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_vector_linear_equals_f_linear_and_keeps_the_weight(bias):
-    """One row as torch.mv, any other shape as F.linear; `vector_linears` swaps the class only."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vector_linear_equals_f_linear_with_its_dtypes_layout(bias, dtype):
+    """`vector_linears` swaps the class; a float32 weight is copied column-major (its one-row
+    GEMM streams it fastest), a bfloat16 one stays row-major (one row as torch.mv). The shape
+    stays [out, in] and the values are the same; any row count gives F.linear's result."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(48, 80, bias=bias), nn.ReLU(), nn.Linear(80, 8, bias=bias))
-    ref = [(m.weight, m.bias) for m in (model[0], model[2])]
-    xs = [torch.randn(1, 48), torch.randn(5, 48), torch.randn(2, 3, 48)]
+    model = nn.Sequential(nn.Linear(48, 80, bias=bias), nn.ReLU(), nn.Linear(80, 8, bias=bias)).to(dtype)
+    ref = [(m.weight.detach().clone(), m.bias) for m in (model[0], model[2])]
+    xs = [torch.randn(1, 48, dtype=dtype), torch.randn(5, 48, dtype=dtype), torch.randn(2, 3, 48, dtype=dtype)]
     want = [model(x) for x in xs]
     assert vector_linears(model) == 2 and vector_linears(model) == 0
     assert all(type(m) is VectorLinear for m in (model[0], model[2]))
-    assert [(m.weight, m.bias) for m in (model[0], model[2])] == ref  # the same Parameters
+    for m, (w, b) in zip((model[0], model[2]), ref):
+        assert torch.equal(m.weight, w) and m.bias is b and m.weight.shape == w.shape
+        assert m.weight.is_contiguous() == (dtype != torch.float32)
+        assert m.weight.t().is_contiguous() == (dtype == torch.float32)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     for x, y in zip(xs, want):
-        torch.testing.assert_close(model(x), y, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(x), y, rtol=tol, atol=tol)
+
+
+def test_vector_linears_keeps_a_tied_head_on_its_embedding():
+    """A weight another module shares (a tied head) keeps its layout: the embedding reads it."""
+    emb, head = nn.Embedding(32, 16), nn.Linear(16, 32, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head, "mlp": nn.Linear(16, 16)})
+    vector_linears(model)
+    assert model["head"].weight is emb.weight and emb.weight.is_contiguous()
+    assert model["mlp"].weight.t().is_contiguous()
+    x = torch.randn(1, 16)
+    torch.testing.assert_close(model["head"](x), x @ emb.weight.t(), rtol=1e-5, atol=1e-5)
 
 
 def test_weight_layout_packs_a_big_base_that_can_batch():

@@ -70,6 +70,7 @@ class PagedAttention:
     single_query: bool           # Q == 1: every sequence brings one token (decode)
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask, on first use
     full: bool = False           # the mask is all True (decode, no sequence shorter than C): SDPA takes none
+    kv_run: tuple[int, int] | None = None  # one sequence whose context is cache slots [lo, hi): read as a view
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  window: int | None = None) -> torch.Tensor:
@@ -84,8 +85,14 @@ class PagedAttention:
             vc.index_copy_(0, self.slot_mapping, _as(v, vc.dtype))
         b, _, nq, c = self.mask.shape  # from a tensor, not `shape`: symbolic under torch.compile
         heads, d = q.shape[1], q.shape[2]
-        kb = kc.index_select(0, self.kv_index).view(b, c, -1, d).transpose(1, 2)   # [B, Hkv, C, D]
-        vb = vc.index_select(0, self.kv_index).view(b, c, -1, d).transpose(1, 2)
+        if self.kv_run is not None and not torch.compiler.is_compiling():
+            # one sequence in consecutive blocks (`BlockManager` hands out the lowest free ones):
+            # its context is a slice of the cache, no gather (a copy of every context row)
+            kc, vc = kc[self.kv_run[0]:self.kv_run[1]], vc[self.kv_run[0]:self.kv_run[1]]
+        else:
+            kc, vc = kc.index_select(0, self.kv_index), vc.index_select(0, self.kv_index)
+        kb = kc.view(b, c, -1, d).transpose(1, 2)                                      # [B, Hkv, C, D]
+        vb = vc.view(b, c, -1, d).transpose(1, 2)
         qs = q if self.single_query else q.index_select(0, self.q_index)
         qb = qs.view(b, nq, heads, d).transpose(1, 2)                                # [B, Hq, Q, D]
         rep = heads // self.cache.num_kv_heads
@@ -143,7 +150,19 @@ class PagedAttention:
         valid_pos = q_valid.flatten().nonzero().squeeze(1)  # token rows are in (b, i) order
         to = lambda x: x.to(device, non_blocking=True)
         return cls(cache, to(slot_mapping), to(q_index.flatten()), to(valid_pos), to(kv_index.flatten()),
-                   to(mask[:, None]), (len(starts), Q, C), Q == 1, full=Q == 1 and min(ends) == C)
+                   to(mask[:, None]), (len(starts), Q, C), Q == 1, full=Q == 1 and min(ends) == C,
+                   kv_run=_one_run(block_tables, ends, C, bs))
+
+
+def _one_run(block_tables: list[list[int]], ends: list[int], context: int, bs: int) -> tuple[int, int] | None:
+    """Slots [lo, lo + context) when one sequence attends to exactly its `context` positions and
+    they lie in consecutive blocks, else None (several sequences, padding, or scattered blocks)."""
+    if len(block_tables) != 1 or ends[0] != context:
+        return None
+    used = block_tables[0][:-(-context // bs)]
+    if any(b != used[0] + i for i, b in enumerate(used)):
+        return None
+    return used[0] * bs, used[0] * bs + context
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -10,7 +10,8 @@ then the least recently released one is reused.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 
 from .sequence import Sequence
@@ -29,7 +30,9 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
-        self._free: deque[int] = deque(range(num_blocks))  # no contents worth keeping
+        # no contents worth keeping; a heap, lowest block first: one sequence at a time gets
+        # consecutive blocks, which attention reads as a slice of the cache instead of a gather
+        self._free: list[int] = list(range(num_blocks))
         self._refs = [0] * num_blocks
         self._key_of: dict[int, Hashable] = {}               # registered block -> its key
         self._block_of: dict[Hashable, int] = {}             # key -> registered block
@@ -99,7 +102,7 @@ class BlockManager:
                 if block in self._key_of:
                     self._idle[block] = None
                 else:
-                    self._free.append(block)
+                    heapq.heappush(self._free, block)
         seq.block_table = []
         seq.num_cached = 0
         seq.num_registered = 0
@@ -174,7 +177,7 @@ class BlockManager:
     def _fresh(self) -> int:
         """A block to write into: a never-registered one first, else the LRU idle cached one."""
         if self._free:
-            return self._free.popleft()
+            return heapq.heappop(self._free)
         block, _ = self._idle.popitem(last=False)
         del self._block_of[self._key_of.pop(block)]
         return block
