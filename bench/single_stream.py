@@ -6,6 +6,7 @@ bandwidth, each weight layout's GEMM time at a few rows, and the engine's decode
     python bench/single_stream.py step --model DIR [--batches 1,4] [--profile]
     python bench/single_stream.py step --model DIR --variants 'packed:weight_prepack=on;plain:weight_prepack=off'
     python bench/single_stream.py ops --model DIR [--engine-args max_batch_size=1]   # ops a step dispatches
+    python bench/single_stream.py split --model DIR [--engine-args dtype=bfloat16]    # GEMVs vs the rest
 
 `layouts` times every linear of one decode step at Qwen3-0.6B shapes (28 layers: q/k/v, o,
 gate/up, down; each layer its own weights, so they stream from memory as a model's do) in each
@@ -202,9 +203,49 @@ def step_ops(model: str, fields: dict, rows: int) -> None:
         print(f"{n:6} {where}")
 
 
+def step_split(model: str, fields: dict, tokens: int, rounds: int) -> None:
+    """Median and best ms of a batch-1 decode step, of its linears (timed inside the step) and of
+    the rest, over `rounds` requests of 32 prompt tokens and `tokens` new ones."""
+    import statistics
+
+    from loraserve.engine.types import GenerateRequest, SamplingParams
+    from loraserve.model import prepack
+    spent = [0.0]
+    forward = prepack.VectorLinear.forward
+
+    def timed(self, x):
+        t0 = time.perf_counter()
+        y = forward(self, x)
+        spent[0] += time.perf_counter() - t0
+        return y
+
+    prepack.VectorLinear.forward = timed
+    try:
+        eng = _engine(model, 1, tokens, {"compile": "off", "max_batch_size": "1", **fields})
+        steps, linears = [], []
+        for r in range(rounds + 1):   # round 0 warms up
+            eng.add_request(GenerateRequest(f"split-{r}", list(range(5, 37)), SamplingParams(
+                max_tokens=tokens, temperature=0.0, ignore_eos=True)))
+            while eng.scheduler.waiting or eng.scheduler.parked:
+                eng.step()
+            while eng.has_work():
+                spent[0] = 0.0
+                t0 = time.perf_counter()
+                eng.step()
+                if r:
+                    steps.append(time.perf_counter() - t0)
+                    linears.append(spent[0])
+    finally:
+        prepack.VectorLinear.forward = forward
+    rest = [s - g for s, g in zip(steps, linears)]
+    print(f"{len(steps)} decode steps at batch 1 ({fields or 'defaults'})")
+    for name, v in (("step", steps), ("linears", linears), ("rest", rest)):
+        print(f"{name:>8}: median {statistics.median(v) * 1e3:7.2f} ms, best {min(v) * 1e3:7.2f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["bandwidth", "layouts", "step", "ops"])
+    ap.add_argument("what", choices=["bandwidth", "layouts", "step", "ops", "split"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--rows", default="1,4,32")
@@ -232,6 +273,9 @@ def main() -> None:
                 best = layouts(rows, args.reps, args.fused)
             for name, s in best.items():
                 print(f"rows {rows:>3}  {name:<30} {s * 1e3:8.2f} ms  {nbytes / s / 1e9:6.1f} GB/s")
+    elif args.what == "split":
+        fields = dict(kv.split("=", 1) for kv in args.engine_args.split(",") if kv)
+        step_split(args.model, fields, args.tokens, args.rounds)
     elif args.what == "ops":
         fields = dict(kv.split("=", 1) for kv in args.engine_args.split(",") if kv)
         step_ops(args.model, {"compile": "off", "max_batch_size": "1", **fields}, 30)

@@ -105,6 +105,39 @@ def test_batches_past_the_largest_bucket_run_eagerly(engines):
     _assert_same(_greedy(eager, adapters, prompts), got)
 
 
+def test_a_step_whose_contexts_fill_their_bucket_runs_the_warm_graph(engines, monkeypatch):
+    """Two sequences whose contexts reach a context bucket (64) exactly make a step with no padded
+    position (`PagedAttention.full`, and for one sequence `kv_run`): it runs the graph warm-up
+    made. The compiled step reads no such per-step field; when it did, that step recompiled while
+    serving (~45 s at 0.6B shapes, past the engine timeout, which killed the core)."""
+    eager, compiled = engines
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, eager.vocab_size - 3, (60,), generator=g).tolist() for _ in range(2)]
+    assert compiled.runner.graphs.bucket(2, 64) == (2, 64)
+    from torch._dynamo.utils import counters
+    monkeypatch.setattr(compiled.runner.graphs, "stance", "default")  # a recompile would compile
+    before, compiles = compiled.runner.graphs.steps, counters["frames"]["ok"]
+    got = _greedy(compiled, [None, None], prompts, tokens=8)
+    assert compiled.runner.graphs.steps - before >= 7
+    assert counters["frames"]["ok"] == compiles, "the step recompiled"
+    _assert_same(_greedy(eager, [None, None], prompts, tokens=8), got)
+
+
+def test_a_step_no_warm_graph_fits_runs_eagerly_instead_of_compiling(engines, monkeypatch):
+    """After warm-up, a step that fails every graph's guards (here: a layer's sliding window
+    changed to one longer than any context, which changes no result) runs eagerly: nothing
+    compiles while serving, and the tokens are the eager engine's."""
+    eager, compiled = engines
+    from torch._dynamo.utils import counters
+    assert compiled.runner.graphs.stance == "eager_on_recompile"
+    monkeypatch.setattr(compiled.model.model.layers[0].self_attn, "window", 10_000)
+    prompts = _prompts(eager.vocab_size, 2, seed=11)
+    compiles = counters["frames"]["ok"]
+    got = _greedy(compiled, [None, None], prompts, tokens=6)
+    assert counters["frames"]["ok"] == compiles
+    _assert_same(_greedy(eager, [None, None], prompts, tokens=6), got)
+
+
 def test_buckets():
     assert batch_buckets(64) == (1, 2, 4, 8, 16, 32, 48, 64)
     assert batch_buckets(5) == (1, 2, 4, 5)

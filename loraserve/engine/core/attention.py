@@ -76,7 +76,10 @@ class PagedAttention:
                  window: int | None = None) -> torch.Tensor:
         # q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]; with `window`, only the last `window` positions
         cache = self.cache
-        if torch.compiler.is_compiling():  # an opaque in-place op: no functional copy of the cache
+        # a compiled graph reads no per-step Python field (`full`, `kv_run`): each is a guard,
+        # and a real step that differs from the warm-up's would recompile while serving
+        compiling = torch.compiler.is_compiling()
+        if compiling:  # an opaque in-place op: no functional copy of the cache
             torch.ops.loraserve.kv_write(cache.k, cache.v, layer, self.slot_mapping, k, v)
             kc, vc = cache.k[layer], cache.v[layer]
         else:
@@ -85,7 +88,7 @@ class PagedAttention:
             vc.index_copy_(0, self.slot_mapping, _as(v, vc.dtype))
         b, _, nq, c = self.mask.shape  # from a tensor, not `shape`: symbolic under torch.compile
         heads, d = q.shape[1], q.shape[2]
-        if self.kv_run is not None and not torch.compiler.is_compiling():
+        if not compiling and self.kv_run is not None:
             # one sequence in consecutive blocks (`BlockManager` hands out the lowest free ones):
             # its context is a slice of the cache, no gather (a copy of every context row)
             kc, vc = kc[self.kv_run[0]:self.kv_run[1]], vc[self.kv_run[0]:self.kv_run[1]]
@@ -103,7 +106,7 @@ class PagedAttention:
         if window is not None:
             mask = self.window_mask(window)
         else:  # a mask of all True is none: SDPA skips building an additive mask from it
-            mask = None if self.full else self.mask
+            mask = None if not compiling and self.full else self.mask
         out = F.scaled_dot_product_attention(qb, _as(kb, qb.dtype), _as(vb, qb.dtype), attn_mask=mask,
                                              enable_gqa=heads != self.cache.num_kv_heads)
         out = out.transpose(1, 2).reshape(b * nq, heads, d)                          # [B * Q, Hq, D]

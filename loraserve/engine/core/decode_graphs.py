@@ -106,6 +106,7 @@ class DecodeGraphs:
         self.batch_sizes, self.context_sizes = batch_sizes, context_sizes
         self.kind = "cuda-graph" if device.type == "cuda" else "inductor"
         self.startup_seconds = 0.0
+        self.stance = "default"  # torch.compiler stance of compiled steps: compiles until warm_up ends
         self.steps = 0  # decode steps run through a graph
         self._graphs: dict[tuple[int, int, bool], _Graph] = {}
         self._pool = None
@@ -156,7 +157,8 @@ class DecodeGraphs:
             if self.lora is not None:
                 self.lora.set_slots(step.slots)
             _mark_dynamic(step, self.lora.meta if has_lora else None)
-            return self._compiled(step.token_ids, step.positions, step.attn)
+            with torch.compiler.set_stance(self.stance):
+                return self._compiled(step.token_ids, step.positions, step.attn)
         key = (step.token_ids.numel(), step.attn.shape[2], has_lora)
         graph = self._graphs.get(key)
         if graph is None:
@@ -189,6 +191,9 @@ class DecodeGraphs:
                     else:
                         self.forward(self._dummy(b, c, has_lora))
         self.startup_seconds = time.perf_counter() - start
+        # from now on a step no graph fits (a guard the warm-up did not meet) runs eagerly: a
+        # compile while serving stalls the loop for tens of seconds, past the engine timeout
+        self.stance = "eager_on_recompile"
         log.info("decode step compiled (%s) for %d batch x %d context buckets in %.1f s",
                  self.kind, len(self.batch_sizes), len(self.context_sizes), self.startup_seconds)
         return self.startup_seconds
