@@ -83,12 +83,35 @@ class LoRAState:
         """y += LoRA(x) for one target module. On the torch backend the plan is built by the
         first layer of each kind (`plan_key`: kind, or (kind, layer) for MoE) and reused."""
         A, B, table, ranks = weights
+        if self.backend == "torch" and not meta.moe and torch.compiler.is_compiling():
+            add_lora_traced(y, x, A, B, table, ranks, self.token_slots)
+            return
         if self.backend != "torch" or torch.compiler.is_compiling():
             # a compiled step calls the registered op, which plans for itself on the torch
             # backend: the plan cache is host-side Python state a graph cannot hold
             kernels.add_lora(y, x, A, B, table, ranks, meta, backend=self.backend)
             return
         self.plans.add(plan_key, y, x, A, B, table, ranks, meta)
+
+
+def add_lora_traced(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                    table: torch.Tensor, ranks: torch.Tensor, token_slots: torch.Tensor) -> None:
+    """y[t] += B[a]^T (A[a] x[t]) for each token t with slot a = token_slots[t] >= 0, written as
+    tensor code for a compiled CPU step to fuse: the shrink is one reduction that reads token
+    t's rank rows of A where they lie, the expand a batched GEMM over its rows of B, gathered
+    (of the variants timed in one graph, this was fastest: bench/RESULTS.md). No plan: the torch
+    backend's per-step plans are host state a graph cannot keep, and replanning behind the
+    custom op made a compiled LoRA step 3x slower than eager. Float32 inside,
+    like the eager path at reduced precision. A rank position past a slot's rank, or a
+    base-only token, selects 0 with `where`, never multiplies by it: the rows such a position
+    would read belong to other adapters and may hold Inf (0 * Inf = NaN)."""
+    slot = token_slots.long().clamp(min=0)                                       # [T]
+    r = torch.arange(table.shape[1], device=table.device)
+    live = (r[None, :] < ranks[slot][:, None]) & (token_slots >= 0)[:, None]     # [T, R]
+    rows = table[slot].long()                                                    # [T, R]
+    h = torch.where(live, (A[rows].float() * x.float()[:, None, :]).sum(-1), 0.0)    # [T, R]
+    b = torch.where(live[..., None], B[rows].float(), 0.0)                       # [T, R, H_out]
+    y.add_(torch.bmm(h[:, None, :], b).squeeze(1).to(y.dtype))
 
 
 class LoRALinear(nn.Module):

@@ -15,7 +15,7 @@ import torch
 
 from loraserve.engine.core.build import build_engine
 from loraserve.engine.config import EngineConfig
-from loraserve.engine.core.decode_graphs import DecodeGraphs, batch_buckets, context_buckets
+from loraserve.engine.core.decode_graphs import CPU_LORA_MAX_BATCH, DecodeGraphs, batch_buckets, context_buckets
 from loraserve.engine.types import GenerateRequest, SamplingParams
 from loraserve.model.prepack import PackedLinear
 
@@ -172,8 +172,8 @@ def test_choose_keeps_the_faster_step_per_batch_bucket(engines):
 
 def test_what_compiles_by_default(engines, moe_set):
     """auto: CUDA graphs on CUDA (LoRA steps included), on the CPU only for a base that outgrows
-    the last-level cache (not this one); on: the CPU compiles base-only steps; MoE bases never
-    compile; off is off."""
+    the last-level cache (not this one), its LoRA steps in the small batch buckets; on: the CPU
+    compiles too; MoE bases never compile; off is off."""
     from loraserve.engine.core.build import compiles
 
     eager, _ = engines
@@ -184,9 +184,15 @@ def test_what_compiles_by_default(engines, moe_set):
     assert not compiles(EngineConfig(model_dir="x", compile="off"), eager)
     assert compiles(EngineConfig(model_dir="x"), eager) == (eager.device.type == "cuda")
     default = DecodeGraphs(eager.model, eager.cache, eager.device, eager.runner.lora,
-                           eager.scratch_block, (4,), (64,))
-    assert default.lora_graphs == (eager.device.type == "cuda")
-    assert default.bucket(3, 10, has_lora=True) == ((4, 64) if default.lora_graphs else None)
-    assert default.bucket(3, 10) == (4, 64)
+                           eager.scratch_block, (4, 8), (64,))
+    # LoRA steps through graphs: every bucket on CUDA, the small ones on the CPU
+    cpu = eager.device.type == "cpu"
+    assert default.lora_batches == ({4} if cpu else {4, 8}) and CPU_LORA_MAX_BATCH == 4
+    assert default.bucket(3, 10, has_lora=True) == (4, 64)
+    assert default.bucket(7, 10, has_lora=True) == (None if cpu else (8, 64))
+    assert default.bucket(7, 10) == (8, 64)
+    off = DecodeGraphs(eager.model, eager.cache, eager.device, eager.runner.lora,
+                       eager.scratch_block, (4,), (64,), lora_graphs=False)
+    assert off.lora_batches == set() and off.bucket(3, 10, has_lora=True) is None
     with pytest.raises(ValueError, match="compile must be"):
         EngineConfig(model_dir="x", compile="sometimes")

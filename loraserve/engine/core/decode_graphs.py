@@ -14,10 +14,12 @@ an adapter skips LoRA entirely, as the eager path does). LoRA metadata lives in 
 (`LoRAMeta.empty`) that each step rebuilds in place; the adapter pool's tensors are fixed for its
 life, and loads and evictions write into them, so a graph always reads the current adapters.
 
-On the CPU the LoRA graphs are off by default (`lora_graphs`): inside a compiled graph the torch
-LoRA backend cannot keep its per-step plans (host-side state), so each of the 28+ LoRA calls of a
-step re-plans behind the custom-op dispatcher, and a compiled LoRA step measured 3x slower than the
-eager one, whose plans are built once per step (bench/RESULTS.md). Base-only steps of the demo
+On the CPU the LoRA graphs cover the small batch buckets (`CPU_LORA_MAX_BATCH`; `lora_graphs`
+True or False sets all or none): there the torch LoRA backend's per-step plans are host-side
+state a graph cannot keep, so a compiled step runs LoRA as plain tensor code the compiler fuses
+(`lora.layers.add_lora_traced`: each token's rank rows read in place, two reductions a target).
+Through the backend's custom op, which replans on every call, a compiled LoRA step measured 3x
+slower than the eager one (bench/RESULTS.md). Base-only steps of the demo
 base gained 1.3-1.4x; at other shapes a compiled step can lose (inductor's graphs around oneDNN's
 packed GEMMs, which they call through `loraserve::packed_linear` so the weights stay packed), so
 on the CPU each batch bucket is timed compiled against eager at start-up (`choose`) and a bucket
@@ -25,7 +27,9 @@ where eager is as fast runs eagerly; `--compile auto` remembers that choice per 
 machine (`choice_cache_path`).
 
 Prefill, steps larger than the largest bucket and MoE bases (data-dependent expert routing) run
-eagerly. Graphs are made at start-up (`warm_up`); a bucket first met later is made then.
+eagerly. Graphs are made at start-up (`warm_up`); after it nothing compiles: a CPU step no graph's
+guards admit runs eagerly (the `eager_on_recompile` stance), a CUDA bucket first met later is
+captured then.
 """
 from __future__ import annotations
 
@@ -47,6 +51,8 @@ from .attention import KVCache, PagedAttention
 log = logging.getLogger(__name__)
 
 MIN_CONTEXT_BUCKET = 64
+# CPU batch buckets whose LoRA steps run through graphs by default (`DecodeGraphs.lora_batches`)
+CPU_LORA_MAX_BATCH = 4
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -100,8 +106,11 @@ class DecodeGraphs:
                  lora_graphs: bool | None = None):
         self.model, self.cache, self.device, self.lora = model, cache, device, lora
         # steps with LoRA tokens through graphs too: on CUDA by default, on the CPU on request
-        self.lora_graphs = lora is not None and (device.type == "cuda" if lora_graphs is None
-                                                 else lora_graphs)
+        self.lora_graphs = lora is not None and (lora_graphs is not False)
+        # the batch buckets whose LoRA steps run through graphs: every one on CUDA or when asked,
+        # the small ones on the CPU (measured at batch 1; larger buckets stay eager, unmeasured)
+        self.lora_batches = {b for b in batch_sizes if self.lora_graphs and (
+            lora_graphs or device.type == "cuda" or b <= CPU_LORA_MAX_BATCH)}
         self.scratch_slot = scratch_block * cache.block_size
         self.batch_sizes, self.context_sizes = batch_sizes, context_sizes
         self.kind = "cuda-graph" if device.type == "cuda" else "inductor"
@@ -129,9 +138,9 @@ class DecodeGraphs:
     def bucket(self, batch: int, context: int, has_lora: bool = False) -> tuple[int, int] | None:
         """The smallest (B', C') holding `batch` sequences of at most `context` positions; None
         when none does, or the step has LoRA tokens and LoRA graphs are off."""
-        if has_lora and not self.lora_graphs:
-            return None
         b = next((s for s in self.batch_sizes if s >= batch), None)
+        if has_lora and b not in self.lora_batches:
+            return None
         c = next((s for s in self.context_sizes if s >= context), None)
         return None if b is None or c is None or b in self.eager_batches else (b, c)
 
@@ -157,6 +166,8 @@ class DecodeGraphs:
             if self.lora is not None:
                 self.lora.set_slots(step.slots)
             _mark_dynamic(step, self.lora.meta if has_lora else None)
+            if has_lora:
+                torch._dynamo.maybe_mark_dynamic(self.lora.token_slots, 0)
             with torch.compiler.set_stance(self.stance):
                 return self._compiled(step.token_ids, step.positions, step.attn)
         key = (step.token_ids.numel(), step.attn.shape[2], has_lora)
@@ -182,15 +193,16 @@ class DecodeGraphs:
         """Make every bucket's graphs now (largest first, so CUDA graphs share one memory pool);
         returns the seconds it took, also kept as `startup_seconds`."""
         start = time.perf_counter()
-        lora_modes = (False, True) if self.lora_graphs else (False,)
         for b in reversed(self.batch_sizes):
             for c in reversed(self.context_sizes):
-                for has_lora in lora_modes:
+                for has_lora in (False, True) if b in self.lora_batches else (False,):
                     if self.kind == "cuda-graph":
                         self._capture(b, c, has_lora)
                     else:
                         self.forward(self._dummy(b, c, has_lora))
         self.startup_seconds = time.perf_counter() - start
+        if self.lora is not None:  # no LoRA dummy's slots outlive the warm-up (`choose` runs eagerly)
+            self.lora.set_slots([])
         # from now on a step no graph fits (a guard the warm-up did not meet) runs eagerly: a
         # compile while serving stalls the loop for tens of seconds, past the engine timeout
         self.stance = "eager_on_recompile"
