@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import light_ops
+
 DEFAULT_LLC_BYTES = 32 * 2**20  # when sysfs names no cache
 
 
@@ -111,7 +113,6 @@ def _register(packed: Tensor) -> int:
     return handle
 
 
-@torch.library.custom_op("loraserve::packed_linear", mutates_args=())
 def packed_linear(x: Tensor, handle: int, out_features: int, bias: Tensor | None) -> Tensor:
     """`PackedLinear`'s GEMM as torch.compile sees it. The packed weight is an opaque oneDNN
     tensor, which dynamo cannot trace, so a graph carries its handle (a constant) instead and
@@ -121,9 +122,12 @@ def packed_linear(x: Tensor, handle: int, out_features: int, bias: Tensor | None
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _HANDLES[handle](), bias, "none", [], "")
 
 
-@packed_linear.register_fake
-def _(x: Tensor, handle: int, out_features: int, bias: Tensor | None) -> Tensor:
+def _packed_linear_fake(x: Tensor, handle: int, out_features: int, bias: Tensor | None) -> Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+light_ops.define("packed_linear", "(Tensor x, int handle, int out_features, Tensor? bias) -> Tensor",
+                 packed_linear, _packed_linear_fake)
 
 
 class PackedLinear(nn.Module):

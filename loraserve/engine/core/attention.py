@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ...model import light_ops
+
 
 class KVCache:
     """k, v: [L, (num_blocks + 1) * block_size, Hkv, D] each (blocks flattened into token slots).
@@ -182,11 +184,6 @@ def _kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int, slot_map
 
 # A compiled graph must not treat the cache write as a functional update of a graph input: that
 # copies the whole [L, slots, Hkv, D] cache every step (3.5x slower than eager, measured on the
-# CPU). As a custom op that declares its in-place outputs, the write stays one in-place kernel.
-_kv_write_op = torch.library.custom_op("loraserve::kv_write", mutates_args=("k_cache", "v_cache"))(
-    _kv_write)
-
-
-@_kv_write_op.register_fake
-def _(k_cache, v_cache, layer, slot_mapping, k, v) -> None:
-    return None
+# CPU). As an op that declares its in-place outputs, the write stays one in-place kernel.
+light_ops.define("kv_write", "(Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, Tensor slot_mapping, "
+                 "Tensor k, Tensor v) -> ()", _kv_write, lambda k_cache, v_cache, layer, slot_mapping, k, v: None)
