@@ -41,12 +41,16 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from loraserve.kernels import LoRAMeta
 
 from .attention import KVCache, PagedAttention
+
+if TYPE_CHECKING:
+    from ...lora.layers import LoRAState
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +110,11 @@ class DecodeGraphs:
                  lora_graphs: bool | None = None):
         self.model, self.cache, self.device, self.lora = model, cache, device, lora
         # steps with LoRA tokens through graphs too: on CUDA by default, on the CPU on request
-        self.lora_graphs = lora is not None and (lora_graphs is not False)
         # the batch buckets whose LoRA steps run through graphs: every one on CUDA or when asked,
         # the small ones on the CPU (measured at batch 1; larger buckets stay eager, unmeasured)
-        self.lora_batches = {b for b in batch_sizes if self.lora_graphs and (
-            lora_graphs or device.type == "cuda" or b <= CPU_LORA_MAX_BATCH)}
+        every = lora_graphs or device.type == "cuda"
+        self.lora_batches = set() if lora is None or lora_graphs is False else {
+            b for b in batch_sizes if every or b <= CPU_LORA_MAX_BATCH}
         self.scratch_slot = scratch_block * cache.block_size
         self.batch_sizes, self.context_sizes = batch_sizes, context_sizes
         self.kind = "cuda-graph" if device.type == "cuda" else "inductor"
@@ -165,9 +169,7 @@ class DecodeGraphs:
         if self.kind == "inductor":
             if self.lora is not None:
                 self.lora.set_slots(step.slots)
-            _mark_dynamic(step, self.lora.meta if has_lora else None)
-            if has_lora:
-                torch._dynamo.maybe_mark_dynamic(self.lora.token_slots, 0)
+            _mark_dynamic(step, self.lora if has_lora else None)
             with torch.compiler.set_stance(self.stance):
                 return self._compiled(step.token_ids, step.positions, step.attn)
         key = (step.token_ids.numel(), step.attn.shape[2], has_lora)
@@ -336,15 +338,16 @@ def write_choice(path: Path, key: str, graphs: "DecodeGraphs") -> None:
         log.warning("could not record the compile choice in %s: %s", path, exc)
 
 
-def _mark_dynamic(step: Padded, meta: LoRAMeta | None) -> None:
+def _mark_dynamic(step: Padded, lora: LoRAState | None) -> None:
     """Tell torch.compile which axes vary between buckets: rows (batch) and context positions;
-    with LoRA, the meta's token and segment axes, which follow the batch."""
+    with LoRA, the meta's token and segment axes and each token's slot, which follow the batch."""
     attn = step.attn
     mark = torch._dynamo.maybe_mark_dynamic
     for t in (step.token_ids, step.positions, attn.slot_mapping, attn.q_index, attn.q_valid_pos,
               attn.kv_index, attn.mask):
         mark(t, 0)
     mark(attn.mask, 3)
-    if meta is not None:
-        for t in meta.tensors()[:-1]:  # all but num_segments ([1])
+    if lora is not None:
+        for t in lora.meta.tensors()[:-1]:  # all but num_segments ([1])
             mark(t, 0)
+        mark(lora.token_slots, 0)  # read by the traced LoRA pass (`add_lora_traced`)
