@@ -5,6 +5,8 @@ slots, rank positions past its slot's rank) leave its output finite and exact.""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from loraserve.kernels.reference import add_lora_ref
@@ -49,3 +51,30 @@ def test_compiled_traced_lora_equals_eager():
     compiled(got, x, A, B, table, ranks, slots)
     assert bool(torch.isfinite(got).all())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_traced_lora_property_any_slots_ranks_and_poison(data):
+    """Generated variants: any token count, slot per token (base-only included), rank per slot
+    (0 included), row table; every row no live position names holds Inf or NaN. The traced pass
+    equals the oracle over the clean rows and stays finite."""
+    t = data.draw(st.integers(1, 12))
+    slots_n, r = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 8))
+    ranks = torch.tensor(data.draw(st.lists(st.integers(0, r), min_size=slots_n, max_size=slots_n)),
+                         dtype=torch.int32)
+    slots = torch.tensor(data.draw(st.lists(st.integers(-1, slots_n - 1), min_size=t, max_size=t)),
+                         dtype=torch.int32)
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    table = torch.randperm(P, generator=g)[: slots_n * r].view(slots_n, r).int()
+    A, B = torch.randn(P, H, generator=g), torch.randn(P, O, generator=g)
+    x, y = torch.randn(t, H, generator=g), torch.randn(t, O, generator=g)
+    live = {int(table[s, i]) for s in range(slots_n) for i in range(int(ranks[s]))}
+    want = y.clone()
+    add_lora_ref(want, x, A, B, table, ranks, slots)
+    dead = [p for p in range(P) if p not in live]
+    A[dead] = float(data.draw(st.sampled_from(["inf", "-inf", "nan"])))
+    B[dead] = float(data.draw(st.sampled_from(["inf", "nan"])))
+    add_lora_traced(y, x, A, B, table, ranks, slots)
+    assert bool(torch.isfinite(y).all())
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
