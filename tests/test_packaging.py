@@ -94,7 +94,7 @@ def test_wheel_installs_one_top_level_name(wheel) -> None:
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"loraserve"}
     for folder in ("kernels", "catalog"):
-        ours = {p.name for p in (REPO / folder).glob("*.py")}
+        ours = {p.name for pattern in ("*.py", "*.cpp") for p in (REPO / folder).glob(pattern)}
         shipped = {n.rsplit("/", 1)[1] for n in names if n.startswith(f"loraserve/{folder}/")}
         assert ours <= shipped, f"missing from loraserve/{folder}: {sorted(ours - shipped)}"
     packages = {p.parent.relative_to(REPO).as_posix() for p in (REPO / "loraserve").rglob("__init__.py")}

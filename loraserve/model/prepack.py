@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..kernels import cpu_gemv
 from . import light_ops
 
 DEFAULT_LLC_BYTES = 32 * 2**20  # when sysfs names no cache
@@ -159,22 +160,32 @@ class PackedLinear(nn.Module):
 
 # Dtypes whose one-row product runs fastest over a column-major weight (the [out, in] weight
 # stored as [in, out]): MKL's float32 GEMM of one row by a contiguous [in, out] matrix streamed
-# 0.6B shapes ~8% faster than `torch.mv` over [out, in], and its 42-row prefill GEMM too. The
-# bfloat16 kernels are the other way round: `torch.mv` over the row-major weight is fastest
-# there, column-major 2-3x slower (bench/single_stream.py layouts --dtype, bench/RESULTS.md).
+# 0.6B shapes ~8% faster than `torch.mv` over [out, in], and its 42-row prefill GEMM too;
+# `cpu_gemv`'s column-major kernel streams it as fast as its row-major one. The bfloat16 kernels
+# are the other way round: row-major is fastest for `torch.mv` and for `cpu_gemv`'s AVX512-BF16
+# kernel, column-major 2-3x slower (bench/single_stream.py layouts --dtype, bench/RESULTS.md).
 COLUMN_MAJOR_DTYPES = (torch.float32,)
 
 
 class VectorLinear(nn.Linear):
     """An `nn.Linear` in a plain layout for one sequence at a time, its weight laid out the way
-    its dtype's one-row kernel streams fastest (`vector_linears`): column-major float32, whose
-    every call is the GEMM `x @ [in, out]`, or row-major bfloat16, whose one-row calls are
-    `torch.mv`. The weight's shape is [out, in] either way, so whatever reads it (LoRA shapes,
-    training hooks through `F.linear`) sees an ordinary linear."""
+    its dtype's one-row kernel streams fastest (`vector_linears`): column-major float32, or
+    row-major bfloat16. A one-row call goes to `cpu_gemv.vec_linear` where this CPU has its
+    kernel (`native`: AVX-512, and AVX512-BF16 for bfloat16), else to torch (the GEMM
+    `x @ [in, out]` for float32, `torch.mv` for bfloat16); several rows, or a call that needs
+    gradients, to `F.linear`. The weight's shape is [out, in] either way, so whatever reads it
+    (LoRA shapes, training hooks through `F.linear`) sees an ordinary linear."""
+
+    native = False  # one-row calls through cpu_gemv (set by `vector_linears`)
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
-        if x.dim() != 2 or x.shape[0] != 1 or not w.is_contiguous():
+        if x.dim() != 2 or x.shape[0] != 1 or x.dtype != w.dtype:
+            return F.linear(x, w, self.bias)
+        if self.native and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+            y = cpu_gemv.vec_linear(x, w)
+            return y if self.bias is None else y + self.bias
+        if not w.is_contiguous():
             return F.linear(x, w, self.bias)
         y = torch.mv(w, x[0])
         return (y if self.bias is None else y + self.bias).unsqueeze(0)
@@ -199,9 +210,20 @@ def vector_linears(model: nn.Module) -> int:
             if w.dtype in COLUMN_MAJOR_DTYPES and shared[id(w)] == 1 and w.is_contiguous():
                 child.weight = nn.Parameter(w.t().contiguous().t(), requires_grad=w.requires_grad)
                 moved.add(id(child.weight))
+            child.native = _native_one_row(child.weight)
     if moved:
         _own_the_rest(model, skip=moved)
     return count
+
+
+def _native_one_row(w: Tensor) -> bool:
+    """Whether `cpu_gemv` has a kernel for this weight: on the CPU, in a dtype this CPU's build
+    serves, row-major (or column-major float32)."""
+    if w.device.type != "cpu" or not cpu_gemv.supports(w.dtype):
+        return False
+    row = w.stride(1) == 1 and w.stride(0) == w.shape[1]
+    col = w.stride(0) == 1 and w.stride(1) == w.shape[0]
+    return row or (col and w.dtype == torch.float32)
 
 
 def prepack_linears(model: nn.Module, batch_hint: int) -> int:

@@ -1,10 +1,14 @@
 """A decode step whose mask is all True calls SDPA with no mask (`PagedAttention.full`), and
-gives what the masked call gives; a step where one sequence is shorter keeps its mask."""
+gives what the masked call gives; a step where one sequence is shorter keeps its mask. A
+compiled CPU step attends with plain ops (`_decode_attention`) and writes K/V in place."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from loraserve.engine.core.attention import KVCache, PagedAttention
+from loraserve.engine.core.attention import KVCache, PagedAttention, _decode_attention
 
 HQ, HKV, D, BS = 4, 2, 8, 4
 
@@ -55,3 +59,50 @@ def test_one_sequence_in_consecutive_blocks_reads_a_slice_and_gives_what_the_gat
     assert _step(cache, [[1, 2], [3, 4]], [7, 7]).kv_run is None  # two sequences
     padded = PagedAttention.build(cache, [[1, 2]], [6], [7], torch.device("cpu"), context=8)
     assert padded.kv_run is None                                  # a compiled bucket's padding
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_decode_attention_of_a_compiled_step_equals_sdpa(data):
+    """`_decode_attention` (a compiled CPU step's attention) against SDPA with `enable_gqa`:
+    generated batch, head grouping, context width and masks (each query sees at least one
+    position); Inf in the K of masked positions changes nothing."""
+    b, kv_heads = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 3))
+    rep, c = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 20))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    q = torch.randn(b, kv_heads * rep, 1, D, generator=g)
+    k, v = torch.randn(b, kv_heads, c, D, generator=g), torch.randn(b, kv_heads, c, D, generator=g)
+    mask = torch.rand(b, 1, 1, c, generator=g) < 0.6
+    mask[torch.arange(b), 0, 0, torch.randint(0, c, (b,), generator=g)] = True
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=rep > 1)
+    k = k.masked_fill(~mask.view(b, 1, c, 1), float("inf"))
+    torch.testing.assert_close(_decode_attention(q, k, v, mask), want, rtol=1e-5, atol=1e-5)
+    bf = _decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
+    assert bf.dtype == torch.bfloat16 and torch.allclose(bf.float(), want, atol=3e-2, rtol=3e-2)
+
+
+def test_a_compiled_step_writes_k_v_in_place_and_copies_no_cache():
+    """Under torch.compile the K/V write is an in-place scatter: the step's rows land in the
+    cache's own storage, and the generated code allocates no buffer the size of a layer's cache
+    (a functional update of the cache would copy all of it every step)."""
+    from torch._inductor.utils import run_and_get_code
+
+    cache = KVCache(3, 6, BS, HKV, D, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(2)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    step = _step(cache, [[4, 1]], [6])
+    q = torch.randn(1, HQ, D, generator=g)
+    k, v = torch.randn(1, HKV, D, generator=g), torch.randn(1, HKV, D, generator=g)
+    before, storage = cache.k.clone(), cache.k.untyped_storage().data_ptr()
+    want = step(2, q, k, v)
+    cache.k.copy_(before)
+    torch._dynamo.reset()
+    got, code = run_and_get_code(torch.compile(lambda q, k, v: step(2, q, k, v)), q, k, v)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    slot = int(step.slot_mapping[0])
+    assert torch.equal(cache.k[2, slot], k[0]) and torch.equal(cache.v[2, slot], v[0])
+    assert cache.k.untyped_storage().data_ptr() == storage
+    layer_cache = f"({cache.k.shape[1]}, {HKV}, {D})"
+    assert not any(f"empty_strided_cpu({shape}" in src for src in code
+                   for shape in (layer_cache, str(tuple(cache.k.shape)))), "the compiled step copies the cache"
