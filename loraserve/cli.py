@@ -59,6 +59,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "/ready answers 503 within seconds, the requests in flight end with a 503 "
                         "after S seconds without progress, and the core is killed and replaced "
                         "(restarts back off from 0.5 s to 30 s) (default: 30)")
+    p.add_argument("--engine-start-timeout", type=_positive_seconds, default=None, metavar="S",
+                   help="a new engine core not ready after S seconds (loading the base, compiling "
+                        "its decode step) is killed and replaced (default: 300, or 1800 with "
+                        "--compile on|auto, where compiling can take minutes)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--config", metavar="FILE",
                    help="a TOML file of these flags, flag names as keys (e.g. max-batch-size = 32); "
@@ -212,7 +216,8 @@ def _serve(args: argparse.Namespace) -> int:
         run(cfg, scale, _server_config(args))
         return 0
     engine = (AsyncEngine.from_config(cfg) if args.single_process
-              else CoreClient(cfg, engine_timeout_s=args.engine_timeout))
+              else CoreClient(cfg, engine_timeout_s=args.engine_timeout,
+                              start_timeout_s=args.engine_start_timeout))
     run_server(engine, _server_config(args), host=args.host, port=args.port,
                log_level=args.log_level.lower(), connections=connections, log_format=args.log_format)
     return 0

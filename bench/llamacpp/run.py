@@ -411,7 +411,7 @@ def main() -> None:
             s.start(logs / f"{s.name}-t{threads}.log")
         try:
             for s in servers:
-                s.wait_ready()
+                s.wait_ready(1800)  # loraserve may compile its decode step at start-up
             ls, lc = servers
             lc_ids = llamacpp_tokenize(lc, texts)
             same_tok = sum(a == b for a, b in zip(lc_ids, prompt_ids))

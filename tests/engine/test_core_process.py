@@ -490,3 +490,20 @@ def test_chaos_every_request_ends_with_200_or_one_clean_503_and_the_server_recov
         r = http.post("/v1/completions", json={"model": "demo/pirate", "prompt": "hi", "max_tokens": 3})
         assert r.status_code == 200
         assert not _zombie_children()
+
+
+def test_a_core_that_compiles_gets_longer_to_start(cfg) -> None:
+    """The start-up deadline: 300 s, 1800 s where the core may compile its decode step (2.5-4
+    minutes at 0.6B shapes on 2 cores), or what `--engine-start-timeout` says."""
+    from dataclasses import replace
+
+    from loraserve.cli import build_parser
+    from loraserve.engine.client.core_client import COMPILE_START_TIMEOUT_S, START_TIMEOUT_S
+
+    assert CoreClient(replace(cfg, compile="off")).start_timeout_s == START_TIMEOUT_S
+    for mode in ("on", "auto"):
+        assert CoreClient(replace(cfg, compile=mode)).start_timeout_s == COMPILE_START_TIMEOUT_S
+    assert CoreClient(replace(cfg, compile="on"), start_timeout_s=42.0).start_timeout_s == 42.0
+    args = build_parser().parse_args(["serve", "--model", "m", "--engine-start-timeout", "42"])
+    assert args.engine_start_timeout == 42.0
+    assert build_parser().parse_args(["serve", "--model", "m"]).engine_start_timeout is None

@@ -110,8 +110,20 @@ def _unavailable(message: str, retry_after_s: float) -> EngineError:
     return err
 
 
+START_TIMEOUT_S = 300.0  # a core's start-up: loading the base, warming adapters
+COMPILE_START_TIMEOUT_S = 1800.0  # ... and compiling its decode step (minutes on a small CPU)
+
+
+def default_start_timeout(cfg: EngineConfig) -> float:
+    """How long a new core may take to be ready: longer where it may compile its decode step
+    (`--compile on|auto`), which took 2.5-4 minutes at 0.6B shapes on 2 cores, and up to 22 on a
+    loaded machine (bench/RESULTS.md). A core that stops beating is caught by the engine
+    timeout whatever this is."""
+    return START_TIMEOUT_S if cfg.compile == "off" else COMPILE_START_TIMEOUT_S
+
+
 class CoreClient(EngineFrontend):
-    def __init__(self, cfg: EngineConfig, *, start_timeout_s: float = 300.0,
+    def __init__(self, cfg: EngineConfig, *, start_timeout_s: float | None = None,
                  engine_timeout_s: float = ENGINE_TIMEOUT_S, heartbeat_s: float | None = None,
                  backoff: Backoff | None = None):
         mc = ModelConfig.from_dir(cfg.model_dir)  # first: an unsupported model says so in one line
@@ -128,7 +140,7 @@ class CoreClient(EngineFrontend):
         self.directory = (self.adapter_manager.directory if self.adapter_manager is not None
                           else AdapterDirectory(self.model_name))
         self.sourcing = Sourcing.open(cfg, self.adapter_manager, self.directory)
-        self.start_timeout_s = start_timeout_s
+        self.start_timeout_s = start_timeout_s if start_timeout_s is not None else default_start_timeout(cfg)
         self.engine_timeout_s = engine_timeout_s
         self.heartbeat_s = heartbeat_s if heartbeat_s is not None else min(HEARTBEAT_S,
                                                                            engine_timeout_s / 4)
