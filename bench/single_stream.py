@@ -2,7 +2,7 @@
 bandwidth, each weight layout's GEMM time at a few rows, and the engine's decode step.
 
     python bench/single_stream.py bandwidth                # GB/s of a large sum and copy
-    python bench/single_stream.py layouts [--rows 1,4,32]  # per-layout GEMM at 0.6B shapes
+    python bench/single_stream.py layouts [--rows 1,4,32] [--dtype bfloat16]  # per-layout GEMM at 0.6B shapes
     python bench/single_stream.py step --model DIR [--batches 1,4] [--profile]
     python bench/single_stream.py step --model DIR --variants 'packed:weight_prepack=on;plain:weight_prepack=off'
     python bench/single_stream.py ops --model DIR [--engine-args max_batch_size=1]   # ops a step dispatches
@@ -55,22 +55,25 @@ def bandwidth(reps: int, gib: float = 1.0) -> dict[str, float]:
             "copy (read+write)": 2 * n / best_of(lambda: b.copy_(a), reps) / 1e9}
 
 
-def layouts(rows: int, reps: int, fused: bool) -> dict[str, float]:
-    """Seconds of one step's linears (28 layers) at `rows` rows, per layout."""
+def layouts(rows: int, reps: int, fused: bool, dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """Seconds of one step's linears (28 layers) at `rows` rows, per layout; at one row also
+    loraserve's own one-row kernels (`kernels/cpu_gemv.cpp`) where this CPU has them."""
+    from loraserve.kernels import cpu_gemv
     shapes = dict(SHAPES_06B)
     if fused:   # what a loader concatenating at load time would hand the step
         shapes = {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)}
-    weights = [{k: torch.randn(o, i) / i ** 0.5 for k, (i, o) in shapes.items()} for _ in range(LAYERS)]
-    xs = {i: torch.randn(rows, i) for i, _ in shapes.values()}
+    weights = [{k: (torch.randn(o, i) / i ** 0.5).to(dtype) for k, (i, o) in shapes.items()}
+               for _ in range(LAYERS)]
+    xs = {i: torch.randn(rows, i).to(dtype) for i, _ in shapes.values()}
     prepared = {
         "F.linear [out,in]": weights,
         "x @ W^T-contiguous [in,out]": [{k: w.t().contiguous() for k, w in l.items()} for l in weights],
         "W @ x^T [out,in]": weights,
-        "oneDNN packed (hint 1)": [{k: torch.ops.mkldnn._reorder_linear_weight(w, 1) for k, w in l.items()}
-                                   for l in weights],
-        "oneDNN packed (hint 256)": [{k: torch.ops.mkldnn._reorder_linear_weight(w, 256)
-                                      for k, w in l.items()} for l in weights],
     }
+    if dtype == torch.float32:
+        for hint in (1, 256):
+            prepared[f"oneDNN packed (hint {hint})"] = [
+                {k: torch.ops.mkldnn._reorder_linear_weight(w, hint) for k, w in l.items()} for l in weights]
     calls = {
         "F.linear [out,in]": lambda w, x: F.linear(x, w),
         "x @ W^T-contiguous [in,out]": lambda w, x: torch.mm(x, w),
@@ -78,9 +81,19 @@ def layouts(rows: int, reps: int, fused: bool) -> dict[str, float]:
         "oneDNN packed (hint 1)": lambda w, x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
         "oneDNN packed (hint 256)": lambda w, x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
     }
+    if dtype != torch.float32:  # oneDNN's packed layout: float32 here (see model.prepack)
+        for name in ("oneDNN packed (hint 1)", "oneDNN packed (hint 256)"):
+            del calls[name]
     if rows == 1:
         prepared["torch.mv [out,in]"] = weights
         calls["torch.mv [out,in]"] = lambda w, x: torch.mv(w, x[0])
+        if cpu_gemv.supports(dtype):
+            prepared["cpu_gemv [out,in]"] = weights
+            calls["cpu_gemv [out,in]"] = lambda w, x: cpu_gemv.vec_linear(x, w)
+        if cpu_gemv.supports(dtype) and dtype == torch.float32:
+            prepared["cpu_gemv column-major"] = [{k: w.t().contiguous().t() for k, w in l.items()}
+                                                 for l in weights]
+            calls["cpu_gemv column-major"] = lambda w, x: cpu_gemv.vec_linear(x, w)
     best = {name: float("inf") for name in calls}
     for _ in range(reps):       # interleaved: noise lands on every layout alike
         for name, call in calls.items():
@@ -93,8 +106,8 @@ def layouts(rows: int, reps: int, fused: bool) -> dict[str, float]:
     return best
 
 
-def weight_bytes(fused: bool) -> int:
-    return LAYERS * sum(i * o for i, o in SHAPES_06B.values()) * 4
+def weight_bytes(fused: bool, dtype: torch.dtype = torch.float32) -> int:
+    return LAYERS * sum(i * o for i, o in SHAPES_06B.values()) * dtype.itemsize
 
 
 def step_profile(model: str, batches: list[int], tokens: int, profile: bool, extra: dict) -> None:
@@ -250,6 +263,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--rows", default="1,4,32")
     ap.add_argument("--fused", action="store_true", help="layouts: qkv and gate_up concatenated")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="layouts: weight dtype")
     ap.add_argument("--model", default=None)
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--tokens", type=int, default=64)
@@ -265,12 +279,13 @@ def main() -> None:
         for name, gbs in bandwidth(args.reps).items():
             print(f"{name:>20}: {gbs:6.1f} GB/s")
     elif args.what == "layouts":
-        nbytes = weight_bytes(args.fused)
-        print(f"0.6B shapes, {LAYERS} layers, {nbytes / 1e9:.2f} GB of linear weights, "
+        dtype = getattr(torch, args.dtype)
+        nbytes = weight_bytes(args.fused, dtype)
+        print(f"0.6B shapes, {LAYERS} layers, {nbytes / 1e9:.2f} GB of {args.dtype} linear weights, "
               f"{args.threads} threads, fused={args.fused}, best of {args.reps}")
         for rows in (int(r) for r in args.rows.split(",")):
             with torch.inference_mode():
-                best = layouts(rows, args.reps, args.fused)
+                best = layouts(rows, args.reps, args.fused, dtype)
             for name, s in best.items():
                 print(f"rows {rows:>3}  {name:<30} {s * 1e3:8.2f} ms  {nbytes / s / 1e9:6.1f} GB/s")
     elif args.what == "split":
