@@ -3,13 +3,13 @@
 A decode step that serves one sequence multiplies one row by every weight of the model: its
 time is the time to read the weights. torch's one-row calls leave bandwidth unused (MKL's GEMM
 on a column-major f32 weight, `torch.mv` on a bf16 one); `cpu_gemv.cpp` reads several weight
-streams at once and gets 1.08x (f32) and 1.4x (bf16) over them at 0.6B shapes on the dev
-machine (bench/RESULTS.md). `vec_linear(x, weight)` is the op, `loraserve_cpu::vec_linear`,
+streams at once and reads 1.06x (f32) and 1.3x (bf16) faster than they do at 0.6B shapes on
+the dev machine (medians of interleaved runs, bench/RESULTS.md). `vec_linear(x, weight)` is the op, `loraserve_cpu::vec_linear`,
 registered with the dispatcher in C++: a compiled graph calls it without any Python in between.
 
 The library is compiled here, for this CPU (`-march=native`), by the C++ compiler torch's own
 extensions use, into a cache directory keyed by the source, torch's version and the CPU's
-flags: the first process pays ~20 s, later ones load the file. Where there is no compiler, no
+flags: the first process pays ~17 s, later ones load the file. Where there is no compiler, no
 AVX-512, or the build fails, `supports` answers False and callers keep torch's kernels: the
 op is a speed-up, never a requirement. `LORASERVE_CPU_GEMV=0` turns it off.
 """

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 class KVCache:
     """k, v: [L, (num_blocks + 1) * block_size, Hkv, D] each (blocks flattened into token slots).
 
