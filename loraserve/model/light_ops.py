@@ -3,10 +3,10 @@
 `torch.library.custom_op` wraps its function in Python layers (argument binding, an
 ADInplaceOrView kernel that bumps versions, backend lookup) that cost ~120 µs a call on the
 2-core dev machine; the same function registered with `Library.impl` costs ~23 µs (the body
-~10 µs). A 0.6B-shaped compiled decode step calls the K/V write 56 times and, packed, the GEMM
-113 times: ~5 and ~11 ms a step of wrappers (bench/RESULTS.md, issue 30 session 13). Inductor
-treats both registrations alike: an op whose schema marks its in-place arguments stays one
-in-place call in the graph.
+~10 µs). A 0.6B-shaped compiled decode step on the packed layout calls the GEMM 113 times:
+~11 ms a step of wrappers (bench/RESULTS.md, issue 30 session 13). Inductor treats both
+registrations alike: an op whose schema marks its in-place arguments stays one in-place call
+in the graph.
 """
 from __future__ import annotations
 
