@@ -110,6 +110,13 @@ def test_a_failed_build_leaves_torch_kernels_in_place(monkeypatch, tmp_path, cap
     torch.testing.assert_close(linear(torch.ones(1, 16)), want)
 
 
+def test_loading_again_keeps_the_kernels(monkeypatch):
+    """A second load in one process (the state reset) finds the same kernels, not a warning."""
+    want = cpu_gemv.supports(torch.float32), cpu_gemv.supports(torch.bfloat16)
+    monkeypatch.setattr(cpu_gemv, "_state", {})
+    assert (cpu_gemv.supports(torch.float32), cpu_gemv.supports(torch.bfloat16)) == want
+
+
 def test_the_environment_turns_the_kernels_off(monkeypatch):
     monkeypatch.setattr(cpu_gemv, "_state", {})
     monkeypatch.setenv("LORASERVE_CPU_GEMV", "0")
