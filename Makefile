@@ -1,24 +1,59 @@
-# Two commands: `make serve` and `make test`. Each creates .venv when missing.
+# Two commands: `make serve` and `make test`. Each creates .venv when missing, from the lock.
+#
+# Which file pins what:
+#   pyproject.toml            the ranges a `pip install loraserve` user gets (capped where a
+#                             release is known to break us, with the reason beside the cap)
+#   requirements/lock.txt     every package of the dev venv, exactly (all extras: dev, ray, s3,
+#                             hub, report), the CPU torch build included; `make lock` rewrites it
+#   requirements/tools.in     the installers the lock also pins (pip, uv)
+#   requirements/overrides.txt what the resolver must take instead of what a range allows
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-# The CPU build of torch 2.13.0 lies on local disk here; pin it so pip never pulls a CUDA build.
+UV     := $(VENV)/bin/uv
+LOCK   := requirements/lock.txt
+EXTRAS := dev ray s3 hub report
+# The CPU build of torch 2.13.0 lies on local disk here (pip's find-links); pip installs it,
+# so nothing ever pulls a CUDA build. uv resolves and installs the rest from the lock.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_FIND_LINKS ?= /opt/wheels
 DEMO_DIR ?= .loraserve/demo
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?= -n 2
+# Python runs with the checkout's root off sys.path: `python -P` for pytest (`python -m` would
+# put the working directory first, where a folder named like an installed distribution shadows
+# it), the installed entry point for the CLI. Not PYTHONSAFEPATH in the environment: the
+# subprocesses tests start (bench drivers, Ray's worker scripts) import modules beside their
+# own script, which that would hide. tests/test_name_collisions.py keeps every name the
+# checkout lays out apart from every installed distribution's.
+PYTEST := $(PY) -P -m pytest
+SHELL  := /bin/bash
+comma  := ,
+empty  :=
+space  := $(empty) $(empty)
 
-.PHONY: serve test venv demo bench clean wrk
+.PHONY: serve test venv demo bench clean wrk lock test-latest
 
-$(VENV)/.installed: pyproject.toml
+# pip installs the CPU torch build and the lock's uv; uv installs every other pinned package
+# without resolving anything (--no-deps: the lock is the whole closure), then the project.
+$(VENV)/.installed: $(LOCK) pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[dev,ray,s3,hub]'
+	$(PY) -m pip install -q --no-deps "$(TORCH_SPEC)" "$$(grep -E '^uv==' $(LOCK))"
+	grep -v -E '^torch==' $(LOCK) > $(VENV)/lock-without-torch.txt
+	$(UV) pip install -q --python $(PY) --no-deps -r $(VENV)/lock-without-torch.txt
+	$(UV) pip install -q --python $(PY) --no-deps --no-build-isolation -e .
+	$(UV) pip check --python $(PY)
 	touch $@
 
 venv: $(VENV)/.installed
+
+# Rewrites the lock from pyproject.toml's ranges, today's newest releases that fit them.
+lock: venv
+	$(UV) pip compile pyproject.toml requirements/tools.in $(addprefix --extra ,$(EXTRAS)) \
+	  --python-version 3.11 --python-platform x86_64-manylinux_2_28 --find-links $(TORCH_FIND_LINKS) \
+	  --override requirements/overrides.txt --custom-compile-command 'make lock' --quiet -o $(LOCK)
+	@echo "$(LOCK): $$(grep -c '==' $(LOCK)) pinned packages"
 
 demo: venv
 	$(VENV)/bin/loraserve demo --dir $(DEMO_DIR)
@@ -35,8 +70,22 @@ wrk:
 
 # the Ray Serve tests start a local Ray on both cores: alone, after the rest
 test: venv wrk
-	$(PY) -m pytest -q $(PYTEST_ARGS) -m 'not ray' tests
-	$(PY) -m pytest -q -m ray tests
+	$(PYTEST) -q $(PYTEST_ARGS) -m 'not ray' tests
+	$(PYTEST) -q -m ray tests
+
+# The suite against the newest releases pyproject.toml allows, as `pip install loraserve` gets
+# them, in a throwaway venv: finds an upstream break before a user does. Not part of CI (a new
+# release must not block a landing); record its result in docs/UPGRADES.md.
+LATEST_VENV ?= /tmp/loraserve-latest-venv
+test-latest: wrk
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(LATEST_VENV)/bin/python -m pip install -q -e '.[$(subst $(space),$(comma),$(EXTRAS))]'
+	$(LATEST_VENV)/bin/python -m pip freeze --exclude-editable > $(LATEST_VENV)/freeze.txt
+	diff <(grep -E '==' $(LOCK) | sort) <(sort $(LATEST_VENV)/freeze.txt) | grep -E '^[<>]' || true
+	$(LATEST_VENV)/bin/python -P -m pytest -q $(PYTEST_ARGS) -m 'not ray' tests
+	$(LATEST_VENV)/bin/python -P -m pytest -q -m ray tests
 
 clean:
 	rm -rf $(VENV) .loraserve .pytest_cache

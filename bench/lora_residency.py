@@ -65,10 +65,6 @@ def start_server(model: str, catalog: str, port: int, *extra: str, source: str |
     env = None
     if source is not None:
         env = {**os.environ, "PYTHONPATH": str(Path(source).resolve())}
-        for sub in ("catalog", "kernels"):  # the repo maps them into the package (pyproject's
-            link = Path(source, "loraserve", sub)  # package-dir), a `git archive` tree does not:
-            if Path(source, sub).is_dir() and not link.exists():  # else this checkout's install
-                link.symlink_to(Path("..", sub))  # would serve them
     proc = subprocess.Popen(cmd, env=env, cwd=source)
     deadline = time.time() + 300
     while time.time() < deadline:

@@ -25,7 +25,7 @@ CONFIG_DIR = "/etc/loraserve/config"
 KEYS_DIR = "/etc/loraserve/keys"
 DRAIN_FLUSH_S = 5  # loraserve.server.app.DRAIN_FLUSH_S: after the deadline, errors are sent
 GRACE_MARGIN_S = 10
-UID = 10001  # the images' user (docker/Dockerfile.*)
+UID = 10001  # the images' user (deploy/docker/Dockerfile.*)
 
 
 def load_values(*overrides: str | Path) -> dict:

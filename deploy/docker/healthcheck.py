@@ -2,7 +2,7 @@
 
 /health says the process serves HTTP (liveness); /ready says it takes requests (the model is
 loaded, the engine core is up, it is not draining) and is what a load balancer should probe.
-The port is LORASERVE_PORT (default 8000), as docker/start.sh passes it to `serve`.
+The port is LORASERVE_PORT (default 8000), as deploy/docker/start.sh passes it to `serve`.
 """
 import os
 import sys

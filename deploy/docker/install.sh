@@ -1,8 +1,8 @@
 #!/bin/sh
-# Install loraserve into a virtual environment: the one install both images run (docker/
-# Dockerfile.cpu, docker/Dockerfile.cuda), and tests/test_deploy_image.py runs in a fresh venv.
+# Install loraserve into a virtual environment: the one install both images run (deploy/docker/
+# Dockerfile.cpu, deploy/docker/Dockerfile.cuda), and tests/test_deploy_image.py runs in a fresh venv.
 #
-#   docker/install.sh SRC VENV      SRC: the source tree (or a wheel); VENV: created when missing
+#   deploy/docker/install.sh SRC VENV      SRC: the source tree (or a wheel); VENV: created when missing
 #
 # Settings (environment):
 #   TORCH_SPEC   the torch requirement, installed first so the package's own `torch>=` range
@@ -28,8 +28,16 @@ else
 fi
 TARGET=$SRC
 [ -n "${EXTRAS:-}" ] && TARGET="$SRC[$EXTRAS]"
+# A source tree installs the versions its tests passed with: its lock (requirements/lock.txt) as
+# pip constraints, less torch, which TORCH_SPEC chose above. A wheel installs from its ranges.
+CONSTRAINTS=""
+if [ -f "$SRC/requirements/lock.txt" ]; then
+  grep -v '^torch==' "$SRC/requirements/lock.txt" > "$VENV/constraints.txt"
+  CONSTRAINTS="--constraint $VENV/constraints.txt"
+fi
 # the torch just installed satisfies the package's range; pip keeps it
-$PIP install --quiet "$TARGET"
+# shellcheck disable=SC2086
+$PIP install --quiet $CONSTRAINTS "$TARGET"
 if [ -n "${DEMO_DIR:-}" ]; then
   "$VENV/bin/loraserve" demo --dir "$DEMO_DIR" >/dev/null
 fi
