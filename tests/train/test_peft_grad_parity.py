@@ -113,7 +113,9 @@ CASES = [("hf_dense", False, dict()), ("hf_dense", True, dict(train_mlp=False)),
 def test_forward_backward_matches_peft(base, packed, targets, request, one_torch_thread):
     base_dir = request.getfixturevalue(base)
     run = _run(base_dir, packed, targets)
-    rel = 2e-5 if packed else 1e-5  # oneDNN's packed GEMMs sum in another order than PEFT's (~1e-5)
+    # float32 sums in another order on each side: oneDNN's packed GEMMs against PEFT's (~1e-5),
+    # and transformers 5.25's forward against ours (up to 1.7e-5 unpacked on hf_dense)
+    rel = 3e-5
     factors = {k: v.detach().clone() for k, v in run.factors.named_tensors().items()}
     kinds = sorted({k.split(".")[-2] for k in factors})
     peft, named = _peft(base_dir, factors, kinds)
