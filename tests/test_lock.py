@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+import sysconfig
 import tomllib
 from pathlib import Path
 
@@ -49,8 +50,11 @@ def test_every_range_has_a_pin_that_satisfies_it() -> None:
 
 
 def test_the_venv_is_the_lock() -> None:
+    """Over the venv's site-packages only: an imported setuptools puts its `_vendor` folder (with
+    the dist-info of its own copies of packaging, platformdirs, ...) on sys.path."""
+    site = sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})
     installed = {canonicalize_name(d.metadata["Name"]): Version(d.version)
-                 for d in importlib.metadata.distributions()}
+                 for d in importlib.metadata.distributions(path=site)}
     locked = pins()
     wrong = {n: (str(v), str(installed.get(n))) for n, v in locked.items() if installed.get(n) != v}
     assert not wrong, f"installed versions differ from the lock (pinned, installed): {wrong}"
