@@ -29,7 +29,8 @@ VLLM_ALIASES = {
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API")
-    p.add_argument("--model", help="base model directory (HF layout); default: the demo base")
+    p.add_argument("--model", help="base model directory (HF layout) or a .gguf file (converted once, "
+                                   "into $LORASERVE_CACHE or ~/.cache/loraserve); default: the demo base")
     p.add_argument("--catalog", help="adapter catalog directory; default: the demo catalog with the demo base")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -201,12 +202,14 @@ def _serve(args: argparse.Namespace) -> int:
         from .keys import load_keys
         load_keys(args.keys)  # a bad keys file stops here, before the model loads
     model, catalog = args.model, args.catalog
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+               if hasattr(args, f.name)}  # the dests of _add_engine_options
     if model is None:
         from .demo import build_demo
         demo = build_demo(Path(args.demo_dir))
         model, catalog = str(demo.qwen3), catalog or str(demo.catalog)
-    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-               if hasattr(args, f.name)}  # the dests of _add_engine_options
+    else:
+        model = _resolve_model(model, options)
     cfg = EngineConfig(model_dir=model, catalog_dir=catalog, **options)
     from .server.lora_modules import import_lora_modules
     for ref in import_lora_modules(args.lora_modules, catalog, model, cfg.model_name):
@@ -221,6 +224,15 @@ def _serve(args: argparse.Namespace) -> int:
     run_server(engine, _server_config(args), host=args.host, port=args.port,
                log_level=args.log_level.lower(), connections=connections, log_format=args.log_format)
     return 0
+
+
+def _resolve_model(model: str, options: dict[str, Any]) -> str:
+    """The base directory `serve` runs: `model` itself, or a GGUF file's converted directory
+    (model/gguf.py), whose served name then defaults to the file's stem."""
+    from .model.gguf import is_gguf_file, resolve_base
+    if is_gguf_file(model) and options.get("served_model_name") is None:
+        options["served_model_name"] = Path(model).stem
+    return str(resolve_base(model))
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:

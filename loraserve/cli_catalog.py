@@ -15,11 +15,15 @@ from pathlib import Path
 from loraserve.catalog.dtypes import SERVING_DTYPES
 
 
+_MODEL_HELP = "base model directory (HF layout) or a .gguf file"
+
+
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     """Register `export` and `catalog` (with its own subcommands) on `sub`."""
     p = sub.add_parser("export", help="export a PEFT LoRA directory to a serving-layout blob")
     p.add_argument("peft_dir")
-    p.add_argument("--model", required=True, help="base model directory the adapter was trained on")
+    p.add_argument("--model", required=True, help="base model directory the adapter was trained on, "
+                   "or a .gguf file")
     p.add_argument("--out", required=True, help="output FILE.safetensors")
     p.add_argument("--dtype", default=None, choices=SERVING_DTYPES, help="default: the base's")
     p.set_defaults(func=cmd_export)
@@ -43,7 +47,7 @@ def _add_import(csub) -> None:
     p.add_argument("dir")
     p.add_argument("adapter_id")
     p.add_argument("peft_dir")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help=_MODEL_HELP)
     p.add_argument("--revision", default=None)
     p.add_argument("--promote", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--dtype", default=None, choices=SERVING_DTYPES)
@@ -57,7 +61,7 @@ def _add_import(csub) -> None:
 def _add_materialize(csub) -> None:
     p = csub.add_parser("materialize", help="build N synthetic adapter revisions (resumable)")
     p.add_argument("dir")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help=_MODEL_HELP)
     p.add_argument("--count", type=int, required=True)
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--targets", default="q_proj,v_proj")
@@ -80,7 +84,7 @@ def _add_materialize(csub) -> None:
 def _add_audit(csub) -> None:
     p = csub.add_parser("audit", help="verify a sample of adapters over every shard against the base")
     p.add_argument("dir")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help=_MODEL_HELP)
     p.add_argument("--sample", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
@@ -227,11 +231,17 @@ def _add_store_gc(csub) -> None:
 
 
 # -- commands -------------------------------------------------------------------------------
+def _base(model: str) -> str:
+    """`--model`'s base directory: itself, or a .gguf file's converted one (model/gguf.py)."""
+    from loraserve.model.gguf import resolve_base
+    return str(resolve_base(model))
+
+
 def cmd_export(args) -> int:
     from loraserve.catalog.base import BaseInfo
     from loraserve.catalog.importer import adapter_blob
 
-    blob = adapter_blob(args.peft_dir, BaseInfo.from_dir(args.model), args.dtype)
+    blob = adapter_blob(args.peft_dir, BaseInfo.from_dir(_base(args.model)), args.dtype)
     out = Path(args.out)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_bytes(blob)
@@ -255,7 +265,7 @@ def cmd_import(args) -> int:
     with _writing(args) as cat:
         for alias in args.alias:  # a bad or taken alias stops the import before it writes
             check_alias_free(cat, alias, args.adapter_id)
-        rec = import_peft(cat, args.adapter_id, args.peft_dir, args.model, revision=args.revision,
+        rec = import_peft(cat, args.adapter_id, args.peft_dir, _base(args.model), revision=args.revision,
                           promote=args.promote, dtype=args.dtype)
         for alias in args.alias:
             record_alias(cat, alias, rec.adapter_id, rec.revision)
@@ -276,7 +286,7 @@ def cmd_materialize(args) -> int:
         return 2
     if not (Path(args.dir) / "catalog.json").exists():
         Catalog.create(args.dir, shards=args.shards).close()
-    cfg = MaterializeConfig(args.dir, args.model, args.count, rank=args.rank, targets=args.targets,
+    cfg = MaterializeConfig(args.dir, _base(args.model), args.count, rank=args.rank, targets=args.targets,
                             prefix=args.prefix, workers=args.workers, seed=args.seed, dtype=args.dtype,
                             batch=args.batch, progress=not args.no_progress,
                             store=parse_store_uri(args.store)[0] if args.store else None,
@@ -295,7 +305,7 @@ def cmd_materialize(args) -> int:
 def cmd_audit(args) -> int:
     from loraserve.audit import run_audit
 
-    rep = run_audit(args.dir, args.model, sample=args.sample, seed=args.seed)
+    rep = run_audit(args.dir, _base(args.model), sample=args.sample, seed=args.seed)
     if args.json:
         print(json.dumps({"shards": rep.shards, "shards_covered": rep.shards_covered, "audited": rep.audited,
                           "max_error": rep.max_error, "failures": rep.failures}))
