@@ -98,6 +98,8 @@ class AsyncEngine(EngineFrontend):
         await asyncio.to_thread(self._thread.join, 10)
         self._thread = None
         close_trainer(self.engine)
+        if self.engine.compiler is not None:  # stops after the bucket in hand
+            self.engine.compiler.close()
         if self.sourcing is not None:
             self.sourcing.close()
         if self.engine.adapters is not None:

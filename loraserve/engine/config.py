@@ -88,12 +88,16 @@ class EngineConfig:
                 "1 reads them one by one"})
     seed: int = field(default=0, metadata={"help": "seed of the sampler for unseeded requests"})
     compile: str = field(default="auto", metadata={
-        "help": "compile the decode step over batch and context buckets, at start-up: auto (CUDA "
-                "graphs on CUDA; on CPU torch.compile for a base whose weights outgrow the "
-                "last-level cache) | on (also torch.compile for any CPU base) | off. On CPU, for "
-                "steps without LoRA tokens, and each batch bucket measured against the eager step "
-                "at start-up: a bucket where eager is faster runs eagerly. Prefill, MoE bases and "
-                "batches past the largest bucket run eagerly"})
+        "help": "compile the decode step over batch and context buckets: auto (CUDA graphs on "
+                "CUDA, captured at start-up; on CPU torch.compile for a base whose weights "
+                "outgrow the last-level cache) | on (also torch.compile for any CPU base) | off. "
+                "On CPU the server is ready at once and serves eagerly while one low-priority "
+                "thread compiles bucket by bucket when the engine is idle (/ready lists what is "
+                "still compiling); each batch bucket is used once measured faster than eager "
+                "(auto remembers that per base shape and machine), and the compiled code is "
+                "cached on disk, so a second start compiles nothing. Steps without LoRA tokens "
+                "(and with them, at batch <= 4); prefill, MoE bases and batches past the largest "
+                "bucket run eagerly"})
     compile_batch_sizes: list[int] | None = field(default=None, metadata={
         "help": "batch buckets of the compiled decode step (repeatable)",
         "default": "1, 2, 4, 8, every multiple of 16 below max-batch-size, and max-batch-size"})

@@ -38,6 +38,9 @@ class EngineSnapshot:
     max_lora: int = 0                     # device pool slots
     num_kv_blocks: int = 0                # KV cache blocks (vllm:cache_config_info)
     quarantined: tuple[tuple[str, str, str], ...] = ()  # (adapter_id, revision, why): never served again
+    # (bucket, state) of the CPU decode step's background compile: pending | compiling |
+    # compiled | eager | failed (engine.core.background_compile); () when nothing compiles
+    compile: tuple[tuple[str, str], ...] = ()
     published: float = 0.0                # time.monotonic() of publication
 
     def stats(self) -> dict:
@@ -47,6 +50,10 @@ class EngineSnapshot:
                 "preemptions": self.preemptions, "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
                 "prefix_cache_queries": self.prefix_cache_queries,
                 "prefix_cache_hits": self.prefix_cache_hits}
+
+    def compiling(self) -> list[str]:
+        """The decode buckets not made yet (pending or compiling)."""
+        return [b for b, st in self.compile if st in ("pending", "compiling", "measuring")]
 
     def quarantine_reason(self, key: AdapterKey) -> str | None:
         """Why revision `key` is quarantined (its numbers went non-finite), None if it is not."""

@@ -149,6 +149,7 @@ def snapshot_to_wire(s: EngineSnapshot) -> dict:
     d["pager"] = None if s.pager is None else dataclasses.asdict(s.pager)
     d["page_in_samples"] = [list(x) for x in s.page_in_samples]
     d["quarantined"] = [list(x) for x in s.quarantined]
+    d["compile"] = [list(x) for x in s.compile]
     return d
 
 
@@ -163,4 +164,5 @@ def snapshot_from_wire(d: dict, pool_stats, cache_stats, pager_stats) -> EngineS
     d["pager"] = None if d["pager"] is None else pager_stats(**d["pager"])
     d["page_in_samples"] = tuple(tuple(x) for x in d["page_in_samples"])
     d["quarantined"] = tuple(tuple(x) for x in d.get("quarantined", ()))
+    d["compile"] = tuple(tuple(x) for x in d.get("compile", ()))
     return EngineSnapshot(**d)

@@ -6,6 +6,8 @@ the SGMV ops in `kernels` over the device adapter pool (rank-row layout, docs/IN
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,6 +38,16 @@ class LoRAState:
         # torch backend: the step's plans, kept while the wrappers pass the same meta object
         self.plans = PlanCache()
         self._step_key: tuple | None = None  # (slots, pool version) the dense meta is for
+
+    def fork(self) -> "LoRAState":
+        """A state over the same pool with its own per-step fields: a second thread's forward
+        (the background compile, `engine.core.background_compile`) sets its slots there
+        without touching the steps this state serves."""
+        twin = copy.copy(self)
+        twin.token_slots = torch.empty(0, dtype=torch.int32, device=self.device)
+        twin.meta, twin._pair_key, twin._pair_meta, twin._step_key = None, None, None, None
+        twin.plans = PlanCache()
+        return twin
 
     def set_slots(self, slots: list[int]) -> None:
         """Each token's adapter slot for the next forward. A decode step whose batch layout and
@@ -178,6 +190,20 @@ def target_modules(model: nn.Module) -> list[tuple[str, int, str, nn.Module]]:
             out.append((kind.name, l, f"model.{kind.module_path(l)}", mod))
     out.append((LM_HEAD, 0, LM_HEAD, model.lm_head))
     return out
+
+
+def twin_model(model: nn.Module, state: LoRAState | None, twin_state: LoRAState | None) -> nn.Module:
+    """A second module tree over the same parameters, buffers and packed weights (nothing is
+    copied but the modules themselves), whose LoRA wrappers read `twin_state` instead of
+    `state`: a thread can run (and compile) it while the engine thread steps the original."""
+    new = object.__new__(type(model))
+    new.__dict__ = dict(model.__dict__)
+    new._parameters, new._buffers = dict(model._parameters), dict(model._buffers)
+    new._modules = {k: None if m is None else twin_model(m, state, twin_state)
+                    for k, m in model._modules.items()}
+    if state is not None and new.__dict__.get("state") is state:
+        new.__dict__["state"] = twin_state
+    return new
 
 
 def attach_lora(model: nn.Module, state: LoRAState, kinds: set[str] | None = None) -> None:

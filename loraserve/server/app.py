@@ -174,7 +174,9 @@ def _ops_router() -> APIRouter:
     async def ready(request: Request) -> dict:
         """Readiness (/health is liveness): 503 while the server drains for shutdown, while its
         engine core is (re)starting or has missed its heartbeats (then with Retry-After), or
-        naming the catalog shards that are unavailable."""
+        naming the catalog shards that are unavailable. Ready while the CPU decode step still
+        compiles in the background (it serves eagerly meanwhile): the body lists the buckets
+        `compiling` (not made yet) and `compiled` (in use)."""
         ctx = _ctx(request)
         if ctx.deadline.draining:
             raise APIError(503, "the server is shutting down", code="server_shutting_down")
@@ -184,7 +186,12 @@ def _ops_router() -> APIRouter:
                            headers={"Retry-After": str(err.retry_after)})
         if (err := await asyncio.to_thread(readiness, ctx.engine)) is not None:
             raise err
-        return {"status": "ready"}
+        snap = ctx.engine.snapshot
+        if snap is None or not snap.compile:
+            return {"status": "ready"}
+        # serving already (eagerly); the decode step's graphs still being made, and those made
+        return {"status": "ready", "compiling": snap.compiling(),
+                "compiled": [b for b, st in snap.compile if st == "compiled"]}
 
     @router.get("/metrics", response_class=PlainTextResponse)  # (documents its content type)
     async def metrics(request: Request) -> Response:

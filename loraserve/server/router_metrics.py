@@ -15,6 +15,7 @@ lock, microseconds):
   vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}
                                           value: the scrape's wall time (vLLM's convention: a
                                           picker keeps the newest series)
+  loraserve_decode_buckets{state}         the decode step's buckets by background-compile state
 
 The adapter lists hold the model names clients sent (`tenant/name`, or `tenant/name@rev` when a
 revision was asked for), comma-separated and sorted, so a picker matching a request's `model`
@@ -89,3 +90,19 @@ class RouterMetricsCollector(Collector):
                              ",".join(snap.waiting_adapters), str(snap.max_lora)], now)
         yield cache
         yield lora
+        yield decode_buckets(snaps)
+
+
+COMPILE_STATES = ("pending", "compiling", "measuring", "compiled", "eager", "failed")
+
+
+def decode_buckets(snaps: list[LabelledSnapshot]) -> GaugeMetricFamily:
+    """loraserve_decode_buckets{state}: the CPU decode step's buckets by background-compile state
+    (engine.core.background_compile); all zero where nothing compiles."""
+    m = GaugeMetricFamily("loraserve_decode_buckets", "Decode-step buckets by compile state: "
+                          "pending, compiling, measuring, compiled (in use), eager (measured no faster), failed",
+                          labels=[*label_names(snaps), "state"])
+    for labels, snap in snaps:
+        for state in COMPILE_STATES:
+            m.add_metric([*labels.values(), state], sum(st == state for _, st in snap.compile))
+    return m

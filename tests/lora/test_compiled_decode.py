@@ -188,11 +188,14 @@ def test_what_compiles_by_default(engines, moe_set):
     # LoRA steps through graphs: every bucket on CUDA, the small ones on the CPU
     cpu = eager.device.type == "cpu"
     assert default.lora_batches == ({4} if cpu else {4, 8}) and CPU_LORA_MAX_BATCH == 4
+    assert default.bucket(3, 10) is None  # no graph made yet: nothing runs through one
+    default.ready = {(b, lora) for b in (4, 8) for lora in default.variants(b)}  # as if made
     assert default.bucket(3, 10, has_lora=True) == (4, 64)
     assert default.bucket(7, 10, has_lora=True) == (None if cpu else (8, 64))
     assert default.bucket(7, 10) == (8, 64)
     off = DecodeGraphs(eager.model, eager.cache, eager.device, eager.runner.lora,
                        eager.scratch_block, (4,), (64,), lora_graphs=False)
+    off.ready = {(4, False)}
     assert off.lora_batches == set() and off.bucket(3, 10, has_lora=True) is None
     with pytest.raises(ValueError, match="compile must be"):
         EngineConfig(model_dir="x", compile="sometimes")

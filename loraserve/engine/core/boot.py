@@ -3,16 +3,26 @@
 neither of them imports it back."""
 from __future__ import annotations
 
+import logging
+import os
+import sys
+
 from ..heartbeat import HEARTBEAT_S, Beat
 
 
 def boot_core(cfg, conn, parent_pid: int, slots, heartbeat_s: float = HEARTBEAT_S) -> None:
     """Beat first, so that a core stopped while it still imports torch and builds its engine is
     found out too; then `core.run_core`. Nothing heavy is imported before the beat: it starts a
-    fraction of a second after the process does."""
+    fraction of a second after the process does. A core that served to its end exits at once
+    once closed: the interpreter's exit handlers (joining torch's compile workers, after a
+    background compile) took seconds without a beat, and the API server killed it meanwhile."""
     beat = Beat(slots, heartbeat_s)
     try:
         from .process import run_core
         run_core(cfg, conn, parent_pid, slots, beat)
     finally:
         beat.stop()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

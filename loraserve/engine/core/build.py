@@ -16,9 +16,10 @@ from ...adapters.manager import AdapterManager
 from ...adapters.pager import Pager
 from ...adapters.pool import AdapterPool, PoolConfig, TargetSpec
 from ...adapters.slabs import Slabs
-from ...lora.layers import LoRAState, attach_lora, target_modules
+from ...lora.layers import LoRAState, attach_lora, target_modules, twin_model
 from ...model.prepack import PackedLinear, outgrows_last_level_cache
 from ..config import EngineConfig
+from .background_compile import BackgroundCompile, compile_cache_dir, use_cache_dir
 from .decode_graphs import (DecodeGraphs, batch_buckets, choice_cache_path, choice_key, context_buckets,
                             read_choice, write_choice)
 from .llm_engine import LLMEngine
@@ -50,7 +51,9 @@ def pool_targets(model: torch.nn.Module, kinds: set[str] | None = None) -> list[
 
 def build_engine(cfg: EngineConfig) -> LLMEngine:
     """An LLMEngine; with cfg.catalog_dir, serving adapters from that catalog; with its decode
-    step compiled where cfg.compile asks for it (after the LoRA wrappers are attached)."""
+    step compiled where cfg.compile asks for it (after the LoRA wrappers are attached): on CUDA
+    captured now, on the CPU in the background while the engine serves eagerly
+    (`engine.compiler`, engine.core.background_compile)."""
     engine = LLMEngine(cfg)
     if cfg.catalog_dir is not None:
         _enable_lora(engine, cfg)
@@ -60,33 +63,32 @@ def build_engine(cfg: EngineConfig) -> LLMEngine:
 
 
 def _compile_decode(engine: LLMEngine, cfg: EngineConfig) -> DecodeGraphs | None:
-    """The decode step's graphs, or None where eager is as fast at every batch bucket. On the CPU
-    each batch bucket is measured compiled against eager (`DecodeGraphs.choose`); `auto` keeps
-    that choice per base shape and machine (`choice_cache_path`) and, when it said eager
-    everywhere, skips compiling on later starts; `on` measures every start."""
+    """The decode step's graphs: CUDA graphs captured now; on the CPU, graphs a background
+    thread makes over a twin of the model (`BackgroundCompile`, started here), each batch bucket
+    admitted once measured faster than eager. `auto` keeps that measurement per base shape and
+    machine (`choice_cache_path`) and, when it said eager everywhere, compiles nothing on later
+    starts; `on` measures every start. None when nothing is to be compiled."""
     sizes = tuple(sorted(set(cfg.compile_batch_sizes or batch_buckets(cfg.max_batch_size))))
-    cache = key = remembered = None
-    if engine.device.type == "cpu" and cfg.compile == "auto":
-        packed = any(isinstance(m, PackedLinear) for m in engine.model.modules())
-        cache, key = choice_cache_path(), choice_key(engine.model_config, engine.dtype, sizes, packed)
-        remembered = read_choice(cache, key)
-        if remembered is not None and remembered >= set(sizes):
-            log.info("decode step eager: compiled was slower at every batch bucket here (%s)", cache)
-            return None
-    graphs = DecodeGraphs(engine.model, engine.cache, engine.device, engine.runner.lora,
-                          engine.scratch_block, sizes, context_buckets(engine.max_model_len, cfg.block_size))
-    graphs.warm_up()
-    if graphs.kind != "inductor":
+    contexts = context_buckets(engine.max_model_len, cfg.block_size)
+    if engine.device.type != "cpu":
+        graphs = DecodeGraphs(engine.model, engine.cache, engine.device, engine.runner.lora,
+                              engine.scratch_block, sizes, contexts)
+        graphs.warm_up()
         return graphs
-    if remembered is not None:
-        graphs.eager_batches = remembered & set(sizes)
-    else:
-        graphs.choose()
-        if cache is not None:
-            write_choice(cache, key, graphs)
-    if len(graphs.eager_batches) == len(sizes):
-        log.info("compiled decode step slower than eager at every batch bucket: eager it is")
+    packed = any(isinstance(m, PackedLinear) for m in engine.model.modules())
+    cache, key = choice_cache_path(), choice_key(engine.model_config, engine.dtype, sizes, packed)
+    remembered = read_choice(cache, key) if cfg.compile == "auto" else None
+    if remembered is not None and remembered >= set(sizes):
+        log.info("decode step eager: compiled was slower at every batch bucket here (%s)", cache)
         return None
+    use_cache_dir(compile_cache_dir(key))
+    lora = engine.runner.lora
+    twin = lora.fork() if lora is not None else None
+    graphs = DecodeGraphs(twin_model(engine.model, lora, twin), engine.cache, engine.device, twin,
+                          engine.scratch_block, sizes, contexts)
+    engine.compiler = BackgroundCompile(graphs, lambda: not engine.has_work(), remembered,
+                                        on_measured=lambda g: write_choice(cache, key, g),
+                                        on_change=lambda: engine._notify()).start()
     return graphs
 
 

@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import platform
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +128,12 @@ class DecodeGraphs:
         # CPU batch buckets whose compiled step measured slower than the eager one (`choose`)
         self.eager_batches: set[int] = set()
         self.timings: dict[int, tuple[float, float]] = {}  # batch bucket -> (eager, compiled) s
+        # (batch bucket, with LoRA) whose graphs are made: only those serve steps (`bucket`);
+        # all of them after `warm_up`, one by one while `BackgroundCompile` makes them
+        self.ready: set[tuple[int, bool]] = set()
+        # held while a graph runs or is made: the engine thread only tries it (`try_run`) and
+        # steps eagerly while a background compile holds it
+        self.lock = threading.Lock()
         if self.kind == "inductor":
             # a packed base stays packed: its graphs call the packed GEMM (model.prepack)
             # one graph per bucket and LoRA on/off; dynamo would stop recompiling at 8
@@ -143,10 +150,10 @@ class DecodeGraphs:
         """The smallest (B', C') holding `batch` sequences of at most `context` positions; None
         when none does, or the step has LoRA tokens and LoRA graphs are off."""
         b = next((s for s in self.batch_sizes if s >= batch), None)
-        if has_lora and b not in self.lora_batches:
+        if (b, has_lora) not in self.ready or b in self.eager_batches:
             return None
         c = next((s for s in self.context_sizes if s >= context), None)
-        return None if b is None or c is None or b in self.eager_batches else (b, c)
+        return None if c is None else (b, c)
 
     def pad(self, ids: list[int], positions: list[int], slots: list[int],
             block_tables: list[list[int]], ends: list[int], bucket: tuple[int, int]) -> Padded:
@@ -162,15 +169,16 @@ class DecodeGraphs:
                       torch.tensor(positions + [0] * n, device=dev), attn, slots + [-1] * n, len(ids))
 
     # -- running -----------------------------------------------------------------------------------
-    def forward(self, step: Padded) -> torch.Tensor:
-        """Hidden states [B', H] of the padded step (rows >= step.batch are padding)."""
+    def forward(self, step: Padded, stance: str | None = None) -> torch.Tensor:
+        """Hidden states [B', H] of the padded step (rows >= step.batch are padding). The
+        caller holds `lock` (or nothing else runs graphs: `warm_up`)."""
         has_lora = self.lora is not None and max(step.slots) >= 0
         self.steps += 1
         if self.kind == "inductor":
             if self.lora is not None:
                 self.lora.set_slots(step.slots)
             _mark_dynamic(step, self.lora if has_lora else None)
-            with torch.compiler.set_stance(self.stance):
+            with torch.compiler.set_stance(stance or self.stance):
                 return self._compiled(step.token_ids, step.positions, step.attn)
         key = (step.token_ids.numel(), step.attn.shape[2], has_lora)
         graph = self._graphs.get(key)
@@ -196,12 +204,13 @@ class DecodeGraphs:
         returns the seconds it took, also kept as `startup_seconds`."""
         start = time.perf_counter()
         for b in reversed(self.batch_sizes):
-            for c in reversed(self.context_sizes):
-                for has_lora in (False, True) if b in self.lora_batches else (False,):
+            for has_lora in self.variants(b):
+                for c in reversed(self.context_sizes):
                     if self.kind == "cuda-graph":
                         self._capture(b, c, has_lora)
                     else:
                         self.forward(self._dummy(b, c, has_lora))
+                self.ready.add((b, has_lora))
         self.startup_seconds = time.perf_counter() - start
         if self.lora is not None:  # no LoRA dummy's slots outlive the warm-up (`choose` runs eagerly)
             self.lora.set_slots([])
@@ -221,26 +230,47 @@ class DecodeGraphs:
         drops below eager (inductor's own GEMMs at small batch, a graph break) is never used."""
         if self.kind != "inductor":
             return self.eager_batches
-        c = self.context_sizes[min(1, len(self.context_sizes) - 1)]
-        lower = 0
         for b in self.batch_sizes:
-            eager_step, step = self._dummy(lower + 1, c, False), self._dummy(b, c, False)
-            runs = (lambda: self._forward(eager_step.token_ids, eager_step.positions, eager_step.attn),
-                    lambda: self.forward(step))
-            best = [float("inf"), float("inf")]
-            for _ in range(reps):
-                for i, run in enumerate(runs):
-                    t0 = time.perf_counter()
-                    run()
-                    best[i] = min(best[i], time.perf_counter() - t0)
-            self.timings[b] = (best[0], best[1])
-            if best[1] >= best[0]:
-                self.eager_batches.add(b)
-            lower = b
+            self.measure(b, reps)
         log.info("compiled decode step vs eager, ms per step by batch bucket: %s; eager kept for %s",
                  ", ".join(f"{b}: {e * 1e3:.1f}/{g * 1e3:.1f}" for b, (e, g) in self.timings.items()),
                  sorted(self.eager_batches) or "none")
         return self.eager_batches
+
+    @torch.inference_mode()
+    def measure(self, b: int, reps: int = 5) -> bool:
+        """Time batch bucket `b`'s compiled step against the eager step of the fewest sequences
+        it serves (see `choose`); record it in `timings`, and in `eager_batches` when eager is
+        as fast. True when the compiled step is faster."""
+        c = self.context_sizes[min(1, len(self.context_sizes) - 1)]
+        lower = max((s for s in self.batch_sizes if s < b), default=0)
+        eager_step, step = self._dummy(lower + 1, c, False), self._dummy(b, c, False)
+        runs = (lambda: self._forward(eager_step.token_ids, eager_step.positions, eager_step.attn),
+                lambda: self.forward(step))
+        best = [float("inf"), float("inf")]
+        for _ in range(reps):
+            for i, run in enumerate(runs):
+                t0 = time.perf_counter()
+                run()
+                best[i] = min(best[i], time.perf_counter() - t0)
+        self.timings[b] = (best[0], best[1])
+        if best[1] >= best[0]:
+            self.eager_batches.add(b)
+        return best[1] < best[0]
+
+    def variants(self, b: int) -> tuple[bool, ...]:
+        """The graphs batch bucket `b` has: base-only, and with LoRA where `lora_batches` says."""
+        return (False, True) if b in self.lora_batches else (False,)
+
+    @torch.inference_mode()
+    def make(self, b: int, has_lora: bool) -> None:
+        """Make (compile) batch bucket `b`'s graph, over every context bucket, and admit it to
+        `ready`. The caller holds `lock`; inductor only (CUDA graphs are captured at `warm_up`)."""
+        for c in reversed(self.context_sizes):
+            self.forward(self._dummy(b, c, has_lora), stance="default")
+        if self.lora is not None:
+            self.lora.set_slots([])
+        self.ready.add((b, has_lora))
 
     def _dummy(self, b: int, c: int, has_lora: bool) -> Padded:
         """A step of pad rows only (they write the scratch block alone); with LoRA, row 0 is

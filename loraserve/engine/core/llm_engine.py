@@ -123,6 +123,8 @@ class LLMEngine:
         self._asked = False  # page-ins were asked for since the last step (`_drain_page_ins`)
         self.last_batch_size = 0
         self._notify = lambda: None  # wakes the owner thread when a page-in completes
+        # the CPU decode step's BackgroundCompile while it makes graphs (engine.core.build)
+        self.compiler = None
         self.snapshot = EngineSnapshot(max_lora=0)
         # structured output's compiler: its tokenizer info is built now, on its own worker, so
         # the first constrained request does not wait for it
@@ -230,6 +232,8 @@ class LLMEngine:
         outs = self._drain_page_ins()
         seqs, is_prefill = self.scheduler.schedule()
         self.last_batch_size = len(seqs)
+        if not seqs and self.compiler is not None and not self.has_work():
+            self.compiler.idle_turn()  # times a freshly compiled decode bucket
         if seqs:
             seqs, result = self._run(seqs, is_prefill, outs)
             seqs, result = self._screen(seqs, result, outs)
@@ -434,6 +438,7 @@ class LLMEngine:
             max_lora=pool.config.max_slots if pool is not None else 0, num_kv_blocks=b.num_blocks,
             quarantined=tuple((aid, rev, why) for (aid, rev), why in mgr.quarantined.items())
             if mgr is not None else (),
+            compile=self.compiler.progress() if self.compiler is not None else (),
             published=now)
 
     def stats(self) -> dict:

@@ -48,12 +48,17 @@ class ModelRunner:
         sequence's last token. Logits come back for every sequence's last computed row, in the
         caller's order; the engine samples only those whose tokens are all computed. A decode
         step that fits a compiled bucket runs through `graphs`, with the same results."""
-        if not is_prefill and self.graphs is not None:
-            bucket = self.graphs.bucket(len(seqs), max(len(s) for s in seqs),
-                                        any(s.slot >= 0 for s in seqs))
-            if bucket is not None:
-                inputs = self.prepare(seqs, is_prefill, bucket)
-                return self.logits(seqs, inputs, self.graphs.forward(inputs.padded), is_prefill)
+        graphs = self.graphs
+        if not is_prefill and graphs is not None:
+            bucket = graphs.bucket(len(seqs), max(len(s) for s in seqs), any(s.slot >= 0 for s in seqs))
+            # never waits: while a background compile holds the graphs, this step runs eagerly
+            if bucket is not None and graphs.lock.acquire(blocking=False):
+                try:
+                    inputs = self.prepare(seqs, is_prefill, bucket)
+                    hidden = graphs.forward(inputs.padded)
+                finally:
+                    graphs.lock.release()
+                return self.logits(seqs, inputs, hidden, is_prefill)
         inputs = self.prepare(seqs, is_prefill)
         hidden = self.forward(inputs)
         return self.logits(seqs, inputs, hidden, is_prefill)

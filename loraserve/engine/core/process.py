@@ -169,6 +169,8 @@ class EngineCore:
         if self._beat is not None:
             self._beat.stop()
         close_trainer(self.engine)
+        if self.engine.compiler is not None:  # stops after the bucket in hand
+            self.engine.compiler.close()
         if self.engine.adapters is not None:
             self.engine.adapters.close()
         self.conn.close()
