@@ -98,8 +98,8 @@ class AsyncEngine(EngineFrontend):
         await asyncio.to_thread(self._thread.join, 10)
         self._thread = None
         close_trainer(self.engine)
-        if self.engine.compiler is not None:  # stops after the bucket in hand
-            self.engine.compiler.close()
+        if (compiler := getattr(self.engine, "compiler", None)) is not None:
+            compiler.close()  # stops after the bucket in hand
         if self.sourcing is not None:
             self.sourcing.close()
         if self.engine.adapters is not None:
@@ -114,8 +114,12 @@ class AsyncEngine(EngineFrontend):
         return await asyncio.wrap_future(fut)
 
     async def _train(self, op: str, args: list):
-        """One training operation on the engine thread, between two steps (engine/training.py)."""
-        return await self.call(lambda eng: trainer_of(eng).handle(op, args))
+        """One training operation on the engine thread, between two steps (engine/training.py);
+        a queued pass (`run`) answers when the engine loop's slices have run it."""
+        value = await self.call(lambda eng: trainer_of(eng).handle(op, args))
+        if isinstance(value, Future):
+            return await asyncio.wrap_future(value)
+        return value
 
     async def unload_adapter(self, adapter_id: str) -> int:
         """Evict adapter_id's idle revisions from the device pool and the CPU tier (catalog
@@ -168,10 +172,8 @@ class AsyncEngine(EngineFrontend):
         while not self._stop.is_set():
             cmd = self._next_cmd(loop)
             outs: list[RequestOutput] = []
-            while cmd is not None:
+            while cmd is not None:  # every command that is here (training slices run in step)
                 outs.extend(self._apply(cmd))
-                if cmd[0] == "call":  # a call is a slice of work of its own (a training slice:
-                    break             # engine/training.py): a step runs before the next command
                 try:
                     cmd = self._cmds.get_nowait()
                 except queue.Empty:

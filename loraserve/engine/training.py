@@ -2,11 +2,12 @@
 
 `Trainer` sends `engine.core.training.TrainerCore` operations through the hosting's call channel
 (`call(op, args)`: the engine thread's command queue in process, the engine-core socket out of
-process). A forward or forward_backward is a pass of slices: each `advance` call runs at most
-`max_tokens` tokens of it on the engine's owner thread and returns, and the owner thread runs a
-decode step before it takes the next call, so one training step never holds serving back by more
-than one slice (`--train-max-tokens`). Passes of different runs share slices: the core batches
-their waiting datums into one pass over the base, so a pass may end in another's slice.
+process). A forward or forward_backward is one call (`run`) that queues the pass in the core and
+answers when it is done: the engine loop runs it in slices of at most `max_tokens` tokens, at
+most one slice of all queued training between two serving steps and only in training's turn of
+the tenants' fair share (engine/core/training.py), so training never holds serving back by more
+than one slice (`--train-max-tokens`), however many runs train. Passes of different runs share
+slices: the core batches their waiting datums into one pass over the base.
 
 A hosting that cannot train has `trainer = None` (engine/interface.py), and the server refuses
 training routes there with a 400 that says so.
@@ -41,10 +42,8 @@ class Trainer:
         slice by slice: {outputs: [{logprobs, elementwise_loss}], metrics}. Its slices count in
         `tenant`'s fair share of serving (with its `weight`), as its requests' tokens do."""
         pass_id = f"{run_id}#{next(self._pass_ids)}"
-        await self._call("begin", [run_id, pass_id, data, loss, loss_config, backward, tenant, weight])
-        while (result := await self._call("advance", [pass_id, self.max_tokens])) is None:
-            pass
-        return result
+        return await self._call("run", [run_id, pass_id, data, loss, loss_config, backward, tenant,
+                                        weight, self.max_tokens])
 
     async def optim_step(self, run_id: str, adam: dict) -> dict:
         """{metrics, steps}: the step's metrics and the run's step count after it."""

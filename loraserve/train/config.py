@@ -11,7 +11,12 @@ DEFAULT_ALPHA = 32.0  # PEFT's scale alpha / rank; Tinker's LoraConfig names no 
 
 
 class TrainingError(ValueError):
-    """A request the trainer refuses (a 400 at the API): bad config, bad datum, diverged step."""
+    """A request the trainer refuses (a 400 at the API): bad config, bad datum, diverged step.
+    `param`: the field it names, when one (an Adam parameter)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,6 +95,20 @@ class LoRAFactors:
             t.copy_(tensors[name])
 
     @torch.no_grad()
+    def gains(self) -> list[tuple[str, float, float]]:
+        """(module path, gain, largest |value|) of each target as served: B scaled by alpha/r
+        (`catalog.bounds.pair_gain` on the serving layout: rank x max|B| x ||A||_inf, per expert
+        for packed experts), float64, so a gain past float32's range is still a number."""
+        out = []
+        for path, (a, b) in self.pairs.items():
+            a64, b64 = a.detach().double().abs(), b.detach().double().abs() * self.config.scale
+            ga = a64.sum(-1).amax(-1)                                   # [] or [E]
+            gb = a.shape[-2] * b64.flatten(-2).amax(-1)                 # [] or [E]
+            # a NaN or Inf anywhere makes the gain NaN or Inf (float64 holds every finite one)
+            out.append((path, float((ga * gb).max()), float(torch.maximum(a64.max(), b64.max()))))
+        return out
+
+    @torch.no_grad()
     def serving_weights(self, base_fingerprint: str, dtype: torch.dtype, source: str) -> AdapterWeights:
         """The serving layout of the current factors: A cast, B * alpha/r folded and cast once;
         CPU tensors of their own (the CPU tier may serve them while the run trains on)."""

@@ -9,6 +9,11 @@ activations grow with a datum's length. Its gradients collect in the pass's own 
 and reach the run only when the whole pass is done and finite: a diverging batch (NaN/Inf loss
 or gradient) fails its own call and leaves the run as it was, so no later save can serve it.
 Gradients of successive passes add up, as Tinker's forward_backward calls do, until optim_step.
+
+optim_step refuses (TrainingError, a 400 naming the parameter) Adam parameters out of range, and
+a step whose factors would leave what serving admits (`catalog.bounds`: NaN/Inf, or a gain past
+the serving dtype's limit): such a step is undone, factors, moments and step count as before,
+and the gradients stay for a step with sane parameters.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from loraserve.catalog.bounds import GAIN_LIMITS
 from loraserve.model import CausalLM
 from loraserve.train.chunked import ChunkedDatum
 from loraserve.train.config import RunConfig, TrainingError
@@ -39,9 +45,17 @@ class Datum:
         return int(self.tokens.numel())
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 @dataclass(frozen=True, slots=True)
 class AdamParams:
-    """The SDK's AdamParams: decoupled weight decay (AdamW), optional global grad-norm clip (0 = off)."""
+    """The SDK's AdamParams: decoupled weight decay (AdamW), optional global grad-norm clip (0 = off).
+
+    Made only with values a step can use (TrainingError naming the field otherwise): every value
+    a finite number; learning_rate, eps, weight_decay and grad_clip_norm not negative, eps above
+    0; beta1 and beta2 in [0, 1); the scalars AdamW applies to float32 factors (eps,
+    learning_rate x weight_decay) inside float32."""
 
     learning_rate: float = 1e-4
     beta1: float = 0.9
@@ -49,6 +63,28 @@ class AdamParams:
     eps: float = 1e-12
     weight_decay: float = 0.0
     grad_clip_norm: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TrainingError(f"adam_params.{name} must be a number, got {value!r}", param=name)
+            if not math.isfinite(value):
+                raise TrainingError(f"adam_params.{name} must be a finite number, got {value}", param=name)
+        for name in ("learning_rate", "weight_decay", "grad_clip_norm"):
+            if getattr(self, name) < 0:
+                raise TrainingError(f"adam_params.{name} must be >= 0, got {getattr(self, name)}", param=name)
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise TrainingError(f"adam_params.{name} must be in [0, 1), got {getattr(self, name)}", param=name)
+        if not 0 < self.eps <= FLOAT32_MAX:
+            raise TrainingError(f"adam_params.eps must be > 0 and within float32 (<= {FLOAT32_MAX:.3g}), "
+                                f"got {self.eps}", param="eps")
+        if self.learning_rate > FLOAT32_MAX or self.learning_rate * self.weight_decay > FLOAT32_MAX:
+            name = "learning_rate" if self.learning_rate > FLOAT32_MAX else "weight_decay"
+            raise TrainingError(f"adam_params.learning_rate {self.learning_rate:g} (x weight_decay "
+                                f"{self.weight_decay:g}) overflows the float32 factors (> {FLOAT32_MAX:.3g})",
+                                param=name)
 
 
 @dataclass(slots=True)
@@ -81,6 +117,23 @@ class Pass:
     @property
     def done(self) -> bool:
         return self.done_datums == len(self.data)
+
+    def next_work(self, max_tokens: int) -> int:
+        """Forward-token equivalents this pass's next slice computes for it (what fair share will
+        charge), run alone: its next whole datums that fit, or its long datum's next chunk."""
+        if self.done:
+            return 0
+        if self.groupable(max_tokens):
+            tokens = sum(d.num_tokens for _, ds in pick([self], max_tokens) for d in ds)
+            return tokens * (1 + BACKWARD_COST * self.backward)
+        c = self.chunked
+        if c is None:  # the long datum's first forward chunk
+            return min(max_tokens, self.data[self.done_datums].num_tokens)
+        if not c.forward_done:
+            s, e = c.bounds[c.forward_next]
+            return e - s
+        s, e = c.bounds[c.backward_next]
+        return (e - s) * (1 + BACKWARD_COST)
 
     def groupable(self, max_tokens: int) -> bool:
         """Whether this pass's next slice is whole datums (it may share a slice with other runs'
@@ -201,24 +254,78 @@ class TrainingRun:
                 acc.add_(g)
 
     @torch.no_grad()
-    def optim_step(self, params: AdamParams) -> dict[str, float]:
+    def optim_step(self, params: AdamParams, serving_dtype: torch.dtype | None = None) -> dict[str, float]:
         """One AdamW step on the accumulated gradients (none accumulated: a zero gradient, as
-        Tinker's step then still decays and moves by the moments); gradients cleared after."""
+        Tinker's step then still decays and moves by the moments); gradients cleared after.
+
+        Refused (TrainingError; the factors, moments, step count and gradients as they were) when
+        the step size overflows float32 or the factors after it could not be served in
+        `serving_dtype` (default: the base's): non-finite, or a gain past `catalog.bounds`'
+        limit, the check every revision passes at import."""
+        bias1 = 1 - params.beta1 ** (self.steps + 1)
+        if params.learning_rate / bias1 > FLOAT32_MAX:
+            raise TrainingError(f"adam_params.learning_rate {params.learning_rate:g}: the step size "
+                                f"(learning_rate / (1 - beta1^{self.steps + 1}) = {params.learning_rate / bias1:.3g}) "
+                                "overflows the float32 factors; the run is unchanged", param="learning_rate")
         ps = self.factors.parameters()
         grads = self.grads or [torch.zeros_like(p) for p in ps]
-        for p, g in zip(ps, grads):
-            p.grad = g
-        norm = torch.nn.utils.clip_grad_norm_(ps, params.grad_clip_norm) if params.grad_clip_norm > 0 \
-            else torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        for group in self.optimizer.param_groups:
-            group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
-                         weight_decay=params.weight_decay)
-        self.optimizer.step()
-        for p in ps:
-            p.grad = None
+        kept = self._undo_point(grads)
+        try:
+            for p, g in zip(ps, grads):
+                p.grad = g
+            norm = torch.nn.utils.clip_grad_norm_(ps, params.grad_clip_norm) if params.grad_clip_norm > 0 \
+                else torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            for group in self.optimizer.param_groups:
+                group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
+                             weight_decay=params.weight_decay)
+            self.optimizer.step()
+            self._check_bound(params, serving_dtype or self.model.model.embed_tokens.weight.dtype)
+        except BaseException:
+            self._undo(kept)
+            raise
+        finally:
+            for p in ps:
+                p.grad = None
         self.grads = None
         self.steps += 1
         return {"grad_norm:mean": float(norm)}
+
+    def _undo_point(self, grads: list[Tensor]) -> tuple:
+        """What a refused step puts back: copies of the factors, of each moment, and the
+        gradients (clip_grad_norm_ scales them in place)."""
+        ps = self.factors.parameters()
+        state = {p: {k: v.clone() for k, v in self.optimizer.state[p].items()}
+                 for p in ps if p in self.optimizer.state}
+        return [p.detach().clone() for p in ps], state, [g.clone() for g in grads] if self.grads else None
+
+    def _undo(self, kept: tuple) -> None:
+        factors, state, grads = kept
+        for p, saved in zip(self.factors.parameters(), factors):
+            p.copy_(saved)
+            if p in state:
+                self.optimizer.state[p] = state[p]
+            else:
+                self.optimizer.state.pop(p, None)
+        self.grads = grads
+
+    def _check_bound(self, params: AdamParams, dtype: torch.dtype) -> None:
+        """TrainingError unless every target's factors, as a revision saved now would hold them,
+        pass the serving check: finite, within `dtype`, gain under its limit (catalog.bounds)."""
+        name = str(dtype).removeprefix("torch.")
+        limit = GAIN_LIMITS.get(name, GAIN_LIMITS["float32"])
+        largest = float(torch.finfo(dtype).max) if dtype.is_floating_point else FLOAT32_MAX
+        for path, gain, peak in self.factors.gains():
+            if math.isfinite(gain) and gain <= limit and peak <= largest:
+                continue
+            what = ("holds NaN or Inf values" if not math.isfinite(gain) else
+                    f"could scale an activation by {gain:.3g} (rank x max|B| x ||A||_inf), beyond the "
+                    f"{limit:.0g} that {name} serving allows" if gain > limit else
+                    f"holds values up to {peak:.3g}, beyond {name}'s range")
+            raise TrainingError(
+                f"optim_step refused: with learning_rate {params.learning_rate:g} the LoRA factors of "
+                f"{path} {what}; such factors are never served (catalog.bounds). The run is unchanged "
+                "(factors, Adam moments, step count and gradients): step again with a smaller "
+                "learning_rate", param="learning_rate")
 
     def state_metadata(self) -> dict[str, str]:
         """What a training-state file says beside its tensors: the step count and the run's shape

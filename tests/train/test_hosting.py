@@ -47,29 +47,16 @@ async def _train_steps(trainer, steps: int = 2) -> list[float]:
 
 
 def test_in_process_slices_interleave_with_decoding(demo_dense):
-    """The engine thread's own order of events: after each training slice it runs a decode step
-    of the generation in flight, before it takes the next slice."""
+    """The engine thread's own order of events (EngineLoop.trace): with a generation in flight
+    it runs a decode step between two training slices (one tenant: its serving and its
+    training alternate step for slice)."""
     eng = AsyncEngine.from_config(_cfg(demo_dense, train_max_tokens=12))
-    events: list[str] = []  # appended on the engine thread only
-    core, loop = trainer_of(eng.engine), eng._loop_state
-    handle, step = core.handle, loop.step
-
-    def traced_handle(op, args):
-        events.append(op)
-        return handle(op, args)
-
-    def traced_step():
-        outs = step()
-        if outs:  # a decode step of the generation
-            events.append("step")
-        return outs
-
-    core.handle, loop.step = traced_handle, traced_step
+    eng._loop_state.trace = events = []  # appended on the engine thread only
 
     async def main():
         await eng.start()
         req = GenerateRequest("g", eng.tokenizer.encode("Hi"), SamplingParams(
-            max_tokens=100, temperature=0.0, ignore_eos=True), stream=True)
+            max_tokens=100, temperature=0.0, ignore_eos=True), stream=True, tenant="default")
         gen = eng.generate(req)
         await gen.__anext__()  # decoding is under way
         losses = await _train_steps(eng.trainer)
@@ -80,10 +67,10 @@ def test_in_process_slices_interleave_with_decoding(demo_dense):
 
     losses = asyncio.run(main())
     assert losses[1] < losses[0]
-    slices = [i for i, e in enumerate(events) if e == "advance"]
+    slices = [i for i, e in enumerate(events) if e == "train"]
     assert len(slices) == 8  # 4 datums of 12 tokens, one per 12-token slice, two passes
     for a, b in zip(slices, slices[1:]):
-        assert "step" in events[a:b], " ".join(events)
+        assert "decode" in events[a:b], " ".join(events)
 
 
 def test_core_process_trains_as_in_process(demo_dense):

@@ -11,6 +11,10 @@ ends. Nothing on the API side needs them sooner, and a delta per step per reques
 API process every step, taking CPU from the engine's intra-op threads on a small machine. A
 request with stop strings sends every step's delta: the API side's `OutputProcessor` must see
 its text to end it.
+
+Training shares the turns: after its serving step, a turn runs at most one slice of the queued
+training (`TrainerCore.slice_turn`), and only in training's turn of the fair share, so a serving
+step never waits for more than one slice, however many runs train.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from collections.abc import Callable
 
 from .llm_engine import LLMEngine
 from .sequence import Sequence
+from .training import trainer_if_any
 from ..types import FIRST, RequestOutput, coalesce
 
 log = logging.getLogger(__name__)
@@ -31,6 +36,9 @@ class EngineLoop:
         self.engine = engine
         # quiet requests -> FIRST, None (nothing held) or the merged deltas since the first (`coalesce`)
         self._quiet: dict[str, object] = {}
+        # when a list: each turn's work in order, "prefill" / "decode" (a serving step that ran a
+        # batch) and "train" (a training slice); tests read the interleaving from it
+        self.trace: list[str] | None = None
 
     def add(self, seq: Sequence, stream: bool = True) -> list[RequestOutput]:
         try:
@@ -50,16 +58,33 @@ class EngineLoop:
 
     @property
     def busy(self) -> bool:
-        """The last step ran a batch: step again without waiting for a command."""
-        return self.engine.last_batch_size > 0
+        """The last step ran a batch, or training waits for slices: step again without waiting
+        for a command."""
+        if self.engine.last_batch_size > 0:
+            return True
+        trainer = trainer_if_any(self.engine)
+        return trainer is not None and trainer.has_queued
 
     def step(self) -> list[RequestOutput]:
+        """One serving step, then at most one training slice (in training's turn)."""
         eng = self.engine
         try:
             outs = eng.step()
         except Exception as exc:  # a bug outside any one sequence: fail what is running, go on
             log.exception("engine step failed")
             outs = eng.fail_all(exc)
+        served = eng.last_batch_size > 0
+        if self.trace is not None and served:
+            self.trace.append(eng.scheduler.last_kind or "serve")
+        trainer = trainer_if_any(eng)
+        if trainer is not None and trainer.has_queued:
+            try:
+                sliced = trainer.slice_turn(served)
+            except Exception:  # a bug outside any one pass (each pass's own faults answer it)
+                log.exception("training slice failed")
+                sliced = False
+            if sliced and self.trace is not None:
+                self.trace.append("train")
         return self._coalesce(outs) if self._quiet else outs
 
     def _coalesce(self, outs: list[RequestOutput]) -> list[RequestOutput]:

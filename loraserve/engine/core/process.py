@@ -169,8 +169,8 @@ class EngineCore:
         if self._beat is not None:
             self._beat.stop()
         close_trainer(self.engine)
-        if self.engine.compiler is not None:  # stops after the bucket in hand
-            self.engine.compiler.close()
+        if (compiler := getattr(self.engine, "compiler", None)) is not None:
+            compiler.close()  # stops after the bucket in hand
         if self.engine.adapters is not None:
             self.engine.adapters.close()
         self.conn.close()
@@ -250,7 +250,12 @@ class EngineCore:
             if name == "unload_adapter":
                 self._return(call_id, self.engine.unload_adapter(args[0]))
             elif name == "train":  # a training operation (engine/training.py), between steps
-                self._return(call_id, trainer_of(self.engine).handle(args[0], args[1]))
+                value = trainer_of(self.engine).handle(args[0], args[1])
+                if isinstance(value, Future):  # a queued pass: answered after its last slice
+                    value.add_done_callback(lambda f: self.returns.put(
+                        (call_id, None if f.exception() else f.result(), f.exception())))
+                else:
+                    self._return(call_id, value)
             elif name == "residency":
                 self._return(call_id, [self._residency(tuple(k)) for k in args[0]])
             elif name == "warm":  # page into the CPU tier without blocking the loop

@@ -26,8 +26,17 @@ furthest behind is served first, within a step and between steps:
 A tenant that was idle starts at the least virtual time of those with work (idling earns no
 credit), and no tenant falls more than one step budget behind another (a lag earned long ago
 buys no long monopoly). With one tenant, none of this applies: arrival order, prefill first.
-Tokens computed for a tenant between steps (its training slices) count in its virtual time as
-its batches' do (`charge`), so a tenant training heavily is served after the others.
+
+Training is work of its tenant in the same virtual time. A tenant with training passes queued
+(`train_joined` .. `train_left`) has work as one with requests has (it joins at the floor, keeps
+its virtual time, counts in the lag bound), and each training slice charges it the slice's
+tokens (`charge`: a token forward counts one, forward and backward three). The engine loop runs
+at most one slice between two serving steps, and only in training's turn (`training_turn`): when
+the tenant, charged for the slice it would run, is still not ahead of any other tenant with
+serving work. So a light tenant's request arriving while others train runs its prefill and its
+decode steps before their next slice, until its own tokens have caught up with that slice's;
+then slices and its steps alternate in the ratio of their tokens. Against its own serving work
+a tenant's training alternates step for step (one slice at most between two of its steps).
 """
 from __future__ import annotations
 
@@ -84,6 +93,8 @@ class Scheduler:
         self._decode_run = 0  # decode steps since the last prefill step
         self._steps = 0
         self._recent: dict[str, int] = {}  # tenant -> the last step it had work in
+        self._training: dict[str, float] = {}  # tenant -> weight: tenants with training queued
+        self.last_kind: str | None = None  # "prefill", "decode" or None (nothing) of the last schedule()
 
     # -- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -305,11 +316,19 @@ class Scheduler:
         tenant = seq.tenant
         self._weight[tenant] = seq.tenant_weight
         count = self._active.get(tenant, 0)
-        if count == 0:
-            others = [self._vtime[t] for t in self._active]
-            floor = min(others, default=0.0)
-            self._vtime[tenant] = max(self._vtime.get(tenant, floor), floor)
+        if count == 0 and tenant not in self._training:
+            self._start(tenant)
         self._active[tenant] = count + 1
+
+    def _start(self, tenant: str) -> None:
+        """`tenant` had no work (serving or training): it starts at the least virtual time of
+        the tenants with work, or its own if that is later (idling earns no credit)."""
+        floor = min(self._working_vtimes(), default=0.0)
+        self._vtime[tenant] = max(self._vtime.get(tenant, floor), floor)
+
+    def _working_vtimes(self) -> list[float]:
+        """Virtual times of the tenants with work: requests waiting or running, or training."""
+        return [self._vtime[t] for t in {*self._active, *self._training} if t in self._vtime]
 
     def _queue(self, seq: Sequence, change: int) -> None:
         """Count seq's joining (+1) or leaving (-1) the waiting queue."""
@@ -329,7 +348,7 @@ class Scheduler:
         self._active.pop(tenant, None)
         if tenant not in self._recent:  # it never shared a step (seen by no schedule())
             self._weight.pop(tenant, None)
-        if not self._active:  # the engine is idle: nobody owes anybody
+        if not self._active and not self._training:  # the engine is idle: nobody owes anybody
             self._vtime.clear()
 
     def _sharing(self) -> bool:
@@ -347,18 +366,50 @@ class Scheduler:
 
     def charge(self, tenant: str, tokens: float, weight: float) -> None:
         """Count `tokens` computed for `tenant` outside the batches (a training slice) in its
-        virtual time. Nothing while no tenant has serving work (nobody is owed anything then);
-        a tenant without serving work starts, as a joining one does, at the least virtual time
-        of those with work, and keeps the charge when its requests come."""
-        if not self._active or tokens <= 0:
+        virtual time. Nothing while no tenant has work (nobody is owed anything then); a tenant
+        without work starts, as a joining one does, at the least virtual time of those with
+        work, and keeps the charge when its requests come."""
+        if tokens <= 0 or not (self._active or self._training):
             return
-        floor = min(self._vtime[t] for t in self._active)
-        self._vtime[tenant] = max(self._vtime.get(tenant, floor), floor) + tokens / weight
+        if tenant not in self._active and tenant not in self._training:
+            self._start(tenant)
+        self._vtime[tenant] += tokens / weight
+
+    # -- training: slices between the steps ---------------------------------------------------
+    def train_joined(self, tenant: str, weight: float) -> None:
+        """`tenant` has a training pass queued (again): it has work, as with a request."""
+        if tenant not in self._training and tenant not in self._active:
+            self._start(tenant)
+        self._training[tenant] = weight
+
+    def train_left(self, tenant: str) -> None:
+        """`tenant` has no training pass left."""
+        if self._training.pop(tenant, None) is not None and not self._active and not self._training:
+            self._vtime.clear()
+
+    def vtime(self, tenant: str) -> float:
+        """`tenant`'s virtual time (tokens computed for it over its weight), 0 when it has none."""
+        return self._vtime.get(tenant, 0.0)
+
+    def training_turn(self, tenant: str, tokens: float, weight: float) -> bool:
+        """Whether `tenant`'s next training slice of `tokens` goes before the next serving step:
+        yes when, charged for it, the tenant is not ahead of any other tenant with serving work
+        (its own serving alternates with its training, slice for step). Finish times rather than
+        start times: a slice costs hundreds of tokens at once, a decode step one per sequence,
+        so a request's tokens that arrived behind a slice catch up with it before the next."""
+        others = [t for t in self._active if t != tenant and t in self._vtime]
+        if not others:
+            return True
+        self._bound_lag()
+        return self.vtime(tenant) + tokens / weight <= min(self._vtime[t] for t in others)
 
     def _bound_lag(self) -> None:
         """No tenant with work is more than one step budget of virtual time behind another."""
-        lead = max(self._vtime[t] for t in self._active)
-        for t in self._active:
+        working = [t for t in {*self._active, *self._training} if t in self._vtime]
+        if not working:
+            return
+        lead = max(self._vtime[t] for t in working)
+        for t in working:
             if self._vtime[t] < lead - self.max_batched_tokens:
                 self._vtime[t] = lead - self.max_batched_tokens
 
@@ -379,6 +430,7 @@ class Scheduler:
 
     def _charged(self, batch: list[Sequence], is_prefill: bool) -> list[Sequence]:
         """Charge each sequence's tenant the tokens this step computes for it."""
+        self.last_kind = ("prefill" if is_prefill else "decode") if batch else None
         for seq in batch:
             tokens = seq.num_scheduled if is_prefill else 1
             tenant = seq.tenant

@@ -2,12 +2,22 @@
 
 `TrainerCore` lives beside the `LLMEngine` and is only touched on the engine's owner thread
 (the engine thread in process, the core's main thread in the engine-core process), so a training
-slice and a decode step never run at once and the model needs no lock. Each call is one bounded
-piece of work: `advance` runs one slice of at most the per-call token budget
-(`EngineConfig.train_max_tokens`): its pass's next datums batched with those of other runs'
-passes waiting too (train/grouped.py), and returns; the owner thread runs a decode step before the
-next slice, so serving keeps going while runs train (engine/training.py drives the slices). After
-each optim_step a run's state is written for a core restart by a writer thread (train/resume.py).
+slice and a decode step never run at once and the model needs no lock.
+
+A forward or forward_backward is queued (`run`, answered through a Future when its last slice
+ran) and the engine loop drives it (`EngineLoop.step`): after each serving step it runs at most
+ONE slice of all the queued training (`slice_turn`), of at most `train_max_tokens` tokens: the
+next datums of the pass whose tenant is furthest behind in the scheduler's fair share, batched
+with those of other runs' passes waiting too (train/grouped.py), or one chunk of a datum longer
+than the budget (train/chunked.py, forward chunks then backward chunks). The slice runs only in
+training's turn (`Scheduler.training_turn`): its tenant, charged its tokens, is not ahead of
+another tenant with serving work. So however many runs train, a serving step waits for one slice
+at most, and a light tenant's request that arrives runs before the next slice. (Before, every run
+drove its own slices with one call each; the core took every call that had arrived before its
+next step, so N runs put N slices back to back between two decode steps, and a request queued
+behind them.) `begin` / `advance` run a pass slice by slice on the caller's say (tests, bench).
+After each optim_step a run's state is written for a core restart by a writer thread
+(train/resume.py).
 
 Every argument and result is plain data (lists, dicts, bytes): the same calls travel over the
 engine-core socket (`call("train", [op, args])`) as they run in process. Errors the caller made
@@ -18,6 +28,7 @@ from __future__ import annotations
 import json
 import struct
 import weakref
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +54,11 @@ def trainer_of(engine: LLMEngine) -> TrainerCore:
     return core
 
 
+def trainer_if_any(engine: LLMEngine) -> TrainerCore | None:
+    """The engine's TrainerCore if it ever trained (the engine loop asks every turn)."""
+    return _CORES.get(engine)
+
+
 def close_trainer(engine: LLMEngine) -> None:
     """At engine shutdown: every resume state queued is on disk (the writer thread is gone)."""
     core = _CORES.get(engine)
@@ -51,13 +67,13 @@ def close_trainer(engine: LLMEngine) -> None:
 
 
 def _refused(exc: Exception) -> EngineError:
-    return EngineError(str(exc), status=400, code="training_error")
+    return EngineError(str(exc), status=400, code="training_error", param=getattr(exc, "param", None))
 
 
 class TrainerCore:
     """The engine's training runs and their passes in progress, by id (owner thread only)."""
 
-    OPS = ("create", "begin", "advance", "optim_step", "publish", "state_blob", "load_state", "drop")
+    OPS = ("create", "run", "begin", "advance", "optim_step", "publish", "state_blob", "load_state", "drop")
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -66,7 +82,14 @@ class TrainerCore:
         self.payers: dict[str, tuple[str, float]] = {}  # pass id -> (tenant, fair-share weight)
         self.failures: dict[str, BaseException] = {}  # pass id -> how it failed in another's slice
         self.resume: dict[str, Path] = {}  # run id -> where its state goes after each step
+        self.queue: dict[str, tuple[Future, int]] = {}  # queued pass id -> (its answer, budget), oldest first
+        self.slices = 0  # slices run (each a turn of the engine loop at most)
         self.writer = ResumeWriter()
+
+    @property
+    def has_queued(self) -> bool:
+        """Training the engine loop drives is waiting for slices."""
+        return bool(self.queue)
 
     def handle(self, op: str, args: list) -> Any:
         """Run one operation; TrainingError / ValueError become a 400 EngineError."""
@@ -99,10 +122,25 @@ class TrainerCore:
             self.resume[run_id] = Path(resume_path)
         return {"kinds": run.factors.kinds, "trainable": sum(p.numel() for p in run.factors.parameters())}
 
+    def run(self, run_id: str, pass_id: str, data: list, loss: str, loss_config: dict | None,
+            backward: bool, tenant: str, weight: float, max_tokens: int) -> Future:
+        """Check a pass (as `begin`; a bad one is refused now) and queue it for the engine loop's
+        slices of at most `max_tokens` tokens (`slice_turn`); the Future gets its result (as
+        `advance` gives it) or its error, set on this thread."""
+        if max_tokens < 1:
+            raise EngineError(f"max_tokens must be >= 1, got {max_tokens}", status=400, code="training_error")
+        self.begin(run_id, pass_id, data, loss, loss_config, backward, tenant, weight)
+        answer: Future = Future()
+        self.queue[pass_id] = (answer, max_tokens)
+        return answer
+
     def begin(self, run_id: str, pass_id: str, data: list, loss: str, loss_config: dict | None,
               backward: bool, tenant: str, weight: float) -> None:
         """Check a pass (datums as [tokens, {input: values}]) and hold it for `advance`; its
-        slices are charged to `tenant` in the scheduler's fair share (with `weight`)."""
+        slices are charged to `tenant` in the scheduler's fair share (with `weight`), where it
+        counts as the tenant's work until it ends."""
+        if pass_id in self.passes:
+            raise EngineError(f"training pass {pass_id!r} exists", status=400, code="training_error")
         device = self.engine.device
         datums = [Datum(torch.tensor(tokens, dtype=torch.long, device=device),
                         {k: torch.tensor(v, dtype=torch.long if k == "target_tokens" else torch.float32,
@@ -110,18 +148,50 @@ class TrainerCore:
                   for tokens, inputs in data]
         self.passes[pass_id] = self._run(run_id).start(datums, loss, loss_config, backward=backward)
         self.payers[pass_id] = (tenant, weight)
+        self.engine.scheduler.train_joined(tenant, weight)
+
+    def slice_turn(self, served: bool) -> bool:
+        """One slice of the queued training, if it is training's turn; whether one ran.
+
+        The pass: the oldest queued one of the tenant that would be least ahead after its slice
+        (its virtual time plus the slice's tokens over its weight; arrival order on ties). With
+        `served` (the serving step just before ran a batch), it runs only if the scheduler says
+        it is training's turn (`Scheduler.training_turn`); else (nothing to serve, or nothing
+        that could run) it runs. Passes that end in the slice get their answers."""
+        if not self.queue:
+            return False
+        sched, best, seen = self.engine.scheduler, None, set()
+        for pass_id, (_, budget) in self.queue.items():
+            tenant, weight = self.payers[pass_id]
+            if tenant in seen:
+                continue
+            seen.add(tenant)
+            work = self.passes[pass_id].next_work(budget)
+            finish = sched.vtime(tenant) + work / weight
+            if best is None or finish < best[0]:
+                best = (finish, pass_id, tenant, weight, work)
+        _, pass_id, tenant, weight, work = best
+        if served and not sched.training_turn(tenant, work, weight):
+            return False
+        p, budget = self.passes[pass_id], self.queue[pass_id][1]
+        failed = self._slice(p, budget) if not p.done else {}
+        self._settle(failed)
+        return True
 
     def advance(self, pass_id: str, max_tokens: int) -> dict | None:
-        """Run one slice of the pass, batched with the next datums of other runs' passes waiting
-        too (`_slice`); its result (outputs as lists, metrics) once its last datum ran, in its own
-        slice or another pass's. A failure ends the pass (its gradients never reach the run)."""
+        """Run one slice of a `begin`-held pass now, batched with the next datums of other runs'
+        passes waiting too (`_slice`); its result (outputs as lists, metrics) once its last datum
+        ran, in its own slice or another pass's. A failure ends the pass (its gradients never
+        reach the run)."""
         p = self.passes.get(pass_id)
-        if p is None:
-            raise EngineError(f"no training pass {pass_id!r}", status=404, code="not_found")
+        if p is None or pass_id in self.queue:
+            raise EngineError(f"no training pass {pass_id!r} held for advance", status=404, code="not_found")
         failure = self.failures.pop(pass_id, None)
         try:
             if failure is None and not p.done:
-                failure = self._slice(p, max_tokens)
+                failed = self._slice(p, max_tokens)
+                failure = failed.pop(p, None)
+                self._settle(failed)
             if failure is not None:
                 raise failure
             result = p.finish() if p.done else None
@@ -131,15 +201,40 @@ class TrainerCore:
         if result is None:
             return None
         self._end(pass_id)
-        return {"outputs": [{k: v.cpu().tolist() for k, v in out.items()} for out in result.outputs],
-                "metrics": result.metrics}
+        return _answer(result)
 
-    def _slice(self, p: Pass, max_tokens: int) -> BaseException | None:
+    def _settle(self, failed: dict[Pass, BaseException]) -> None:
+        """After a slice: each queued pass that failed in it or is done gets its answer and ends;
+        a failure of a `begin`-held pass is kept for its own next `advance` to raise."""
+        ids = {id(q): qid for qid, q in self.passes.items()}
+        for q, exc in failed.items():
+            if ids[id(q)] not in self.queue:
+                self.failures[ids[id(q)]] = exc
+        for pass_id in [k for k in self.queue]:
+            p = self.passes[pass_id]
+            exc = failed.get(p)
+            if exc is None and not p.done:
+                continue
+            answer = self.queue[pass_id][0]
+            try:
+                if exc is not None:
+                    raise exc
+                result = _answer(p.finish())
+            except (TrainingError, ValueError) as err:
+                answer.set_exception(_refused(err))
+            except Exception as err:  # a bug: the caller's 500, the engine goes on
+                answer.set_exception(err)
+            else:
+                answer.set_result(result)
+            finally:
+                self._end(pass_id)
+
+    def _slice(self, p: Pass, max_tokens: int) -> dict[Pass, BaseException]:
         """One slice of at most `max_tokens`: p's next whole datums and, one datum each in turn,
         those of other runs' passes that wait (one pass per run), as ONE batch through the base
         (train/grouped.py); or the next chunk of p's datum longer than the budget, alone. Each
-        pass's tenant pays for its own rows, failed or not. p's failure is returned; another
-        pass's is kept for its own next `advance` to raise."""
+        pass's tenant pays for its own rows, failed or not. The passes that failed, with why."""
+        self.slices += 1
         if self.engine.runner.lora is not None:  # the wrappers add nothing during a training forward
             self.engine.runner.lora.set_slots([])
         ids = {q: qid for qid, q in self.passes.items() if qid not in self.failures}
@@ -161,20 +256,26 @@ class TrainerCore:
         for q, before in zip(group, work):
             tenant, weight = self.payers[ids[q]]
             self.engine.scheduler.charge(tenant, q.work - before, weight)
-        for q, exc in failed.items():
-            if q is not p:
-                self.failures[ids[q]] = exc
-        return failed.get(p)
+        return failed
 
     def _end(self, pass_id: str) -> None:
-        del self.passes[pass_id], self.payers[pass_id]
+        tenant, _ = self.payers.pop(pass_id)
+        del self.passes[pass_id]
         self.failures.pop(pass_id, None)
+        self.queue.pop(pass_id, None)
+        if all(t != tenant for t, _ in self.payers.values()):
+            self.engine.scheduler.train_left(tenant)
 
     def optim_step(self, run_id: str, adam: dict) -> dict:
         """One Adam step: {metrics, steps} (the run's step count after it, which its resume
-        state, written behind, carries too)."""
+        state, written behind, carries too). Refused with a 400 naming the parameter when an
+        Adam parameter is out of range or the step would take the factors past what serving
+        admits (train/run.py); the run is then as it was, its gradients kept."""
         run = self._run(run_id)
-        metrics = run.optim_step(AdamParams(**adam))
+        if not isinstance(adam, dict) or set(adam) - set(AdamParams.__dataclass_fields__):
+            raise EngineError(f"adam_params must hold only {sorted(AdamParams.__dataclass_fields__)}",
+                              status=400, code="training_error", param="adam_params")
+        metrics = run.optim_step(AdamParams(**adam), serving_dtype=self.engine.dtype)
         self._keep(run_id, run)
         return {"metrics": metrics, "steps": run.steps}
 
@@ -217,14 +318,24 @@ class TrainerCore:
         return run.steps
 
     def drop(self, run_id: str) -> bool:
-        """Forget a run (and its passes); True if it was here."""
-        self.passes = {k: p for k, p in self.passes.items() if p.run is not self.runs.get(run_id)}
-        self.payers = {k: v for k, v in self.payers.items() if k in self.passes}
-        self.failures = {k: v for k, v in self.failures.items() if k in self.passes}
+        """Forget a run (and its passes: a queued one's caller gets a 404); True if it was here."""
+        run = self.runs.get(run_id)
+        for pass_id in [k for k, p in self.passes.items() if p.run is run]:
+            queued = self.queue.get(pass_id)
+            self._end(pass_id)
+            if queued is not None:
+                queued[0].set_exception(EngineError(f"training run {run_id!r} was unloaded before this "
+                                                    "pass ended", status=404, code="model_not_found"))
         path = self.resume.pop(run_id, None)
         if path is not None:
             self.writer.discard(path)
         return self.runs.pop(run_id, None) is not None
+
+
+def _answer(result) -> dict:
+    """A pass's result as plain data: outputs as lists, metrics."""
+    return {"outputs": [{k: v.cpu().tolist() for k, v in out.items()} for out in result.outputs],
+            "metrics": result.metrics}
 
 
 def _metadata(blob: bytes) -> dict[str, str]:
