@@ -38,6 +38,7 @@ from loraserve.engine.types import EngineError, ResolvedModel
 from loraserve.server.errors import APIError, clip
 from loraserve.server.request_log import current_record
 from loraserve.train.resume import write_atomic
+from loraserve.train.config import TrainingError
 from loraserve.train.run import AdamParams
 from loraserve.server.tenancy import principal_of
 from loraserve.server.tinker import asample as ta
@@ -298,14 +299,30 @@ async def run_pass(request: Request, model_id: str, body: PassInput, backward: b
     return submit(request, run, op)
 
 
+def adam_params(body: AdamBody) -> dict:
+    """The Adam parameters as the engine takes them; a 400 naming the field for a value no step
+    can use (NaN, Inf, negative, betas outside [0, 1), eps not above 0, past float32:
+    `train.run.AdamParams`), before anything is queued. A step whose update would take the
+    factors past the serving bound is refused by the engine (its future fails, 400 category
+    `user`) and leaves the run as it was."""
+    values = body.model_dump()
+    try:
+        AdamParams(**values)
+    except TrainingError as exc:
+        raise APIError(400, str(exc), code="invalid_adam_params",
+                       param=f"adam_params.{exc.param}" if exc.param else "adam_params") from None
+    return values
+
+
 async def optim_step(body: OptimStepBody, request: Request) -> dict:
     run, train = _run(request, body.model_id), trainer(request)
+    adam = adam_params(body.adam_params)
 
     async def step() -> dict:  # after a restore too: a step must not run without its gradients
         lost = lost_work(run)
         if lost is not None:
             raise APIError(409, lost, code="gradients_lost")
-        return await train.optim_step(run.model_id, body.adam_params.model_dump())
+        return await train.optim_step(run.model_id, adam)
 
     async def op() -> dict:
         result = await on_core(request, run, step)
