@@ -49,7 +49,7 @@ from loraserve.model.config import ModelConfig
 __all__ = ["CONVERTER_VERSION", "GGUFError", "MARKER", "SUPPORTED_ARCHS", "SUPPORTED_TENSOR_TYPES",
            "cache_dir", "is_gguf_file", "resolve_base"]
 
-CONVERTER_VERSION = "1"   # bump when the folder written for the same file changes
+CONVERTER_VERSION = "2"   # bump when the folder written for the same file changes
 WEIGHT_DTYPE = "float32"  # the dtype the weights are written in (part of the cache key)
 MARKER = "loraserve-gguf.json"  # written last: a folder without it is incomplete
 GGUF_MAGIC = b"GGUF"
@@ -323,6 +323,14 @@ def _check_plan(path: Path, plan: list[_Output], config: ModelConfig) -> None:
 
 
 # -- config ----------------------------------------------------------------------------------
+def _serving_dtype(tensors: dict[str, Any]) -> str:
+    """The dtype `--dtype auto` serves on CUDA (the CPU serves float32): float32 for a file whose
+    matrices are all F32, float16 for all F16, else bfloat16 (BF16 and quantized files). The
+    weights themselves are written in float32 (WEIGHT_DTYPE) whatever this says."""
+    types = {t.tensor_type.name for t in tensors.values() if len(t.shape) >= 2}
+    return "float32" if types <= {"F32"} else "float16" if types == {"F16"} else "bfloat16"
+
+
 def _config(path: Path, meta: _Meta, gguf_arch: str, tensors: dict[str, Any]) -> tuple[ModelConfig, dict]:
     """The ModelConfig the metadata describes, and config.json's extra token ids."""
     arch = SUPPORTED_ARCHS[gguf_arch]
@@ -359,7 +367,7 @@ def _config(path: Path, meta: _Meta, gguf_arch: str, tensors: dict[str, Any]) ->
         rms_norm_eps=meta.number(key("attention.layer_norm_rms_epsilon"), float, required=True),
         rope_theta=theta, max_position_embeddings=context,
         rope_scaling=_rope_scaling(path, meta, gguf_arch, tensors, head_dim, theta),
-        tie_word_embeddings="output.weight" not in tensors, torch_dtype=WEIGHT_DTYPE,
+        tie_word_embeddings="output.weight" not in tensors, torch_dtype=_serving_dtype(tensors),
         eos_token_ids=_eos_ids(meta, vocab),
     )
     dense_ff = meta.number(key("feed_forward_length"), int)

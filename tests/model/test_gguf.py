@@ -254,7 +254,9 @@ def test_architecture_matches_transformers(case, tmp_path, make_hf):
     file = gguf_of(source, tmp_path / "gguf" / "m.gguf", qtype, name=name)
     base = resolve_base(file)
     config = json.loads((base / "config.json").read_text())
-    assert config["model_type"] == arch and config["torch_dtype"] == config["dtype"] == "float32"
+    # what `--dtype auto` serves on CUDA: the file's own type, bfloat16 for quantized files
+    served = {GG.F32: "float32", GG.F16: "float16"}.get(qtype, "bfloat16")
+    assert config["model_type"] == arch and config["torch_dtype"] == config["dtype"] == served
     assert config["tie_word_embeddings"] == bool(spec.get("tie"))
     ours = load_model(base)
     assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == bool(spec.get("tie"))
