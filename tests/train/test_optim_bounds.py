@@ -175,8 +175,7 @@ def test_any_adam_params_are_taken_within_the_bound_or_refused_with_nothing_chan
 
 
 def test_the_generated_parameters_were_taken_too():
-    """The test above took some of its parameter sets (not only refusals), huge learning
-    rates among them."""
+    """The test above took some of its parameter sets, not only refusals."""
     if not ACCEPTED:
         pytest.skip("runs after the generated test only")
     assert len(ACCEPTED) >= 10, len(ACCEPTED)
