@@ -291,3 +291,46 @@ def test_any_mix_of_training_and_serving_keeps_the_bound(engine, jobs, requests,
             core.drop(run_id)
         for rid in list(engine.seqs):
             engine.abort(rid)
+
+
+def test_a_pass_whose_caller_went_away_or_whose_run_was_dropped_ends(engine, loop):
+    """A queued pass whose caller cancelled its answer is dropped at the next turn, its gradients
+    never reaching the run; a dropped run's queued pass is answered 404."""
+    core = trainer_of(engine)
+    core.create("gone", RUN)
+    core.create("dropped", RUN)
+    cancelled = core.handle("run", ["gone", "gone#0", [_datum(40)], "cross_entropy", None, True, "a", 1.0, 10])
+    dropped = core.handle("run", ["dropped", "dropped#0", [_datum(40)], "cross_entropy", None, True, "a", 1.0, 10])
+    loop.step()
+    assert cancelled.cancel()
+    core.drop("dropped")
+    assert dropped.exception().status == 404
+    _drive(loop, [])
+    assert not core.queue and not core.passes and core.runs["gone"].grads is None
+    assert engine.scheduler.vtime("a") == 0  # nothing left: nobody owes anybody
+
+
+def test_a_create_waiting_for_the_optimizer_import_does_not_stop_serving(engine, loop, monkeypatch):
+    """A process's first optimizer imports torch._dynamo (seconds): the first create answers
+    through a Future once that import, on a thread of its own, is done; the loop serves
+    meanwhile, and a bad config is still refused at once."""
+    from loraserve.engine.core import training as module
+    from loraserve.engine.types import EngineError
+
+    ready, started = threading.Event(), []
+    monkeypatch.setattr(module, "_OPTIMIZER_READY", ready)
+    monkeypatch.setattr(module, "_warm_optimizer", lambda notify: started.append(notify))
+    core = trainer_of(engine)
+    with pytest.raises(EngineError) as err:
+        core.handle("create", ["bad", {**RUN, "rank": 0}, None])
+    assert err.value.status == 400
+    answer = core.handle("create", ["late", RUN, None])
+    assert started and not answer.done() and not loop.busy
+    engine.add_request(_request("chat", "c", tokens=4))
+    for _ in range(4):
+        loop.step()
+    assert loop.trace == ["prefill", "decode", "decode", "decode"] and not answer.done()
+    ready.set()
+    assert loop.busy
+    loop.step()
+    assert answer.result()["trainable"] > 0 and "late" in core.runs and not core.creating

@@ -16,6 +16,10 @@ at most, and a light tenant's request that arrives runs before the next slice. (
 drove its own slices with one call each; the core took every call that had arrived before its
 next step, so N runs put N slices back to back between two decode steps, and a request queued
 behind them.) `begin` / `advance` run a pass slice by slice on the caller's say (tests, bench).
+
+A process's first optimizer imports torch._dynamo (2.6 s on the 2-core box): the first `create`
+starts that import on a thread of its own and answers when it is done (a Future, finished by the
+engine loop), so that serving goes on meanwhile instead of stopping for it.
 After each optim_step a run's state is written for a core restart by a writer thread
 (train/resume.py).
 
@@ -27,8 +31,9 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +49,24 @@ from ..types import EngineError
 from .llm_engine import LLMEngine
 
 _CORES: weakref.WeakKeyDictionary[LLMEngine, TrainerCore] = weakref.WeakKeyDictionary()
+_OPTIMIZER_READY = threading.Event()  # torch.optim's first optimizer was made in this process
+_OPTIMIZER_WARMING = threading.Lock()
+
+
+def _warm_optimizer(notify) -> None:
+    """Make a first optimizer on a thread (it imports torch._dynamo), once per process; then
+    `notify()` (wakes the engine's owner thread, which finishes the creates that waited)."""
+    if not _OPTIMIZER_WARMING.acquire(blocking=False):
+        return
+
+    def warm() -> None:
+        try:
+            torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-4, foreach=False)
+        finally:
+            _OPTIMIZER_READY.set()
+            notify()
+
+    threading.Thread(target=warm, name="loraserve-optimizer-import", daemon=True).start()
 
 
 def trainer_of(engine: LLMEngine) -> TrainerCore:
@@ -83,22 +106,45 @@ class TrainerCore:
         self.failures: dict[str, BaseException] = {}  # pass id -> how it failed in another's slice
         self.resume: dict[str, Path] = {}  # run id -> where its state goes after each step
         self.queue: dict[str, tuple[Future, int]] = {}  # queued pass id -> (its answer, budget), oldest first
+        self.creating: list[tuple[Future, list]] = []  # creates waiting for the optimizer import
         self.slices = 0  # slices run (each a turn of the engine loop at most)
         self.writer = ResumeWriter()
 
     @property
     def has_queued(self) -> bool:
-        """Training the engine loop drives is waiting for slices."""
-        return bool(self.queue)
+        """Training the engine loop drives waits for a turn: slices, or creates whose optimizer
+        import is done."""
+        return bool(self.queue) or bool(self.creating and _OPTIMIZER_READY.is_set())
 
     def handle(self, op: str, args: list) -> Any:
-        """Run one operation; TrainingError / ValueError become a 400 EngineError."""
+        """Run one operation; TrainingError / ValueError become a 400 EngineError. A queued
+        pass (`run`), and a `create` before this process's optimizer import is done, answer
+        through a Future that the engine loop finishes."""
         if op not in self.OPS:
             raise EngineError(f"unknown training operation {op!r}", status=400, code="training_error")
         try:
+            if op == "create" and not _OPTIMIZER_READY.is_set():
+                RunConfig(**args[1])  # a bad config is refused now
+                _warm_optimizer(self.engine._notify)
+                answer: Future = Future()
+                self.creating.append((answer, args))
+                return answer
             return getattr(self, op)(*args)
         except (TrainingError, ValueError) as exc:
             raise _refused(exc) from exc
+
+    def _finish_creates(self) -> None:
+        """The creates that waited for the optimizer import, once it is done."""
+        if not (self.creating and _OPTIMIZER_READY.is_set()):
+            return
+        waiting, self.creating = self.creating, []
+        for answer, args in waiting:
+            try:
+                _reply(answer, self.create(*args))
+            except (TrainingError, ValueError) as exc:
+                _reply(answer, error=_refused(exc))
+            except Exception as exc:  # EngineError (a pool that cannot serve the run), or a bug
+                _reply(answer, error=exc)
 
     def _run(self, run_id: str) -> TrainingRun:
         run = self.runs.get(run_id)
@@ -158,6 +204,9 @@ class TrainerCore:
         `served` (the serving step just before ran a batch), it runs only if the scheduler says
         it is training's turn (`Scheduler.training_turn`); else (nothing to serve, or nothing
         that could run) it runs. Passes that end in the slice get their answers."""
+        self._finish_creates()
+        for pass_id in [k for k, (answer, _) in self.queue.items() if answer.cancelled()]:
+            self._end(pass_id)  # nobody waits for it (its caller went away): it never finishes
         if not self.queue:
             return False
         sched, best, seen = self.engine.scheduler, None, set()
@@ -217,15 +266,17 @@ class TrainerCore:
                 continue
             answer = self.queue[pass_id][0]
             try:
+                if answer.cancelled():  # its caller went away: its gradients never reach the run
+                    continue
                 if exc is not None:
                     raise exc
                 result = _answer(p.finish())
             except (TrainingError, ValueError) as err:
-                answer.set_exception(_refused(err))
+                _reply(answer, error=_refused(err))
             except Exception as err:  # a bug: the caller's 500, the engine goes on
-                answer.set_exception(err)
+                _reply(answer, error=err)
             else:
-                answer.set_result(result)
+                _reply(answer, result)
             finally:
                 self._end(pass_id)
 
@@ -324,12 +375,23 @@ class TrainerCore:
             queued = self.queue.get(pass_id)
             self._end(pass_id)
             if queued is not None:
-                queued[0].set_exception(EngineError(f"training run {run_id!r} was unloaded before this "
+                _reply(queued[0], error=EngineError(f"training run {run_id!r} was unloaded before this "
                                                     "pass ended", status=404, code="model_not_found"))
         path = self.resume.pop(run_id, None)
         if path is not None:
             self.writer.discard(path)
         return self.runs.pop(run_id, None) is not None
+
+
+def _reply(answer: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Answer a queued pass's caller, unless it went away (cancelled its Future meanwhile)."""
+    try:
+        if error is not None:
+            answer.set_exception(error)
+        else:
+            answer.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 def _answer(result) -> dict:
