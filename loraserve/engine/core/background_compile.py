@@ -120,7 +120,7 @@ class BackgroundCompile:
         and admit it if faster (`DecodeGraphs.measure`). Here, not on the compile thread: the
         engine thread runs at the priority the served steps do, so the timing is theirs."""
         graphs = self.graphs
-        if not self._unmeasured or not graphs.lock.acquire(blocking=False):
+        if not self._unmeasured or not self.is_idle() or not graphs.lock.acquire(blocking=False):
             return
         try:
             b = self._unmeasured[0]

@@ -23,6 +23,7 @@ from .background_compile import BackgroundCompile, compile_cache_dir, use_cache_
 from .decode_graphs import (DecodeGraphs, batch_buckets, choice_cache_path, choice_key, context_buckets,
                             read_choice, write_choice)
 from .llm_engine import LLMEngine
+from .training import trainer_if_any
 
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,11 @@ def _compile_decode(engine: LLMEngine, cfg: EngineConfig) -> DecodeGraphs | None
     twin = lora.fork() if lora is not None else None
     graphs = DecodeGraphs(twin_model(engine.model, lora, twin), engine.cache, engine.device, twin,
                           engine.scratch_block, sizes, contexts)
-    engine.compiler = BackgroundCompile(graphs, lambda: not engine.has_work(), remembered,
+    def idle() -> bool:  # nothing to serve, and no training slice queued
+        trainer = trainer_if_any(engine)
+        return not engine.has_work() and (trainer is None or not trainer.has_queued)
+
+    engine.compiler = BackgroundCompile(graphs, idle, remembered,
                                         on_measured=lambda g: write_choice(cache, key, g),
                                         on_change=lambda: engine._notify()).start()
     return graphs

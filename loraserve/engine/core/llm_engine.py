@@ -232,8 +232,8 @@ class LLMEngine:
         outs = self._drain_page_ins()
         seqs, is_prefill = self.scheduler.schedule()
         self.last_batch_size = len(seqs)
-        if not seqs and self.compiler is not None and not self.has_work():
-            self.compiler.idle_turn()  # times a freshly compiled decode bucket
+        if not seqs and self.compiler is not None:
+            self.compiler.idle_turn()  # when idle: times a freshly compiled decode bucket
         if seqs:
             seqs, result = self._run(seqs, is_prefill, outs)
             seqs, result = self._screen(seqs, result, outs)
