@@ -15,6 +15,12 @@ Writes, under --out (every step is skipped when its output is there):
                     --outtypes f32,bf16 also writes gguf/base-bf16.gguf, gguf/aNN-bf16.gguf
   prompts.json      --prompts prompt texts (2-3 generated sentences: 30-105 tokens)
 
+With --from-gguf FILE (a real model, e.g. SmolLM2-135M-Instruct's Q4_1 file from `make models`)
+hf/ is that file as loraserve reads it (`loraserve.model.gguf.resolve_base`: dequantized to float32,
+its own tokenizer and chat template, written by the project's .venv), and gguf/base-f32.gguf is
+llama.cpp's conversion of that hf/ directory: both servers then run the same float32 weights
+(run.py --llama-base FILE serves the original file on llama.cpp's side instead).
+
 Why this tokenizer: llama.cpp's converter recognises a byte-level BPE tokenizer only by a hash of
 its pre-tokenizer output on a fixed text, so a home-made BPE vocabulary is refused. A SentencePiece
 model is converted as such (Qwen2/Qwen3's `set_vocab` tries `tokenizer.model` first). Its vocab is
@@ -119,6 +125,18 @@ def write_base(hf: Path, hidden: int, layers: int, head_dim: int, seed: int,
     GenerationConfig(bos_token_id=1, eos_token_id=2, do_sample=False).save_pretrained(hf)
 
 
+def from_gguf(file: Path, hf: Path) -> None:
+    """hf/ = the GGUF file as loraserve serves it (converted by the project's own venv)."""
+    import shutil
+
+    venv_python = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"
+    converted = subprocess.run(
+        [str(venv_python), "-P", "-c", "import sys; from loraserve.model.gguf import resolve_base; "
+         "print(resolve_base(sys.argv[1]))", str(file)], check=True, capture_output=True, text=True)
+    shutil.copytree(Path(converted.stdout.strip().splitlines()[-1]), hf,
+                    ignore=shutil.ignore_patterns("loraserve-gguf.json"))
+
+
 def write_adapters(hf: Path, peft_root: Path, n: int, rank: int, sigma: float) -> None:
     import torch
     from peft import LoraConfig, get_peft_model
@@ -200,16 +218,22 @@ def main() -> None:
     ap.add_argument("--outtypes", default="f32",
                     help="GGUF weight types to write, comma-separated: f32, bf16, f16 (the "
                          "checkpoint stays float32; run.py --dtype picks one)")
+    ap.add_argument("--from-gguf", type=Path, default=None,
+                    help="the base is this GGUF file (a real model) instead of a random Qwen3")
     ap.add_argument("--cache", type=Path, default=None,
                     help="build.sh's cache dir (default: the parent of --out)")
     args = ap.parse_args()
     out: Path = args.out.resolve()
     hf = out / "hf"
     (out / "work").mkdir(parents=True, exist_ok=True)
-    if not (hf / "tokenizer.json").is_file():
-        write_tokenizer(hf, out / "work")
-    if not (hf / "model.safetensors").is_file():
-        write_base(hf, args.hidden, args.layers, args.head_dim, args.seed, args.heads)
+    if args.from_gguf is not None:
+        if not (hf / "model.safetensors").is_file():
+            from_gguf(args.from_gguf.resolve(), hf)
+    else:
+        if not (hf / "tokenizer.json").is_file():
+            write_tokenizer(hf, out / "work")
+        if not (hf / "model.safetensors").is_file():
+            write_base(hf, args.hidden, args.layers, args.head_dim, args.seed, args.heads)
     write_adapters(hf, out / "peft", args.adapters, args.rank, args.sigma)
     for outtype in args.outtypes.split(","):
         convert(out, args.adapters, (args.cache or out.parent).resolve(), outtype.strip())

@@ -226,9 +226,24 @@ class LoraServe(Server):
                     "--model", str(model_dir / "hf"), "--catalog", str(catalog),
                     "--served-model-name", "base", "--host", "127.0.0.1", "--port", str(port),
                     "--device", "cpu", "--dtype", dtype, "--torch-threads", str(threads),
-                    "--no-prefix-caching", "--max-batch-size", str(batch),
+                    "--no-prefix-caching",
                     "--max-model-len", str(max_len), "--max-gpu-adapters", str(max(n_adapters, 1)),
                     "--max-lora-rank", "16", "--log-level", "warning"]
+        # the batch size stays the server's default (64): a server that cannot batch
+        # (`--loraserve-args '--max-batch-size 1'`) is a special mode, labelled as such
+
+    def wait_compiled(self, timeout: float = 3600) -> list[str]:
+        """Until the background compile of the decode step has made every bucket (`/ready`
+        lists none `compiling`): what a user's server runs after its first minutes. The
+        buckets in use."""
+        import httpx
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            body = httpx.get(f"{self.url}/ready", timeout=10).json()
+            if not body.get("compiling"):
+                return body.get("compiled", [])
+            time.sleep(2)
+        raise SystemExit(f"loraserve still compiling after {timeout} s; see {self.log}")
 
     def body(self, prompt: str, adapter: int | None, tokens: int, check: bool) -> tuple[str, dict]:
         b = {"model": "base" if adapter is None else f"bench/a{adapter:02d}", "prompt": prompt,
@@ -248,13 +263,15 @@ class LlamaCpp(Server):
     name = "llama.cpp"
 
     def __init__(self, binary: Path, model_dir: Path, threads: int, n_adapters: int, batch: int,
-                 max_len: int, flash_attn: str = "off", dtype: str = "float32"):
+                 max_len: int, flash_attn: str = "off", dtype: str = "float32",
+                 base_file: Path | None = None):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         gg, kind = model_dir / "gguf", GGUF_TYPES[dtype]
-        if not (gg / f"base-{kind}.gguf").is_file():
-            raise SystemExit(f"no {gg}/base-{kind}.gguf: run make_model.py --outtypes f32,{kind}")
-        self.cmd = [str(binary), "-m", str(gg / f"base-{kind}.gguf"), "--host", "127.0.0.1",
+        base = base_file or gg / f"base-{kind}.gguf"
+        if not base.is_file():
+            raise SystemExit(f"no {base}: run make_model.py --outtypes f32,{kind}")
+        self.cmd = [str(binary), "-m", str(base), "--host", "127.0.0.1",
                     "--port", str(port), "-t", str(threads), "-tb", str(threads),
                     "-np", str(batch), "-c", str(batch * max_len), "-ngl", "0",
                     "-ctk", kind, "-ctv", kind, "--no-cache-prompt", "--cache-ram", "0", "--no-webui"]
@@ -356,7 +373,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="concurrent requests")
     ap.add_argument("--check-requests", type=int, default=0,
                     help="requests in the correctness step, when more than --batch (all at once: "
-                         "each server runs at most --batch of them together)")
+                         "llama.cpp runs at most --batch of them together, its -np)")
     ap.add_argument("--llama-flash-attn", default="off", choices=["off", "on", "auto"],
                     help="llama.cpp -fa (default off: its CPU flash attention rounds through "
                          "float16, and greedy outputs then differ from float32 references)")
@@ -367,6 +384,9 @@ def main() -> None:
     ap.add_argument("--time-mismatched", action="store_true", help="time mixes with mismatches too")
     ap.add_argument("--logs", type=Path, default=None, help="server logs (default: MODEL_DIR/logs)")
     ap.add_argument("--json", type=Path, default=None, help="write all timings (and the correctness step's token ids) here")
+    ap.add_argument("--llama-base", type=Path, default=None,
+                    help="the GGUF llama.cpp serves instead of MODEL_DIR/gguf/base-TYPE.gguf, e.g. "
+                         "the original quantized file the f32 checkpoint was dequantized from")
     ap.add_argument("--loraserve-args", default="",
                     help="more `loraserve serve` options, e.g. '--compile on'")
     ap.add_argument("--loraserve-bin", type=Path, default=None,
@@ -405,14 +425,16 @@ def main() -> None:
         servers = [LoraServe(model_dir, catalog, threads, n_adapters, args.batch, max_len,
                              args.loraserve_args.split(), args.loraserve_bin, args.dtype),
                    LlamaCpp(args.llama_server, model_dir, threads, n_adapters, args.batch, max_len,
-                            args.llama_flash_attn, args.dtype)]
+                            args.llama_flash_attn, args.dtype, args.llama_base)]
         for s in servers:
             print(f"[threads {threads}] {s.name}: {' '.join(s.cmd)}")
             s.start(logs / f"{s.name}-t{threads}.log")
         try:
             for s in servers:
-                s.wait_ready(1800)  # loraserve may compile its decode step at start-up
+                s.wait_ready(300)
             ls, lc = servers
+            compiled = ls.wait_compiled()  # timed as it runs once its background compile is done
+            print(f"[threads {threads}] loraserve decode buckets compiled: {', '.join(compiled) or 'none'}")
             lc_ids = llamacpp_tokenize(lc, texts)
             same_tok = sum(a == b for a, b in zip(lc_ids, prompt_ids))
             print(f"[threads {threads}] prompt tokenization equal in both: {same_tok}/{len(texts)}")
