@@ -178,9 +178,10 @@ class AsyncEngine(EngineFrontend):
                     cmd = self._cmds.get_nowait()
                 except queue.Empty:
                     cmd = None
-            outs.extend(loop.step())
-            if outs:
+            outs.extend(loop.serve())
+            if outs:  # before the slice: a token never waits for it
                 self._loop.call_soon_threadsafe(self._deliver, outs)
+            loop.train()
 
     def _next_cmd(self, loop: EngineLoop):
         """Busy: take a command if one is there. Idle: sleep until one arrives (a page-in wakes

@@ -12,9 +12,11 @@ API process every step, taking CPU from the engine's intra-op threads on a small
 request with stop strings sends every step's delta: the API side's `OutputProcessor` must see
 its text to end it.
 
-Training shares the turns: after its serving step, a turn runs at most one slice of the queued
-training (`TrainerCore.slice_turn`), and only in training's turn of the fair share, so a serving
-step never waits for more than one slice, however many runs train.
+Training shares the turns: after its serving step (`serve`), a turn runs at most one slice of
+the queued training (`train`, `TrainerCore.slice_turn`), and only in training's turn of the fair
+share, so a serving step never waits for more than one slice, however many runs train. The
+hostings hand the serving step's deltas over before the slice runs: a token never waits for the
+slice after the step that made it.
 """
 from __future__ import annotations
 
@@ -66,26 +68,38 @@ class EngineLoop:
         return trainer is not None and trainer.has_queued
 
     def step(self) -> list[RequestOutput]:
-        """One serving step, then at most one training slice (in training's turn)."""
+        """A whole turn: the serving step, then at most one training slice (tests, drivers that
+        hand the deltas over after the turn; the hostings call `serve` and `train` apart)."""
+        outs = self.serve()
+        self.train()
+        return outs
+
+    def serve(self) -> list[RequestOutput]:
+        """The turn's serving step: its deltas, to hand over before `train`."""
         eng = self.engine
         try:
             outs = eng.step()
         except Exception as exc:  # a bug outside any one sequence: fail what is running, go on
             log.exception("engine step failed")
             outs = eng.fail_all(exc)
-        served = eng.last_batch_size > 0
-        if self.trace is not None and served:
+        if self.trace is not None and eng.last_batch_size > 0:
             self.trace.append(eng.scheduler.last_kind or "serve")
-        trainer = trainer_if_any(eng)
-        if trainer is not None and trainer.has_queued:
-            try:
-                sliced = trainer.slice_turn(served)
-            except Exception:  # a bug outside any one pass (each pass's own faults answer it)
-                log.exception("training slice failed")
-                sliced = False
-            if sliced and self.trace is not None:
-                self.trace.append("train")
         return self._coalesce(outs) if self._quiet else outs
+
+    def train(self) -> bool:
+        """The turn's training slice, if training waits and it is its turn (after a serving step
+        that ran a batch, `TrainerCore.slice_turn` asks the fair share); whether one ran."""
+        trainer = trainer_if_any(self.engine)
+        if trainer is None or not trainer.has_queued:
+            return False
+        try:
+            sliced = trainer.slice_turn(self.engine.last_batch_size > 0)
+        except Exception:  # a bug outside any one pass (each pass's own faults answer it)
+            log.exception("training slice failed")
+            sliced = False
+        if sliced and self.trace is not None:
+            self.trace.append("train")
+        return sliced
 
     def _coalesce(self, outs: list[RequestOutput]) -> list[RequestOutput]:
         """Quiet requests: pass the first delta, hold and merge the rest until the last."""

@@ -136,9 +136,11 @@ class EngineCore:
                 outs.extend(self._handle(msg))
             if self._compiling:
                 outs.extend(self._admit_compiled())
-            outs.extend(self.loop.step())
-            self._send_step(outs)
+            outs.extend(self.loop.serve())
+            self._send_step(outs)  # before the slice: a token never waits for it
             self._send_returns()
+            if self.loop.train():
+                self._send_returns()  # passes that ended in the slice
 
     def _parent_alive(self) -> bool:
         return self.parent_pid is None or os.getppid() == self.parent_pid

@@ -19,7 +19,8 @@ behind them.) `begin` / `advance` run a pass slice by slice on the caller's say 
 
 A process's first optimizer imports torch._dynamo (2.6 s on the 2-core box): the first `create`
 starts that import on a thread of its own and answers when it is done (a Future, finished by the
-engine loop), so that serving goes on meanwhile instead of stopping for it.
+engine loop), so that serving goes on meanwhile instead of stopping for it; training operations
+that come meanwhile wait behind it, in order.
 After each optim_step a run's state is written for a core restart by a writer thread
 (train/resume.py).
 
@@ -106,7 +107,8 @@ class TrainerCore:
         self.failures: dict[str, BaseException] = {}  # pass id -> how it failed in another's slice
         self.resume: dict[str, Path] = {}  # run id -> where its state goes after each step
         self.queue: dict[str, tuple[Future, int]] = {}  # queued pass id -> (its answer, budget), oldest first
-        self.creating: list[tuple[Future, list]] = []  # creates waiting for the optimizer import
+        # operations waiting for the optimizer import (a create first), in arrival order
+        self.waiting: list[tuple[Future, str, list]] = []
         self.slices = 0  # slices run (each a turn of the engine loop at most)
         self.writer = ResumeWriter()
 
@@ -114,37 +116,45 @@ class TrainerCore:
     def has_queued(self) -> bool:
         """Training the engine loop drives waits for a turn: slices, or creates whose optimizer
         import is done."""
-        return bool(self.queue) or bool(self.creating and _OPTIMIZER_READY.is_set())
+        return bool(self.queue) or bool(self.waiting and _OPTIMIZER_READY.is_set())
 
     def handle(self, op: str, args: list) -> Any:
         """Run one operation; TrainingError / ValueError become a 400 EngineError. A queued
         pass (`run`), and a `create` before this process's optimizer import is done, answer
-        through a Future that the engine loop finishes."""
+        through a Future that the engine loop finishes (and so do the operations that come
+        while such a create waits: in order, after it)."""
         if op not in self.OPS:
             raise EngineError(f"unknown training operation {op!r}", status=400, code="training_error")
         try:
-            if op == "create" and not _OPTIMIZER_READY.is_set():
-                RunConfig(**args[1])  # a bad config is refused now
-                _warm_optimizer(self.engine._notify)
+            if self.waiting or (op == "create" and not _OPTIMIZER_READY.is_set()):
+                if op == "create":
+                    RunConfig(**args[1])  # a bad config is refused now
+                    _warm_optimizer(self.engine._notify)
                 answer: Future = Future()
-                self.creating.append((answer, args))
+                self.waiting.append((answer, op, args))
                 return answer
             return getattr(self, op)(*args)
         except (TrainingError, ValueError) as exc:
             raise _refused(exc) from exc
 
-    def _finish_creates(self) -> None:
-        """The creates that waited for the optimizer import, once it is done."""
-        if not (self.creating and _OPTIMIZER_READY.is_set()):
+    def _finish_waiting(self) -> None:
+        """The operations that waited for the optimizer import, in order, once it is done."""
+        if not (self.waiting and _OPTIMIZER_READY.is_set()):
             return
-        waiting, self.creating = self.creating, []
-        for answer, args in waiting:
+        waiting, self.waiting = self.waiting, []
+        for answer, op, args in waiting:
             try:
-                _reply(answer, self.create(*args))
+                value = getattr(self, op)(*args)
             except (TrainingError, ValueError) as exc:
                 _reply(answer, error=_refused(exc))
-            except Exception as exc:  # EngineError (a pool that cannot serve the run), or a bug
+            except Exception as exc:  # EngineError (e.g. an unknown run), or a bug
                 _reply(answer, error=exc)
+            else:
+                if isinstance(value, Future):  # a queued pass: its answer is this one's
+                    value.add_done_callback(lambda f, a=answer: _reply(a, None if f.exception() else f.result(),
+                                                                       f.exception()))
+                else:
+                    _reply(answer, value)
 
     def _run(self, run_id: str) -> TrainingRun:
         run = self.runs.get(run_id)
@@ -204,7 +214,7 @@ class TrainerCore:
         `served` (the serving step just before ran a batch), it runs only if the scheduler says
         it is training's turn (`Scheduler.training_turn`); else (nothing to serve, or nothing
         that could run) it runs. Passes that end in the slice get their answers."""
-        self._finish_creates()
+        self._finish_waiting()
         for pass_id in [k for k, (answer, _) in self.queue.items() if answer.cancelled()]:
             self._end(pass_id)  # nobody waits for it (its caller went away): it never finishes
         if not self.queue:
