@@ -29,6 +29,8 @@ VLLM_ALIASES = {
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    p.add_argument("model_arg", nargs="?", metavar="MODEL",
+                   help="the base model, as --model (vLLM's `vllm serve MODEL`)")
     p.add_argument("--model", help="base model directory (HF layout) or a .gguf file (converted once, "
                                    "into $LORASERVE_CACHE or ~/.cache/loraserve); default: the demo base")
     p.add_argument("--catalog", help="adapter catalog directory; default: the demo catalog with the demo base")
@@ -40,6 +42,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "(default: $LORASERVE_API_KEY)")
     p.add_argument("--enable-lora", action="store_true",
                    help="accepted for vLLM command lines and does nothing: LoRA is always on")
+    from .cli_gpu import check_fraction
+    p.add_argument("--gpu-memory-utilization", type=check_fraction, metavar="F",
+                   help="vLLM's: size the KV cache so that the server uses this share of the "
+                        "GPU's memory (weights, adapter pool and a reserve included); on CUDA "
+                        "only, instead of --kv-cache-mb (default: --kv-cache-mb's)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM command lines and does nothing: tool calls are always "
+                        "parsed (tool_choice \"auto\")")
+    from .server.tool_calls import PARSERS
+    p.add_argument("--tool-call-parser", metavar="NAME", type=_tool_call_parser,
+                   help=f"vLLM's: the tool-call format the model writes, one of "
+                        f"{', '.join(PARSERS)} (default: read off the chat template's markers)")
     from .server.lora_modules import parse_lora_module
     p.add_argument("--lora-modules", nargs="+", action="extend", type=parse_lora_module,
                    default=[], metavar="NAME=PATH",
@@ -76,6 +90,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     from .ray_serve.config import add_arguments as add_scale_out  # no Ray import
     add_scale_out(p)
     p.set_defaults(func=_serve)
+
+
+def _tool_call_parser(name: str) -> str:
+    """argparse type of --tool-call-parser: a name loraserve parses (the error lists them)."""
+    from .server.tool_calls import check_parser
+    try:
+        check_parser(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--tool-call-parser ")) from None
+    return name
 
 
 def _positive_seconds(text: str) -> float:
@@ -156,7 +180,8 @@ def _server_config(args: argparse.Namespace):
     return ServerConfig(api_key=args.api_key or None, keys=args.keys, metrics_key=args.metrics_key,
                         audit_log=args.audit_log, max_request_bytes=args.max_request_bytes,
                         max_seqs_per_request=args.max_seqs_per_request,
-                        shutdown_timeout=args.shutdown_timeout)
+                        shutdown_timeout=args.shutdown_timeout,
+                        tool_call_parser=args.tool_call_parser)
 
 
 def _action(hint: Any, default: Any) -> dict[str, Any]:
@@ -201,7 +226,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.keys:
         from .keys import load_keys
         load_keys(args.keys)  # a bad keys file stops here, before the model loads
-    model, catalog = args.model, args.catalog
+    server_config = _server_config(args)
+    model, catalog = _model_arg(args), args.catalog
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
                if hasattr(args, f.name)}  # the dests of _add_engine_options
     if model is None:
@@ -210,20 +236,30 @@ def _serve(args: argparse.Namespace) -> int:
         model, catalog = str(demo.qwen3), catalog or str(demo.catalog)
     else:
         model = _resolve_model(model, options)
+    from .cli_gpu import apply as apply_gpu_share
+    apply_gpu_share(args, options, model)  # --gpu-memory-utilization -> kv_cache_mb
     cfg = EngineConfig(model_dir=model, catalog_dir=catalog, **options)
     from .server.lora_modules import import_lora_modules
     for ref in import_lora_modules(args.lora_modules, catalog, model, cfg.model_name):
         logging.getLogger("loraserve").info("--lora-modules: serving %s", ref)
     if scale is not None:  # Ray Serve: N engine replicas behind the same app
         from .ray_serve.launch import run
-        run(cfg, scale, _server_config(args))
+        run(cfg, scale, server_config)
         return 0
     engine = (AsyncEngine.from_config(cfg) if args.single_process
               else CoreClient(cfg, engine_timeout_s=args.engine_timeout,
                               start_timeout_s=args.engine_start_timeout))
-    run_server(engine, _server_config(args), host=args.host, port=args.port,
+    run_server(engine, server_config, host=args.host, port=args.port,
                log_level=args.log_level.lower(), connections=connections, log_format=args.log_format)
     return 0
+
+
+def _model_arg(args: argparse.Namespace) -> str | None:
+    """The base model: `serve MODEL` (vLLM's form) or --model; both, naming two, is an error."""
+    positional = getattr(args, "model_arg", None)
+    if positional is not None and args.model is not None and positional != args.model:
+        raise ValueError(f"the model is given twice: {positional!r} and --model {args.model!r}")
+    return positional if positional is not None else args.model
 
 
 def _resolve_model(model: str, options: dict[str, Any]) -> str:

@@ -54,10 +54,12 @@ def _tokens(name: str, action: argparse.Action, value: Any, origin: str) -> list
         if isinstance(action, argparse.BooleanOptionalAction) and not name.startswith("no-"):
             return [flag if value else f"--no-{name}"]
         return [flag] if value else []
+    # `--flag=value`: one token each, so that a flag taking several values (`--lora-modules`)
+    # never takes the command line's positional MODEL after it
     if isinstance(action, argparse._AppendAction):
         values = value if isinstance(value, list) else [value]
-        return [token for item in values for token in (flag, _scalar(name, item, origin))]
-    return [flag, _scalar(name, value, origin)]
+        return [f"{flag}={_scalar(name, item, origin)}" for item in values]
+    return [f"{flag}={_scalar(name, value, origin)}"]
 
 
 def _scalar(name: str, value: Any, origin: str) -> str:

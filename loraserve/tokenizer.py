@@ -111,12 +111,15 @@ class ChatTemplate:
         self.source = source
 
     def render(self, messages: list[dict], add_generation_prompt: bool,
-               tools: list[dict] | None = None) -> str:
+               tools: list[dict] | None = None, variables: dict[str, Any] | None = None) -> str:
         """The prompt text; `tools` (OpenAI's tool objects) go to the template as `tools`, as
-        transformers passes them (None: the template renders no tools)."""
+        transformers passes them (None: the template renders no tools); `variables` are more of
+        the template's variables (vLLM's `chat_template_kwargs`: Qwen3's `enable_thinking`),
+        over the special tokens' as transformers puts them."""
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=tools, **self._variables)
+            return self._template.render(**{**self._variables, **(variables or {})},
+                                         messages=messages,
+                                         add_generation_prompt=add_generation_prompt, tools=tools)
         except jinja2.TemplateError as e:
             raise TokenizerError(f"chat template failed: {e}") from None
 
@@ -197,14 +200,15 @@ class Tokenizer:
         return None if self._chat is None else self._chat.source
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None,
+                            variables: dict[str, Any] | None = None) -> str:
         """Render `messages` ([{"role", "content"}, ...]) and `tools` with the model's chat
-        template."""
+        template, and `variables` (more template variables) when given."""
         if self._chat is None:
             raise TokenizerError("this model has no chat template (tokenizer_config.json "
                                  "chat_template or chat_template.jinja); use /v1/completions")
         _check_messages(messages)
-        return self._chat.render(messages, add_generation_prompt, tools)
+        return self._chat.render(messages, add_generation_prompt, tools, variables)
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._tok, skip_special_tokens)

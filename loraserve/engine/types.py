@@ -92,6 +92,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    # the API side's text (engine/client/output_processor.py; the core never reads them):
+    # special tokens' text left out, and the stop string or stop token that ended it kept
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     # structured output: the grammar the sampled tokens must follow (None = free)
     structured: GrammarSpec | None = None
     # derived, set by __post_init__ whatever is passed: whether any of the extensions above is

@@ -13,9 +13,6 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import PlainTextResponse, Response
 
-from loraserve.catalog.aliases import is_alias
-from loraserve.catalog.errors import CatalogError, InvalidAdapterId
-from loraserve.catalog.ids import parse_model_ref
 from loraserve.server.adapter_metrics import AdapterCollector
 from loraserve.server.adapter_routes import adapter_router, catalog_cards, readiness
 from loraserve.server.admin_routes import install_tenancy
@@ -29,14 +26,12 @@ from loraserve.server.errors import APIError, as_api_error, install_error_handle
 from loraserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from loraserve.heap import settle_heap
 from loraserve.server.middleware import BodyLimitMiddleware, RequestMiddleware
-from loraserve.server.names import canonical_model, lookup_error, not_found
 from loraserve.server.process_metrics import CoreMemoryCollector
 from loraserve.server.router_metrics import RouterMetricsCollector
 from loraserve.server.residency import install_residency
 from loraserve.server.protocol import ChatCompletionRequest, CompletionRequest, JSONBodyRoute
-from loraserve.server.serving import Engine, ServerContext
-from loraserve.server.tenancy import (TenancyConfig, check_visible, principal_of, scoped_listing,
-                                      visible_ids)
+from loraserve.server.serving import Engine, ServerContext, resolve_model
+from loraserve.server.tenancy import TenancyConfig, principal_of, scoped_listing, visible_ids
 from loraserve.server.tinker import install_tinker
 from loraserve.server.tokenize import tokenize_router
 
@@ -139,26 +134,19 @@ def _api_router(prefix: str = "/v1") -> APIRouter:
 
     @router.get("/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> dict:
+        """The card of any name the completions routes serve for this key: resolved by the same
+        resolver (the engine's AdapterDirectory: aliases, `tinker://`, the default tenant's bare
+        names, revisions and tags), with the same answer for a name it does not serve (the one
+        404, a 409 for another base's adapter, ...)."""
         engine = _ctx(request).engine
-        name = canonical_model(model_id, engine)  # an alias or tinker:// name: what it names
-        # another tenant's: the 404 of a name that names nothing, echoing model_id (names.py)
-        check_visible(principal_of(request), name, engine.model_name, requested=model_id)
-        if name in engine.list_models():
-            return _model_card(model_id, engine)
-        mgr = engine.adapter_manager
-        if mgr is not None and "/" in name:
-            try:
-                adapter_id, rev = parse_model_ref(name)  # 400 for an invalid id
-                if rev is None:
-                    await asyncio.to_thread(mgr.catalog.policy, adapter_id)  # 404 when unknown
-                else:  # 404 for an unknown adapter, revision or tag
-                    await asyncio.to_thread(mgr.catalog.resolve, adapter_id, rev)
-            except CatalogError as exc:
-                if isinstance(exc, InvalidAdapterId) and is_alias(model_id):
-                    raise not_found(model_id) from exc  # an alias that names nothing
-                raise lookup_error(as_api_error(exc), model_id) from exc
-            return _model_card(model_id, engine)
-        raise not_found(model_id)
+        try:
+            await resolve_model(model_id, principal_of(request), engine)
+        except Exception as exc:  # the status the completions routes answer (_error_response)
+            err = as_api_error(exc)
+            if getattr(exc, "retry_after", None) is not None:
+                err.headers.setdefault("Retry-After", str(exc.retry_after))
+            raise err from exc
+        return _model_card(model_id, engine)
 
     return router
 

@@ -4,6 +4,7 @@ is constrained (a forced call) and whether it is parsed for calls (`auto`), per 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,11 +14,12 @@ from starlette.responses import Response
 from loraserve.engine.types import RequestOutput
 from loraserve.server import serving as sv
 from loraserve.server.endpoint import Endpoint, Plan, serve
+from loraserve.server.config import ServerConfig
 from loraserve.server.errors import APIError, clip
-from loraserve.server.logprobs import TokenRenderer, chat_content
+from loraserve.server.logprobs import TokenRenderer, chat_content, prompt_logprobs
 from loraserve.server.protocol import ChatCompletionRequest, ChatMessage
-from loraserve.server.tool_calls import (ToolPlan, ToolStream, new_call_id, parse, plan_tools,
-                                         tool_call_json)
+from loraserve.server.tool_calls import (ToolPlan, ToolStream, check_parser, new_call_id, parse,
+                                         plan_tools, tool_call_json)
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -39,13 +41,44 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+# the chat template's own variables: each has its request field
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt")
+
+
+def template_variables(kwargs: Any) -> dict[str, Any]:
+    """vLLM's `chat_template_kwargs`, checked: variables the chat template reads beside the
+    messages (Qwen3's `enable_thinking`, ...); not one that a field of its own sets."""
+    if kwargs is None:
+        return {}
+    for key in kwargs:
+        if key in RESERVED_TEMPLATE_VARIABLES:
+            raise APIError(400, f"chat_template_kwargs.{key}: the request's own `{key}` field "
+                           "sets it", param=f"chat_template_kwargs.{key}")
+    return dict(kwargs)
+
+
+def with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """`messages` with `text` at the end of their system message (a new first one if none)."""
+    if messages and messages[0]["role"] == "system":
+        first = messages[0]
+        joined = f"{first['content']}\n\n{text}" if first["content"] else text
+        return [{**first, "content": joined}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
 def chat_prompt(req: Any, tokenizer: Any, max_model_len: int | None = None,
-                tools: list[dict[str, Any]] | None = None) -> sv.Prompt:
-    """The templated prompt (`tools` rendered by the template when given); a template that
-    rejects the conversation is the client's 400. With `max_model_len`, a text too long for the
-    context is refused before it is tokenized."""
+                tools: list[dict[str, Any]] | None = None, system: str | None = None) -> sv.Prompt:
+    """The templated prompt (`tools` rendered by the template when given, `system` added to
+    the system message, the request's `chat_template_kwargs` as the template's variables); a
+    template that rejects the conversation is the client's 400. With `max_model_len`, a text
+    too long for the context is refused before it is tokenized."""
     messages = message_dicts(req.messages)
+    if system is not None:
+        messages = with_system(messages, system)
     extra = {} if tools is None else {"tools": tools}  # a request without tools passes none
+    variables = template_variables(getattr(req, "chat_template_kwargs", None))
+    if variables:
+        extra["variables"] = variables
     try:
         text = tokenizer.apply_chat_template(messages,
                                              add_generation_prompt=req.add_generation_prompt,
@@ -66,6 +99,9 @@ class ChatChoice:
     render: TokenRenderer
     top_k: int | None  # None = logprobs off
     tools: ToolPlan | None = None  # parsed for tool calls when tools.family is set
+    prompt: sv.Prompt | None = None
+    prompt_k: int | None = None  # vLLM's prompt_logprobs (None: off)
+    prompt_entries: list | None = None
     text: list[str] = field(default_factory=list)
     content: list[dict[str, Any]] = field(default_factory=list)
     num_tokens: int = 0
@@ -78,6 +114,8 @@ class ChatChoice:
 
     def apply(self, out: RequestOutput) -> list[dict[str, Any]] | None:
         """Account `out`; returns its logprobs content entries (None when off)."""
+        if out.prompt_logprobs is not None:
+            self.prompt_entries = out.prompt_logprobs
         self.text.append(out.text)
         self.num_tokens += len(out.token_ids)
         self.finish_reason = out.finish_reason or self.finish_reason
@@ -119,6 +157,12 @@ class ChatChoice:
                 "finish_reason": _finish(self.finish_reason, bool(calls))}
 
 
+    def prompt_logprobs(self) -> list[dict[str, Any] | None]:
+        """vLLM's `prompt_logprobs` of the prompt (chat: the body's, beside its choices)."""
+        return prompt_logprobs(self.prompt.token_ids, self.prompt_entries, self.render,
+                               self.prompt_k or 0)
+
+
 def _finish(reason: str | None, called: bool) -> str | None:
     """OpenAI's finish reason: an answer that ended with tool calls ends `tool_calls`."""
     return "tool_calls" if called and reason == "stop" else reason
@@ -130,13 +174,17 @@ def _logprobs_k(req: ChatCompletionRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
-def _plan(req: ChatCompletionRequest, engine: sv.Engine) -> Plan:
-    """The templated prompt (checked), tools and sampling; max_tokens defaults to the room left."""
+def _plan(req: ChatCompletionRequest, engine: sv.Engine,
+          config: ServerConfig | None = None) -> Plan:
+    """The templated prompt (checked), tools and sampling; max_tokens defaults to the room left.
+    `config.tool_call_parser` (serve --tool-call-parser) names the tool-call format."""
     top_k = _logprobs_k(req)
+    parser = check_parser(config.tool_call_parser) if config is not None else None
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
-                       engine.tokenizer.chat_template)
+                       engine.tokenizer.chat_template, parser)
     prompt = chat_prompt(req, engine.tokenizer, engine.max_model_len,
-                         None if tools is None else tools.tools)
+                         None if tools is None else tools.tools,
+                         None if tools is None else tools.system)
     max_tokens = req.requested_max_tokens()
     if max_tokens is None:  # vLLM: whatever room the context leaves
         max_tokens = max(engine.max_model_len - len(prompt.token_ids), 1)
@@ -150,9 +198,16 @@ def _plan(req: ChatCompletionRequest, engine: sv.Engine) -> Plan:
         params = dataclasses.replace(params, structured=tools.spec)
 
     def new_choice(index: int, prompt: sv.Prompt, render: TokenRenderer) -> ChatChoice:
-        return ChatChoice(index, render, top_k, tools)
+        return ChatChoice(index, render, top_k, tools, prompt, req.prompt_logprobs)
 
     return Plan([prompt], params, new_choice)
+
+
+def _tail(choices: Sequence[ChatChoice]) -> dict[str, Any]:
+    """vLLM's `prompt_logprobs` of a chat body: the prompt's, once (every choice shares it)."""
+    if not choices or choices[0].prompt_k is None:
+        return {}
+    return {"prompt_logprobs": choices[0].prompt_logprobs()}
 
 
 def _head(request_id: str, created: int, model: str, chunk: bool) -> dict[str, Any]:
@@ -161,7 +216,7 @@ def _head(request_id: str, created: int, model: str, chunk: bool) -> dict[str, A
             "object": "chat.completion.chunk" if chunk else "chat.completion"}
 
 
-CHAT_COMPLETIONS = Endpoint("chatcmpl", _plan, _head)
+CHAT_COMPLETIONS = Endpoint("chatcmpl", _plan, _head, _tail)
 
 
 async def create_chat_completion(req: ChatCompletionRequest, ctx: sv.ServerContext, principal: Any) -> Response:

@@ -10,7 +10,7 @@ from loraserve.engine.types import DEFAULT_MAX_TOKENS, RequestOutput
 from loraserve.server import serving as sv
 from loraserve.server.endpoint import Endpoint, Plan, serve
 from loraserve.server.errors import APIError
-from loraserve.server.logprobs import LegacyLogprobs, TokenRenderer
+from loraserve.server.logprobs import LegacyLogprobs, TokenRenderer, prompt_logprobs
 from loraserve.server.protocol import CompletionRequest
 
 
@@ -53,10 +53,14 @@ class CompletionChoice:
     num_tokens: int = 0
     logprobs: LegacyLogprobs | None = None
     finish_reason: str | None = None
+    prompt_k: int | None = None  # vLLM's prompt_logprobs (None: off)
+    prompt_entries: list | None = None
 
     def apply(self, out: RequestOutput) -> tuple[str, LegacyLogprobs | None]:
         """Account `out`; returns the text and logprobs it adds (the echo goes first)."""
         text = out.text
+        if out.prompt_logprobs is not None:
+            self.prompt_entries = out.prompt_logprobs
         piece = LegacyLogprobs() if self.top_k is not None else None
         if not self.started:
             self.started = True
@@ -87,9 +91,13 @@ class CompletionChoice:
         return None
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "text": "".join(self.text),
+        body = {"index": self.index, "text": "".join(self.text),
                 "logprobs": self.logprobs.to_json() if self.logprobs else None,
                 "finish_reason": self.finish_reason}
+        if self.prompt_k is not None:  # vLLM's, per choice
+            body["prompt_logprobs"] = prompt_logprobs(self.prompt.token_ids, self.prompt_entries,
+                                                      self.render, self.prompt_k)
+        return body
 
 
 def _concat(acc: LegacyLogprobs | None, piece: LegacyLogprobs) -> LegacyLogprobs:
@@ -102,7 +110,7 @@ def _concat(acc: LegacyLogprobs | None, piece: LegacyLogprobs) -> LegacyLogprobs
     return acc
 
 
-def _plan(req: CompletionRequest, engine: sv.Engine) -> Plan:
+def _plan(req: CompletionRequest, engine: sv.Engine, config: Any = None) -> Plan:
     """The prompts (each checked) and sampling; logprobs of the echoed prompt when asked."""
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     sv.check_max_tokens(max_tokens)
@@ -114,7 +122,8 @@ def _plan(req: CompletionRequest, engine: sv.Engine) -> Plan:
                                 req.logprobs if req.echo and req.logprobs is not None else None)
 
     def new_choice(index: int, prompt: sv.Prompt, render: TokenRenderer) -> CompletionChoice:
-        return CompletionChoice(index, prompt, req.echo, req.logprobs, render)
+        return CompletionChoice(index, prompt, req.echo, req.logprobs, render,
+                                prompt_k=req.prompt_logprobs)
 
     return Plan(prompts, params, new_choice)
 

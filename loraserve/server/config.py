@@ -26,6 +26,9 @@ class ServerConfig:
     shutdown_timeout: float = field(default=30.0, metadata={
         "help": "seconds in-flight requests may run on after SIGTERM; then they end with a "
                 "clean error (503, or an error event in a stream)"})
+    # vLLM's --tool-call-parser: the tool-call format of a chat template that renders tools
+    # (server/tool_calls.PARSERS), instead of the one its markers say; None: read off the template
+    tool_call_parser: str | None = None
     # X-Request-Id on every response (server/request_log.py); False behind a proxy that echoes
     # it itself (Ray Serve's), where the app only reads and logs it
     echo_request_id: bool = True
@@ -34,5 +37,8 @@ class ServerConfig:
         for name in ("max_n", "max_request_bytes", "max_seqs_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tool_call_parser is not None:
+            from loraserve.server.tool_calls import check_parser
+            check_parser(self.tool_call_parser)  # ValueError listing the ones parsed
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from starlette.responses import Response, StreamingResponse
 
 from loraserve.engine.types import RequestOutput, SamplingParams
+from loraserve.server.config import ServerConfig
 from loraserve.server.errors import sse_error
 from loraserve.server.fastjson import FastJSONResponse
 from loraserve.server.logprobs import TokenRenderer
@@ -76,14 +77,17 @@ class Plan:
 class Endpoint:
     """What differs between the generation endpoints.
 
-    `plan(req, engine)` checks the endpoint's own fields and builds its Plan (raising APIError or
-    EngineError for a bad request); `head(request_id, created, model, chunk)` gives the fields
-    every body (`chunk=False`) or SSE chunk (`chunk=True`) starts with.
+    `plan(req, engine, config)` checks the endpoint's own fields and builds its Plan (raising
+    APIError or EngineError for a bad request; `config` is the server's ServerConfig);
+    `head(request_id, created, model, chunk)` gives the fields every body (`chunk=False`) or SSE
+    chunk (`chunk=True`) starts with; `tail(choices)`, fields a whole body has after its choices
+    (chat's `prompt_logprobs`).
     """
 
     id_prefix: str
-    plan: Callable[[Any, Engine], Plan]
+    plan: Callable[[Any, Engine, ServerConfig], Plan]
     head: Callable[[str, int, str, bool], dict[str, Any]]
+    tail: Callable[[Sequence[Any]], dict[str, Any]] = lambda choices: {}
 
 
 async def serve(req: SamplingFields, ctx: ServerContext, endpoint: Endpoint, principal: Any) -> Response:
@@ -98,9 +102,9 @@ async def serve(req: SamplingFields, ctx: ServerContext, endpoint: Endpoint, pri
     resolved = await resolve_model(req.model, principal, engine)
     log.adapter, log.tenant = resolved.ref, resolved.tenant or None
     if req.input_size() > OFF_LOOP_INPUT:
-        plan = await asyncio.to_thread(endpoint.plan, req, engine)
+        plan = await asyncio.to_thread(endpoint.plan, req, engine, ctx.config)
     else:
-        plan = endpoint.plan(req, engine)
+        plan = endpoint.plan(req, engine, ctx.config)
     request_id = log.response_id = new_id(endpoint.id_prefix)
     log.prompt_tokens = sum(len(p.token_ids) for p in plan.prompts)
     admitted = admit(resolved, principal, plan.prompts, req.n, plan.params.max_tokens)  # 429
@@ -129,6 +133,7 @@ async def serve(req: SamplingFields, ctx: ServerContext, endpoint: Endpoint, pri
     completion_tokens = log.completion_tokens
     return FastJSONResponse({**endpoint.head(request_id, created, req.model, False),
                          "choices": [c.to_json() for c in choices],
+                         **endpoint.tail(choices),
                          "usage": usage(prompt_tokens, completion_tokens)})
 
 

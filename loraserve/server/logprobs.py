@@ -84,3 +84,27 @@ def chat_content(ids: Sequence[int], entries: Sequence[TokenLogprob], render: To
 
 def _chat_token(text: str, logprob: float) -> dict[str, Any]:
     return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def prompt_logprobs(ids: Sequence[int], entries: Sequence[TokenLogprob | None] | None,
+                    render: TokenRenderer, top_k: int) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first (nothing predicts it),
+    else {token id (a string): {"logprob", "rank", "decoded_token"}} of the prompt token and its
+    `top_k` alternatives. `rank` is the token's place among the alternatives (1 = the model's
+    first choice), null for a prompt token outside them (its rank is not computed)."""
+    out: list[dict[str, Any] | None] = []
+    for token_id, entry in zip(ids, entries or [None] * len(ids)):
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = _ranked(entry)
+        rank = next((r for r, (t, _) in enumerate(ranked, 1) if t == token_id), None)
+        tokens = {str(token_id): _vllm_logprob(entry.logprob, rank, render(token_id))}
+        for r, (t, lp) in enumerate(ranked[:top_k], 1):
+            tokens.setdefault(str(t), _vllm_logprob(lp, r, render(t)))
+        out.append(tokens)
+    return out
+
+
+def _vllm_logprob(logprob: float, rank: int | None, text: str) -> dict[str, Any]:
+    return {"logprob": finite(logprob), "rank": rank, "decoded_token": text}

@@ -17,7 +17,9 @@ Structured output (`response_format` json_object / json_schema, vLLM's `guided_j
 `guided_regex`, `guided_choice`, `guided_grammar`, `structured_outputs`) is read and checked by
 `serving.structured_spec` (at most one per request; a grammar that does not parse is a 400
 naming its field). vLLM extensions honoured: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
-`stop_token_ids`, `ignore_eos`, `return_tokens_as_token_ids`, (chat) `add_generation_prompt`.
+`stop_token_ids`, `ignore_eos`, `return_tokens_as_token_ids`, `skip_special_tokens`,
+`include_stop_str_in_output`, `prompt_logprobs`, (chat) `add_generation_prompt`,
+`chat_template_kwargs`.
 Tool calling (chat `tools`, `tool_choice`, `parallel_tool_calls`) is read and checked by
 `tool_calls.plan_tools`.
 OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias` are honoured as OpenAI defines
@@ -145,6 +147,9 @@ class SamplingFields(StrictBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_tokens_as_token_ids: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -171,6 +176,8 @@ class SamplingFields(StrictBody):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(name, reason) of a set field the server does not honour, if any."""
+        if self.prompt_logprobs is not None and self.stream:  # vLLM refuses it too
+            return "prompt_logprobs", "not available with stream: true"
         if self.stream_options is not None:
             if not self.stream:
                 return "stream_options", "only allowed when stream is true"
@@ -285,6 +292,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     metadata: dict[str, str] | None = None

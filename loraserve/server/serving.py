@@ -254,9 +254,16 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from a request's shared fields; OpenAI defaults where the client sent none.
+    `prompt_logprobs` (the echo's) and the request's own `prompt_logprobs` (vLLM's): the engine
+    computes the larger, each answer cuts its own.
 
     Out-of-range values raise EngineError (answered 400 with `param`).
     """
+    if req.prompt_logprobs is not None:
+        if not 0 <= req.prompt_logprobs <= 20:
+            raise EngineError("prompt_logprobs must be in [0, 20] (vLLM's -1, the whole "
+                              "vocabulary, is not served)", param="prompt_logprobs")
+        prompt_logprobs = max(prompt_logprobs or 0, req.prompt_logprobs)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -269,7 +276,9 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
-        min_tokens=req.min_tokens or 0, structured=structured_spec(req))
+        min_tokens=req.min_tokens or 0, skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        structured=structured_spec(req))
 
 
 def _bad(param: str, message: str) -> EngineError:
@@ -277,7 +286,10 @@ def _bad(param: str, message: str) -> EngineError:
 
 
 def _schema_text(value: Any, param: str) -> str:
-    """A JSON schema given as an object or as JSON text -> its JSON text."""
+    """A JSON schema given as an object or as JSON text -> its JSON text, keys in the order the
+    client wrote them: properties are generated in the schema's order (a `reasoning` before an
+    `answer` is written first), so the text, and with it the compiled grammar's cache key, keeps
+    that order (two orders are two grammars)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -285,7 +297,7 @@ def _schema_text(value: Any, param: str) -> str:
             raise _bad(param, "must be a JSON schema (an object, or its JSON text)") from None
     if not isinstance(value, dict):
         raise _bad(param, "must be a JSON schema (an object, or its JSON text)")
-    return json.dumps(value, sort_keys=True)
+    return json.dumps(value)
 
 
 def _choice_text(value: Any, param: str) -> str:

@@ -10,10 +10,10 @@
 a name the key may not see, or that names nothing, is the same 404, so these routes reveal no
 more than generation does. The ids are exactly those a generation request for the same input
 sends to the engine: the prompt as /v1/completions tokenizes it, the messages through the chat
-template as /v1/chat/completions renders them (`chat.chat_prompt`, `tools` included, checked by
-the chat endpoint's rule: `tool_calls.plan_tools`). The served base's tokenizer
-and template serve every adapter of it (an adapter carries no tokenizer of its own), so the
-model is resolved for its answer, not for a different tokenizer.
+template as /v1/chat/completions renders them (`chat.chat_prompt`, `tools` and
+`chat_template_kwargs` included, checked by the chat endpoint's rules: `tool_calls.plan_tools`).
+The served base's tokenizer and template serve every adapter of it (an adapter carries no
+tokenizer of its own), so the model is resolved for its answer, not for a different tokenizer.
 
 Fields are held to the API's rule (docs/API_FIELDS.md): a field no body declares is a 400
 `unknown_parameter`, and vLLM's fields the server does not honour are a 400
@@ -52,11 +52,11 @@ class TokenizeRequest(StrictBody):
     add_generation_prompt: bool = True
     return_token_strs: bool = False
     tools: Any = None  # checked as chat's (tool_calls.plan_tools)
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's variables, as chat's
     # refused (REFUSED): declared so that the 400 says why
     add_special_tokens: Any = None
     continue_final_message: Any = None
     chat_template: Any = None
-    chat_template_kwargs: Any = None
     mm_processor_kwargs: Any = None
 
     REFUSED: ClassVar[dict[str, Refused]] = {
@@ -64,7 +64,6 @@ class TokenizeRequest(StrictBody):
         "continue_final_message": Refused("the template always ends the conversation where the "
                                           "chat endpoint does; only false", lambda v: v is False),
         "chat_template": Refused("the served base's chat template is the only one"),
-        "chat_template_kwargs": Refused("the chat template takes no extra variables"),
         "mm_processor_kwargs": Refused("the served models take text only"),
     }
 
@@ -86,9 +85,10 @@ def _input(req: TokenizeRequest, engine: sv.Engine) -> list[int]:
                        "`messages` (as /v1/chat/completions takes them)",
                        param="prompt" if req.prompt is None else "messages")
     if req.prompt is not None:
-        if req.tools:
-            raise APIError(400, "tools are rendered by the chat template: send `messages`",
-                           param="tools")
+        for name in ("tools", "chat_template_kwargs"):
+            if getattr(req, name):
+                raise APIError(400, f"{name} go to the chat template: send `messages`",
+                               param=name)
         return normalize_prompts(req.prompt, engine.tokenizer, engine.vocab_size, False,
                                  engine.max_model_len)[0].token_ids
     tools = plan_tools(req.tools, None, None, engine.tokenizer.chat_template)

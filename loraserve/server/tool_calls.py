@@ -10,6 +10,12 @@ renders `tools` is the one the model learned them from):
   `<|python_tag|>`; several calls separated by `;`;
 - `mistral`: `[TOOL_CALLS] [{"name": .., "arguments": {..}}, ..]` at the start of the answer.
 
+A model whose chat template renders no tools (or renders them in a format none of these is)
+still takes `required` and a named function, as vLLM takes them on any model: the tools are
+described in a system message (`default_tool_prompt`) and the answer is constrained to the
+`json` family's format, a JSON array of calls `[{"name": .., "arguments": {..}}, ..]`. `auto` needs
+the model's own format and is refused there.
+
 `tool_choice` `required` and a named function constrain the answer with xgrammar (a GrammarSpec
 of kind `grammar`, param `tool_choice`): the family's own wrapping around JSON that validates
 against `{"name": const, "arguments": <the function's parameters schema>}`, so the arguments
@@ -28,7 +34,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraserve.engine.core.structured import check_spec
+from loraserve.engine.core.structured import check_spec, json_schema_ebnf, rename_rule
 from loraserve.engine.types import GrammarSpec
 from loraserve.server.errors import APIError
 
@@ -66,6 +72,24 @@ LLAMA3 = ToolFamily("llama3", ("<|python_tag|>", "{"), False, re.compile(r"\s+|;
 MISTRAL = ToolFamily("mistral", ("[TOOL_CALLS]", "[{"), False, re.compile(r"\[TOOL_CALLS\]|\s+|[,\[\]]"),
                      "arguments", "[", ", ", "]")
 FAMILIES = {f.name: f for f in (QWEN, LLAMA3, MISTRAL)}
+# forced calls on a model whose template renders no tools: a JSON array of calls, which the
+# default tool prompt asks for and the grammar enforces
+JSON_CALLS = ToolFamily("json", ("[",), False, re.compile(r"\s+|[,\[\]]"), "arguments", "[", ", ",
+                        "]")
+# vLLM's --tool-call-parser names -> the family that parses that format
+PARSERS = {"hermes": QWEN, "llama3_json": LLAMA3, "mistral": MISTRAL}
+
+
+def check_parser(name: str | None) -> ToolFamily | None:
+    """The family of vLLM's `--tool-call-parser NAME` (None: read off the chat template);
+    ValueError naming the ones loraserve parses otherwise."""
+    if name is None:
+        return None
+    if name not in PARSERS:
+        raise ValueError(f"--tool-call-parser {name!r} is not one loraserve parses; it parses "
+                         f"{', '.join(PARSERS)} (or, without the flag, the format the chat "
+                         "template writes)")
+    return PARSERS[name]
 
 
 def family_of(chat_template: str | None) -> ToolFamily | None:
@@ -85,13 +109,15 @@ def family_of(chat_template: str | None) -> ToolFamily | None:
 
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
-    """A chat request's tools, checked: what the template gets, whether and how to parse the
-    answer (`family` None: never), and the grammar of a forced call."""
+    """A chat request's tools, checked: what the template gets (`tools`; None: nothing), whether
+    and how to parse the answer (`family` None: never), the grammar of a forced call, and the
+    system message that describes the tools when the template does not (`system`)."""
 
-    tools: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
     family: ToolFamily | None
     spec: GrammarSpec | None
     max_calls: int | None  # None: any number
+    system: str | None = None
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -99,7 +125,9 @@ def _bad(param: str, message: str) -> APIError:
 
 
 def _check_tools(tools: Any) -> dict[str, dict[str, Any]]:
-    """name -> parameters schema of each function tool; 400 naming the entry otherwise."""
+    """name -> parameters schema of each function tool (an object's: a schema without a `type`
+    is given `"type": "object"`, as the call's arguments are one); 400 naming the entry
+    otherwise."""
     if not isinstance(tools, list):
         raise _bad("tools", "must be a list of tools")
     functions: dict[str, dict[str, Any]] = {}
@@ -116,6 +144,11 @@ def _check_tools(tools: Any) -> dict[str, dict[str, Any]]:
             params = {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise _bad(f"{param}.function.parameters", "must be a JSON schema object")
+        if "type" not in params:
+            params = {"type": "object", **params}
+        elif params["type"] != "object":
+            raise _bad(f"{param}.function.parameters", "must describe an object (the call's "
+                       "arguments), \"type\": \"object\"")
         if fn["name"] in functions:
             raise _bad(f"{param}.function.name", f"{fn['name']!r} is declared twice")
         functions[fn["name"]] = params
@@ -141,47 +174,80 @@ def _choice(tool_choice: Any, functions: dict[str, dict[str, Any]]) -> str | Non
 
 
 def plan_tools(tools: Any, tool_choice: Any, parallel: bool | None,
-               chat_template: str | None) -> ToolPlan | None:
+               chat_template: str | None, parser: ToolFamily | None = None) -> ToolPlan | None:
     """The request's ToolPlan, or None when it brings no tools; APIError (400) for what is not
-    honoured: a non-function tool, an unknown named function, tools on a model whose chat
-    template renders none."""
+    honoured: a non-function tool, an unknown named function, `auto` on a model whose chat
+    template renders no tools in a format loraserve parses. `parser` (`serve
+    --tool-call-parser`) is the format of a template that renders tools, instead of the one its
+    markers say."""
     if tools is None or tools == []:  # "none", "auto" and parallel_tool_calls: nothing to do
         if tool_choice not in (None, "none", "auto"):
             raise _bad("tool_choice", "needs tools")
         return None
     functions = _check_tools(tools)
     choice = _choice(tool_choice, functions)
-    family = family_of(chat_template)
-    if family is None:
-        raise APIError(400, "tools: not supported by this model: its chat template renders no "
-                       "tools in a tool-call format loraserve parses (Qwen, Llama 3, Mistral)",
-                       param="tools", code="unsupported_parameter")
+    renders = bool(chat_template) and "tools" in chat_template
+    family = (parser if renders else None) or family_of(chat_template)
     one = parallel is False or choice is None
-    if choice in ("none", "auto"):
-        return ToolPlan(tools, family if choice == "auto" else None, None, 1 if one else None)
-    named = functions if choice == "required" else {tool_choice["function"]["name"]:
-                                                     functions[tool_choice["function"]["name"]]}
+    max_calls = 1 if one else None
+    if choice == "none":  # the template gets the tools (it may render them); nothing is parsed
+        return ToolPlan(tools, None, None, max_calls)
+    if family is None and choice == "auto":
+        raise APIError(400, "tools: tool_choice \"auto\" is not supported by this model: its chat "
+                       "template renders no tools in a tool-call format loraserve parses (Qwen, "
+                       "Llama 3, Mistral; serve --tool-call-parser names one); \"required\" and "
+                       "a named function work on any model", param="tools",
+                       code="unsupported_parameter")
+    if choice == "auto":
+        return ToolPlan(tools, family, None, max_calls)
+    name = None if choice == "required" else tool_choice["function"]["name"]
+    named = functions if name is None else {name: functions[name]}
+    if family is None:  # the tools described in a system message, the answer a JSON array
+        spec = GrammarSpec("grammar", call_grammar(JSON_CALLS, named, one), "tool_choice")
+        check_spec(spec)
+        return ToolPlan(None, JSON_CALLS, spec, max_calls,
+                        default_tool_prompt(tools, named, name, one))
     spec = GrammarSpec("grammar", call_grammar(family, named, one), "tool_choice")
     check_spec(spec)
-    return ToolPlan(tools, family, spec, 1 if one else None)
+    return ToolPlan(tools, family, spec, max_calls)
+
+
+def default_tool_prompt(tools: list[dict[str, Any]], functions: dict[str, dict[str, Any]],
+                        name: str | None, one: bool) -> str:
+    """The system message that describes `functions` (name -> parameters schema; descriptions
+    from `tools`) to a model whose chat template renders no tools, and the answer the grammar
+    will hold it to: a JSON array of calls."""
+    described = {t["function"]["name"]: t["function"] for t in tools}
+    lines = ["You can call functions. Each is given as JSON: its name, what it does and the "
+             "JSON Schema of its arguments.", ""]
+    for fn, params in functions.items():
+        entry: dict[str, Any] = {"name": fn}
+        if described[fn].get("description"):
+            entry["description"] = described[fn]["description"]
+        entry["parameters"] = params
+        lines.append(json.dumps(entry, ensure_ascii=False))
+    lines.append("")
+    what = (f"Call the function {name}" if name is not None else
+            "Call one of these functions" if one else "Call one or more of these functions")
+    lines.append(f"{what}. Answer with the call{'' if one else 's'} alone, as a JSON array: "
+                 '[{"name": <the function\'s name>, "arguments": <an object of its arguments>}]')
+    return "\n".join(lines)
 
 
 def call_grammar(family: ToolFamily, functions: dict[str, dict[str, Any]], one: bool) -> str:
     """EBNF of the family's answer holding one call (or, unless `one`, one or more) of
     `functions`, each `{"name": const, <args_key>: <its parameters schema>}`."""
-    import xgrammar as xgr  # the grammar engine is loaded only by a request that needs it
-
     calls = [{"type": "object", "properties": {"name": {"const": name}, family.args_key: params},
               "required": ["name", family.args_key], "additionalProperties": False}
              for name, params in functions.items()]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    try:
-        call = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    try:  # as a json_schema answer's: compact, JSON strings (structured.json_schema_ebnf)
+        call = json_schema_ebnf(json.dumps(schema))
     except Exception as exc:  # xgrammar's schema converter: RuntimeError / ValueError
         raise _bad("tools", f"a function's parameters schema does not compile: "
                    f"{str(exc).strip()[:300]}") from None
-    # the call's rules, renamed from root (rule names such as root_1 keep their names)
-    rules = re.sub(r"(?<![\w])root(?![\w])", "tool_call", str(call))
+    # the call's rules, its root renamed (rule names such as root_1 keep their names)
+    rules = rename_rule(call, "root", "tool_call")
     one_call = _seq(_lit(family.call_open), "tool_call", _lit(family.call_close))
     more = "" if one else f"({_seq(_lit(family.between), one_call)})*"
     return f"root ::= {_seq(_lit(family.open), one_call, more, _lit(family.close))}\n{rules}"

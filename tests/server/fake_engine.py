@@ -50,11 +50,14 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(self.token_text(t) for t in ids if t != EOS_ID or not skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            variables: dict | None = None) -> str:
+        """role: content lines; `variables` (chat_template_kwargs) as a first `k=v` line."""
         if messages[0]["role"] == "tool":
             raise ValueError("a conversation cannot start with a tool message")
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-        return text + ("assistant:" if add_generation_prompt else "")
+        head = " ".join(f"{k}={v}" for k, v in (variables or {}).items())
+        return (f"{head}\n" if head else "") + text + ("assistant:" if add_generation_prompt else "")
 
 
 @dataclass

@@ -12,7 +12,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from loraserve.adapters.pool import PoolLimits
 from loraserve.catalog.errors import AdapterNotFound, RevisionNotFound
+from loraserve.engine.directory import AdapterDirectory
 from loraserve.engine.types import EngineError
 from loraserve.server import build_app
 from loraserve.server import protocol
@@ -396,11 +398,6 @@ def test_429_carries_retry_after(http: httpx.Client, engine: FakeEngine, path: s
 class FakeCatalog:
     adapters = {"demo/pirate": ("r1", {"prod": "r1"})}
 
-    def policy(self, adapter_id: str) -> object:
-        if adapter_id not in self.adapters:
-            raise AdapterNotFound(f"adapter {adapter_id!r} not found")
-        return SimpleNamespace(promoted=self.adapters[adapter_id][0])
-
     def resolve(self, adapter_id: str, revision: str | None = None) -> object:
         promoted, tags = self.adapters.get(adapter_id, (None, {}))
         if promoted is None:
@@ -408,25 +405,36 @@ class FakeCatalog:
         rev = revision or promoted
         if rev != promoted and rev not in tags:
             raise RevisionNotFound(f"adapter {adapter_id!r} has no revision or tag {revision!r}")
-        return SimpleNamespace(revision=promoted)
+        return SimpleNamespace(ref=f"{adapter_id}@{promoted}", adapter_id=adapter_id,
+                               revision=promoted, base_fingerprint="fp", rank=2, targets=["q"])
+
+
+class DirectoryEngine(FakeEngine):
+    """The fake engine resolving names as a real one does: an AdapterDirectory over a catalog."""
+
+    async def resolve(self, model: str, principal) -> object:
+        directory = AdapterDirectory(self.model_name, FakeCatalog(), "fp", PoolLimits(8, ("q",)))
+        return directory.resolve(model, principal)
 
 
 def test_model_revision_is_resolved() -> None:
-    engine = FakeEngine(adapters=())
-    app = build_app(engine)  # (no adapter routes or metrics: the fake has no snapshot)
-    engine.adapter_manager = SimpleNamespace(catalog=FakeCatalog())  # type: ignore[attr-defined]
-    with LiveServer(app) as live, \
+    """/v1/models/{id} answers as the completions routes resolve (the engine's AdapterDirectory):
+    revisions, tags and the default tenant's bare names; the same 404 otherwise."""
+    FakeCatalog.adapters = {"demo/pirate": ("r1", {"prod": "r1"}),
+                            "default/sql-lora": ("r1", {})}
+    with LiveServer(build_app(DirectoryEngine(adapters=()))) as live, \
             httpx.Client(base_url=live.url, timeout=30) as http:
-        for ok in ("demo/pirate", "demo/pirate@r1", "demo/pirate@prod"):
+        for ok in ("demo/pirate", "demo/pirate@r1", "demo/pirate@prod", "sql-lora",
+                   "default/sql-lora"):
             r = http.get(f"/v1/models/{ok}")
-            assert r.status_code == 200 and r.json()["id"] == ok
+            assert r.status_code == 200 and r.json()["id"] == ok, r.text
         for missing, code in [("demo/pirate@nope", "revision_not_found"),  # one it may see
                               ("demo/ghost", "model_not_found"),  # names.not_found
-                              ("demo/ghost@r1", "model_not_found")]:
-            assert assert_error_body(http.get(f"/v1/models/{missing}"), 404, "model")["code"] == code
-        assert_error_body(http.get("/v1/models/demo/pirate@bad@rev"), 400, "model")
-        error = assert_error_body(http.get(f"/v1/models/demo/{'b' * 10_000}"), 400, "model")
-        assert len(error["message"]) < 400  # the catalog's message quotes the id: clipped
+                              ("demo/ghost@r1", "model_not_found"),
+                              ("demo/pirate@bad@rev", "model_not_found"),  # no valid id
+                              (f"demo/{'b' * 10_000}", "model_not_found")]:
+            error = assert_error_body(http.get(f"/v1/models/{missing}"), 404, "model")
+            assert error["code"] == code and len(error["message"]) < 400
         assert http.get("/v1/models/fake-base").status_code == 200
         assert_still_serving(http)
 

@@ -129,8 +129,12 @@ CASES: list[tuple[str, str, Any, Check | str, dict]] = [
     ("chat", "tool_choice", "none", params_has(), {}),
     ("chat", "tool_choice", "auto", params_has(), {}),
     ("chat", "tools", [], params_has(), {}),
-    # the fake's chat template renders no tools (test_tools.py: a template that does)
+    # the fake's chat template renders no tools (test_tools.py: a template that does): "auto"
+    # needs the model's own format (a forced call on it: test_vllm_habits.py)
     ("chat", "tools", [{"type": "function", "function": {"name": "f"}}], REFUSED, {}),
+    ("chat", "chat_template_kwargs", {"enable_thinking": False},
+     lambda p, r, e: r.json()["usage"]["prompt_tokens"] == len("enable_thinking=False\n"
+                                                              "user: hi\nassistant:"), {}),
     ("chat", "top_logprobs", 2, params_has(logprobs=2), {"logprobs": True}),
     ("chat", "top_p", 0.9, params_has(top_p=0.9), {}),
     ("chat", "user", "user-43", logged, {}),
@@ -145,6 +149,9 @@ CASES: list[tuple[str, str, Any, Check | str, dict]] = [
         ("stop_token_ids", [33, 34], params_has(stop_token_ids=[33, 34])),
         ("ignore_eos", True, params_has(ignore_eos=True)),
         ("return_tokens_as_token_ids", True, params_has()),
+        ("skip_special_tokens", False, params_has(skip_special_tokens=False)),
+        ("include_stop_str_in_output", True, params_has(include_stop_str_in_output=True)),
+        ("prompt_logprobs", 1, params_has(prompt_logprobs=1)),
         ("guided_json", {"type": "object"}, grammar("json_schema")),
         ("guided_regex", "[a-z]+", grammar("regex")),
         ("guided_choice", ["yes", "no"], grammar("choice")),
@@ -286,7 +293,7 @@ def test_an_unknown_field_is_always_400_naming_it(http: httpx.Client, name: str,
      "use_beam_search"),  # what should not be there at all is named first
     ("/v1/completions", {**GOOD, "messages": [{"role": "user", "content": "hi"}]}, "messages"),
     ("/v1/chat/completions", {**CHAT, "prompt": "hi"}, "prompt"),
-    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"enable_thinking": False}},
+    ("/v1/completions", {**GOOD, "chat_template_kwargs": {"enable_thinking": False}},
      "chat_template_kwargs"),
 ])
 def test_unknown_nested_and_cross_endpoint_fields(http: httpx.Client, path: str, body: dict,

@@ -172,7 +172,7 @@ class CountingChoice:
 
 
 TOY = Endpoint("toy",
-               lambda req, engine: Plan([Prompt("ab", [1, 2])], SamplingParams(max_tokens=req.max_tokens),
+               lambda req, engine, config: Plan([Prompt("ab", [1, 2])], SamplingParams(max_tokens=req.max_tokens),
                                         lambda i, prompt, render: CountingChoice(i)),
                lambda request_id, created, model, chunk: {"id": request_id, "chunk": chunk})
 

@@ -8,10 +8,13 @@ this work is not on the engine step and several API servers share it. One lives 
 the same outputs:
 
 - incremental detokenization, one `IncrementalDetokenizer` per request;
+- special tokens' text left out unless the request says `skip_special_tokens=False`;
 - stop strings (looked for once more than `min_tokens` tokens exist, as vLLM does): the text is
-  cut before the first match, the delta's tokens end with the token that completed it, its
-  finish reason becomes "stop", and the request is reported for an abort in the core, which
-  frees its KV blocks and adapter slot (deltas the core sent meanwhile are dropped here);
+  cut before the first match (after it with `include_stop_str_in_output`, which also keeps the
+  text of the EOS or stop token that ended a request), the delta's tokens end with the token
+  that completed it, its finish reason becomes "stop", and the request is reported for an abort
+  in the core, which frees its KV blocks and adapter slot (deltas the core sent meanwhile are
+  dropped here);
 - while a request runs, the last `len(longest stop) - 1` characters are held back: a stop string
   may still begin there;
 - non-streamed requests (`GenerateRequest.stream=False`): the first delta is handed over at once,
@@ -33,6 +36,7 @@ class _RequestState:
     detok: IncrementalDetokenizer
     stream: bool
     min_tokens: int = 0              # stop strings are looked for only past this many tokens
+    include_stop: bool = False       # the stop string (or stop token) stays in the text
     num_tokens: int = 0              # output tokens detokenized so far
     text: str = ""                   # output text so far, cut at a stop string
     num_text_emitted: int = 0
@@ -50,10 +54,12 @@ class OutputProcessor:
 
     def add(self, req: GenerateRequest) -> None:
         """Track req from its submission on (before any of its deltas can arrive)."""
-        stop = list(req.params.stop)
+        p = req.params
+        stop = list(p.stop)
         self._requests[req.request_id] = _RequestState(
-            stop, max(map(len, stop), default=1) - 1, self.tokenizer.detokenizer(), req.stream,
-            req.params.min_tokens)
+            stop, max(map(len, stop), default=1) - 1,
+            self.tokenizer.detokenizer(p.skip_special_tokens), req.stream, p.min_tokens,
+            p.include_stop_str_in_output)
 
     def remove(self, request_id: str) -> None:
         """Forget request_id (its reader is gone); later deltas for it are dropped."""
@@ -85,11 +91,12 @@ class OutputProcessor:
         """Fill in out's text; cut it at a stop string (truncating out there and finishing it)."""
         ids, finish = out.token_ids, out.finish_reason
         # the core ends "stop" on the EOS / stop token itself, which is not part of the text
-        n_text = len(ids) - 1 if finish == "stop" else len(ids)
+        # (unless the request keeps it: include_stop_str_in_output)
+        n_text = len(ids) - 1 if finish == "stop" and not st.include_stop else len(ids)
         for i in range(n_text):
             before = len(st.text)
             st.text += st.detok.step(ids[i])
-            if finish == "length" and i == len(ids) - 1:
+            if finish in ("length", "stop") and i == len(ids) - 1:
                 st.text += st.detok.flush()  # bytes held back for an incomplete UTF-8 sequence
             st.num_tokens += 1
             if st.stop and st.num_tokens > st.min_tokens and self._cut_stop(st, before):
@@ -106,13 +113,14 @@ class OutputProcessor:
 
     @staticmethod
     def _cut_stop(st: _RequestState, before: int) -> bool:
-        """Cut st.text at the earliest stop string, looking only where one could have been
-        completed by the text added after `before`."""
+        """Cut st.text at the earliest stop string (after it when the request keeps it), looking
+        only where one could have been completed by the text added after `before`."""
         lo = max(0, before - st.hold)
-        hits = [i for i in (st.text.find(s, lo) for s in st.stop) if i >= 0]
+        hits = [(i, len(s)) for s in st.stop if (i := st.text.find(s, lo)) >= 0]
         if not hits:
             return False
-        st.text = st.text[: min(hits)]
+        at, length = min(hits, key=lambda hit: hit[0])
+        st.text = st.text[: at + length if st.include_stop else at]
         return True
 
     @staticmethod

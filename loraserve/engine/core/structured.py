@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +39,8 @@ from loraserve.catalog.lru import BoundedLRU
 from ..types import STRUCTURED_KINDS as KINDS
 from ..types import EngineError, GrammarSpec
 
-__all__ = ["GrammarEngine", "GrammarSpec", "check_spec", "mask_rows", "tokenizer_info"]
+__all__ = ["GrammarEngine", "GrammarSpec", "check_spec", "json_safe_strings", "json_schema_ebnf",
+           "mask_rows", "rename_rule", "tokenizer_info"]
 GRAMMAR_CACHE_SIZE = 256
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, regex, choice list or grammar longer than this: 400
 COMPILE_TIMEOUT_S = 10.0  # a grammar that does not compile against the vocabulary in this: 400
@@ -54,18 +56,299 @@ def _choice_ebnf(text: str) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+# json_object: one JSON object or array (vLLM's and xgrammar's built-in JSON grammar allow both),
+# written compact as a json_schema answer is (the built-in grammar lets whitespace run on forever)
+JSON_OBJECT_SCHEMA = '{"type": ["object", "array"]}'
+
+
+def json_schema_ebnf(schema: str) -> str:
+    """The EBNF of JSON that validates against `schema` (JSON text), as the server constrains it:
+    xgrammar's conversion, compact (`any_whitespace=False`: no whitespace between tokens beyond
+    the fixed `", "` and `": "`, so the answer cannot loop on whitespace), properties in the
+    schema's order, and strings that are JSON (`json_safe_strings`)."""
+    grammar = _xgr().Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+    return json_safe_strings(str(grammar))
+
+
 def _grammar_of(spec: GrammarSpec):
     """The xgrammar Grammar of spec (no tokenizer: validation only)."""
     xgr = _xgr()
-    if spec.kind == "json_object":
-        return xgr.Grammar.builtin_json_grammar()
-    if spec.kind == "json_schema":
-        return xgr.Grammar.from_json_schema(spec.text, any_whitespace=False)
+    if spec.kind in ("json_object", "json_schema"):
+        schema = spec.text if spec.kind == "json_schema" else JSON_OBJECT_SCHEMA
+        return xgr.Grammar.from_ebnf(json_schema_ebnf(schema))
     if spec.kind == "regex":
         return xgr.Grammar.from_regex(spec.text)
     if spec.kind == "choice":
         return xgr.Grammar.from_ebnf(_choice_ebnf(spec.text))
     return xgr.Grammar.from_ebnf(spec.text)
+
+
+# -- strings that are JSON by construction ---------------------------------------------------------
+#
+# JSON forbids a raw U+0000-U+001F inside a string (it must be an escape: `\t`, `\u0001`), and a
+# `"` or `\` there must be escaped too. xgrammar's JSON-schema conversion (0.2.x) breaks both
+# rules in two places:
+#
+# - a length-bounded string (`minLength`/`maxLength`, a `propertyNames` bound) is
+#   `"\"" [^"\\\r\n]{m,n} "\""`: a raw TAB or U+0001 inside it;
+# - a `pattern` holding a `"`, a `\`, a TAB or another control character is expanded to literals
+#   and classes of the characters the regex means, written raw (`^a"b$` writes `"a"b"`, `^a\tb$`
+#   a raw TAB); other patterns are `Regex("...", json_string=true)`, which xgrammar keeps JSON.
+#
+# `json_safe_strings` rewrites the grammar: in the rules that are a string's content (referenced
+# between the two `"\""` delimiters, and what they reference, but for xgrammar's `basic_*`
+# rules) every literal and class writes `"`, `\` and control characters as JSON escapes; in the
+# other rules (the structure, numbers, keys), the control characters (a compact grammar has no
+# whitespace left there). A length then counts an escape as the one character it stands for.
+# Lookaheads `(= ...)` and `Regex(...)` nodes are left as they are.
+
+_SHORT_ESCAPES = {0x08: "b", 0x09: "t", 0x0A: "n", 0x0C: "f", 0x0D: "r", 0x22: '"', 0x5C: "\\"}
+_CONTROLS = frozenset(range(0x20))
+_IN_STRINGS = _CONTROLS | {0x22, 0x5C}
+_EBNF_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v", "a": "\a", "b": "\b",
+                 "e": "\x1b", "0": "\0"}
+_HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
+_CONTENT_ROOT = re.compile(r'"\\"" (\w+)(?:\{\d+, ?-?\d+\})? "\\""')
+_NAME = re.compile(r"[A-Za-z_]\w*")
+
+
+def _read_char(text: str, i: int) -> tuple[int, int]:
+    """(code point, next index) of the possibly escaped character at text[i] (EBNF syntax)."""
+    if text[i] != "\\":
+        return ord(text[i]), i + 1
+    c = text[i + 1]
+    if c in _HEX_DIGITS:
+        n = _HEX_DIGITS[c]
+        return int(text[i + 2:i + 2 + n], 16), i + 2 + n
+    return ord(_EBNF_ESCAPES.get(c, c)), i + 2
+
+
+def _skip_quoted(text: str, i: int) -> int:
+    """Index past the string literal opening at text[i]."""
+    i += 1
+    while text[i] != '"':
+        i += 2 if text[i] == "\\" else 1
+    return i + 1
+
+
+def _skip_class(text: str, i: int) -> int:
+    """Index past the character class opening at text[i]."""
+    i += 1
+    while text[i] != "]":
+        i += 2 if text[i] == "\\" else 1
+    return i + 1
+
+
+def _skip_group(text: str, i: int) -> int:
+    """Index past the parenthesized group opening at text[i] (literals and classes skipped)."""
+    depth = 0
+    while True:
+        c = text[i]
+        if c == '"':
+            i = _skip_quoted(text, i)
+            continue
+        if c == "[":
+            i = _skip_class(text, i)
+            continue
+        depth += (c == "(") - (c == ")")
+        i += 1
+        if depth == 0:
+            return i
+
+
+def _json_escape(code: int) -> str:
+    """The JSON escape of a character a string may not hold raw, as EBNF literal text."""
+    short = _SHORT_ESCAPES.get(code)
+    return json.dumps("\\" + short if short else f"\\u{code:04x}")[1:-1]
+
+
+def _escape_alternatives(chars: set[int]) -> list[str]:
+    """EBNF alternatives writing each character of `chars` as a JSON escape: its short form
+    where it has one, else `\\u00XX` (digits in either case)."""
+    alts = [f'"{_json_escape(c)}"' for c in sorted(chars) if c in _SHORT_ESCAPES]
+    for high in (0, 1):
+        lows = sorted(c & 15 for c in chars if c < 0x20 and c >> 4 == high
+                      and c not in _SHORT_ESCAPES)
+        if lows:
+            digits = "".join(dict.fromkeys("".join(f"{d:x}{d:X}" for d in lows)))
+            alts.append(f'"\\\\u00{high}" [{digits}]')
+    return alts
+
+
+def _fix_literal(text: str, special: frozenset[int]) -> str:
+    """A string literal with its characters in `special` written as JSON escapes."""
+    out, i = ['"'], 1
+    while i < len(text) - 1:
+        code, j = _read_char(text, i)
+        out.append(_json_escape(code) if code in special else text[i:j])
+        i = j
+    out.append('"')
+    return "".join(out)
+
+
+def _fix_class(text: str, special: frozenset[int]) -> str:
+    """A character class without the characters in `special`, and their JSON escapes beside it
+    (as alternatives) for those it matched."""
+    negated = text.startswith("[^")
+    i, end = (2 if negated else 1), len(text) - 1
+    items: list[tuple[int, int, str]] = []  # (low, high, text) of each character or range
+    while i < end:
+        lo, j = _read_char(text, i)
+        hi = lo
+        if text[j] == "-" and j + 1 < end:
+            hi, j = _read_char(text, j + 1)
+        items.append((lo, hi, text[i:j]))
+        i = j
+    listed = {c for c in special if any(lo <= c <= hi for lo, hi, _ in items)}
+    matched = set(special) - listed if negated else listed
+    if not matched:
+        return text
+    if negated:  # exclude every special character; the escapes of those it matched beside it
+        kept = text[:-1] + "".join(_class_range(a, b) for a, b in _runs(special - listed)) + "]"
+    else:  # the items, cut around the special characters
+        parts = [_class_range(a, b) for lo, hi, _ in items for a, b in _cut(lo, hi, special)]
+        kept = f"[{''.join(parts)}]" if parts else ""
+    return "(" + " | ".join(([kept] if kept else []) + _escape_alternatives(matched)) + ")"
+
+
+def _cut(lo: int, hi: int, special: frozenset[int]) -> list[tuple[int, int]]:
+    """The range [lo, hi] without the characters in `special`, as ranges."""
+    out: list[tuple[int, int]] = []
+    start = None
+    for c in range(lo, min(hi, 0x7F) + 1):
+        if c in special:
+            if start is not None:
+                out.append((start, c - 1))
+                start = None
+        elif start is None:
+            start = c
+    if start is not None:
+        out.append((start, min(hi, 0x7F)))
+    if hi > 0x7F:  # no special character above ASCII: the rest of the range as it is
+        if out and out[-1][1] == 0x7F:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((max(lo, 0x80), hi))
+    return out
+
+
+def _runs(codes: set[int]) -> list[tuple[int, int]]:
+    """`codes` as maximal ranges of consecutive code points, in order."""
+    out: list[tuple[int, int]] = []
+    for c in sorted(codes):
+        if out and out[-1][1] == c - 1:
+            out[-1] = (out[-1][0], c)
+        else:
+            out.append((c, c))
+    return out
+
+
+def _class_char(code: int) -> str:
+    """One character as an EBNF class writes it."""
+    if code < 0x20 or code in (0x22, 0x2D, 0x5B, 0x5C, 0x5D, 0x5E) or code > 0x7E:
+        return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}" if code <= 0xFFFF \
+            else f"\\U{code:08x}"
+    return chr(code)
+
+
+def _class_range(lo: int, hi: int) -> str:
+    return _class_char(lo) if lo == hi else f"{_class_char(lo)}-{_class_char(hi)}"
+
+
+def _rewrite(body: str, special: frozenset[int]) -> str:
+    """A rule's body with the characters in `special` written as JSON escapes wherever the
+    body generates them (lookaheads and Regex nodes left as they are)."""
+    out: list[str] = []
+    i, n = 0, len(body)
+    while i < n:
+        c = body[i]
+        if c == '"':
+            j = _skip_quoted(body, i)
+            out.append(_fix_literal(body[i:j], special))
+        elif c == "[":
+            j = _skip_class(body, i)
+            out.append(_fix_class(body[i:j], special))
+        elif body.startswith("(=", i):
+            j = _skip_group(body, i)
+            out.append(body[i:j])
+        elif body.startswith("Regex(", i):
+            j = _skip_group(body, i + len("Regex"))
+            out.append(body[i:j])
+        else:
+            j = i + 1
+            out.append(c)
+        i = j
+    return "".join(out)
+
+
+def _references(body: str) -> set[str]:
+    """The rule names `body` references (literals, classes and Regex nodes skipped)."""
+    names: set[str] = set()
+    i, n = 0, len(body)
+    while i < n:
+        c = body[i]
+        if c == '"':
+            i = _skip_quoted(body, i)
+        elif c == "[":
+            i = _skip_class(body, i)
+        elif body.startswith("Regex(", i):
+            i = _skip_group(body, i + len("Regex"))
+        elif (m := _NAME.match(body, i)) is not None:
+            names.add(m.group())
+            i = m.end()
+        else:
+            i += 1
+    return names
+
+
+def rename_rule(ebnf: str, old: str, new: str) -> str:
+    """`ebnf` (one rule per line, as xgrammar prints it) with the rule `old` named `new`, where
+    it is defined and referenced; literals, classes and Regex nodes are left as they are."""
+    out = []
+    for line in ebnf.splitlines():
+        if not line.strip():
+            continue
+        name, body = line.split(" ::= ", 1)
+        out.append(f"{new if name == old else name} ::= {_renamed(body, old, new)}\n")
+    return "".join(out)
+
+
+def _renamed(body: str, old: str, new: str) -> str:
+    out: list[str] = []
+    i, n = 0, len(body)
+    while i < n:
+        c = body[i]
+        if c == '"':
+            j = _skip_quoted(body, i)
+        elif c == "[":
+            j = _skip_class(body, i)
+        elif body.startswith("Regex(", i):
+            j = _skip_group(body, i + len("Regex"))
+        elif (m := _NAME.match(body, i)) is not None:
+            out.append(new if m.group() == old else m.group())
+            i = m.end()
+            continue
+        else:
+            j = i + 1
+        out.append(body[i:j])
+        i = j
+    return "".join(out)
+
+
+def json_safe_strings(ebnf: str) -> str:
+    """`ebnf` (a compact JSON grammar as xgrammar prints it: one rule per line) with every
+    string JSON (see above)."""
+    rules = dict(line.split(" ::= ", 1) for line in ebnf.splitlines() if line.strip())
+    content: set[str] = set()
+    todo = [m.group(1) for body in rules.values() for m in _CONTENT_ROOT.finditer(body)]
+    while todo:
+        name = todo.pop()
+        if name in content or name not in rules or name.startswith("basic_"):
+            continue
+        content.add(name)
+        todo.extend(_references(rules[name]))
+    return "".join(f"{name} ::= {_rewrite(body, _IN_STRINGS if name in content else _CONTROLS)}\n"
+                   for name, body in rules.items())
 
 
 def _compile_error(spec: GrammarSpec, exc: BaseException) -> EngineError:
