@@ -93,14 +93,18 @@ def _grammar_of(spec: GrammarSpec):
 #   `"\"" [^"\\\r\n]{m,n} "\""`: a raw TAB or U+0001 inside it;
 # - a `pattern` holding a `"`, a `\`, a TAB or another control character is expanded to literals
 #   and classes of the characters the regex means, written raw (`^a"b$` writes `"a"b"`, `^a\tb$`
-#   a raw TAB); other patterns are `Regex("...", json_string=true)`, which xgrammar keeps JSON.
+#   a raw TAB); other patterns are `Regex("...", json_string=true)` nodes, which never write a
+#   `"` and let `.` or `[^a]` match the bytes of a UTF-16 surrogate;
+# - every class may match a surrogate's 3-byte encoding (invalid UTF-8: U+FFFD in the text, one
+#   character of the grammar as three of the answer, past a maxLength).
 #
-# `json_safe_strings` rewrites the grammar: in the rules that are a string's content (referenced
-# between the two `"\""` delimiters, and what they reference, but for xgrammar's `basic_*`
-# rules) every literal and class writes `"`, `\` and control characters as JSON escapes; in the
-# other rules (the structure, numbers, keys), the control characters (a compact grammar has no
-# whitespace left there). A length then counts an escape as the one character it stands for.
-# Lookaheads `(= ...)` and `Regex(...)` nodes are left as they are.
+# `json_safe_strings` rewrites the grammar: each Regex node becomes the EBNF of the characters its
+# pattern means (`_expanded_regex`); in the rules that are a string's content (referenced between
+# the two `"\""` delimiters, and what they reference, but for xgrammar's `basic_*` rules) every
+# literal and class writes `"`, `\` and control characters as JSON escapes; in the other rules
+# (the structure, numbers, keys), the control characters (a compact grammar has no whitespace
+# left there); no class matches a surrogate. A length then counts an escape as the one
+# character it stands for. Lookaheads `(= ...)` are left as they are.
 
 _SHORT_ESCAPES = {0x08: "b", 0x09: "t", 0x0A: "n", 0x0C: "f", 0x0D: "r", 0x22: '"', 0x5C: "\\"}
 _CONTROLS = frozenset(range(0x20))
@@ -108,6 +112,7 @@ _IN_STRINGS = _CONTROLS | {0x22, 0x5C}
 _EBNF_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v", "a": "\a", "b": "\b",
                  "e": "\x1b", "0": "\0"}
 _HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
+_SURROGATES = (0xD800, 0xDFFF)
 _CONTENT_ROOT = re.compile(r'"\\"" (\w+)(?:\{\d+, ?-?\d+\})? "\\""')
 _NAME = re.compile(r"[A-Za-z_]\w*")
 
@@ -187,48 +192,52 @@ def _fix_literal(text: str, special: frozenset[int]) -> str:
 
 
 def _fix_class(text: str, special: frozenset[int]) -> str:
-    """A character class without the characters in `special`, and their JSON escapes beside it
-    (as alternatives) for those it matched."""
+    """A character class without the characters in `special` and without UTF-16 surrogates
+    (which are not characters: xgrammar lets a class match their 3-byte encodings, invalid
+    UTF-8 that reaches the text as U+FFFD), and the JSON escapes of the special characters it
+    matched beside it (as alternatives)."""
     negated = text.startswith("[^")
     i, end = (2 if negated else 1), len(text) - 1
-    items: list[tuple[int, int, str]] = []  # (low, high, text) of each character or range
+    items: list[tuple[int, int]] = []  # (low, high) of each character or range
     while i < end:
         lo, j = _read_char(text, i)
         hi = lo
         if text[j] == "-" and j + 1 < end:
             hi, j = _read_char(text, j + 1)
-        items.append((lo, hi, text[i:j]))
+        items.append((lo, hi))
         i = j
-    listed = {c for c in special if any(lo <= c <= hi for lo, hi, _ in items)}
+    listed = {c for c in special if any(lo <= c <= hi for lo, hi in items)}
     matched = set(special) - listed if negated else listed
-    if not matched:
+    first, last = _SURROGATES
+    if negated:  # matches them unless it excludes them all already
+        has_surrogates = not any(lo <= first and last <= hi for lo, hi in items)
+    else:
+        has_surrogates = any(first <= hi and lo <= last for lo, hi in items)
+    if not matched and not has_surrogates:
         return text
-    if negated:  # exclude every special character; the escapes of those it matched beside it
-        kept = text[:-1] + "".join(_class_range(a, b) for a, b in _runs(special - listed)) + "]"
-    else:  # the items, cut around the special characters
-        parts = [_class_range(a, b) for lo, hi, _ in items for a, b in _cut(lo, hi, special)]
+    if negated:  # exclude every special character and the surrogates; escapes beside it
+        excluded = _runs(special - listed) + ([_SURROGATES] if has_surrogates else [])
+        kept = text[:-1] + "".join(_class_range(a, b) for a, b in excluded) + "]"
+    else:  # the items, cut around the special characters and the surrogates
+        cut = sorted(_runs(set(special)) + [_SURROGATES])
+        parts = [_class_range(a, b) for lo, hi in items for a, b in _subtract(lo, hi, cut)]
         kept = f"[{''.join(parts)}]" if parts else ""
-    return "(" + " | ".join(([kept] if kept else []) + _escape_alternatives(matched)) + ")"
+    alts = ([kept] if kept else []) + _escape_alternatives(matched)
+    return alts[0] if len(alts) == 1 else "(" + " | ".join(alts) + ")"
 
 
-def _cut(lo: int, hi: int, special: frozenset[int]) -> list[tuple[int, int]]:
-    """The range [lo, hi] without the characters in `special`, as ranges."""
+def _subtract(lo: int, hi: int, cut: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The range [lo, hi] without the sorted, disjoint ranges `cut`, as ranges."""
     out: list[tuple[int, int]] = []
-    start = None
-    for c in range(lo, min(hi, 0x7F) + 1):
-        if c in special:
-            if start is not None:
-                out.append((start, c - 1))
-                start = None
-        elif start is None:
-            start = c
-    if start is not None:
-        out.append((start, min(hi, 0x7F)))
-    if hi > 0x7F:  # no special character above ASCII: the rest of the range as it is
-        if out and out[-1][1] == 0x7F:
-            out[-1] = (out[-1][0], hi)
-        else:
-            out.append((max(lo, 0x80), hi))
+    for a, b in cut:
+        if b < lo or a > hi:
+            continue
+        if a > lo:
+            out.append((lo, a - 1))
+        lo = b + 1
+        if lo > hi:
+            return out
+    out.append((lo, hi))
     return out
 
 
@@ -335,10 +344,60 @@ def _renamed(body: str, old: str, new: str) -> str:
     return "".join(out)
 
 
+def _decode_literal(text: str) -> str:
+    """The characters of an EBNF string literal (its quotes included in `text`)."""
+    out, i = [], 1
+    while i < len(text) - 1:
+        code, i = _read_char(text, i)
+        out.append(chr(code))
+    return "".join(out)
+
+
+def _ecma_dots(pattern: str) -> str:
+    """`pattern` with each `.` outside a class written as the class it means in ECMA-262 (and
+    in Python's `re`, which matches more): any character but a line terminator."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == ".":
+            c = "[^\\n\\r\\u2028\\u2029]"
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _expanded_regex(body: str) -> str:
+    """A rule body `Regex("...", json_string=true)` (a `pattern` xgrammar keeps as a regex, which
+    lets a `.` or `[^a]` match a surrogate's bytes) as EBNF of the characters the pattern means
+    (xgrammar's own regex converter: a full match, which `pattern`'s search semantics admit), to
+    be written JSON by `json_safe_strings`; the body as it is when the converter cannot."""
+    from xgrammar.testing import _regex_to_ebnf  # the converter xgrammar's own expansion uses
+
+    try:
+        pattern = _decode_literal(body[len("Regex("):_skip_quoted(body, len("Regex("))])
+        lines = [line for line in _regex_to_ebnf(_ecma_dots(pattern)).splitlines() if line]
+    except Exception:  # a construct it does not take (lookaround, flags): xgrammar's node
+        return body
+    if len(lines) != 1 or not lines[0].startswith("root ::= "):
+        return body
+    return "(" + lines[0].removeprefix("root ::= ") + ")"
+
+
 def json_safe_strings(ebnf: str) -> str:
     """`ebnf` (a compact JSON grammar as xgrammar prints it: one rule per line) with every
     string JSON (see above)."""
     rules = dict(line.split(" ::= ", 1) for line in ebnf.splitlines() if line.strip())
+    for name, body in rules.items():
+        if body.startswith("Regex(") and body.endswith(", json_string=true)"):
+            rules[name] = _expanded_regex(body)
     content: set[str] = set()
     todo = [m.group(1) for body in rules.values() for m in _CONTENT_ROOT.finditer(body)]
     while todo:
