@@ -238,7 +238,10 @@ def test_a_tool_conversation_is_served(client: openai.OpenAI, base: str, hf_dens
      "tool_choice", "invalid_request"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools.1.function.name", "invalid_request"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
-      "tool_choice": "required"}, "tools", "invalid_request"),
+      "tool_choice": "required"}, "tools.0.function.parameters", "invalid_request"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": 5}}}}}], "tool_choice": "required"},
+     "tools", "invalid_request"),
     ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
 ])
 def test_what_is_not_honoured_is_a_400_naming_it(client: openai.OpenAI, base: str,
