@@ -150,6 +150,11 @@ def test_vllm_names_are_served(served: str, caplog: pytest.LogCaptureFixture) ->
             ("sql-lora", "default/sql-lora@r1", "catalog"),
             ("default/sql-lora", "default/sql-lora@r1", "device"),
             ("fresh", "default/fresh@r1", "cpu")]
+        # /v1/models/{id} answers every name completions serve (the same resolver)
+        for name in ("sql-lora", "default/sql-lora", "sql-lora@r1", "fresh"):
+            card = c.get(f"/v1/models/{name}")
+            assert card.status_code == 200 and card.json()["id"] == name, card.text
+        assert c.get("/v1/models/nothing-here").status_code == 404
         assert c.post("/v1/unload_lora_adapter", json={"lora_name": "fresh"}).status_code == 200
         missing = c.post("/v1/completions", json={"model": "nothing-here", **body})
         assert missing.status_code == 404
@@ -164,3 +169,70 @@ def test_api_key_is_a_bearer_key() -> None:
         assert c.post("/v1/completions", json=body).status_code == 401
         ok = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer vllm-key"})
         assert ok.status_code == 200
+
+
+# -- issue 43: `vllm serve MODEL`, --gpu-memory-utilization, tool-call flags ------------------------
+
+def test_the_model_as_vllm_gives_it(tmp_path: Path) -> None:
+    from loraserve.cli import _model_arg
+    from loraserve.cli_config import reparse
+
+    assert _model_arg(_serve_args("/m")) == "/m"
+    assert _model_arg(_serve_args("--model", "/m")) == "/m"
+    assert _model_arg(_serve_args("/m", "--model", "/m", "--port", "1")) == "/m"
+    with pytest.raises(ValueError, match="given twice"):
+        _model_arg(_serve_args("/m", "--model", "/n"))
+    # settings from the environment (a flag of several values among them) leave MODEL alone
+    args = reparse(build_parser(), ["serve", "/m"], "serve",
+                   environ={"LORASERVE_LORA_MODULES": "a=/p", "LORASERVE_PORT": "9"})
+    assert (_model_arg(args), args.port, [m.adapter_id for m in args.lora_modules]) == (
+        "/m", 9, ["default/a"])
+
+
+def test_gpu_memory_utilization(hf_dense: Path, capsys: pytest.CaptureFixture) -> None:
+    from loraserve.cli import main
+    from loraserve.cli_gpu import GIB, MIB, apply, kv_cache_mb
+
+    assert _serve_args("--gpu-memory-utilization", "0.9").gpu_memory_utilization == 0.9
+    for bad in ("0", "1.5", "most"):
+        with pytest.raises(SystemExit):
+            _serve_args("--gpu-memory-utilization", bad)
+    # on CUDA: the share, less the weights, the adapter pool and the reserve, is the KV cache
+    options = {"device": "cuda", "dtype": "float16", "gpu_adapter_mb": 64,
+               "max_batched_tokens": 256, "max_batch_size": 4}
+    mb = kv_cache_mb(0.5, options, str(hf_dense), memory=(70 * GIB, 80 * GIB))
+    assert 40 * 1024 - 64 - 1024 - 8 < mb < 40 * 1024 - 64 - 1024
+    assert kv_cache_mb(0.9, options, str(hf_dense), memory=(80 * GIB, 80 * GIB)) > mb
+    with pytest.raises(ValueError, match="only 10.0 GiB are free"):
+        kv_cache_mb(0.5, options, str(hf_dense), memory=(10 * GIB, 80 * GIB))
+    with pytest.raises(ValueError, match="no room for the KV cache"):
+        kv_cache_mb(0.5, options, str(hf_dense), memory=(GIB, GIB))
+    args = _serve_args("--gpu-memory-utilization", "0.5")
+    with pytest.raises(ValueError, match="both size the KV cache"):
+        apply(args, {**options, "kv_cache_mb": 100}, str(hf_dense))
+    # on the CPU: refused, naming the flag that sizes the cache there (one line, exit 1)
+    capsys.readouterr()
+    assert main(["serve", str(hf_dense), "--device", "cpu", "--gpu-memory-utilization", "0.9"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--kv-cache-mb" in err and "on the CPU" in err
+    assert MIB == 2**20
+
+
+def test_tool_call_flags(capsys: pytest.CaptureFixture) -> None:
+    from loraserve.server.config import ServerConfig
+    from loraserve.server.tool_calls import LLAMA3, MISTRAL, QWEN, plan_tools
+
+    args = _serve_args("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes"
+    with pytest.raises(SystemExit):
+        _serve_args("--tool-call-parser", "pythonic")
+    err = capsys.readouterr().err
+    assert "'pythonic' is not one loraserve parses" in err and "hermes, llama3_json, mistral" in err
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
+        ServerConfig(tool_call_parser="granite")
+    # the named format parses a template that renders tools, instead of the one its markers say
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    qwen_template = "{% if tools %}<tool_call>{% endif %}"
+    assert plan_tools(tools, "auto", None, qwen_template).family is QWEN
+    assert plan_tools(tools, "auto", None, qwen_template, MISTRAL).family is MISTRAL
+    assert plan_tools(tools, "auto", None, "{{ tools }}", LLAMA3).family is LLAMA3
