@@ -7,7 +7,7 @@ reported apart: xgrammar's format grammars are syntactic (a `date` of February 3
 with a leading zero pass them), so a miss there is counted, not a failure.
 
     python bench/structured_fuzz.py --batches 40 --seed 0          # 40 x 8 schemas
-    python bench/structured_fuzz.py --batches 200 --batch 8 --temperatures 0,0.7,1,1.5 --max-tokens 200
+    python bench/structured_fuzz.py --batches 200 --temperatures 0,0.7,1,1.5 --max-tokens 200
 
 The schemas come from a hypothesis strategy (`schemas()`): enums and consts (strings with a TAB,
 a quote, a backslash, a newline, non-ASCII), integers and numbers with and without bounds,

@@ -171,7 +171,7 @@ def test_api_key_is_a_bearer_key() -> None:
         assert ok.status_code == 200
 
 
-# -- issue 43: `vllm serve MODEL`, --gpu-memory-utilization, tool-call flags ------------------------
+# -- issue 43: `vllm serve MODEL`, --gpu-memory-utilization, tool-call flags ----------------------
 
 def test_the_model_as_vllm_gives_it(tmp_path: Path) -> None:
     from loraserve.cli import _model_arg

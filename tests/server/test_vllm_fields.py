@@ -142,7 +142,7 @@ def test_what_they_cannot_mean_is_a_400(http: httpx.Client, fields: dict, param:
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
-# -- chat_template_kwargs ---------------------------------------------------------------------------
+# -- chat_template_kwargs -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def thinking(demo_dense) -> Iterator[tuple[str, Tokenizer]]:
@@ -171,8 +171,9 @@ def test_chat_template_kwargs_reach_the_template(thinking: tuple[str, Tokenizer]
             tok.encode(plain))
         assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) == len(
             tok.encode(off))
+        kwargs = {"enable_thinking": False}
         tokenized = http.post("/tokenize", json={"messages": messages,
-                                                 "chat_template_kwargs": {"enable_thinking": False}})
+                                                 "chat_template_kwargs": kwargs})
         assert tokenized.json()["tokens"] == tok.encode(off)
         for key in ("messages", "tools", "add_generation_prompt"):
             r = http.post("/v1/chat/completions", json={"model": "fake-base", "messages": messages,
