@@ -1,6 +1,9 @@
-"""One datum longer than the slice budget: its forward and backward in chunks of at most `budget`
-tokens, one chunk per slice, so neither its activations nor its time in one slice grow with its
-length.
+"""One datum longer than the slice budget: its forward in chunks of at most `budget` tokens and its
+backward in chunks of at most `backward_budget` (a third of it as the run sizes it: a backward
+chunk computes its forward again and twice that backward, so its work, in forward tokens, stays
+within the budget), one chunk per slice, so neither its activations nor its time in one slice
+grow with its length. The two partitions need not match: a backward chunk reads the keys/values
+the forward phase kept for every position.
 
 Two phases over chunks c = tokens[s:e]:
 
@@ -73,11 +76,14 @@ class ChunkedDatum:
     `logprobs` / `elementwise` [T] once `done`."""
 
     def __init__(self, model: CausalLM, factors: LoRAFactors, tokens: Tensor, inputs: Mapping[str, Tensor],
-                 spec: LossSpec, loss_config: Mapping[str, float], budget: int, backward: bool):
+                 spec: LossSpec, loss_config: Mapping[str, float], budget: int, backward: bool,
+                 backward_budget: int | None = None):
         self.model, self.factors, self.tokens, self.inputs = model, factors, tokens, inputs
         self.spec, self.loss_config, self.backward = spec, loss_config, backward
         n = tokens.numel()
         self.bounds = [(s, min(s + budget, n)) for s in range(0, n, budget)]
+        step = max(1, backward_budget or budget)
+        self.back_bounds = [(s, min(s + step, n)) for s in range(0, n, step)]
         self.keys: list[Tensor] = []     # per layer [T, Hkv, D], written by the forward phase
         self.values: list[Tensor] = []
         self.dkeys: list[Tensor] = []    # per layer [T, Hkv, D], gradient sent back by later chunks
@@ -85,7 +91,7 @@ class ChunkedDatum:
         self.logprobs = torch.empty(n, device=tokens.device)                  # [T] float32
         self.elementwise = torch.empty(n, device=tokens.device)               # [T] float32
         self.grads: list[Tensor] | None = None
-        self.forward_next, self.backward_next = 0, len(self.bounds) - 1
+        self.forward_next, self.backward_next = 0, len(self.back_bounds) - 1
 
     @property
     def forward_done(self) -> bool:
@@ -105,7 +111,7 @@ class ChunkedDatum:
                     self._forward_chunk(s, e)
                 self.forward_next += 1
             else:
-                s, e = self.bounds[self.backward_next]
+                s, e = self.back_bounds[self.backward_next]
                 self._backward_chunk(s, e)
                 self.backward_next -= 1
         return e - s

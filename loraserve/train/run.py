@@ -132,7 +132,7 @@ class Pass:
         if not c.forward_done:
             s, e = c.bounds[c.forward_next]
             return e - s
-        s, e = c.bounds[c.backward_next]
+        s, e = c.back_bounds[c.backward_next]
         return (e - s) * (1 + BACKWARD_COST)
 
     def groupable(self, max_tokens: int) -> bool:
@@ -162,11 +162,12 @@ class Pass:
         if self.chunked is None:
             d, run = self.data[self.done_datums], self.run
             self.chunked = ChunkedDatum(run.model, run.factors, d.tokens, d.inputs, loss_spec(self.loss),
-                                        self.loss_config, budget, self.backward)
+                                        self.loss_config, budget, self.backward,
+                                        backward_budget=max(1, budget // (1 + BACKWARD_COST)))
         c = self.chunked
         backward = c.forward_done
         self.work += c.step() * (1 + BACKWARD_COST if backward else 1)  # a backward chunk runs its forward again
-        if c.forward_done and c.backward_next == len(c.bounds) - 1:  # forward just ended: check before any backward
+        if c.forward_done and c.backward_next == len(c.back_bounds) - 1:  # forward just ended: check before any backward
             self._check_finite(c.elementwise.sum())
         if c.done:
             self.chunked = None
