@@ -86,8 +86,8 @@ def _grammar_of(spec: GrammarSpec):
 # -- strings that are JSON by construction ---------------------------------------------------------
 #
 # JSON forbids a raw U+0000-U+001F inside a string (it must be an escape: `\t`, `\u0001`), and a
-# `"` or `\` there must be escaped too. xgrammar's JSON-schema conversion (0.2.x) breaks both
-# rules in two places:
+# `"` or `\` there must be escaped too, and the text must be UTF-8. xgrammar's JSON-schema
+# conversion (0.2.x) breaks these rules in three places:
 #
 # - a length-bounded string (`minLength`/`maxLength`, a `propertyNames` bound) is
 #   `"\"" [^"\\\r\n]{m,n} "\""`: a raw TAB or U+0001 inside it;
@@ -264,9 +264,17 @@ def _class_range(lo: int, hi: int) -> str:
     return _class_char(lo) if lo == hi else f"{_class_char(lo)}-{_class_char(hi)}"
 
 
+# what a rule outside a string's content must hold for `_rewrite` to change it: a negated class
+# (surrogates), a class range that may span them, or an escape or raw character that may be a
+# control character; most rules (xgrammar's basic_* ones, the structure) hold none
+_MAY_CHANGE = re.compile(r"\[\^|[^\\]-\\[uU]|\\[0-9nrtfvabexuU]|[\x00-\x1f]")
+
+
 def _rewrite(body: str, special: frozenset[int]) -> str:
     """A rule's body with the characters in `special` written as JSON escapes wherever the
     body generates them (lookaheads and Regex nodes left as they are)."""
+    if special is _CONTROLS and _MAY_CHANGE.search(body) is None:
+        return body
     out: list[str] = []
     i, n = 0, len(body)
     while i < n:
@@ -415,8 +423,15 @@ def _compile_error(spec: GrammarSpec, exc: BaseException) -> EngineError:
                        f"{str(exc).strip()[:500]}", param=spec.param)
 
 
+# the (kind, text) keys check_spec passed: a client that sends the same schema on every request
+# pays its conversion once per process (a 300-property schema takes ~0.1 s)
+_CHECKED: BoundedLRU[tuple[str, str], bool] = BoundedLRU(GRAMMAR_CACHE_SIZE)
+
+
 def check_spec(spec: GrammarSpec) -> None:
     """Raise EngineError (400, param = spec.param) unless spec's grammar parses."""
+    if _CHECKED.get(spec.key):
+        return
     if spec.kind not in KINDS:
         raise EngineError(f"unknown structured output kind {spec.kind!r}", param=spec.param)
     if len(spec.text) > MAX_GRAMMAR_CHARS:
@@ -426,6 +441,7 @@ def check_spec(spec: GrammarSpec) -> None:
         _grammar_of(spec)
     except Exception as exc:  # xgrammar raises RuntimeError / ValueError with its parser's text
         raise _compile_error(spec, exc) from None
+    _CHECKED.put(spec.key, True)
 
 
 def _vocab_type(tokenizer_json: str, vocab: list[str]):
