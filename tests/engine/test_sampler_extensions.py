@@ -213,7 +213,7 @@ def test_core_does_not_stop_before_min_tokens() -> None:
 class _Chars:
     """A tokenizer whose token i is chr(i + 97)."""
 
-    def detokenizer(self):
+    def detokenizer(self, skip_special_tokens: bool = True):
         class D:
             def step(self, token: int) -> str:
                 return chr(token + 97)
