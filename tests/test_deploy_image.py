@@ -127,7 +127,10 @@ def test_the_install_serves_the_demo_from_start_sh(installed: Path, tmp_path: Pa
     key = append_key(keys, Principal("ops", admin=True))  # (the venv's CLI edits them below)
     user = append_key(keys, Principal("u", admin=False, tenants=("demo",)))
     config = tmp_path / "serve.toml"
-    config.write_text(f'keys = "{keys}"\ncatalog = "{catalog}"\nmax-batch-size = 4\n'
+    # the tiny demo base the script built (a bare `serve` serves SmolLM2, which the image lacks)
+    tiny = installed / "demo" / "qwen3"
+    config.write_text(f'keys = "{keys}"\nmodel = "{tiny}"\n'
+                      f'catalog = "{catalog}"\nmax-batch-size = 4\n'
                       "shutdown-timeout = 5\nsingle-process = true\n")
     env = {**os.environ, "LORASERVE_VENV": str(venv), "LORASERVE_CONFIG": str(config),
            "LORASERVE_HOST": "127.0.0.1", "LORASERVE_PORT": str(port),
