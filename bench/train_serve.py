@@ -24,6 +24,14 @@ SDK (training) and httpx (serving). Prints two tables:
   of the server and its engine core during each (sampled every 20 ms). Runs at once share
   slices: the core batches their waiting datums into one forward/backward (train/grouped.py).
   `--handoffs 0` measures the runs table alone.
+- tenants (`--latency-runs 1,4,8`: this table alone, per `--train-max-tokens` and tree): a third
+  tenant's streamed 16-token chats (`--chats` of them, one after another) on a server with keys
+  for three tenants, idle and while N training runs of two other tenants (half each) loop
+  forward_backward on `--train-datums` datums of `--train-tokens` tokens + optim_step without
+  pause; its TTFT and inter-token gaps, p50 / p99, against idle (ratios), and the training
+  throughput (datum tokens forward and backward per second, from the runs' start until each ended
+  the step in hand after the chats). The attacker's mix: `--latency-runs 1,4,8 --train-datums 4
+  --train-tokens 1900 --train-max-tokens 512`.
 """
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 import argparse
 import json
 import os
+import random
 import shutil
 import socket
 import statistics
@@ -61,11 +70,13 @@ def free_port() -> int:
 
 
 def serve(model: Path, catalog: Path, root: Path, port: int, train_max_tokens: int,
-          source: str | None = None) -> subprocess.Popen:
+          source: str | None = None, extra: list[str] | None = None,
+          max_model_len: int = 1024) -> subprocess.Popen:
     """`loraserve serve` on port; from the source tree `source` when given (else this one)."""
     cmd = [sys.executable, "-m", "loraserve.cli", "serve", "--model", str(model.resolve()),
            "--catalog", str(catalog), "--port", str(port), "--adapter-root", str(root),
-           "--train-max-tokens", str(train_max_tokens), "--max-model-len", "1024"]
+           "--train-max-tokens", str(train_max_tokens), "--max-model-len", str(max_model_len),
+           *(extra or [])]
     env = None if source is None else {**os.environ, "PYTHONPATH": str(Path(source).resolve())}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=source)
     deadline = time.monotonic() + 300
@@ -232,6 +243,222 @@ def runs_table(url: str, pid: int, counts: list[int], args: argparse.Namespace) 
     return rows
 
 
+# -- serving latency of a third tenant under other tenants' training -----------------------------
+
+def chat(http: httpx.Client, key: str, tokens: int) -> tuple[float, list[float]]:
+    """One streamed greedy chat of `tokens` tokens: (TTFT, inter-token gaps), seconds."""
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "Who are you?"}],
+            "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    t0, stamps = time.perf_counter(), []
+    with http.stream("POST", "/v1/chat/completions", json=body,
+                     headers={"Authorization": f"Bearer {key}"}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                if choices[0].get("delta", {}).get("content"):
+                    stamps.append(time.perf_counter())
+    return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def chats(http: httpx.Client, key: str, n: int, tokens: int) -> tuple[list[float], list[float]]:
+    """`n` chats one after another, a pause of 0-50 ms between (not in step with the slices)."""
+    rng = random.Random(0)
+    ttft, itl = [], []
+    for _ in range(n):
+        first, gaps = chat(http, key, tokens)
+        ttft.append(first)
+        itl += gaps
+        time.sleep(rng.uniform(0, 0.05))
+    return ttft, itl
+
+
+def training_load(url: str, keys: list[str], runs: int, args: argparse.Namespace):
+    """`runs` training runs (alternately in the tenants of `keys`), each looping forward_backward
+    + optim_step until stopped, in a process of their own (`--train-worker`: their SDK threads do
+    not share this process's GIL with the chats measured). Returns (stop(), steps done so far (a
+    list of one int)), once every run has its first pass queued."""
+    worker = subprocess.Popen([sys.executable, __file__, "--train-worker", url, ",".join(keys), str(runs),
+                               str(args.train_datums), str(args.train_tokens)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    steps = [0]
+    assert worker.stdout.readline().strip() == "ready"
+
+    def count() -> None:
+        for line in worker.stdout:
+            steps[0] += line.strip() == "step"
+
+    counter = threading.Thread(target=count, daemon=True)
+    counter.start()
+
+    def finish() -> None:
+        worker.stdin.write("stop\n")
+        worker.stdin.close()
+        worker.wait(timeout=3600)
+        counter.join()
+
+    return finish, steps
+
+
+def train_worker(url: str, keys: list[str], runs: int, datums: int, tokens: int) -> None:
+    """The runs of `training_load`: "ready" once each has its first pass queued, "step" per
+    optim_step, until a line on stdin; then each run is unloaded."""
+    stop, ready, lock = threading.Event(), threading.Barrier(runs + 1), threading.Lock()
+    data = [sft_datum(tokens)] * datums
+
+    def loop(i: int) -> None:
+        service = mint.ServiceClient(base_url=url, api_key=keys[i % len(keys)])
+        trainer = service.create_lora_training_client(base_model="qwen3", rank=RANK, seed=i)
+        fb = trainer.forward_backward(data, "cross_entropy")
+        ready.wait()
+        while True:
+            fb.result()
+            trainer.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+            with lock:
+                print("step", flush=True)
+            if stop.is_set():
+                break
+            fb = trainer.forward_backward(data, "cross_entropy")
+        with httpx.Client(base_url=url, timeout=3600, headers={"Authorization": f"Bearer {keys[i % len(keys)]}"}) as h:
+            future = h.post("/api/v1/unload_model", json={"model_id": trainer.model_id}).json()
+            h.post("/api/v1/retrieve_future", json={"request_id": future["request_id"]})
+
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(runs)]
+    for t in threads:
+        t.start()
+    ready.wait()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    stop.set()
+    for t in threads:
+        t.join()
+
+
+def latency_rows(demo, budget: int, source: str | None, args: argparse.Namespace) -> list[str]:
+    """The tenants table's rows for one server (this tree or `source`) at one budget."""
+    from loraserve.keys import Principal, append_key
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        shutil.copytree(demo.catalog, root / "catalog")
+        keys_file = root / "keys.toml"
+        trainers = [append_key(keys_file, Principal(t, admin=False, tenants=(t,)), "sk-") for t in ("lab-a", "lab-b")]
+        chatter = append_key(keys_file, Principal("chat", admin=False, tenants=("chat",)), "sk-")
+        port = free_port()
+        proc = serve(demo.qwen3, root / "catalog", root, port, budget, source, ["--keys", str(keys_file)],
+                     max_model_len=max(1024, args.train_tokens + 8))
+        url = f"http://127.0.0.1:{port}"
+        rows = []
+        try:
+            with httpx.Client(base_url=url, timeout=3600) as http:
+                chats(http, chatter, 3, args.chat_tokens)  # warm-up: serving, then one training step
+                training_load(url, trainers, 1, argparse.Namespace(train_datums=1, train_tokens=16))[0]()
+                idle_ttft, idle_itl = chats(http, chatter, args.chats, args.chat_tokens)
+                rows.append(_latency_row(source, budget, 0, idle_ttft, idle_itl, None, None))
+                for runs in [int(x) for x in args.latency_runs.split(",")]:
+                    t0 = time.perf_counter()
+                    finish, steps = training_load(url, trainers, runs, args)
+                    time.sleep(1.0)  # slices under way
+                    ttft, itl = chats(http, chatter, args.chats, args.chat_tokens)
+                    finish()  # each run ends the step in hand
+                    rate = steps[0] * args.train_datums * args.train_tokens / (time.perf_counter() - t0)
+                    rows.append(_latency_row(source, budget, runs, ttft, itl, (idle_ttft, idle_itl), rate))
+                    print(rows[-1], flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    return rows
+
+
+def core_latency_rows(demo, budget: int, args: argparse.Namespace) -> list[str]:
+    """The tenants table without HTTP (`--in-core`): the engine in this process (AsyncEngine,
+    the `--single-process` hosting), the runs through its trainer (tenants lab-a and lab-b), the
+    chats as the server sends them (tenant "" of the base, the chat template's prompt), their
+    TTFT and gaps read off the engine's deltas. What the engine itself does, without the API
+    server's, the SDK's and the machine's other processes' share of the two cores."""
+    import asyncio
+
+    from loraserve.engine.async_engine import AsyncEngine
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.types import GenerateRequest, SamplingParams
+
+    cfg = EngineConfig(model_dir=str(demo.qwen3), device="cpu", max_model_len=max(1024, args.train_tokens + 8),
+                       train_max_tokens=budget)
+    eng = AsyncEngine.from_config(cfg)
+    tok = eng.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Who are you?"}]))
+    toks = [(7 * i) % 250 + 1 for i in range(args.train_tokens + 1)]
+    datum = [toks[:-1], {"target_tokens": toks[1:], "weights": [1.0] * args.train_tokens}]
+    adam = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+            "grad_clip_norm": 0.0}
+    ids = iter(range(10**9))
+
+    async def chat() -> tuple[float, list[float]]:
+        req = GenerateRequest(f"chat-{next(ids)}", prompt, SamplingParams(
+            max_tokens=args.chat_tokens, temperature=0.0, ignore_eos=True), stream=True)
+        t0, stamps = time.perf_counter(), []
+        async for out in eng.generate(req):
+            stamps += [time.perf_counter()] * len(out.token_ids)
+        return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])]
+
+    async def chats(n: int) -> tuple[list[float], list[float]]:
+        rng, ttft, itl = random.Random(0), [], []
+        for _ in range(n):
+            first, gaps = await chat()
+            ttft.append(first)
+            itl += gaps
+            await asyncio.sleep(rng.uniform(0, 0.05))
+        return ttft, itl
+
+    async def main() -> list[str]:
+        await eng.start()
+        await chats(3)  # warm-up: serving, then one training step
+        await eng.trainer.create("warm", {"rank": RANK, "seed": 0})
+        await eng.trainer.run_pass("warm", [datum], "cross_entropy", None, True, "lab-a")
+        await eng.trainer.optim_step("warm", adam)
+        await eng.trainer.drop("warm")
+        idle = await chats(args.chats)
+        rows = [_latency_row("in core", budget, 0, *idle, None, None)]
+        for runs in [int(x) for x in args.latency_runs.split(",")]:
+            stop, steps = asyncio.Event(), [0]
+
+            async def run(i: int) -> None:
+                run_id = f"b{runs}-{i}"
+                await eng.trainer.create(run_id, {"rank": RANK, "seed": i, "train_attn": True, "train_mlp": True,
+                                                  "train_unembed": True})
+                while not stop.is_set():
+                    await eng.trainer.run_pass(run_id, [datum] * args.train_datums, "cross_entropy", None, True,
+                                               ("lab-a", "lab-b")[i % 2])
+                    await eng.trainer.optim_step(run_id, adam)
+                    steps[0] += 1
+                await eng.trainer.drop(run_id)
+
+            t0 = time.perf_counter()
+            tasks = [asyncio.create_task(run(i)) for i in range(runs)]
+            await asyncio.sleep(1.0)
+            ttft, itl = await chats(args.chats)
+            stop.set()
+            await asyncio.gather(*tasks)  # each run ends the step in hand
+            rate = steps[0] * args.train_datums * args.train_tokens / (time.perf_counter() - t0)
+            rows.append(_latency_row("in core", budget, runs, ttft, itl, idle, rate))
+            print(rows[-1], flush=True)
+        await eng.shutdown()
+        return rows
+
+    return asyncio.run(main())
+
+
+def _latency_row(source, budget, runs, ttft, itl, idle, rate) -> str:
+    def cell(xs, base, q):
+        v = pct(xs, q)
+        return f"{v:.0f}" if base is None else f"{v:.0f} ({v / pct(base, q):.1f}x)"
+
+    it, ii = (None, None) if idle is None else idle
+    return (f"| {source or 'this tree'} | {budget} | {runs or 'idle'} | {cell(ttft, it, 50)} | {cell(ttft, it, 99)} |"
+            f" {cell(itl, ii, 50)} | {cell(itl, ii, 99)} | {max(itl) * 1e3:.0f} |"
+            f" {'' if rate is None else f'{rate:.0f}'} |")
+
+
 def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100)[q - 1] * 1e3 if len(xs) > 1 else float("nan")
 
@@ -274,10 +501,32 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--source", metavar="DIR", action="append", default=[],
                     help="also serve from this source tree (e.g. `git archive` of an older commit), one row each")
+    ap.add_argument("--latency-runs", default="", metavar="N,N,..",
+                    help="measure the tenants table alone: a third tenant's chats with N runs training")
+    ap.add_argument("--chats", type=int, default=30, help="chats per row of the tenants table")
+    ap.add_argument("--chat-tokens", type=int, default=16)
+    ap.add_argument("--in-core", action="store_true",
+                    help="the tenants table without HTTP too: the engine in this process (AsyncEngine)")
+    ap.add_argument("--no-http", action="store_true", help="the tenants table: the in-core rows only")
+    ap.add_argument("--sources-only", action="store_true", help="the tenants table: the --source trees only")
+    if sys.argv[1:2] == ["--train-worker"]:
+        url, keys, runs, datums, tokens = sys.argv[2:7]
+        train_worker(url, keys.split(","), int(runs), int(datums), int(tokens))
+        return
     args = ap.parse_args()
     from loraserve.demo import build_demo
     demo = build_demo(Path(".loraserve/demo"))
     budgets = [int(x) for x in args.train_max_tokens.split(",")]
+    if args.latency_runs:
+        trees = [] if args.no_http else [*([] if args.sources_only else [None]), *args.source]
+        rows = [row for budget in budgets for source in trees for row in latency_rows(demo, budget, source, args)]
+        if args.in_core or args.no_http:
+            rows += [row for budget in budgets for row in core_latency_rows(demo, budget, args)]
+        print("\n| tree | --train-max-tokens | runs training | chat TTFT p50 (ms) | TTFT p99 (ms) |"
+              " inter-token p50 (ms) | inter-token p99 (ms) | longest gap (ms) | training tokens/s |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        print("\n".join(rows))
+        return
     rows, runs_rows = [], []
     for budget in budgets:  # trees interleaved per budget: what the machine's load does hits both
         for source in [None, *args.source]:
