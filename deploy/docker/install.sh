@@ -9,7 +9,8 @@
 #                does not pull another build (default: torch==2.13.0)
 #   TORCH_INDEX  an index to take torch from (e.g. PyTorch's CPU-only index); default: pip's own
 #   EXTRAS       the package's extras, comma-separated (ray, report, s3, hub); never dev
-#   DEMO_DIR     when set, build the demo bases and catalog there (`loraserve demo`)
+#   DEMO_DIR     when set, build the tiny demo bases and catalog there (`loraserve demo --tiny`;
+#                a bare `loraserve serve` serves the SmolLM2 demo, whose model file images lack)
 #   PIP_NO_CACHE_DIR=1 and the like pass through to pip as usual.
 set -eu
 SRC=${1:?usage: install.sh SRC VENV}
@@ -39,6 +40,6 @@ fi
 # shellcheck disable=SC2086
 $PIP install --quiet $CONSTRAINTS "$TARGET"
 if [ -n "${DEMO_DIR:-}" ]; then
-  "$VENV/bin/loraserve" demo --dir "$DEMO_DIR" >/dev/null
+  "$VENV/bin/loraserve" demo --tiny --dir "$DEMO_DIR" >/dev/null
 fi
 "$VENV/bin/loraserve" --help >/dev/null  # the entry point imports
