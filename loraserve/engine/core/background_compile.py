@@ -91,6 +91,11 @@ class BackgroundCompile:
         self._thread = threading.Thread(target=self._run, name="decode-compile", daemon=True)
 
     def start(self) -> "BackgroundCompile":
+        # the compiler's own modules, imported here, before serving: an import the throttled
+        # thread made later would hold that module's import lock at 5% speed, and an engine
+        # thread needing the module would wait on it (suspected in a 254 s first answer)
+        import torch._dynamo  # noqa: F401
+        import torch._inductor.compile_fx  # noqa: F401
         log.info("decode step: serving eagerly while %d bucket(s) compile in the background",
                  len(self.todo))
         self._thread.start()
@@ -208,8 +213,8 @@ class BackgroundCompile:
         THROTTLE_RUN_S at a time between THROTTLE_PAUSE_S sleeps. Python threads share one
         interpreter lock, and an inductor compile is mostly Python: unthrottled, it took the
         lock from a served step at every one of its ops (one stream fell from 18 to 1.6
-        tokens/s). Never a wait without end: what this thread holds (a lock, an import) is
-        let go within one run."""
+        tokens/s). Never a wait without end: the thread always moves on, 5% of the time, so
+        what it holds (a lock, an import) is let go, if slowly."""
         self._events += 1
         if self._events & 1023:
             return
