@@ -129,6 +129,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     option("kv_cache_mb")
     option("max_batched_tokens")
     option("train_max_tokens")
+    option("train_state_dir", metavar="DIR")
     option("prefix_caching", flag="--no-prefix-caching")
     option("served_model_name")
     option("tokenizer_name")
