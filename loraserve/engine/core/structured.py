@@ -298,24 +298,31 @@ def _rewrite(body: str, special: frozenset[int]) -> str:
     return "".join(out)
 
 
-def _references(body: str) -> set[str]:
-    """The rule names `body` references (literals, classes and Regex nodes skipped)."""
-    names: set[str] = set()
+def _pieces(body: str):
+    """`body` cut into (text, is_name) pieces: rule names, and everything else (literals,
+    classes and Regex nodes whole, so a name inside them is never taken for a reference)."""
     i, n = 0, len(body)
     while i < n:
         c = body[i]
         if c == '"':
-            i = _skip_quoted(body, i)
+            j = _skip_quoted(body, i)
         elif c == "[":
-            i = _skip_class(body, i)
+            j = _skip_class(body, i)
         elif body.startswith("Regex(", i):
-            i = _skip_group(body, i + len("Regex"))
+            j = _skip_group(body, i + len("Regex"))
         elif (m := _NAME.match(body, i)) is not None:
-            names.add(m.group())
+            yield m.group(), True
             i = m.end()
+            continue
         else:
-            i += 1
-    return names
+            j = i + 1
+        yield body[i:j], False
+        i = j
+
+
+def _references(body: str) -> set[str]:
+    """The rule names `body` references (literals, classes and Regex nodes skipped)."""
+    return {text for text, is_name in _pieces(body) if is_name}
 
 
 def rename_rule(ebnf: str, old: str, new: str) -> str:
@@ -331,25 +338,7 @@ def rename_rule(ebnf: str, old: str, new: str) -> str:
 
 
 def _renamed(body: str, old: str, new: str) -> str:
-    out: list[str] = []
-    i, n = 0, len(body)
-    while i < n:
-        c = body[i]
-        if c == '"':
-            j = _skip_quoted(body, i)
-        elif c == "[":
-            j = _skip_class(body, i)
-        elif body.startswith("Regex(", i):
-            j = _skip_group(body, i + len("Regex"))
-        elif (m := _NAME.match(body, i)) is not None:
-            out.append(new if m.group() == old else m.group())
-            i = m.end()
-            continue
-        else:
-            j = i + 1
-        out.append(body[i:j])
-        i = j
-    return "".join(out)
+    return "".join(new if is_name and text == old else text for text, is_name in _pieces(body))
 
 
 def _decode_literal(text: str) -> str:
