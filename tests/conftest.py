@@ -140,3 +140,22 @@ def hf_qwen2(tmp_path_factory, demo_dense) -> Path:
 @pytest.fixture(scope="session")
 def hf_mistral(tmp_path_factory, demo_dense) -> Path:
     return _hf_arch_base(tmp_path_factory.mktemp("hf_mistral"), demo_dense, "mistral")
+
+
+@pytest.fixture()
+def serve_config(monkeypatch):
+    """serve_config(argv): the EngineConfig `loraserve serve ARGV --single-process` builds
+    (nothing started)."""
+    from loraserve.cli import main
+    from loraserve.engine import async_engine
+    from loraserve.server import app
+
+    seen = {}
+    monkeypatch.setattr(async_engine.AsyncEngine, "from_config",
+                        classmethod(lambda cls, cfg: seen.setdefault("cfg", cfg)))
+    monkeypatch.setattr(app, "run_server", lambda *a, **k: None)
+
+    def build(argv: list[str]):
+        assert main(["serve", *argv, "--single-process"]) == 0
+        return seen.pop("cfg")
+    return build

@@ -106,24 +106,10 @@ def test_the_catalog_is_on_the_served_base_and_a_rebuild_changes_nothing(demo) -
         {a: (p.revisions, p.promoted) for a, p in before.items()}
 
 
-def _serve_config(monkeypatch, argv: list[str]):
-    """The EngineConfig `loraserve serve ARGV --single-process` builds (nothing started)."""
-    from loraserve.cli import main
-    from loraserve.engine import async_engine
-    from loraserve.server import app
-
-    seen = {}
-    monkeypatch.setattr(async_engine.AsyncEngine, "from_config",
-                        classmethod(lambda cls, cfg: seen.setdefault("cfg", cfg)))
-    monkeypatch.setattr(app, "run_server", lambda *a, **k: None)
-    assert main(["serve", *argv, "--single-process"]) == 0
-    return seen["cfg"]
-
-
 @needs_gguf
-def test_serve_without_model_serves_the_smollm2_demo(demo, monkeypatch) -> None:
+def test_serve_without_model_serves_the_smollm2_demo(demo, monkeypatch, serve_config) -> None:
     monkeypatch.setenv("LORASERVE_SMOLLM2", GGUF)
-    cfg = _serve_config(monkeypatch, ["--demo-dir", str(demo.root)])
+    cfg = serve_config(["--demo-dir", str(demo.root)])
     assert (Path(cfg.model_dir), Path(cfg.catalog_dir)) == (demo.base, demo.catalog)
     assert cfg.model_name == "SmolLM2-135M-Instruct.Q4_1" == Path(GGUF).stem
     assert cfg.compile == "auto"  # the server's defaults

@@ -386,32 +386,18 @@ def test_export_and_import_take_a_gguf_file(tmp_path, make_hf):
     assert run(["catalog", "import", cat, "acme/a", str(tmp_path / "peft"), "--model", str(file)]) == 0
 
 
-def _serve_config(monkeypatch, argv: list[str]):
-    """The EngineConfig `loraserve serve ARGV --single-process` builds (nothing started)."""
-    from loraserve.cli import main
-    from loraserve.engine import async_engine
-    from loraserve.server import app
-
-    seen = {}
-    monkeypatch.setattr(async_engine.AsyncEngine, "from_config",
-                        classmethod(lambda cls, cfg: seen.setdefault("cfg", cfg)))
-    monkeypatch.setattr(app, "run_server", lambda *a, **k: None)
-    assert main(["serve", *argv, "--single-process"]) == 0
-    return seen["cfg"]
-
-
-def test_serve_resolves_a_gguf_file_and_names_it_by_its_stem(tmp_path, make_hf, monkeypatch):
+def test_serve_resolves_a_gguf_file_and_names_it_by_its_stem(tmp_path, make_hf, serve_config):
     file = gguf_of(make_hf("qwen2", **TINY), tmp_path / "gguf" / "Tiny-Qwen2.Q8_0.gguf", GG.Q8_0)
-    cfg = _serve_config(monkeypatch, ["--model", str(file)])
+    cfg = serve_config(["--model", str(file)])
     assert Path(cfg.model_dir) == resolve_base(file) and cfg.model_dir.startswith(str(cache_dir()))
     assert cfg.model_name == "Tiny-Qwen2.Q8_0"
-    named = _serve_config(monkeypatch, ["--model", str(file), "--served-model-name", "qwen"])
+    named = serve_config(["--model", str(file), "--served-model-name", "qwen"])
     assert named.model_name == "qwen" and named.model_dir == cfg.model_dir
     toml = tmp_path / "serve.toml"
     toml.write_text(f'model = "{file}"\n')
-    from_file = _serve_config(monkeypatch, ["--config", str(toml)])
+    from_file = serve_config(["--config", str(toml)])
     assert from_file.model_dir == cfg.model_dir and from_file.model_name == "Tiny-Qwen2.Q8_0"
-    plain = _serve_config(monkeypatch, ["--model", cfg.model_dir])  # a directory: as it is
+    plain = serve_config(["--model", cfg.model_dir])  # a directory: as it is
     assert plain.model_dir == cfg.model_dir and plain.model_name == Path(cfg.model_dir).name
 
 
