@@ -178,4 +178,4 @@ def test_any_adam_params_are_taken_within_the_bound_or_refused_with_nothing_chan
             assert _servable(core, "h")
 
     one()
-    assert len(accepted) >= 5, len(accepted)
+    assert accepted  # some sets were taken, not only refusals

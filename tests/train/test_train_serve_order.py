@@ -328,12 +328,12 @@ def test_a_create_waiting_for_the_optimizer_import_does_not_stop_serving(engine,
         core.handle("create", ["bad", {**RUN, "rank": 0}, None])
     assert err.value.status == 400
     answer = core.handle("create", ["late", RUN, None])
-    assert started and not answer.done() and not loop.busy
+    assert started and not answer.done() and not core.has_queued  # nothing for the loop yet
     engine.add_request(_request("chat", "c", tokens=4))
     for _ in range(4):
         loop.step()
     assert loop.trace == ["prefill", "decode", "decode", "decode"] and not answer.done()
     ready.set()
-    assert loop.busy
+    assert core.has_queued and loop.busy
     loop.step()
     assert answer.result()["trainable"] > 0 and "late" in core.runs and not core.waiting
