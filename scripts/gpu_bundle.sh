@@ -22,7 +22,7 @@ for site in .venv/lib/python3*/site-packages; do
 done
 # Compiled packages the GPU image lacks (its python is 3.12), as wheels for gpu_check.sh.
 rm -rf .whl; mkdir -p .whl
-for req in "lmdb==$("$PY" -c 'import lmdb; print(lmdb.__version__)')"; do
+for req in $("$PY" -c "import lmdb, orjson, xxhash; print(f'lmdb=={lmdb.__version__} orjson=={orjson.__version__} xxhash=={xxhash.VERSION}')"); do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl "$req"

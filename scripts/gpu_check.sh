@@ -59,7 +59,7 @@ status_tests="not run"
 if "$PY" -c "import pytest" 2>/dev/null; then
   # --confcutdir: only tests/kernels' own conftest (the root one imports the whole server).
   # -P and --import-mode=append: the linked package above, not the bare source folder in the cwd.
-  timeout 120 "$PY" -P -m pytest -q -p no:cacheprovider --import-mode=append --confcutdir=tests/kernels tests/kernels \
+  timeout 120 "$PY" -P -m pytest -q -rfE -p no:cacheprovider --import-mode=append --confcutdir=tests/kernels tests/kernels \
     2>&1 | tee "$LOG/kernel_tests.txt"
   rc=${PIPESTATUS[0]}
   status_tests="$(tail -n 1 "$LOG/kernel_tests.txt") (rc=$rc)"
@@ -80,7 +80,7 @@ if "$PY" -c "import safetensors, tokenizers, jinja2, lmdb, xxhash, numpy" 2>/dev
     timeout 150 "$PY" bench/lora_decode.py --device cuda --no-peft --compile both 2>&1 | tee "$LOG/bench_lora_decode.txt"
     status_decode="$status_decode, lora rc=${PIPESTATUS[0]}"
     if "$PY" -c "import pytest" 2>/dev/null; then  # compiled == eager, and == PEFT, on CUDA
-      timeout 150 "$PY" -P -m pytest -q -p no:cacheprovider --import-mode=append \
+      timeout 150 "$PY" -P -m pytest -q -rfE -p no:cacheprovider --import-mode=append \
         tests/lora/test_compiled_decode.py 2>&1 | tee "$LOG/compiled_decode_tests.txt"
       status_decode="$status_decode, compiled-decode tests: $(tail -n 1 "$LOG/compiled_decode_tests.txt")"
     fi

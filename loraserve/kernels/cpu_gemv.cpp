@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 namespace {
 
@@ -171,8 +172,13 @@ at::Tensor vec_linear(const at::Tensor& x, const at::Tensor& weight) {
     return y;
   }
 #endif
-  TORCH_CHECK(false, "vec_linear: no kernel for ", x.scalar_type(), " with weight strides ", weight.strides(),
-              " on this build (caps ", caps(), ")");
+  // The message is made of plain strings: c10's stream operators for dtypes and IntArrayRef are
+  // inline templates; on the H200 image (torch 2.11, its own compiler) this call crashed the test
+  // process, which the dev machine never reproduced. Plain strings leave nothing to mismatch.
+  const std::string why = std::string("vec_linear: no kernel for ") + c10::toString(x.scalar_type()) +
+                          " with weight strides [" + std::to_string(weight.stride(0)) + ", " +
+                          std::to_string(weight.stride(1)) + "] on this build (caps " + std::to_string(caps()) + ")";
+  TORCH_CHECK(false, why);
 }
 
 }  // namespace
