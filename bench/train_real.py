@@ -112,7 +112,7 @@ def start_server(tmp: Path, tenants: list[str], args: argparse.Namespace) -> Ser
     subprocess.run([sys.executable, "-m", "loraserve.cli", "catalog", "init", str(catalog)], check=True,
                    stdout=subprocess.DEVNULL)
     keys_file = tmp / "keys.toml"
-    keys = {t: append_key(keys_file, Principal(t, admin=False, tenants=(t,)), "sk-") for t in tenants}
+    keys = {t: append_key(keys_file, Principal(t, admin=False, tenants=(t,))) for t in tenants}
     port = free_port()
     cmd = [sys.executable, "-m", "loraserve.cli", "serve", "--model", str(args.model), "--catalog", str(catalog),
            "--port", str(port), "--keys", str(keys_file), "--compile", "off",

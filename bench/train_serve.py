@@ -342,8 +342,8 @@ def latency_rows(demo, budget: int, source: str | None, args: argparse.Namespace
         root = Path(tmp)
         shutil.copytree(demo.catalog, root / "catalog")
         keys_file = root / "keys.toml"
-        trainers = [append_key(keys_file, Principal(t, admin=False, tenants=(t,)), "sk-") for t in ("lab-a", "lab-b")]
-        chatter = append_key(keys_file, Principal("chat", admin=False, tenants=("chat",)), "sk-")
+        trainers = [append_key(keys_file, Principal(t, admin=False, tenants=(t,))) for t in ("lab-a", "lab-b")]
+        chatter = append_key(keys_file, Principal("chat", admin=False, tenants=("chat",)))
         port = free_port()
         proc = serve(demo.qwen3, root / "catalog", root, port, budget, source, ["--keys", str(keys_file)],
                      max_model_len=max(1024, args.train_tokens + 8))

@@ -12,7 +12,7 @@ import json
 import secrets
 import sys
 
-from loraserve.keys import (ALL_TENANTS, KeyEntry, Limits, Principal, append_key, load_keys,
+from loraserve.keys import (ALL_TENANTS, KEY_PREFIX, KeyEntry, Limits, Principal, append_key, load_keys,
                             revoke_key, rotate_key)
 
 
@@ -33,8 +33,9 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests-per-second", type=float, metavar="R", help="per tenant")
     p.add_argument("--tokens-per-minute", type=int, metavar="T",
                    help="prompt + max_tokens per minute, per tenant")
-    p.add_argument("--prefix", default="ls-",
-                   help="the key's prefix (default: ls-); the Tinker/MinT SDK takes sk- or tml- keys")
+    p.add_argument("--prefix", default=KEY_PREFIX,
+                   help="the key's prefix: tml- and up to 12 more characters (default: tml-); "
+                        "every key starts with tml-, which the Tinker and MinT SDKs take")
     p.add_argument("--id", help="the key's id in the file and the audit log "
                                 "(default: the first tenant and a random suffix)")
     p.set_defaults(func=cmd_create)
@@ -55,7 +56,8 @@ def _add_maintenance(ksub: argparse._SubParsersAction) -> None:
                                        "refused from the server's next reload on")
     p.add_argument("key_id")
     p.add_argument("--keys", required=True, metavar="FILE", help="the keys file")
-    p.add_argument("--prefix", default="ls-", help="the new key's prefix (default: ls-)")
+    p.add_argument("--prefix", default=KEY_PREFIX,
+                   help="the new key's prefix: tml- and up to 12 more characters (default: tml-)")
     p.set_defaults(func=cmd_rotate)
 
 

@@ -47,12 +47,12 @@ from typing import Any
 from loraserve.catalog.errors import InvalidAdapterId
 from loraserve.catalog.ids import validate_adapter_id
 
-KEY_PREFIX = "ls-"
+KEY_PREFIX = "tml-"  # the Tinker SDK refuses any other; MinT's SDK (on tinker) takes it too
 ALL_TENANTS = "*"
 ROLES = ("user", "admin")
 _KEY_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-_KEY_PREFIX = re.compile(r"[A-Za-z0-9_-]{0,16}")
+_KEY_PREFIX = re.compile(r"tml-[A-Za-z0-9_-]{0,12}")
 _LIMIT_FIELDS = ("max_concurrent", "requests_per_second", "tokens_per_minute")
 _FIELDS = {"sha256", "role", "tenants", "load", "weight", *_LIMIT_FIELDS}
 _TENANT_FIELDS = {"weight", *_LIMIT_FIELDS}
@@ -322,10 +322,14 @@ def _one_line(exc: BaseException) -> str:
 # -- creating keys -------------------------------------------------------------------------------
 
 def new_key(prefix: str = KEY_PREFIX) -> str:
-    """A fresh random key: `prefix` (`ls-`; the Tinker SDK takes `sk-` or `tml-` keys only) and
-    43 URL-safe characters (256 bits)."""
+    """A fresh random key: `prefix` and 43 URL-safe characters (256 bits).
+
+    Every key starts with `tml-`: the Tinker SDK refuses a key without it (`ApiKeyAuthProvider`:
+    "The api_key must start with the 'tml-' prefix"), and the MinT SDK, built on it, takes it
+    too. So `prefix` is `tml-` and at most 12 more letters, digits, '_' or '-' (`tml-acme-`)."""
     if not _KEY_PREFIX.fullmatch(prefix):
-        raise KeyFileError(f"invalid key prefix {prefix!r}: at most 16 letters, digits, '_', '-'")
+        raise KeyFileError(f"invalid key prefix {prefix!r}: 'tml-' (the Tinker SDK takes no other) "
+                           "and at most 12 more letters, digits, '_', '-'")
     return prefix + secrets.token_urlsafe(32)
 
 

@@ -346,7 +346,7 @@ def main() -> int:
     try:
         with Server(base, work) as url:
             print(f"server up at {url} ({time.monotonic() - start:.0f} s)", flush=True)
-            service = mint.ServiceClient(base_url=url, api_key="sk-local")
+            service = mint.ServiceClient(base_url=url, api_key="tml-local")
             base_sampler = service.create_sampling_client(base_model=SERVED)
             for task in tasks:
                 print(f"== demo/{task.name}: {len(task.examples)} examples, {task.epochs} epochs, "

@@ -35,7 +35,7 @@ def test_keys_create_prints_a_key_that_then_authenticates(tmp_path: Path) -> Non
                "--tokens-per-minute", "1000", "--id", "acme-ci")
     assert out.returncode == 0, out.stderr
     key = out.stdout.strip()
-    assert key.startswith("ls-") and "\n" not in key
+    assert key.startswith("tml-") and "\n" not in key
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     text = path.read_text()
     assert key not in text and hashlib.sha256(key.encode()).hexdigest() in text
@@ -143,7 +143,7 @@ def test_revoke_and_rotate_edit_one_entry_and_a_reload_applies_them(tmp_path: Pa
         rotated = _cli("keys", "rotate", "acme-b", "--keys", str(path))
         assert rotated.returncode == 0, rotated.stderr
         new_b = rotated.stdout.strip()
-        assert new_b.startswith("ls-") and new_b != made["acme-b"]
+        assert new_b.startswith("tml-") and new_b != made["acme-b"]
         assert status(made["acme-a"]) == 200  # the server has not reloaded yet
         reload = http.post("/admin/reload-keys", headers={"X-API-Key": made["ops"]})
         assert reload.status_code == 200, reload.text
@@ -195,3 +195,33 @@ def test_a_stream_in_flight_ends_cleanly_when_its_key_is_revoked(tmp_path: Path)
         assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["text"]) == 40
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert not engine.aborted
+
+
+def test_created_and_rotated_keys_work_with_the_real_tinker_sdk(tmp_path: Path) -> None:
+    """Issue 43: `keys rotate` of a tml- key printed an ls- key the Tinker SDK refuses. Every
+    key `keys create` and `keys rotate` print now starts with tml-: the real SDK client takes
+    the rotated key as printed, trades it for a token and is answered; the key it replaced is
+    refused; a prefix the SDK would refuse is refused before any key is made."""
+    import tinker
+
+    path = tmp_path / "keys.toml"
+    made = _cli("keys", "create", "--keys", str(path), "--id", "lab", "--tenant", "acme")
+    assert made.returncode == 0, made.stderr
+    old = made.stdout.strip()
+    rotated = _cli("keys", "rotate", "lab", "--keys", str(path))
+    assert rotated.returncode == 0, rotated.stderr
+    new = rotated.stdout.strip()
+    assert old.startswith("tml-") and new.startswith("tml-") and new != old
+    admin = _cli("keys", "create", "--keys", str(path), "--admin", "--prefix", "tml-ops-")
+    assert admin.stdout.startswith("tml-ops-")
+    for bad in ("sk-", "ls-"):
+        refused = _cli("keys", "rotate", "lab", "--keys", str(path), "--prefix", bad)
+        assert refused.returncode == 1 and "tml-" in refused.stderr and refused.stdout == ""
+    assert load_keys(path).find(new) is not None  # the refused rotations changed nothing
+    engine = FakeEngine(adapters=("acme/support",))
+    with LiveServer(build_app(engine, keys=path)) as live:
+        client = tinker.ServiceClient(base_url=live.url, api_key=new)
+        caps = client.get_server_capabilities()
+        assert "fake-base" in [m.model_name for m in caps.supported_models]
+        with pytest.raises(tinker.AuthenticationError):  # the key it replaced: 401 to the SDK
+            tinker.ServiceClient(base_url=live.url, api_key=old).get_server_capabilities()

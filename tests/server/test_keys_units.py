@@ -86,7 +86,7 @@ def test_append_key_writes_only_the_hash_with_mode_0600(tmp_path: Path) -> None:
     p = Principal("acme-ci", admin=False, tenants=("acme", "beta"), load=True, weight=0.5,
                   limits=Limits(max_concurrent=2, requests_per_second=1.5))
     key = append_key(path, p)
-    assert key.startswith("ls-") and len(key) > 40
+    assert key.startswith("tml-") and len(key) > 40
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert key not in path.read_text() and sha(key) in path.read_text()
     second = append_key(path, Principal("root", admin=True))

@@ -2,7 +2,7 @@
 unchanged client code samples the demo adapters through /api/v1, and the openai client does the
 same through /oai/api/v1 with tinker:// names.
 
-One server for the module (AsyncEngine, CPU), with a keys file: `sk-` keys as MinT issues them.
+One server for the module (AsyncEngine, CPU), with a keys file: `tml-` keys as `loraserve keys create` makes them.
 Its catalog is a copy of the shared demo's, with a second revision of demo/pirate (the robot's
 weights, not promoted) and an alias in MinT's checkpoint form for demo/poet, both made with
 `loraserve catalog import`.
@@ -81,11 +81,11 @@ def _catalog(demo: DemoPaths, out: Path) -> Path:
 
 
 def _keys(path: Path) -> dict[str, str]:
-    return {"admin": append_key(path, Principal("root", admin=True), "sk-"),
-            "user": append_key(path, Principal("demo-user", admin=False, tenants=("demo",)), "sk-"),
-            "other": append_key(path, Principal("other", admin=False, tenants=("other",)), "sk-"),
+    return {"admin": append_key(path, Principal("root", admin=True)),
+            "user": append_key(path, Principal("demo-user", admin=False, tenants=("demo",))),
+            "other": append_key(path, Principal("other", admin=False, tenants=("other",))),
             "one": append_key(path, Principal("one-at-a-time", admin=False, tenants=("demo",),
-                                              limits=Limits(max_concurrent=1)), "sk-")}
+                                              limits=Limits(max_concurrent=1)))}
 
 
 @pytest.fixture(scope="module")

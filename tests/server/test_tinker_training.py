@@ -56,10 +56,10 @@ class Server:
 def server(demo, tmp_path_factory) -> Iterator[Server]:  # noqa: F811
     out = tmp_path_factory.mktemp("tinker_train")
     shutil.copytree(demo.catalog, out / "catalog")
-    keys = {"user": append_key(out / "keys.toml", Principal("trainer", admin=False, tenants=("lab",)), "sk-"),
-            "other": append_key(out / "keys.toml", Principal("other", admin=False, tenants=("other",)), "sk-"),
+    keys = {"user": append_key(out / "keys.toml", Principal("trainer", admin=False, tenants=("lab",))),
+            "other": append_key(out / "keys.toml", Principal("other", admin=False, tenants=("other",))),
             "limited": append_key(out / "keys.toml", Principal("limited", admin=False, tenants=("lim",),
-                                                               limits=Limits(tokens_per_minute=60)), "sk-")}
+                                                               limits=Limits(tokens_per_minute=60)))}
     cfg = EngineConfig(model_dir=str(demo.qwen3), catalog_dir=str(out / "catalog"), device="cpu",
                        max_model_len=128, max_batch_size=16, torch_threads=1, train_max_tokens=24,
                        train_state_dir=str(out / "state"))

@@ -33,8 +33,8 @@ class Clock:
 
 def test_a_token_is_its_key_while_the_key_lasts(tmp_path: Path) -> None:
     path = tmp_path / "keys.toml"
-    key = append_key(path, Principal("acme", admin=False, tenants=("acme",)), "sk-")
-    assert key.startswith("sk-")
+    key = append_key(path, Principal("acme", admin=False, tenants=("acme",)))
+    assert key.startswith("tml-")
     tenancy = Tenancy(TenancyConfig(keys_file=path), ServerMetrics())
     principal = tenancy.find(key)
     token = tenancy.tokens.mint(principal, tenancy.keys)
@@ -62,9 +62,12 @@ def test_expired_tokens_and_the_configured_secret(monkeypatch, tmp_path: Path) -
 
 
 def test_key_prefixes() -> None:
-    assert new_key("tml-").startswith("tml-") and new_key().startswith("ls-")
-    with pytest.raises(KeyFileError):
-        new_key("bad prefix")
+    """Every key starts with tml-, the one prefix the Tinker SDK takes (its
+    ApiKeyAuthProvider refuses any other); a longer prefix may follow it."""
+    assert new_key().startswith("tml-") and new_key("tml-acme-").startswith("tml-acme-")
+    for bad in ("bad prefix", "sk-", "ls-", "", "tml", "tml-" + "x" * 13):
+        with pytest.raises(KeyFileError, match="tml-"):
+            new_key(bad)
 
 
 # -- state ---------------------------------------------------------------------------------------
