@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections import OrderedDict, deque
 from concurrent.futures import Future
@@ -236,6 +237,7 @@ class AdapterManager:
         weights left every tier since they were fetched (then `record` is paged in again)."""
         slot = self.pool.slot_of(key)
         if slot is None:
+            start = time.perf_counter()
             weights = self._staged.get(key)  # paged in for this request: counted by its fetch
             from_cpu = weights is None
             weights = weights if weights is not None else self.cpu_cache.get(key)
@@ -247,8 +249,8 @@ class AdapterManager:
                 self.pool.load(key, weights)
             except PoolFull:
                 return None  # not served yet: a retry that loads it counts the hit once
-            if from_cpu:
-                self.pager.count_cpu_hit()
+            if from_cpu:  # a page-in from the CPU tier: its time is the copy into the pool
+                self.pager.count_cpu_hit(time.perf_counter() - start)
             self._staged.pop(key, None)
         return self.pool.acquire(key)
 

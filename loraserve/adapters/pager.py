@@ -139,12 +139,14 @@ class Pager:
                 self._pool.submit(self._drain)
             return future
 
-    def count_cpu_hit(self) -> None:
+    def count_cpu_hit(self, seconds: float) -> None:
         """Count a revision served from the CPU tier outside `fetch`: the manager loading a
-        cached revision into the device pool (`AdapterManager.try_acquire`). `cpu_hits` is the
-        tier's one hit counter, so every CPU-tier hit lands here."""
+        cached revision into the device pool (`AdapterManager.try_acquire`), which took
+        `seconds`. `cpu_hits` is the tier's one hit counter and `page_in_seconds{source="cpu"}`
+        times each of them, so every CPU-tier hit lands in both (issue 43: 955 hits, 0 timed)."""
         with self._lock:
             self._stats.cpu_hits += 1
+        self.page_in_seconds.labels(source="cpu").observe(seconds)
 
     @property
     def stats(self) -> PagerStats:

@@ -2,7 +2,9 @@
 the device pool counts it (it read the cache without counting, so the hit ratio said 0% while
 the tier served), a refused load (pool full) counts nothing until the retry that loads it, and
 weights paged in from disk for the request are the fetch's miss, not a hit. A seeded random walk
-checks the count against a model of the tiers."""
+checks the count against a model of the tiers, and that every CPU-tier hit is also timed:
+`loraserve_adapter_page_in_seconds_count{source="cpu"}` equals the hit count (issue 43: it said 0
+with 955 hits, so the report's CPU page-in chart was flat)."""
 from __future__ import annotations
 
 import random
@@ -14,6 +16,14 @@ from loraserve.adapters.cpu_cache import CpuCache
 from loraserve.adapters.manager import AdapterManager
 from loraserve.adapters.pager import Pager
 from loraserve.adapters.pool import PoolFull
+
+
+def page_ins(pager: Pager, source: str) -> tuple[float, float]:
+    """(count, sum) of the pager's page-in histogram for `source`."""
+    got = {(x.name, x.labels.get("source")): x.value for m in pager.page_in_seconds.collect()
+           for x in m.samples}
+    return (got[("loraserve_adapter_page_in_seconds_count", source)],
+            got[("loraserve_adapter_page_in_seconds_sum", source)])
 
 
 class FakePool:
@@ -67,7 +77,8 @@ def test_a_cpu_hit_is_counted_once_when_it_loads(tiers) -> None:
     assert pager.stats.cpu_hits == 0  # not served yet
     pool.full = False
     assert manager.try_acquire(key) == 0
-    assert pager.stats.cpu_hits == 1
+    assert pager.stats.cpu_hits == 1 and page_ins(pager, "cpu")[0] == 1
+    assert page_ins(pager, "cpu")[1] > 0  # timed: the copy into the pool took some time
     assert manager.tier_of(key) == "device"
     assert manager.try_acquire(key) == 0  # a device hit now: the CPU tier is not asked
     assert pager.stats.cpu_hits == 1
@@ -80,7 +91,7 @@ def test_staged_weights_are_not_cpu_hits(tiers) -> None:
     manager.settle(key, Weights())  # a page-in from disk landed for a parked request
     assert manager.tier_of(key) == "cpu"
     assert manager.try_acquire(key) == 0
-    assert pager.stats.cpu_hits == 0
+    assert pager.stats.cpu_hits == 0 and page_ins(pager, "cpu")[0] == 0
 
 
 def test_random_walk_counts_every_cpu_tier_load() -> None:
@@ -105,8 +116,14 @@ def test_random_walk_counts_every_cpu_tier_load() -> None:
                 expected += from_cpu
                 assert (slot is not None) == (key in pool)
             assert len(cache) <= 3  # the count bound (--max-cpu-loras) holds throughout
-            assert pager.stats.cpu_hits == expected
-        assert expected > 10
+            assert pager.stats.cpu_hits == expected == page_ins(pager, "cpu")[0]
+            if rng.random() < 0.1:  # a fetch served by the CPU tier is a hit, timed, too
+                hit = rng.choice(keys)
+                if hit in cache:
+                    record = type("Record", (), {"adapter_id": hit[0], "revision": hit[1]})()
+                    assert pager.fetch(record).done()
+                    expected += 1
+        assert expected > 10 and page_ins(pager, "cpu")[0] == pager.stats.cpu_hits
 
 
 def test_the_entry_bound_evicts_least_recently_used() -> None:
