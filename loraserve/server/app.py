@@ -148,6 +148,14 @@ def _api_router(prefix: str = "/v1") -> APIRouter:
             raise err from exc
         return _model_card(model_id, engine)
 
+    @router.post("/embeddings")
+    async def embeddings() -> Response:
+        """Not served: one OpenAI error body saying so (not FastAPI's bare 404), so a client
+        that tries the OpenAI or vLLM embeddings call learns why at once."""
+        raise APIError(404, "embeddings are not served by this server: loraserve serves "
+                       "completions and chat completions only (/v1/completions, "
+                       "/v1/chat/completions)", code="embeddings_not_served")
+
     return router
 
 
