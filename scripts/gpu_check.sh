@@ -88,6 +88,14 @@ if "$PY" -c "import safetensors, tokenizers, jinja2, lmdb, xxhash, numpy" 2>/dev
 fi
 # ---- end decode benchmark ----
 
+# real model shapes (SmolLM2-135M, Qwen3-0.6B; random weights) in bf16: eager against CUDA-graph
+# replay at batch 1, 8, 32 and 32 mixed adapters, each as a fraction of the weight-read floor
+status_shapes="not run (missing python packages)"
+if "$PY" -c "import safetensors, tokenizers, lmdb, xxhash, numpy, tqdm" 2>/dev/null; then
+  timeout 240 "$PY" bench/gpu_shapes.py --device cuda --dtype bfloat16 2>&1 | tee "$LOG/bench_gpu_shapes.txt"
+  status_shapes="rc=${PIPESTATUS[0]}"
+fi
+
 # packed vs per-expert MoE LoRA loading into the device row pool (issue 4's >= 10x is a GPU effect)
 status_moe="not run (missing python packages)"
 if "$PY" -c "import safetensors, lmdb, xxhash" 2>/dev/null; then
@@ -112,7 +120,9 @@ echo "kernel bench : $status_bench"
 echo "decode bench : $status_decode"
 echo "moe loading  : $status_moe"
 echo "cold path    : $status_cold"
+echo "model shapes : $status_shapes"
 grep -E '^#|^ *[0-9T-]' "$LOG/bench_kernels.txt" || true
 cat "$LOG"/bench_decode.txt "$LOG"/bench_lora_decode.txt 2>/dev/null | grep -E 'tok/s|^ +[0-9]|adapters|base only|^#|equal' || true
 tail -n 4 "$LOG/bench_moe_load.txt" 2>/dev/null || true
 grep -E '^\||bandwidth' "$LOG/bench_pool_load.txt" 2>/dev/null || true
+grep -E '^\||^# device' "$LOG/bench_gpu_shapes.txt" 2>/dev/null || true

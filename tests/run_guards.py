@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from loraserve.textsafe import encodable
+
 
 @contextlib.contextmanager
 def root_logger_restored() -> Iterator[None]:
@@ -29,10 +31,7 @@ def encodable_report(report: pytest.TestReport) -> None:
     """A report's captured output and failure text as UTF-8 can carry them. xdist sends reports
     through execnet, which encodes str strictly: one lone surrogate (a fuzzer's adapter id in a
     captured log line) would end the worker's session mid-run and abort the whole test run
-    with an INTERNALERROR. The escape is the one the server's own logs use (imported here, not
-    at the top: a GPU image without the server's packages still runs the kernel and model tests)."""
-    from loraserve.server.request_log import encodable
-
+    with an INTERNALERROR. The escape is the one the server's own logs use."""
     report.sections = [(name, encodable(text)) for name, text in report.sections]
     if report.longrepr is not None and not isinstance(report.longrepr, tuple):
         text = str(report.longrepr)

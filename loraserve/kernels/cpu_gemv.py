@@ -55,13 +55,24 @@ def _caps() -> int:
         _state["caps"] = 0
         if os.environ.get("LORASERVE_CPU_GEMV", "1") != "0":
             try:
-                torch.ops.load_library(str(_build()))
-                torch.library.register_fake("loraserve_cpu::vec_linear")(
-                    lambda x, weight: x.new_empty((1, weight.shape[0])))
+                _load(_build())
                 _state["caps"] = int(torch.ops.loraserve_cpu.caps())
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 log.warning("CPU one-row kernels unavailable, torch's are used: %s", e)
     return _state["caps"]
+
+
+_loaded: set[str] = set()  # libraries loaded into this process (a loaded op cannot be loaded again)
+
+
+def _load(lib: Path) -> None:
+    """Load `lib` and give its op a shape function for compiled graphs, once per process: a
+    second registration of the fake raises on some torch versions (2.11 on the GPU image)."""
+    if str(lib) in _loaded:
+        return
+    torch.ops.load_library(str(lib))
+    torch.library.register_fake("loraserve_cpu::vec_linear")(lambda x, weight: x.new_empty((1, weight.shape[0])))
+    _loaded.add(str(lib))
 
 
 def _flags() -> str:

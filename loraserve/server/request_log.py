@@ -34,6 +34,8 @@ from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any
 
+from loraserve.textsafe import encodable  # noqa: F401  (re-exported: the server's users import it here)
+
 access_log = logging.getLogger("loraserve.server.access")
 
 REQUEST_ID_HEADER = b"x-request-id"
@@ -119,17 +121,6 @@ def _field(value: Any) -> Any:
     if not isinstance(value, str) or (value.isprintable() and " " not in value and "=" not in value):
         return value
     return json.dumps(value)  # ensure_ascii: control characters and surrogates escaped
-
-
-def encodable(text: str) -> str:
-    """`text` as a UTF-8 stream can take it: a lone surrogate (a client's JSON may carry one)
-    becomes its backslash escape (U+DC80 reads `\\udc80`) instead of an UnicodeEncodeError in
-    the log handler."""
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class RequestIdFilter(logging.Filter):
