@@ -23,6 +23,11 @@ import yaml
 CHART = Path(__file__).resolve().parent / "helm" / "loraserve"
 CONFIG_DIR = "/etc/loraserve/config"
 KEYS_DIR = "/etc/loraserve/keys"
+# where the server writes (the root file system is read-only): the images' $XDG_CACHE_HOME and
+# $LORASERVE_CACHE folder, /tmp, the demo catalog ($LORASERVE_DEMO_DIR); deploy/docker/Dockerfile.*
+CACHE_DIR = "/var/lib/loraserve/cache"
+DEMO_DIR = "/var/lib/loraserve/demo"
+FETCH = ["/opt/loraserve/bin/python", "/opt/loraserve/docker/fetch-model.py"]
 DRAIN_FLUSH_S = 5  # loraserve.server.app.DRAIN_FLUSH_S: after the deadline, errors are sent
 GRACE_MARGIN_S = 10
 UID = 10001  # the images' user (deploy/docker/Dockerfile.*)
@@ -33,6 +38,58 @@ def load_values(*overrides: str | Path) -> dict:
     for path in overrides:
         values = merge(values, yaml.safe_load(Path(path).read_text()) or {})
     return values
+
+
+class ValuesError(ValueError):
+    """Values the chart refuses to render (helm template fails with the same message)."""
+
+
+def check(v: dict) -> None:
+    """What the chart refuses: values.schema.json's checks (when jsonschema is installed), and
+    the rules templates/_helpers.tpl's loraserve.validate holds (the same messages)."""
+    try:
+        import jsonschema
+    except ImportError:  # a cluster's machine without it: Helm checks the schema there
+        jsonschema = None
+    if jsonschema is not None:
+        schema = json.loads((CHART / "values.schema.json").read_text())
+        try:
+            jsonschema.validate(v, schema)
+        except jsonschema.ValidationError as e:
+            where = ".".join(map(str, e.absolute_path)) or "(the values)"
+            raise ValuesError(f"values.schema.json: {where}: {e.message}") from None
+    keys = v["keys"]
+    if not v["auth"]["disabled"] and not keys["secretName"] and not keys["apiKey"]["secretName"]:
+        raise ValuesError(NO_KEYS)
+    fetch = v["modelFetch"]
+    if fetch["enabled"]:
+        if v["model"]["volume"]:
+            raise ValuesError("modelFetch.enabled fetches into an emptyDir at model.mountPath: "
+                              "leave model.volume empty")
+        if fetch["source"] == "s3" and not fetch["s3"]["uri"].startswith("s3://"):
+            raise ValuesError("modelFetch.source s3 needs modelFetch.s3.uri (s3://bucket/prefix)")
+        if fetch["source"] == "pypi" and not (fetch["pypi"]["requirement"] and fetch["pypi"]["member"]):
+            raise ValuesError("modelFetch.source pypi needs modelFetch.pypi.requirement and .member")
+
+
+NO_KEYS = ("API keys are required: set keys.secretName (a Secret with keys.toml) or "
+           "keys.apiKey.secretName, or auth.disabled=true to serve every route (admin and "
+           "training included) to anyone who reaches the Service")
+
+
+def model_path(v: dict) -> str:
+    """The base model the server loads: model.path, else what modelFetch puts in mountPath."""
+    fetch = v["modelFetch"]
+    if v["model"]["path"] or not fetch["enabled"]:
+        return v["model"]["path"]
+    if fetch["source"] == "s3":
+        return v["model"]["mountPath"]
+    return f"{v['model']['mountPath']}/{fetch['pypi']['member'].rsplit('/', 1)[-1]}"
+
+
+def service_account_name(v: dict, name: str) -> str:
+    sa = v["serviceAccount"]
+    return sa["name"] or (name if sa["create"] else "")
 
 
 def merge(base: dict, over: dict) -> dict:
@@ -77,22 +134,50 @@ def service(v: dict, name: str, ns: str) -> dict:
                      "ports": [{"name": "http", "port": v["port"], "targetPort": "http"}]}}
 
 
+def service_account(v: dict, name: str, ns: str) -> dict:
+    sa = v["serviceAccount"]
+    m = meta(service_account_name(v, name), ns, name)
+    if sa["annotations"]:
+        m["annotations"] = dict(sa["annotations"])
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": m,
+            "automountServiceAccountToken": sa["automountServiceAccountToken"]}
+
+
+def network_policy(v: dict, name: str, ns: str) -> dict:
+    """Ingress to the HTTP port from ingressFrom (and the endpoint picker); egress DNS and
+    networkPolicy.egress. An empty peer list admits nothing (never everything)."""
+    np = v["networkPolicy"]
+    peers = copy.deepcopy(np["ingressFrom"])
+    if v["inferencePool"]["enabled"]:
+        peers.append({"podSelector": {"matchLabels": epp_labels(name)}})
+    ingress = [{"from": peers, "ports": [{"port": v["port"], "protocol": "TCP"}]}] if peers else []
+    dns = {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta(name, ns),
+            "spec": {"podSelector": {"matchLabels": labels(name)},
+                     "policyTypes": ["Ingress", "Egress"], "ingress": ingress,
+                     "egress": [dns, *copy.deepcopy(np["egress"])]}}
+
+
 def env(v: dict) -> list[dict]:
     out = [{"name": "LORASERVE_PORT", "value": str(v["port"])},
            {"name": "LORASERVE_CONFIG", "value": f"{CONFIG_DIR}/serve.toml"}]
-    if v["model"]["path"]:
-        out.append({"name": "LORASERVE_MODEL", "value": v["model"]["path"]})
+    if model_path(v):
+        out.append({"name": "LORASERVE_MODEL", "value": model_path(v)})
     if v["catalog"]["persistence"]["enabled"]:
         out.append({"name": "LORASERVE_CATALOG", "value": v["catalog"]["mountPath"]})
     if v["keys"]["secretName"]:
         out.append({"name": "LORASERVE_KEYS", "value": f"{KEYS_DIR}/keys.toml"})
+    ak = v["keys"]["apiKey"]
+    if ak["secretName"]:
+        out.append({"name": "LORASERVE_API_KEY", "valueFrom": {
+            "secretKeyRef": {"name": ak["secretName"], "key": ak["key"]}}})
     mk = v["keys"]["metricsKey"]
     if mk["secretName"]:
         out.append({"name": "LORASERVE_METRICS_KEY", "valueFrom": {
             "secretKeyRef": {"name": mk["secretName"], "key": mk["key"]}}})
     if v["gpu"]["enabled"]:
         out.append({"name": "LORASERVE_DEVICE", "value": "cuda"})
-    return out
+    return out + copy.deepcopy(v["env"])
 
 
 def volumes(v: dict, name: str) -> tuple[list[dict], list[dict]]:
@@ -103,11 +188,21 @@ def volumes(v: dict, name: str) -> tuple[list[dict], list[dict]]:
     if v["keys"]["secretName"]:
         vols.append({"name": "keys", "secret": {"secretName": v["keys"]["secretName"]}})
         mounts.append({"name": "keys", "mountPath": KEYS_DIR, "readOnly": True})
-    if v["model"]["volume"]:
+    if v["modelFetch"]["enabled"]:
+        vols.append({"name": "model", "emptyDir": {"sizeLimit": v["modelFetch"]["sizeLimit"]}})
+        mounts.append({"name": "model", "mountPath": v["model"]["mountPath"], "readOnly": True})
+    elif v["model"]["volume"]:
         vols.append({"name": "model", **v["model"]["volume"]})
         mounts.append({"name": "model", "mountPath": v["model"]["mountPath"], "readOnly": True})
     if v["catalog"]["persistence"]["enabled"]:
         mounts.append({"name": "catalog", "mountPath": v["catalog"]["mountPath"]})
+    w = v["writable"]
+    for vol, path in (("cache", CACHE_DIR), ("tmp", "/tmp"), ("demo", DEMO_DIR)):
+        vols.append({"name": vol, "emptyDir": {"sizeLimit": w[vol]["sizeLimit"]}})
+        mounts.append({"name": vol, "mountPath": path})
+    if v["shm"]["enabled"]:
+        vols.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": v["shm"]["sizeLimit"]}})
+        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     return vols, mounts
 
 
@@ -133,9 +228,14 @@ def pre_stop(v: dict) -> dict:
     return {"exec": {"command": ["/bin/sh", "-c", script]}}
 
 
+# every container of the pod: no privilege, no capability, nothing written outside its volumes
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                      "capabilities": {"drop": ["ALL"]}}
+
+
 def container(v: dict, mounts: list[dict]) -> dict:
     p = v["probes"]
-    return {
+    box = {
         "name": "loraserve", "image": f"{v['image']['repository']}:{v['image']['tag']}",
         "imagePullPolicy": v["image"]["pullPolicy"],
         "ports": [{"name": "http", "containerPort": v["port"]}],
@@ -144,26 +244,68 @@ def container(v: dict, mounts: list[dict]) -> dict:
         "livenessProbe": probe("/health", p["periodSeconds"]),
         "readinessProbe": probe("/ready", p["periodSeconds"]),
         "lifecycle": {"preStop": pre_stop(v)},
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": False,
-                            "capabilities": {"drop": ["ALL"]}},
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY),
     }
+    if v["envFrom"]:
+        box["envFrom"] = copy.deepcopy(v["envFrom"])
+    return box
+
+
+def model_fetch(v: dict) -> dict:
+    """The init container that fetches the base model into the model emptyDir."""
+    f, dest = v["modelFetch"], v["model"]["mountPath"]
+    env_vars = []
+    if f["source"] == "s3":
+        command = [*FETCH, "s3", f["s3"]["uri"], dest]
+        if f["s3"]["endpointUrl"]:
+            env_vars.append({"name": "AWS_ENDPOINT_URL", "value": f["s3"]["endpointUrl"]})
+        if f["s3"]["region"]:
+            env_vars.append({"name": "AWS_REGION", "value": f["s3"]["region"]})
+    else:
+        command = [*FETCH, "pypi", f["pypi"]["requirement"], f["pypi"]["member"], dest]
+        if f["pypi"]["indexUrl"]:
+            env_vars.append({"name": "PIP_INDEX_URL", "value": f["pypi"]["indexUrl"]})
+    box = {"name": "model-fetch", "image": f"{v['image']['repository']}:{v['image']['tag']}",
+           "imagePullPolicy": v["image"]["pullPolicy"], "command": command,
+           "volumeMounts": [{"name": "model", "mountPath": dest}, {"name": "tmp", "mountPath": "/tmp"}],
+           "resources": copy.deepcopy(f["resources"]),
+           "securityContext": copy.deepcopy(CONTAINER_SECURITY)}
+    if env_vars:
+        box["env"] = env_vars
+    if f["source"] == "s3" and f["s3"]["credentialsSecret"]:
+        box["envFrom"] = [{"secretRef": {"name": f["s3"]["credentialsSecret"]}}]
+    return box
 
 
 def pod_template(v: dict, name: str) -> dict:
     vols, mounts = volumes(v, name)
     spec = {"securityContext": {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID,
-                                "fsGroup": UID},
+                                "fsGroup": UID, "seccompProfile": {"type": "RuntimeDefault"}},
+            "automountServiceAccountToken": v["serviceAccount"]["automountServiceAccountToken"],
             "terminationGracePeriodSeconds": grace_seconds(v),
             "containers": [container(v, mounts)], "volumes": vols}
+    if service_account_name(v, name):
+        spec["serviceAccountName"] = service_account_name(v, name)
+    for key in ("imagePullSecrets", "nodeSelector", "tolerations", "affinity",
+                "topologySpreadConstraints", "priorityClassName"):
+        if v[key]:
+            spec[key] = copy.deepcopy(v[key])
+    inits = []
+    if v["modelFetch"]["enabled"]:
+        inits.append(model_fetch(v))
     if v["catalog"]["persistence"]["enabled"]:
-        init = {"name": "catalog-init", "image": f"{v['image']['repository']}:{v['image']['tag']}",
-                "command": ["/opt/loraserve/bin/loraserve", "catalog", "init",
-                            v["catalog"]["mountPath"]],
-                "volumeMounts": [{"name": "catalog", "mountPath": v["catalog"]["mountPath"]}],
-                "securityContext": {"allowPrivilegeEscalation": False,
-                                    "capabilities": {"drop": ["ALL"]}}}
-        spec["initContainers"] = [init]
-    return {"metadata": {"labels": labels(name)}, "spec": spec}
+        inits.append({"name": "catalog-init", "image": f"{v['image']['repository']}:{v['image']['tag']}",
+                      "command": ["/opt/loraserve/bin/loraserve", "catalog", "init",
+                                  v["catalog"]["mountPath"]],
+                      "volumeMounts": [{"name": "catalog", "mountPath": v["catalog"]["mountPath"]},
+                                       {"name": "tmp", "mountPath": "/tmp"}],
+                      "securityContext": copy.deepcopy(CONTAINER_SECURITY)})
+    if inits:
+        spec["initContainers"] = inits
+    template_meta = {"labels": labels(name)}
+    if v["podAnnotations"]:
+        template_meta["annotations"] = dict(v["podAnnotations"])
+    return {"metadata": template_meta, "spec": spec}
 
 
 def workload(v: dict, name: str, ns: str) -> dict:
@@ -295,9 +437,15 @@ def epp_rbac(v: dict, name: str, ns: str) -> list[dict]:
 def render(values: dict, name: str = "loraserve", namespace: str = "default") -> list[dict]:
     """Every manifest the values ask for, in the order the chart's templates write them."""
     v, n, ns = values, name, namespace
-    out = [config_map(v, n, ns), service(v, n, ns), workload(v, n, ns)]
+    check(v)
+    out = [config_map(v, n, ns), service(v, n, ns)]
+    if v["serviceAccount"]["create"]:
+        out.append(service_account(v, n, ns))
+    out.append(workload(v, n, ns))
     if v["podDisruptionBudget"]["enabled"]:
         out.append(pdb(v, n, ns))
+    if v["networkPolicy"]["enabled"]:
+        out.append(network_policy(v, n, ns))
     if v["serviceMonitor"]["enabled"]:
         out.append(service_monitor(v, n, ns))
     if v["autoscaling"]["enabled"]:
@@ -329,7 +477,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="loraserve", help="the release name (default: loraserve)")
     p.add_argument("--namespace", default="default")
     args = p.parse_args(argv)
-    sys.stdout.write(dump(render(load_values(*args.values), args.name, args.namespace)))
+    try:
+        manifests = render(load_values(*args.values), args.name, args.namespace)
+    except ValuesError as e:
+        print(f"render.py: {e}", file=sys.stderr)
+        return 1
+    sys.stdout.write(dump(manifests))
     return 0
 
 

@@ -49,7 +49,7 @@ git -C "$REPO" archive --format=tar HEAD | tar -x -C "$CONTEXT"
 COMMIT=$(git -C "$REPO" rev-parse --short HEAD)
 
 set -- --format docker --runtime "$RUNTIME" --network host --layers=false \
-  -f deploy/docker/Dockerfile.cpu --build-arg PYTHON_IMAGE="$BASE" --build-arg DEMO=1 \
+  -f deploy/docker/Dockerfile.cpu --build-arg PYTHON_IMAGE="$BASE" --build-arg DEMO=1 --build-arg EXTRAS=s3 \
   --build-arg TORCH_INDEX= --label org.opencontainers.image.revision="$COMMIT" -t "$TAG"
 if [ -d "$TORCH_FIND_LINKS" ]; then
   set -- "$@" --volume "$TORCH_FIND_LINKS:/mnt/torch-wheels:ro" --build-arg TORCH_FIND_LINKS=/mnt/torch-wheels
