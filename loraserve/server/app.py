@@ -221,9 +221,11 @@ def build_app(engine: Engine, config: ServerConfig | None = None, **fields: Any)
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        ctx.grammars.start()  # the grammar workers, started on a thread of their own
         try:
             yield
         finally:
+            ctx.grammars.close()
             imports = getattr(app.state, "adapter_imports", None)
             if imports is not None:
                 imports.close()

@@ -3,7 +3,6 @@ chunks. Tools go through the chat template; `tool_calls.plan_tools` decides whet
 is constrained (a forced call) and whether it is parsed for calls (`auto`), per family."""
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -181,7 +180,7 @@ def _plan(req: ChatCompletionRequest, engine: sv.Engine,
     top_k = _logprobs_k(req)
     parser = check_parser(config.tool_call_parser) if config is not None else None
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
-                       engine.tokenizer.chat_template, parser)
+                       engine.tokenizer.chat_template, parser, defer=True)
     prompt = chat_prompt(req, engine.tokenizer, engine.max_model_len,
                          None if tools is None else tools.tools,
                          None if tools is None else tools.system)
@@ -191,16 +190,17 @@ def _plan(req: ChatCompletionRequest, engine: sv.Engine,
     sv.check_max_tokens(max_tokens, minimum=1)
     sv.check_prompt(prompt, max_tokens, engine, "messages")
     params = sv.sampling_params(req, max_tokens, top_k)
+    grammar = params.structured
     if tools is not None and tools.spec is not None:  # a forced call: its grammar
         if params.structured is not None:
             raise APIError(400, f"tool_choice: a forced tool call and {params.structured.param} "
                            "both constrain the answer; give one", param="tool_choice")
-        params = dataclasses.replace(params, structured=tools.spec)
+        grammar = tools.spec  # built off the event loop (endpoint.serve: GrammarChecks)
 
     def new_choice(index: int, prompt: sv.Prompt, render: TokenRenderer) -> ChatChoice:
         return ChatChoice(index, render, top_k, tools, prompt, req.prompt_logprobs)
 
-    return Plan([prompt], params, new_choice)
+    return Plan([prompt], params, new_choice, grammar)
 
 
 def _tail(choices: Sequence[ChatChoice]) -> dict[str, Any]:

@@ -9,22 +9,26 @@ chunk per engine delta from the choice's `delta`, usage if asked, `[DONE]`; a fa
 headers is sent in-band). TTFT, end-to-end latency and token counts are recorded on the way.
 
 A large request is planned (tokenized, echo detokenized) on a worker thread, so the event loop
-keeps serving others; when the server's shutdown deadline passes, a request still waiting on the
-engine ends with a 503, a stream with an error event and `[DONE]`.
+keeps serving others; a request's grammar is parsed in a worker process under a deadline and a
+per-tenant budget (`grammar_checks`), never on the loop; when the server's shutdown deadline
+passes, a request still waiting on the engine ends with a 503, a stream with an error event and
+`[DONE]`.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from starlette.responses import Response, StreamingResponse
 
-from loraserve.engine.types import RequestOutput, SamplingParams
+from loraserve.engine.types import GrammarSpec, RequestOutput, SamplingParams
 from loraserve.server.config import ServerConfig
 from loraserve.server.errors import sse_error
 from loraserve.server.fastjson import FastJSONResponse
+from loraserve.server.grammar_checks import tenant_of
 from loraserve.server.logprobs import TokenRenderer
 from loraserve.server.names import lookup_error
 from loraserve.server.protocol import SamplingFields
@@ -65,12 +69,16 @@ class Plan:
     """What an endpoint asks of the engine for one checked request.
 
     `new_choice(index, prompt, render)` makes the state of choice `index` (prompt-major:
-    choice i answers prompt i // n).
+    choice i answers prompt i // n). `grammar`: the user's grammar the answer must follow, not
+    yet parsed (a structured output, or a forced tool call's functions); `serve` has it checked
+    off the event loop and puts the result in `params.structured`. An endpoint that gives none
+    has `params.structured` checked.
     """
 
     prompts: list[Prompt]
     params: SamplingParams
     new_choice: Callable[[int, Prompt, TokenRenderer], Choice]
+    grammar: GrammarSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +117,10 @@ async def serve(req: SamplingFields, ctx: ServerContext, endpoint: Endpoint, pri
     log.prompt_tokens = sum(len(p.token_ids) for p in plan.prompts)
     admitted = admit(resolved, principal, plan.prompts, req.n, plan.params.max_tokens)  # 429
     log.tenant = admitted.tenant or None
+    grammar = plan.grammar or plan.params.structured
+    if grammar is not None:  # parsed in a worker process, under a deadline and tenant budget
+        settled = await ctx.grammars.settle(grammar, tenant_of(resolved, principal))
+        plan.params = dataclasses.replace(plan.params, structured=settled)
     try:
         streams = await ctx.deadline.run(start_all(admitted.engine(engine), fan_out(
             request_id, plan.prompts, req.n, plan.params, resolved, bool(req.stream))))

@@ -15,11 +15,11 @@ from typing import Any
 
 from loraserve.engine import types
 from loraserve.engine.interface import EngineInterface
-from loraserve.engine.core.structured import check_spec
 from loraserve.engine.types import (SEED_MAX, EngineError, GenerateRequest, GrammarSpec,
                                     ResolvedModel, SamplingParams)
 from loraserve.server.config import ServerConfig
 from loraserve.server.errors import APIError, as_api_error, clip
+from loraserve.server.grammar_checks import GrammarChecks
 from loraserve.server.metrics import ServerMetrics
 from loraserve.server.request_log import encodable
 from loraserve.server.names import lookup_error
@@ -45,6 +45,7 @@ class ServerContext:
     metrics: ServerMetrics
     config: ServerConfig = field(default_factory=ServerConfig)
     deadline: ShutdownDeadline = field(default_factory=ShutdownDeadline)
+    grammars: GrammarChecks = field(default_factory=GrammarChecks)  # users' grammars, off the loop
 
     @property
     def max_n(self) -> int:
@@ -354,9 +355,10 @@ def _guided(name: str, value: Any, param: str) -> GrammarSpec:
 def structured_spec(req: SamplingFields) -> GrammarSpec | None:
     """The request's structured output, or None: at most one of response_format (json_object,
     json_schema), guided_json, guided_regex, guided_choice, guided_grammar, structured_outputs.
-    Its grammar is parsed here, in the API process, before the request is queued (xgrammar, no
-    tokenizer: `structured.check_spec`); the engine compiles it against the vocabulary when it
-    admits the sequence. EngineError (400 naming the field) otherwise."""
+    Its grammar is parsed before the request is queued, in a grammar worker process under a
+    deadline and the tenant's budget (`endpoint.serve`: `grammar_checks.GrammarChecks`, never
+    on the event loop); the engine compiles it against the vocabulary when it admits the
+    sequence. EngineError (400 naming the field) otherwise."""
     specs: list[GrammarSpec] = []
     if req.response_format is not None:
         spec = _response_format(req.response_format)
@@ -380,5 +382,4 @@ def structured_spec(req: SamplingFields) -> GrammarSpec | None:
     if len(specs) > 1:
         raise EngineError(f"at most one structured output per request: {specs[0].param} and "
                           f"{specs[1].param} were both given", param=specs[1].param)
-    check_spec(specs[0])
     return specs[0]

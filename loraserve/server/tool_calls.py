@@ -105,6 +105,9 @@ def family_of(chat_template: str | None) -> ToolFamily | None:
     return None
 
 
+TOOL_CALL = "tool_call"  # the kind of a forced call's deferred grammar: [family, functions, one]
+
+
 # -- the request -----------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
@@ -174,12 +177,14 @@ def _choice(tool_choice: Any, functions: dict[str, dict[str, Any]]) -> str | Non
 
 
 def plan_tools(tools: Any, tool_choice: Any, parallel: bool | None,
-               chat_template: str | None, parser: ToolFamily | None = None) -> ToolPlan | None:
+               chat_template: str | None, parser: ToolFamily | None = None,
+               defer: bool = False) -> ToolPlan | None:
     """The request's ToolPlan, or None when it brings no tools; APIError (400) for what is not
     honoured: a non-function tool, an unknown named function, `auto` on a model whose chat
     template renders no tools in a format loraserve parses. `parser` (`serve
     --tool-call-parser`) is the format of a template that renders tools, instead of the one its
-    markers say."""
+    markers say. `defer`: a forced call's grammar is left to be built and checked off the event
+    loop (a `tool_call` spec: `grammar_checks.GrammarChecks.settle`)."""
     if tools is None or tools == []:  # "none", "auto" and parallel_tool_calls: nothing to do
         if tool_choice not in (None, "none", "auto"):
             raise _bad("tool_choice", "needs tools")
@@ -203,13 +208,20 @@ def plan_tools(tools: Any, tool_choice: Any, parallel: bool | None,
     name = None if choice == "required" else tool_choice["function"]["name"]
     named = functions if name is None else {name: functions[name]}
     if family is None:  # the tools described in a system message, the answer a JSON array
-        spec = GrammarSpec("grammar", call_grammar(JSON_CALLS, named, one), "tool_choice")
-        check_spec(spec)
-        return ToolPlan(None, JSON_CALLS, spec, max_calls,
+        return ToolPlan(None, JSON_CALLS, _forced(JSON_CALLS, named, one, defer), max_calls,
                         default_tool_prompt(tools, named, name, one))
+    return ToolPlan(tools, family, _forced(family, named, one, defer), max_calls)
+
+
+def _forced(family: ToolFamily, named: dict[str, dict[str, Any]], one: bool,
+            defer: bool) -> GrammarSpec:
+    """A forced call's grammar: built and checked here, or (`defer`) left to the grammar
+    workers."""
+    if defer:
+        return GrammarSpec(TOOL_CALL, json.dumps([family.name, named, one]), "tool_choice")
     spec = GrammarSpec("grammar", call_grammar(family, named, one), "tool_choice")
     check_spec(spec)
-    return ToolPlan(tools, family, spec, max_calls)
+    return spec
 
 
 def default_tool_prompt(tools: list[dict[str, Any]], functions: dict[str, dict[str, Any]],
