@@ -36,7 +36,7 @@ space  := $(empty) $(empty)
 
 SMOLLM2 := $(VENV)/models/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: serve test venv demo bench clean wrk lock test-latest models
+.PHONY: serve test venv demo bench clean wrk lock test-latest models image image-tools
 
 # pip installs the CPU torch build and the lock's uv; uv installs every other pinned package
 # without resolving anything (--no-deps: the lock is the whole closure), then the project.
@@ -107,6 +107,23 @@ test-latest: wrk models
 	LORASERVE_SMOLLM2=$(abspath $(SMOLLM2)) $(LATEST_VENV)/bin/python -P -m pytest -q $(PYTEST_ARGS) -m 'not ray' tests \
 	  --deselect tests/test_lock.py::test_the_venv_is_the_lock
 	LORASERVE_SMOLLM2=$(abspath $(SMOLLM2)) $(LATEST_VENV)/bin/python -P -m pytest -q -m ray tests
+
+# The CPU demo image (deploy/docker/Dockerfile.cpu, DEMO=1: serves the SmolLM2 demo), built
+# here with no daemon and no registry (deploy/docker/build-image.sh: a Debian root file system
+# from mmdebstrap, then buildah on the committed tree), then run with podman and asked for chat
+# completions, as `docker run` would run it and as the Helm chart does (read-only root, uid
+# 10001, no capabilities, an API key): deploy/docker/smoke.py. 10-15 minutes on two cores, so
+# not part of `make test`. Needs root (or subuids) and the Debian packages image-tools installs.
+IMAGE_TAG ?= localhost/loraserve:cpu-demo
+image-tools:
+	@command -v mmdebstrap >/dev/null && command -v buildah >/dev/null && command -v podman >/dev/null && \
+	  command -v runc >/dev/null || { [ "$$(id -u)" = 0 ] && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -q mmdebstrap buildah podman runc uidmap >/dev/null; } || \
+	  { echo "install mmdebstrap buildah podman runc uidmap (Debian packages) to build the image"; exit 2; }
+
+image: image-tools
+	sh deploy/docker/build-image.sh $(IMAGE_TAG)
+	$(PYTHON) deploy/docker/smoke.py $(IMAGE_TAG)
 
 clean:
 	rm -rf $(VENV) .loraserve .pytest_cache

