@@ -16,6 +16,7 @@ import torch
 
 from ...adapters.manager import RevisionQuarantined
 from ...model.config import ModelConfig
+from ...model import quant_load
 from ...model.loader import load_model, resolve_dtype
 from ...model.prepack import outgrows_last_level_cache, prepack_linears, vector_linears, weight_layout
 from ...tokenizer import Tokenizer
@@ -87,6 +88,9 @@ class LLMEngine:
         self.model_config = mc
         self.dtype = resolve_dtype(cfg.dtype, mc, self.device)
         self.model = load_model(cfg.model_dir, dtype=self.dtype, device=self.device).eval()
+        # weight-only quantized linears (model.quant_load), before fusing stacks them; its name
+        # goes into the served base's fingerprint (engine.core.build)
+        self.quantization = quant_load.apply(self.model, cfg.model_dir, cfg.quantize, cfg.quantize_group, cfg.dtype)
         self.model.fuse_projections()  # q/k/v and gate/up: one GEMM each, before packing and LoRA
         if self.device.type == "cpu":  # threads and weight layout follow the base's size
             big = outgrows_last_level_cache(self.model)
