@@ -146,6 +146,11 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="run the decode step eagerly (the same as --compile off)")
     option("compile_batch_sizes", flag="--compile-batch-size", metavar="N")
     option("weight_prepack", choices=["auto", "on", "off"])
+    option("quantize", choices=["auto", "none", "int8", "int4"])
+    p.add_argument("--dequantize", dest="quantize", action="store_const", const="none",
+                   help="serve a quantized GGUF file's weights dequantized (the same as --quantize none)")
+    option("quantize_group", choices=[32, 64, 128], metavar="32|64|128")
+    option("allow_quantized_base_adapters")
     option("torch_threads")
     option("max_request_bytes")  # ServerConfig's, below: the HTTP side's
     option("max_seqs_per_request")

@@ -316,9 +316,13 @@ class Pager:
 
 def check_base(ref: str, fingerprint: str, served: str) -> None:
     """BaseMismatch (409) unless revision `ref`, exported for `fingerprint`, fits the served base."""
-    if fingerprint != served:
+    if fingerprint != served and not (hasattr(served, "accepts") and served.accepts(fingerprint)):
+        hint = ""
+        if fingerprint == getattr(served, "float_fingerprint", None):
+            hint = (" (its float weights; this base is quantized differently: "
+                    "--allow-quantized-base-adapters serves such adapters)")
         raise BaseMismatch(f"adapter {ref} was exported for base {fingerprint}, "
-                           f"but the served base is {served}")
+                           f"but the served base is {served}{hint}")
 
 
 def resolve_record(catalog, base_fingerprint: str, model_ref: str) -> RevisionRecord:

@@ -70,6 +70,42 @@ def read_config(model_dir: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+class QuantizedFingerprint(str):
+    """The fingerprint of a base served quantized: `<float base's fingerprint>+<quantization>`
+    (`+gguf-Q4_1+Q8_0`, `+int4-g64`), so what is exported from it (a trained adapter) names the
+    weights it saw. `accepts(fp)` says which adapters' bases it serves: its own, and the float
+    base's where the weights are the same (a GGUF repack: lossless) or `allow_float` says so."""
+
+    float_fingerprint: str
+    allow_float: bool
+
+    def __new__(cls, float_fingerprint: str, quantization: str, allow_float: bool) -> "QuantizedFingerprint":
+        self = super().__new__(cls, f"{float_fingerprint}+{quantization}")
+        self.float_fingerprint, self.allow_float = float_fingerprint, allow_float
+        return self
+
+    def __reduce__(self):
+        return (QuantizedFingerprint, (self.float_fingerprint, self.removeprefix(self.float_fingerprint + "+"),
+                                       self.allow_float))
+
+    def accepts(self, fingerprint: str) -> bool:
+        return fingerprint == self or (self.allow_float and fingerprint == self.float_fingerprint)
+
+
+# a GGUF file's blocks repacked (model.quant_gguf) are the weights its dequantized base holds
+LOSSLESS_QUANTIZATION_PREFIX = "gguf-"
+
+
+def served_fingerprint(float_fingerprint: str, quantization: str | None, allow_float: bool) -> str:
+    """The fingerprint adapters are checked against: the float base's for a float base, else a
+    `QuantizedFingerprint` that takes the float base's adapters when the quantization is lossless
+    or `allow_float` (--allow-quantized-base-adapters)."""
+    if quantization is None:
+        return float_fingerprint
+    lossless = quantization.startswith(LOSSLESS_QUANTIZATION_PREFIX)
+    return QuantizedFingerprint(float_fingerprint, quantization, allow_float or lossless)
+
+
 def base_fingerprint(model_dir: str | Path) -> str:
     """xxh3-128 hex of the architecture config and all weight bytes (streamed via mmap)."""
     model_dir = Path(model_dir)

@@ -109,6 +109,21 @@ class EngineConfig:
                 "pays, and max-batch-size is above 1: one sequence at a time reads plain weights "
                 "faster, as matrix-vector products) | on | off. A decode step compiled on the CPU "
                 "keeps them packed"})
+    quantize: str = field(default="auto", metadata={
+        "help": "weight-only quantized base linears, LoRA in float: auto (a GGUF file's Q8_0/Q4_0/"
+                "Q4_1 linears served as the file holds them, repacked, unless --dtype names a float "
+                "dtype) | none (dequantized, as loaded) | int8 (per output channel) | int4 (group "
+                "--quantize-group) from a float checkpoint. The served base's fingerprint names it "
+                "(see --allow-quantized-base-adapters)"})
+    quantize_group: int | None = field(default=None, metadata={
+        "help": "inputs per int4 scale and min (32 | 64 | 128; a layer whose inputs it does not "
+                "divide takes the largest that does); with int8 a group instead of per channel",
+        "default": "64 for int4 (bench/quant_kernels.py), per channel for int8"})
+    allow_quantized_base_adapters: bool = field(default=False, metadata={
+        "help": "serve adapters exported for the float base on a base quantized by --quantize "
+                "int8|int4 (whose weights differ from it); without it they are refused with a 409. "
+                "A GGUF file's repacked base holds the very weights its dequantized base holds and "
+                "serves that base's adapters either way"})
     torch_threads: int | None = field(default=None, metadata={
         "help": "CPU intra-op threads (more pay off for large matrices only: a second thread made "
                 "the demo base's 1-token requests 2.5x slower, an H 512 base's batches 1.6x faster)",
@@ -128,6 +143,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto|{'|'.join(SERVING_DTYPES)}, got {self.dtype!r}")
         if self.weight_prepack not in ("auto", "on", "off"):
             raise ValueError(f"weight_prepack must be auto|on|off, got {self.weight_prepack!r}")
+        if self.quantize not in ("auto", "none", "int8", "int4"):
+            raise ValueError(f"quantize must be auto|none|int8|int4, got {self.quantize!r}")
+        if self.quantize_group not in (None, 32, 64, 128):
+            raise ValueError(f"unsupported quantization group size {self.quantize_group}; expected 32|64|128")
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"compile must be auto|on|off, got {self.compile!r}")
         if self.compile_batch_sizes is not None and (

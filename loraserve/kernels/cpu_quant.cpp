@@ -129,6 +129,27 @@ void rows(const uint8_t* w, const uint16_t* sc, const uint16_t* mn, const Acts& 
   }
 }
 
+// w[r, :] = scale * q + min for rows [r0, r1): prefill's float weight, read once per call.
+template <int Bits>
+void dequantize_rows(const uint8_t* w, const uint16_t* sc, const uint16_t* mn, float* out, int64_t r0,
+                     int64_t r1, int64_t k, int64_t group) {
+  const int64_t chunks = k / kChunk, groups = k / group, row_bytes = Bits == 8 ? k : k / 2;
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      alignas(64) uint8_t codes[kChunk];
+      _mm512_store_si512(codes, load_codes<Bits>(w + r * row_bytes, c));
+      for (int part = 0; part < 4; ++part) {
+        const int64_t g = (c * kChunk + part * 16) / group;
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_load_si128(reinterpret_cast<const __m128i*>(codes + part * 16))));
+        _mm512_storeu_ps(out + r * k + c * kChunk + part * 16,
+                         _mm512_fmadd_ps(q, _mm512_set1_ps(half(sc[r * groups + g])),
+                                         _mm512_set1_ps(half(mn[r * groups + g]))));
+      }
+    }
+  }
+}
+
 template <int Bits>
 void all_rows(const uint8_t* w, const uint16_t* sc, const uint16_t* mn, const Acts& a, float* y,
               int64_t n0, int64_t n1, int64_t m, int64_t n, int64_t k, int64_t group) {
@@ -185,13 +206,43 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
 #endif
 }
 
+at::Tensor quant_dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                            int64_t bits, int64_t k, int64_t group) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && scales.scalar_type() == at::kHalf &&
+                  mins.scalar_type() == at::kHalf && scales.is_contiguous() && mins.is_contiguous(),
+              "quant_dequantize: uint8 codes and float16 scales and mins, contiguous");
+  const int64_t n = codes.size(0);
+  TORCH_CHECK((bits == 4 || bits == 8) && k % kChunk == 0 && group % 32 == 0 && k % group == 0 &&
+                  codes.size(1) == (bits == 8 ? k : k / 2) && scales.size(0) == n && scales.size(1) == k / group,
+              "quant_dequantize: codes, scales and mins disagree with K and the group");
+  at::Tensor out = at::empty({n, k}, scales.options().dtype(at::kFloat));
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+  const auto* w = codes.data_ptr<uint8_t>();
+  const auto* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const auto* mn = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) {
+    if (bits == 8) dequantize_rows<8>(w, sc, mn, o, lo, hi, k, group);
+    else dequantize_rows<4>(w, sc, mn, o, lo, hi, k, group);
+  });
+  return out;
+#else
+  TORCH_CHECK(false, std::string("quant_dequantize: this build has no kernel (caps ") + std::to_string(caps()) + ")");
+  return out;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(loraserve_quant, m) {
+  m.def("dequantize(Tensor codes, Tensor scales, Tensor mins, int bits, int k, int group) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int bits, int group) -> Tensor");
   m.def("caps() -> int");
 }
 
-TORCH_LIBRARY_IMPL(loraserve_quant, CPU, m) { m.impl("quant_linear", &quant_linear); }
+TORCH_LIBRARY_IMPL(loraserve_quant, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("dequantize", &quant_dequantize);
+}
 
 TORCH_LIBRARY_IMPL(loraserve_quant, CompositeExplicitAutograd, m) { m.impl("caps", &caps); }

@@ -42,6 +42,9 @@ def available() -> bool:
                 torch.ops.load_library(str(_build()))
                 torch.library.register_fake("loraserve_quant::quant_linear")(
                     lambda x, codes, scales, mins, bits, group: x.new_empty((x.shape[0], codes.shape[0])))
+                torch.library.register_fake("loraserve_quant::dequantize")(
+                    lambda codes, scales, mins, bits, k, group: scales.new_empty((codes.shape[0], k),
+                                                                                 dtype=torch.float32))
                 _state["caps"] = int(torch.ops.loraserve_quant.caps())
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 log.warning("CPU quantized kernels unavailable, quantized bases dequantize per call: %s", e)
@@ -52,6 +55,12 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, min
                  bits: int, group: int) -> torch.Tensor:
     """x [M, K] float32 -> [M, N] float32 through the packed weight (see the module doc)."""
     return torch.ops.loraserve_quant.quant_linear(x, codes, scales, mins, bits, group)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, k: int,
+               group: int) -> torch.Tensor:
+    """The float32 [N, k] weight the packed codes stand for (prefill's GEMM reads it)."""
+    return torch.ops.loraserve_quant.dequantize(codes, scales, mins, bits, k, group)
 
 
 def _build() -> Path:

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loraserve.model.config import ModelConfig
+from loraserve.model.quant import QuantLinear
+from loraserve.model.quant import fusable as quant_fusable
 from loraserve.model.rope import Device, apply_rotary
 
 
@@ -203,20 +205,30 @@ class FusedSlice(nn.Module):
 @torch.no_grad()
 def fuse_linears(owner: nn.Module, names: tuple[str, ...]) -> nn.Linear | None:
     """One `nn.Linear` holding the weights (and biases) of `owner`'s plain linears `names`,
-    concatenated along the output axis; each of `names` becomes its `FusedSlice`. None (and
-    nothing changed) unless every one is a plain `nn.Linear` on one input: already fused,
+    concatenated along the output axis (or one `QuantLinear` of quantized ones, model.quant);
+    each of `names` becomes its `FusedSlice`. None (and nothing changed) unless every one is a
+    plain `nn.Linear` (or every one a QuantLinear of one scheme) on one input: already fused,
     wrapped by LoRA or packed, the owner keeps its separate GEMMs."""
     parts = [getattr(owner, n) for n in names]
-    if not all(type(p) is nn.Linear for p in parts) or len({p.in_features for p in parts}) != 1:
+    if quant_fusable(parts):  # a quantized base's: codes, scales and mins stacked the same way
+        fused = QuantLinear.cat(parts)
+    elif not all(type(p) is nn.Linear for p in parts) or len({p.in_features for p in parts}) != 1:
         return None
+    else:
+        fused = _stacked(parts)
+    lo = 0
+    for name, p in zip(names, parts):
+        setattr(owner, name, FusedSlice(p.in_features, p.out_features, lo))
+        lo += p.out_features
+    return fused
+
+
+def _stacked(parts: list[nn.Linear]) -> nn.Linear:
+    """One nn.Linear of `parts`' weights (and biases) along the output axis."""
     w = torch.cat([p.weight for p in parts])                                   # [sum out, in]
     fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
     fused.weight = nn.Parameter(w, requires_grad=False)
     if any(p.bias is not None for p in parts):
         fused.bias = nn.Parameter(torch.cat([p.bias if p.bias is not None else w.new_zeros(p.out_features)
                                              for p in parts]), requires_grad=False)
-    lo = 0
-    for name, p in zip(names, parts):
-        setattr(owner, name, FusedSlice(p.in_features, p.out_features, lo))
-        lo += p.out_features
     return fused

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from ..kernels import cpu_gemv
 from . import light_ops
+from .quant import QuantLinear
 
 DEFAULT_LLC_BYTES = 32 * 2**20  # when sysfs names no cache
 
@@ -68,11 +69,13 @@ def last_level_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cach
 
 
 def linear_weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's `nn.Linear` weights, plain or packed (a tied head counts again: it is
-    packed too)."""
+    """Bytes of the model's `nn.Linear` weights, plain, packed or quantized (codes, scales, mins; a
+    tied head counts again: it is packed or quantized too)."""
     plain = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
-    return plain + sum(m.in_features * m.out_features * m.packed.element_size()
-                       for m in model.modules() if isinstance(m, PackedLinear))
+    quantized = sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, QuantLinear)
+                    for b in (m.codes, m.scales, m.mins))
+    return plain + quantized + sum(m.in_features * m.out_features * m.packed.element_size()
+                                   for m in model.modules() if isinstance(m, PackedLinear))
 
 
 def outgrows_last_level_cache(model: nn.Module, cache_bytes: int | None = None) -> bool:

@@ -90,6 +90,9 @@ class QuantLinear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The [out, in] weight the codes stand for (a new tensor: prefill's GEMM and tests)."""
+        if self.native:
+            w = cpu_quant.dequantize(self.codes, self.scales, self.mins, self.bits, self.in_features, self.group)
+            return w.to(dtype)
         q = unpack_codes(self.codes, self.bits, self.in_features).to(torch.float32)
         n, g = self.out_features, self.group
         w = q.view(n, -1, g) * self.scales.float().unsqueeze(-1) + self.mins.float().unsqueeze(-1)

@@ -7,7 +7,7 @@ import logging
 import torch
 
 from loraserve import kernels
-from loraserve.catalog.base import base_fingerprint
+from loraserve.catalog.base import base_fingerprint, served_fingerprint
 from loraserve.catalog.isolated import open_for_serving
 from loraserve.catalog.targets import EXPERT_KINDS
 
@@ -118,7 +118,8 @@ def _enable_lora(engine: LLMEngine, cfg: EngineConfig) -> None:
         max_bytes=(cfg.gpu_adapter_mb or DEFAULT_POOL_MB) * 2**20,
         device=str(engine.device), dtype=engine.dtype))
     catalog = open_for_serving(cfg.catalog_dir, readonly=cfg.catalog_readonly)  # shard hosts map the shards
-    fingerprint = base_fingerprint(cfg.model_dir)
+    fingerprint = served_fingerprint(base_fingerprint(cfg.model_dir), engine.quantization,
+                                     cfg.allow_quantized_base_adapters)
     cpu_cache = CpuCache(cfg.cpu_cache_mb * 2**20, pin_memory=engine.device.type == "cuda",
                          max_entries=cfg.max_cpu_adapters)
     pager = Pager(catalog, cpu_cache, fingerprint, workers=cfg.pager_workers, batch=cfg.pager_batch,
