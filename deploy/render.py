@@ -402,7 +402,8 @@ def epp_deployment(v: dict, name: str, ns: str) -> dict:
                                "capabilities": {"drop": ["ALL"]}}}
     pod = {"metadata": {"labels": epp_labels(name)},
            "spec": {"serviceAccountName": f"{name}-epp", "containers": [box],
-                    "securityContext": {"runAsNonRoot": True, "runAsUser": 65532}}}
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": 65532,
+                                         "seccompProfile": {"type": "RuntimeDefault"}}}}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(f"{name}-epp", ns, name),
             "spec": {"replicas": epp["replicas"], "selector": {"matchLabels": epp_labels(name)},
                      "template": pod}}
