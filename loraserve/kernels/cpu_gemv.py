@@ -9,7 +9,9 @@ registered with the dispatcher in C++: a compiled graph calls it without any Pyt
 
 The library is compiled here, for this CPU (`-march=native`), by the C++ compiler torch's own
 extensions use, into a cache directory keyed by the source, torch's version and the CPU's
-flags: the first process pays ~17 s, later ones load the file. Where there is no compiler, no
+flags: the first process pays ~17 s, later ones load the file, once it, its SHA-256 recorded at
+build time and the directory are checked to be this user's alone (`trusted_file`; a shared or
+writable cache dir is not used: the library is built into a private 0700 directory instead). Where there is no compiler, no
 AVX-512, or the build fails, `supports` answers False and callers keep torch's kernels: the
 op is a speed-up, never a requirement. `LORASERVE_CPU_GEMV=0` turns it off.
 """
@@ -20,8 +22,10 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import sysconfig
+import tempfile
 from pathlib import Path
 
 import torch
@@ -98,15 +102,85 @@ def _build() -> Path:
            f"-I{sysconfig.get_paths()['include']}", str(SOURCE), f"-L{lib_dir}", "-lc10", "-ltorch_cpu",
            f"-Wl,-rpath,{lib_dir}"]
     key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, _flags(), *cmd]).encode()).hexdigest()[:16]
-    out = cache_dir() / f"cpu_gemv-{key}.so"
-    if out.exists():
+    out = build_dir() / f"cpu_gemv-{key}.so"
+    if trusted_file(out):
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds, the others wait for its file
-        if not out.exists():
+        if not trusted_file(out):
             tmp = out.with_suffix(f".{os.getpid()}.tmp")
             log.info("building the CPU one-row kernels (once per machine): %s", out)
             subprocess.run([*cmd, "-o", str(tmp)], check=True, capture_output=True, timeout=600)
+            os.chmod(tmp, 0o700)
+            _write_private(_digest_path(out), _digest(tmp))  # the hash loads are checked against
             os.replace(tmp, out)
     return out
+
+
+# -- the cache is trusted only as far as it is ours ----------------------------------------------
+#
+# A library in the cache runs as this process. One is loaded only if it, its recorded SHA-256
+# (`<lib>.sha256`, written when it was built) and the directory are all owned by this user and
+# writable by no one else, and its bytes hash to the record; anything else is rebuilt. A cache
+# directory that fails the test (shared, group- or world-writable, another user's) is not used:
+# the library is built into a private directory of this process's (mode 0700) instead.
+
+
+def _ours(st: os.stat_result) -> bool:
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def trusted_dir(path: Path) -> bool:
+    """`path` is a real directory (no link), this user's, writable by no one else."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and _ours(st)
+
+
+def trusted_file(lib: Path) -> bool:
+    """`lib` may be loaded: a regular file (no link) and its hash record, both this user's and
+    writable by no one else, in a trusted directory, and its bytes hash to the record."""
+    record = _digest_path(lib)
+    try:
+        sts = os.lstat(lib), os.lstat(record)
+    except OSError:
+        return False
+    if not trusted_dir(lib.parent) or not all(stat.S_ISREG(st.st_mode) and _ours(st) for st in sts):
+        log.warning("not loading %s: it or its hash record is not this user's alone; rebuilding", lib)
+        return False
+    if record.read_text().strip() != _digest(lib):
+        log.warning("not loading %s: its bytes do not hash to the recorded SHA-256; rebuilding", lib)
+        return False
+    return True
+
+
+def build_dir() -> Path:
+    """`cache_dir()` if it is (or can be made) this user's alone, else a new private directory."""
+    path = cache_dir()
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError:
+        pass
+    if trusted_dir(path):
+        return path
+    private = Path(tempfile.mkdtemp(prefix="loraserve-cpu-gemv-"))  # mode 0700, this user's
+    log.warning("the kernel cache %s is not this user's alone; building into %s", path, private)
+    return private
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _digest_path(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".sha256")
+
+
+def _write_private(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

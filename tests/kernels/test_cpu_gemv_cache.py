@@ -1,0 +1,71 @@
+"""The CPU kernel cache loads only what this user built (issue 43: a library planted in a shared
+cache dir ran as the server). Planted files: no hash record, a wrong hash, a link, group- or
+world-writable, another directory's mode; a shared cache dir means a private build dir."""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from loraserve.kernels import cpu_gemv
+
+
+def _built(directory: Path, content: bytes = b"\x7fELF library bytes") -> Path:
+    """A library as _build leaves it: the file and its SHA-256 record, both private."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    lib = directory / "cpu_gemv-0123456789abcdef.so"
+    lib.write_bytes(content)
+    lib.chmod(0o700)
+    record = directory / (lib.name + ".sha256")
+    record.write_text(hashlib.sha256(content).hexdigest())
+    record.chmod(0o600)
+    return lib
+
+
+def test_a_library_built_here_is_trusted(tmp_path: Path) -> None:
+    assert cpu_gemv.trusted_file(_built(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("plant", ["no_record", "wrong_hash", "group_writable", "world_writable",
+                                   "record_writable", "symlink", "dir_world_writable"])
+def test_a_planted_library_is_not_loaded(tmp_path: Path, plant: str) -> None:
+    lib = _built(tmp_path / "cache")
+    record = lib.with_name(lib.name + ".sha256")
+    if plant == "no_record":
+        record.unlink()
+    elif plant == "wrong_hash":
+        lib.write_bytes(b"another user's library")  # the name and record kept
+    elif plant == "group_writable":
+        lib.chmod(0o770)
+    elif plant == "world_writable":
+        lib.chmod(0o702)
+    elif plant == "record_writable":
+        record.chmod(0o666)
+    elif plant == "symlink":
+        target = _built(tmp_path / "elsewhere")
+        lib.unlink()
+        lib.symlink_to(target)
+    elif plant == "dir_world_writable":
+        lib.parent.chmod(0o777)
+    assert not cpu_gemv.trusted_file(lib)
+
+
+def test_a_shared_cache_dir_means_a_private_build_dir(tmp_path: Path, monkeypatch) -> None:
+    shared = tmp_path / "shared"
+    (shared / "cpu_gemv").mkdir(parents=True)
+    (shared / "cpu_gemv").chmod(0o777)  # anyone may plant a library here
+    monkeypatch.setenv("LORASERVE_CACHE_DIR", str(shared))
+    chosen = cpu_gemv.build_dir()
+    assert chosen != shared / "cpu_gemv"
+    st = os.lstat(chosen)
+    assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o700
+    chosen.rmdir()
+
+
+def test_a_private_cache_dir_is_used_and_made_private(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("LORASERVE_CACHE_DIR", str(tmp_path / "mine"))
+    chosen = cpu_gemv.build_dir()
+    assert chosen == tmp_path / "mine" / "cpu_gemv"
+    assert os.lstat(chosen).st_mode & 0o777 == 0o700
