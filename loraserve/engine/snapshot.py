@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PUBLISH_EVERY_S = 0.01
+CPU_RESIDENT_MAX = 1024  # CPU-tier revisions a snapshot names (it crosses the wire each step)
 
 AdapterKey = tuple[str, str]
 
@@ -31,6 +32,10 @@ class EngineSnapshot:
     running_adapters: tuple[str, ...] = ()  # adapters (names as asked) with a running sequence, sorted
     waiting_adapters: tuple[str, ...] = ()  # the same, with a waiting or parked sequence
     resident: frozenset[AdapterKey] = frozenset()  # (adapter_id, revision) in the device pool
+    pinned: tuple[AdapterKey, ...] = ()   # of `resident`, those pinned (--pin): never evicted
+    # the CPU tier's revisions, most recently used first, at most CPU_RESIDENT_MAX of them
+    # (vllm:lora_adapter_loaded{level="cpu"}; the tier's count is `cpu_cache.entries`)
+    cpu_resident: tuple[AdapterKey, ...] = ()
     pool: object | None = None            # adapters.stats.PoolStats copy; None without a catalog
     cpu_cache: object | None = None       # adapters.stats.CacheStats copy
     pager: object | None = None           # adapters.stats.PagerStats copy

@@ -275,6 +275,10 @@ class RequestOutput:
     # first delta only: where the revision was as the request reached the engine: "device" (in
     # the pool), "cpu" (the CPU cache) or "catalog" (paged in from disk); None for the base
     adapter_tier: str | None = None
+    # the finishing delta only: (queue_s, prefill_s, decode_s) as the engine timed them: arrival
+    # to first scheduled, first scheduled to first token, first token to the end (vLLM's
+    # request_queue/prefill/decode_time_seconds); None before the end and for an error
+    timings: tuple[float, float, float] | None = None
 
     @classmethod
     def failed(cls, request_id: str, err: Exception, num_prompt_tokens: int = 0) -> RequestOutput:
@@ -293,7 +297,7 @@ class RequestOutput:
             finish_reason=later.finish_reason, num_prompt_tokens=later.num_prompt_tokens,
             num_output_tokens=later.num_output_tokens,
             adapter_revision=later.adapter_revision or self.adapter_revision, error=later.error,
-            adapter_tier=self.adapter_tier or later.adapter_tier)
+            adapter_tier=self.adapter_tier or later.adapter_tier, timings=later.timings)
 
 
 FIRST = object()  # a non-streamed request whose first delta is not out yet (`coalesce`)

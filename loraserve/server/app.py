@@ -32,6 +32,7 @@ from loraserve.server.residency import install_residency
 from loraserve.server.protocol import ChatCompletionRequest, CompletionRequest, JSONBodyRoute
 from loraserve.server.serving import Engine, ServerContext, resolve_model
 from loraserve.server.tenancy import TenancyConfig, principal_of, scoped_listing, visible_ids
+from loraserve.server.vllm_metrics import VllmCollector
 from loraserve.server.tinker import install_tinker
 from loraserve.server.tokenize import tokenize_router
 
@@ -239,6 +240,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None, **fields: Any)
     app.include_router(_ops_router())
     app.include_router(tokenize_router())  # vLLM's /tokenize and /detokenize
     install_tinker(app)
+    ctx.metrics.register(VllmCollector(engine, ctx.metrics))  # vLLM's names: its Grafana dashboard
     if engine.snapshot is not None:  # vLLM's gauges, for endpoint pickers
         ctx.metrics.register(RouterMetricsCollector(engine))
         install_residency(app)  # resident adapters as bounded digests: GET /v1/residency

@@ -134,6 +134,7 @@ async def serve(req: SamplingFields, ctx: ServerContext, endpoint: Endpoint, pri
     log.tier = next((s.first.adapter_tier for s in streams if s.first is not None), None)
     prompt_tokens = log.prompt_tokens
     ctx.metrics.prompt_tokens.inc(prompt_tokens)
+    ctx.metrics.sequences.admitted(plan.params.max_tokens, len(streams))
     render = TokenRenderer(engine.tokenizer, req.return_tokens_as_token_ids)
     choices = [plan.new_choice(i, plan.prompts[i // req.n], render) for i in range(len(streams))]
     created = now()
@@ -156,7 +157,7 @@ async def _collect(streams: Sequence[PrimedStream], choices: Sequence[Choice], c
     try:
         async for index, out in merge(streams, ctx.deadline):
             choices[index].apply(out)
-            ctx.metrics.generation_tokens.inc(len(out.token_ids))
+            ctx.metrics.delta(out)
     finally:
         clock.finished()
         log.completion_tokens = sum(c.num_tokens for c in choices)
@@ -174,7 +175,7 @@ async def _stream(head: dict[str, Any], streams: Sequence[PrimedStream],
                 yield sse({**head, "choices": [opening], **extra})
         async for index, out in merge(streams, ctx.deadline):
             entry = choices[index].delta(out)
-            ctx.metrics.generation_tokens.inc(len(out.token_ids))
+            ctx.metrics.delta(out)
             yield sse({**head, "choices": [entry], **extra})
         if include_usage:
             total = sum(c.num_tokens for c in choices)

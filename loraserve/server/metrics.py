@@ -8,6 +8,8 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Pro
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from loraserve.server.vllm_metrics import SequenceMetrics
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -76,6 +78,7 @@ class ServerMetrics:
         self.prefix_hit_rate = Gauge("loraserve_prefix_cache_hit_rate",
                                      "Prompt tokens found in the prefix cache / looked up, since start",
                                      registry=r)
+        self.sequences = SequenceMetrics()  # vLLM's per-sequence histograms (vllm_metrics.py)
         self.engine_counters = EngineCounters()
         r.register(self.engine_counters)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, fds (Linux)
@@ -83,6 +86,13 @@ class ServerMetrics:
     def register(self, collector: Collector) -> None:
         """Expose another collector (e.g. adapter residency) on this app's /metrics."""
         self.registry.register(collector)
+
+    def delta(self, out) -> None:
+        """An engine delta reached the client: its tokens counted; a sequence's last one
+        observed in vLLM's per-sequence histograms."""
+        self.generation_tokens.inc(len(out.token_ids))
+        if out.finish_reason is not None:
+            self.sequences.finished(out)
 
     def count_request(self, status: int) -> None:
         self.requests.labels(status=str(status)).inc()

@@ -30,7 +30,7 @@ from .sampler import sample, token_logprobs
 from .structured import GrammarEngine
 from .scheduler import Scheduler
 from .sequence import Sequence
-from ..snapshot import PUBLISH_EVERY_S, EngineSnapshot
+from ..snapshot import CPU_RESIDENT_MAX, PUBLISH_EVERY_S, EngineSnapshot
 from ..types import EngineError, GenerateRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -236,6 +236,10 @@ class LLMEngine:
         outs = self._drain_page_ins()
         seqs, is_prefill = self.scheduler.schedule()
         self.last_batch_size = len(seqs)
+        if is_prefill:  # a sequence's queue time ends when it is first scheduled
+            now = time.monotonic()
+            for seq in seqs:
+                seq.scheduled_time = seq.scheduled_time or now
         if not seqs and self.compiler is not None:
             self.compiler.idle_turn()  # when idle: times a freshly compiled decode bucket
         if seqs:
@@ -434,6 +438,8 @@ class LLMEngine:
             running_adapters=tuple(sorted({s.adapter_ref for s in sch.running if s.adapter_ref})),
             waiting_adapters=tuple(sorted({s.adapter_ref for s in waiting if s.adapter_ref})),
             resident=frozenset(pool.resident()) if pool is not None else frozenset(),
+            pinned=tuple(k for k in pool.resident() if pool.entry(k).pinned) if pool is not None else (),
+            cpu_resident=tuple(mgr.cpu_cache.keys()[:-CPU_RESIDENT_MAX - 1:-1]) if mgr is not None else (),
             pool=pool.stats if pool is not None else None,
             cpu_cache=mgr.cpu_cache.stats if mgr is not None else None,
             pager=mgr.pager.stats if mgr is not None else None,

@@ -9,11 +9,22 @@ engine step.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .sampler import token_logprobs
 from .sequence import Sequence
 from ..types import RequestOutput, TokenLogprob
+
+
+def _timings(seq: Sequence) -> tuple[float, float, float]:
+    """(queue_s, prefill_s, decode_s) of a finishing sequence (RequestOutput.timings); a part it
+    never reached (no token: a zero-token answer) is 0."""
+    end = time.monotonic()
+    scheduled = seq.scheduled_time if seq.scheduled_time is not None else end
+    first = seq.first_token_time if seq.first_token_time is not None else end
+    return scheduled - seq.arrival, max(first - scheduled, 0.0), max(end - first, 0.0)
 
 
 class TokenOutputs:
@@ -64,7 +75,8 @@ class TokenOutputs:
             finish_reason=seq.finish_reason, num_prompt_tokens=len(seq.prompt_ids),
             num_output_tokens=len(seq.output_ids),
             adapter_revision=seq.adapter_key[1] if seq.adapter_key else None,
-            adapter_tier=seq.adapter_tier if seq.num_emitted == 0 else None)
+            adapter_tier=seq.adapter_tier if seq.num_emitted == 0 else None,
+            timings=_timings(seq) if seq.finish_reason is not None else None)
         seq.num_emitted = len(seq.output_ids)
         return out
 

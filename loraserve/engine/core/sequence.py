@@ -36,6 +36,7 @@ class Sequence:
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None    # first scheduled into a step (its queue time ends)
     first_token_time: float | None = None
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
