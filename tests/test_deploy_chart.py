@@ -261,14 +261,22 @@ PLATFORM = {  # what a platform team sets: scheduling, credentials, a ServiceAcc
 }
 MATRIX = {f"{a}-{m}-{p}": render.merge(render.merge(AUTH[a], MODEL[m]), PLATFORM[p])
           for a, m, p in itertools.product(AUTH, MODEL, PLATFORM)}
-# where the image writes (deploy/docker/Dockerfile.cpu's ENV): each must be on a writable volume
+# where the images write (deploy/docker/Dockerfile.*'s ENV): each must be on a writable volume
+# ($HOME stays read-only: every cache the server and torch keep there is redirected by these;
+# deploy/docker/smoke.py serves from the image with a read-only root and tmpfs on these alone)
 IMAGE_WRITES = ("XDG_CACHE_HOME", "LORASERVE_CACHE", "TRITON_CACHE_DIR", "LORASERVE_DEMO_DIR")
 
 
-def _image_env() -> dict[str, str]:
-    text = (REPO / "deploy" / "docker" / "Dockerfile.cpu").read_text()
-    block = re.search(r"^ENV PATH=.*?(?=^\S)", text, re.M | re.S).group(0)
-    return dict(re.findall(r"(\w+)=(\S+)", block.replace("\\\n", " ")))
+def _image_env() -> list[tuple[str, str]]:
+    """(variable, path) of every image's runtime ENV that names where the server writes."""
+    out = []
+    for name in ("Dockerfile.cpu", "Dockerfile.cuda"):
+        text = (REPO / "deploy" / "docker" / name).read_text()
+        block = re.search(r"^ENV PATH=.*?(?=^\S)", text, re.M | re.S).group(0)
+        found = dict(re.findall(r"(\w+)=(\S+)", block.replace("\\\n", " ")))
+        assert set(IMAGE_WRITES) <= set(found), name
+        out += [(var, path) for var, path in found.items() if var in IMAGE_WRITES]
+    return out
 
 
 def _pod(objects: dict) -> dict:
@@ -295,9 +303,8 @@ def test_every_combination_renders_valid_and_keeps_the_secure_defaults(over: dic
     volumes = {v["name"]: v for v in pod["volumes"]}
     writable = [m["mountPath"] for m in server["volumeMounts"]
                 if not m.get("readOnly") and "emptyDir" in volumes.get(m["name"], {})]
-    for var, path in _image_env().items():
-        if var in IMAGE_WRITES:
-            assert any(path == w or path.startswith(w + "/") for w in writable), (var, path)
+    for var, path in _image_env():
+        assert any(path == w or path.startswith(w + "/") for w in writable), (var, path)
     assert "/tmp" in writable
     env = {e["name"]: e for e in server["env"]}
     policy = objects[("NetworkPolicy", "loraserve")]["spec"]
