@@ -89,6 +89,7 @@ class SourceUnavailable(CatalogError):
 
     status = 503
     code = "source_unavailable"
+    retry_after = 5  # seconds: the server's Retry-After
 
 
 class ShardUnavailable(CatalogError):

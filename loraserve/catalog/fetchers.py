@@ -11,14 +11,16 @@ store states for it:
   `<md5>-<parts>`, is not a checksum of the bytes and is not checked); and our own xxh3-128 when
   the uploader set it as object metadata `xxh3-128` (`x-amz-meta-xxh3-128`). boto3 checks a
   flexible checksum (`x-amz-checksum-*`) itself when the object has one.
-- Hub (huggingface_hub, honouring `HF_ENDPOINT`, its cache `HF_HOME` / `HF_HUB_CACHE`, and
-  `HF_HUB_OFFLINE`): the file's ETag, which is the SHA-256 of an LFS file or the git blob SHA-1
-  of a regular one; the cache names each blob by it, so a cached file is checked too.
+- Hub (huggingface_hub's session and headers, honouring `HF_ENDPOINT`, `HF_TOKEN` and
+  `HF_HUB_OFFLINE`, which reads its cache `HF_HOME` / `HF_HUB_CACHE`): the file's ETag, which
+  is the SHA-256 of an LFS file or the git blob SHA-1 of a regular one; the cache names each
+  blob by it, so a cached file is checked too. Online, files are streamed, never past the cap.
 
 A mismatch is an ExportError (400) naming the file and both digests; nothing is imported. A
 missing adapter (no `adapter_config.json`) is SourceNotFound (404); a store that cannot be
-reached, times out or answers 5xx/403 is SourceUnavailable (503). The weights file missing is
-left to the PEFT reader, whose 400 says what it found instead.
+reached, times out, resets, answers 5xx/403, sends what its protocol does not allow or more
+bytes than it stated is SourceUnavailable (503), whatever its client library raised. The
+weights file missing is left to the PEFT reader, whose 400 says what it found instead.
 """
 from __future__ import annotations
 
@@ -128,11 +130,22 @@ def verify_hub(what: str, data: bytes, etag: str) -> None:
 
 
 class HubFetcher:
-    """`owner/repo` locations on the Hub at `HF_ENDPOINT` (module doc); revision `main`."""
+    """`owner/repo` locations on the Hub at `HF_ENDPOINT` (module doc); revision `main`.
 
-    def __init__(self, timeout_s: float, revision: str = "main", cache_dir: str | None = None) -> None:
+    Online, each file is streamed into memory by huggingface_hub's own HTTP session (its
+    headers and token): the stated size is checked against the budget first, and the transfer
+    stops at the first byte past it (a Hub that lies about a size never gets more than the cap
+    written), or past `deadline_s` in all (one byte every few seconds never outlasts it).
+    Offline (`HF_HUB_OFFLINE`), files come from huggingface_hub's cache (filled by
+    `huggingface-cli download` or `hf_hub_download`), checked against their blob names."""
+
+    CHUNK = 1 << 16
+
+    def __init__(self, timeout_s: float, revision: str = "main", cache_dir: str | None = None,
+                 deadline_s: float = 60.0) -> None:
         self.endpoint = os.environ.get("HF_ENDPOINT") or None  # None: huggingface_hub's default
         self.timeout_s = timeout_s
+        self.deadline_s = deadline_s
         self.revision = revision
         self.cache_dir = cache_dir  # None: huggingface_hub's (HF_HUB_CACHE, HF_HOME)
 
@@ -150,32 +163,62 @@ class HubFetcher:
         return AdapterSource(workdir, root=workdir, max_bytes=max_bytes)
 
     def get(self, repo_id: str, name: str, left: int, max_bytes: int) -> bytes:
+        from huggingface_hub import constants
         from huggingface_hub import errors as hf
         what = f"hf://{repo_id}/{name}"
+        if constants.HF_HUB_OFFLINE:
+            return self._cached(repo_id, name, what, left, max_bytes)
         try:
-            self._check_size(repo_id, name, what, left, max_bytes)
-            path = self._download(repo_id, name)
-        except hf.LocalEntryNotFoundError as exc:  # unreachable (or offline) and not cached
-            raise SourceUnavailable(f"{what}: the Hub cannot be reached and the file is not cached ({exc})") from None
+            etag, data = self._download(repo_id, name, what, left, max_bytes)
         except (hf.RepositoryNotFoundError, hf.RevisionNotFoundError, hf.EntryNotFoundError):
             raise SourceNotFound(f"{what} does not exist") from None
-        except (hf.HfHubHTTPError, OSError) as exc:
-            raise SourceUnavailable(f"{what}: {exc}") from None
-        blob = os.path.realpath(path)
-        _budget(what, os.path.getsize(blob), left, max_bytes)
-        data = Path(blob).read_bytes()
-        verify_hub(what, data, os.path.basename(blob))
+        except (SourceNotFound, SourceTooLarge, SourceUnavailable):
+            raise
+        except Exception as exc:  # noqa: BLE001 - unreachable, reset, refused, garbage: all one
+            raise SourceUnavailable(f"{what}: {type(exc).__name__}: {exc}") from None
+        verify_hub(what, data, etag)
         return data
 
-    def _check_size(self, repo_id: str, name: str, what: str, left: int, max_bytes: int) -> None:
-        """The file's stated size within the budget before it is downloaded (skipped offline)."""
-        from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
-        if constants.HF_HUB_OFFLINE:
-            return
-        url = hf_hub_url(repo_id, name, revision=self.revision, endpoint=self.endpoint)
-        _budget(what, get_hf_file_metadata(url, timeout=self.timeout_s).size, left, max_bytes)
+    def _download(self, repo_id: str, name: str, what: str, left: int, max_bytes: int) -> tuple[str, bytes]:
+        """(ETag, bytes) of one file: its metadata, then its bytes, bounded (class doc)."""
+        import time
 
-    def _download(self, repo_id: str, name: str) -> str:
-        from huggingface_hub import hf_hub_download
-        return hf_hub_download(repo_id, name, revision=self.revision, endpoint=self.endpoint,
-                               etag_timeout=self.timeout_s, cache_dir=self.cache_dir)
+        from huggingface_hub import get_hf_file_metadata, get_session, hf_hub_url
+        from huggingface_hub.utils import build_hf_headers
+        started = time.monotonic()
+        url = hf_hub_url(repo_id, name, revision=self.revision, endpoint=self.endpoint)
+        meta = get_hf_file_metadata(url, timeout=self.timeout_s)
+        if meta.etag is None or meta.size is None:
+            raise SourceUnavailable(f"{what}: the Hub stated no ETag or size")
+        _budget(what, meta.size, left, max_bytes)
+        data = bytearray()
+        with get_session().stream("GET", meta.location or url, headers=build_hf_headers(),
+                                  timeout=self.timeout_s, follow_redirects=True) as response:
+            if response.status_code == 404:
+                raise SourceNotFound(f"{what} does not exist")
+            if response.status_code >= 400:
+                raise SourceUnavailable(f"{what}: the Hub answered {response.status_code}")
+            for chunk in response.iter_bytes(self.CHUNK):
+                data += chunk
+                if len(data) > meta.size:
+                    raise SourceUnavailable(f"{what}: the Hub sent more than the {meta.size} "
+                                            "bytes it stated; stopped")
+                if time.monotonic() - started > self.deadline_s:
+                    raise SourceUnavailable(f"{what}: not done within {self.deadline_s:g} s")
+        if len(data) != meta.size:
+            raise SourceUnavailable(f"{what}: {len(data)} bytes of the {meta.size} stated")
+        return meta.etag, bytes(data)
+
+    def _cached(self, repo_id: str, name: str, what: str, left: int, max_bytes: int) -> bytes:
+        """Offline: the file from huggingface_hub's cache, checked against its blob name."""
+        from huggingface_hub import try_to_load_from_cache
+        path = try_to_load_from_cache(repo_id, name, cache_dir=self.cache_dir, revision=self.revision)
+        if not isinstance(path, str):
+            raise SourceUnavailable(f"{what}: the Hub is offline (HF_HUB_OFFLINE) and the file is not cached")
+        blob = os.path.realpath(path)
+        _budget(what, os.path.getsize(blob), left, max_bytes)
+        with open(blob, "rb") as f:
+            data = f.read(left + 1)
+        _budget(what, len(data), left, max_bytes)
+        verify_hub(what, data, os.path.basename(blob))
+        return data

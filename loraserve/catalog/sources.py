@@ -5,7 +5,8 @@ A source is a URI template with `{tenant}` and `{name}` (`--adapter-source`, rep
     s3://bucket/adapters/{tenant}/{name}    an S3-compatible bucket (fetchers.S3Fetcher)
     hf://{tenant}/{name}                    a Hugging Face Hub repository (fetchers.HubFetcher)
     /srv/adapters/{tenant}/{name}           a local directory (file:// too), confined to the
-                                            part of the template before its first field
+                                            requesting tenant's subtree (`/srv/adapters/acme`),
+                                            links resolved (`Template.tenant_root`)
 
 A template is filled from the id a request names (`acme/support` -> `.../acme/support`), and
 only after the caller has checked that the requesting key sees that id's tenant; a URI given to
@@ -19,16 +20,29 @@ blocking (callers run it on a thread) and single-flight per id: concurrent misse
 fetch it once and share the outcome. A miss in every source is remembered for
 `negative_ttl_s`, so a hot unknown name does not become a store request each time.
 
-Errors: no source has it -> SourceNotFound (404); a source is down and none had it ->
-SourceUnavailable (503); a bad adapter -> ExportError (400) naming why; too large -> 413.
+Containment: each source has its own bulkhead (`Bulkhead`: `workers` threads, a cap of as many
+fetches at once, an overall deadline per fetch, `deadline_s`, not per read, and a cooldown
+after a missed deadline), so a source that hangs, drips, resets or lies holds its own threads
+only, and the next source is tried at once. Every failure of a source is SourceUnavailable and
+falls through to the next source.
+
+Errors: no source has it -> SourceNotFound (404); a source failed and none had it ->
+SourceUnavailable (503, Retry-After; the message names the source by its place and scheme,
+`adapter source 2 (hf)`, never its URI: the details go to the log); a bad adapter ->
+ExportError (400) naming why; too large -> 413; a local directory outside the tenant's subtree
+-> SourceForbidden (403).
 """
 from __future__ import annotations
 
+import logging
+import os
 import re
+import shutil
 import tempfile
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Callable, Protocol, TypeVar
 
@@ -43,6 +57,7 @@ from .source import AdapterSource
 from .store import Catalog
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 SCHEMES = ("s3", "hf", "file")
 _FIELD = {"tenant": rf"(?P<tenant>[A-Za-z0-9._-]{{1,{TENANT_MAX}}})",
           "name": rf"(?P<name>[A-Za-z0-9._-]{{1,{NAME_MAX}}})"}
@@ -81,6 +96,17 @@ class Template:
         """A local template's fixed directory (what its locations are confined to)."""
         return self.path[:self.path.index("{")].rpartition("/")[0] or "/"
 
+    def tenant_root(self, adapter_id: str) -> str:
+        """A local template's confinement for `adapter_id`: the filled location up to the end of
+        the path component holding `{tenant}` (`/srv/{tenant}/{name}` -> `/srv/acme`). An
+        adapter directory must resolve inside it, links followed: one tenant's subtree, never
+        another's."""
+        head = self.path[:self.path.index("{tenant}")]
+        rest = self.path[len(head):]
+        component = rest.split("/", 1)[0]
+        tenant, name = validate_adapter_id(adapter_id).split("/")
+        return head + component.replace("{tenant}", tenant).replace("{name}", name)
+
     def fill(self, adapter_id: str) -> str:
         """The location (URI without scheme) of `adapter_id` in this source."""
         tenant, name = validate_adapter_id(adapter_id).split("/")
@@ -100,24 +126,38 @@ class Template:
             return None
 
 
-def make_fetcher(template: Template, timeout_s: float) -> Fetcher:
+def make_fetcher(template: Template, timeout_s: float, deadline_s: float = 60.0) -> Fetcher:
     """The fetcher of `template`'s scheme (boto3 / huggingface_hub imported only when used)."""
     if template.scheme == "file":
-        return LocalFetcher(template.root)
+        return LocalFetcher(template)
     from . import fetchers
     if template.scheme == "s3":
         return fetchers.S3Fetcher(timeout_s)
-    return fetchers.HubFetcher(timeout_s)
+    return fetchers.HubFetcher(timeout_s, deadline_s=deadline_s)
 
 
 class LocalFetcher:
-    """A local directory template: the adapter dir is read in place, confined to the root."""
+    """A local directory template: the adapter dir is read in place, confined to the requesting
+    tenant's subtree (`Template.tenant_root`) after every link is resolved. The template's fixed
+    root may be a link (the operator's); below it, the path to the tenant's subtree must be
+    real directories, so a link cannot make one tenant's subtree another's."""
 
-    def __init__(self, root: str) -> None:
-        self.root = root
+    def __init__(self, template: Template) -> None:
+        self.template = template
 
     def open(self, location: str, workdir: Path, max_bytes: int) -> AdapterSource:
-        return AdapterSource(Path(location).relative_to(self.root), root=self.root, max_bytes=max_bytes)
+        adapter_id = self.template.match(location)
+        if adapter_id is None:
+            raise SourceNotFound("no such adapter in this source")
+        tenant_root = self.template.tenant_root(adapter_id)
+        fixed = os.path.realpath(self.template.root)
+        below = os.path.relpath(tenant_root, self.template.root)
+        real = os.path.join(fixed, below)
+        if not os.path.isdir(real):
+            raise SourceNotFound(f"adapter {adapter_id!r} is not in this source")
+        if os.path.realpath(real) != os.path.normpath(real):
+            raise SourceForbidden(f"adapter {adapter_id!r}: its tenant's directory is a link; refused")
+        return AdapterSource(os.path.relpath(location, tenant_root), root=real, max_bytes=max_bytes)
 
 
 class SingleFlight:
@@ -149,18 +189,76 @@ class SingleFlight:
                 del self._flights[key]
 
 
+class _TimedOut(SourceUnavailable):
+    """A source's call past its deadline (its thread still runs)."""
+
+
+class Bulkhead:
+    """One source's own worker threads, concurrency cap and breaker, so that a slow or hung
+    source holds only its own threads, never another source's nor the caller's for long.
+
+    `call(fn)` runs `fn()` on one of `workers` threads and waits at most `deadline_s` for it in
+    all (the overall deadline of a fetch, not of one read); a source with every thread busy, or
+    that missed a deadline in the last `cooldown_s`, is SourceUnavailable at once (the caller
+    falls through to the next source). A call past its deadline goes on on its thread until the
+    transfer ends (its scratch files are removed then), still holding that thread: so at most
+    `workers` threads per source are ever stuck."""
+
+    def __init__(self, name: str, workers: int, deadline_s: float, cooldown_s: float) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+        self.name, self.workers = name, workers
+        self.deadline_s, self.cooldown_s = deadline_s, cooldown_s
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="loraserve-source")
+        self._slots = threading.BoundedSemaphore(workers)
+        self._down_until = 0.0
+        self.refused = 0  # calls answered SourceUnavailable without running (busy or cooling)
+
+    def call(self, fn: Callable[[], T], abandoned: Callable[[], None]) -> T:
+        """`fn()` within the deadline; past it, `abandoned()` runs once `fn` has ended."""
+        if time.monotonic() < self._down_until:
+            self.refused += 1
+            raise SourceUnavailable(f"{self.name} missed its deadline recently; not asked")
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            raise SourceUnavailable(f"{self.name} is busy ({self.workers} fetches in progress)")
+
+        def run() -> T:
+            try:
+                return fn()
+            finally:
+                self._slots.release()
+        try:
+            future = self._pool.submit(run)
+        except RuntimeError:  # shut down
+            self._slots.release()
+            raise SourceUnavailable(f"{self.name} is closed") from None
+        try:
+            return future.result(timeout=self.deadline_s)
+        except FutureTimeout:
+            self._down_until = time.monotonic() + self.cooldown_s
+            future.add_done_callback(lambda _: abandoned())
+            raise _TimedOut(f"{self.name} did not answer within {self.deadline_s:g} s") from None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 class AdapterSources:
-    """The configured sources, in order, with single flight and a short memory of misses."""
+    """The configured sources, in order, with single flight, a short memory of misses, and a
+    bulkhead per source (`Bulkhead`)."""
 
     def __init__(self, templates: list[str], *, max_bytes: int, timeout_s: float = 10.0,
-                 negative_ttl_s: float = 5.0, fetchers: dict[str, Fetcher] | None = None) -> None:
+                 negative_ttl_s: float = 5.0, fetchers: dict[str, Fetcher] | None = None,
+                 deadline_s: float = 30.0, workers: int = 2, cooldown_s: float = 5.0) -> None:
         self.templates = [Template(t) for t in templates]
         if not self.templates:
             raise CatalogError("no adapter sources given")
         self.max_bytes = max_bytes
         self.negative_ttl_s = negative_ttl_s
         made = fetchers or {}
-        self._fetchers = [made.get(t.uri) or make_fetcher(t, timeout_s) for t in self.templates]
+        self._fetchers = [made.get(t.uri) or make_fetcher(t, timeout_s, deadline_s) for t in self.templates]
+        self.bulkheads = [Bulkhead(source_name(i, t), workers, deadline_s, cooldown_s)
+                          for i, t in enumerate(self.templates)]
         self._flights = SingleFlight()
         self._missing: BoundedLRU[str, float] = BoundedLRU(4096)  # id -> when every source missed it
 
@@ -175,8 +273,7 @@ class AdapterSources:
         for i, t in enumerate(self.templates):
             if t.match(uri) == adapter_id:
                 return i
-        raise SourceForbidden(f"{uri!r} is not {adapter_id}'s location in any configured adapter "
-                              f"source ({', '.join(t.uri for t in self.templates)})")
+        raise SourceForbidden(f"the URI is not {adapter_id}'s location in any configured adapter source")
 
     def fetch(self, adapter_id: str, into: Callable[[AdapterSource, str], T], only: int | None = None) -> T:
         """`into(peft_dir, uri)` on the first source (or source `only`) holding `adapter_id`.
@@ -191,23 +288,78 @@ class AdapterSources:
         down: list[str] = []
         order = range(len(self.templates)) if only is None else [only]
         for i in order:
-            template, fetcher = self.templates[i], self._fetchers[i]
+            template = self.templates[i]
             uri = f"{template.scheme}://{template.fill(adapter_id)}"
-            with tempfile.TemporaryDirectory(prefix="loraserve-fetch-") as workdir:
-                try:
-                    peft_dir = fetcher.open(template.fill(adapter_id), Path(workdir), self.max_bytes)
-                except SourceNotFound:
-                    continue
-                except SourceUnavailable as exc:
-                    down.append(str(exc))
-                    continue
+            try:
+                peft_dir, workdir = self._open(i, adapter_id)
+            except SourceNotFound:
+                continue
+            except SourceUnavailable as exc:
+                log.warning("adapter source %s (%s) failed for %s: %s", i + 1, template.uri, adapter_id, exc)
+                down.append(self.bulkheads[i].name)
+                continue
+            except CatalogError as exc:  # an answer (403, 413, a checksum): named, not located
+                raise _without(exc, uri, f"{adapter_id} from {self.bulkheads[i].name}") from None
+            try:
                 return into(peft_dir, uri)
+            except CatalogError as exc:  # the scratch directory is no one's business
+                raise _without(exc, workdir, f"{adapter_id} from {self.bulkheads[i].name}") from None
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
         if down:
             raise SourceUnavailable(f"adapter {adapter_id!r}: no source had it, and "
-                                    f"{len(down)} could not be asked: {'; '.join(down)}")
+                                    f"{len(down)} could not be asked ({', '.join(down)}); retry later")
         if only is None:
             self._missing.put(adapter_id, time.monotonic())
         raise SourceNotFound(f"adapter {adapter_id!r} is in no adapter source")
+
+    def _open(self, i: int, adapter_id: str) -> tuple[AdapterSource, str]:
+        """Source i's PEFT directory of `adapter_id` and its scratch directory, through its
+        bulkhead: any failure of the source (timeout, reset, refused, garbage it cannot parse,
+        a size it lied about) is SourceUnavailable; SourceNotFound, SourceForbidden,
+        SourceTooLarge and checksum mismatches (ExportError) are answers, kept as they are."""
+        template, fetcher = self.templates[i], self._fetchers[i]
+        workdir = tempfile.mkdtemp(prefix="loraserve-fetch-")
+
+        def opened() -> AdapterSource:
+            try:
+                return fetcher.open(template.fill(adapter_id), Path(workdir), self.max_bytes)
+            except CatalogError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a source's failure, whatever its library raised
+                raise SourceUnavailable(f"{type(exc).__name__}: {exc}") from None
+
+        def remove() -> None:
+            shutil.rmtree(workdir, ignore_errors=True)
+        try:
+            # past the deadline the transfer goes on on the source's thread; its files go after it
+            peft_dir = self.bulkheads[i].call(opened, abandoned=remove)
+        except _TimedOut:
+            raise
+        except BaseException:
+            remove()
+            raise
+        return peft_dir, workdir
+
+    def close(self) -> None:
+        for bulkhead in self.bulkheads:
+            bulkhead.close()
+
+
+def source_name(i: int, template: Template) -> str:
+    """How answers name a source: its place and scheme, never its URI (bucket names, hosts)."""
+    return f"adapter source {i + 1} ({template.scheme})"
+
+
+def _without(exc: CatalogError, workdir: str, label: str) -> CatalogError:
+    """`exc` with the scratch directory's path in its message replaced by `label`."""
+    text = str(exc)
+    if workdir not in text:
+        return exc
+    clean = type(exc).__new__(type(exc))
+    clean.__dict__.update(exc.__dict__)
+    clean.args = (text.replace(workdir, label),)
+    return clean
 
 
 def content_revision(blob: bytes) -> str:

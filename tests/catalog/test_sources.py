@@ -210,13 +210,14 @@ def test_hub_corrupt_file_is_refused(hub, catalog, dense_base, tmp_path, monkeyp
 
 
 def test_hub_offline_serves_from_its_cache_and_checks_it(hub, dense_base, tmp_path, monkeypatch):
-    """HF_HUB_OFFLINE (read by huggingface_hub at import: set here on its constants): the cache a
-    first fetch filled (the Hub's layout: blobs named by ETag, snapshots linking to them) serves
-    alone, each file checked against its blob name; an uncached repo is a 503, not a 404."""
-    from huggingface_hub import constants
-    sources = hub_sources(hub, tmp_path, monkeypatch)
-    with Catalog.create(tmp_path / "first", shards=2) as first:
-        fetch(sources, first, "acme/support", dense_base)
+    """HF_HUB_OFFLINE (read by huggingface_hub at import: set here on its constants): the cache
+    `hf_hub_download` filled (as `huggingface-cli download` does; the Hub's layout: blobs named
+    by ETag, snapshots linking to them) serves alone, each file checked against its blob name;
+    an uncached repo is a 503, not a 404."""
+    from huggingface_hub import constants, hf_hub_download
+    hub_sources(hub, tmp_path, monkeypatch)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        hf_hub_download("acme/support", name, endpoint=hub.endpoint, cache_dir=str(tmp_path / "hf-cache"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     asked = len(hub.requests)
     with Catalog.create(tmp_path / "offline", shards=2) as offline:

@@ -17,6 +17,8 @@ store never takes a thread that other requests' resolves or page-ins need):
    against the served base, checked against the pool's limits and imported as a new promoted
    revision, its record's source the URI;
 
+(each source behind its own bulkhead: threads, a cap, an overall deadline per fetch; any
+failure of a source is a 503 with Retry-After naming it, and the next source is tried);
 then the directory resolves the name again and the request goes on as any request for a cold
 adapter: its revision is paged in while it waits parked. Concurrent misses for one id fetch it
 once (single flight: AdapterSources for the sources, `fault_ins` for the tier). A store that
@@ -47,7 +49,9 @@ from ..types import EngineError, ResolvedModel
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
-FETCH_WORKERS = 4
+# misses being resolved at once: each mostly waits on a source's bulkhead (catalog.sources:
+# its own threads, cap and deadline), so a slow source never holds all of these
+FETCH_WORKERS = 16
 FETCH_MAX_PENDING = 64  # queued + running; more is a 503, not an ever longer queue
 FETCH_DEADLINE_S = 120.0
 
@@ -60,7 +64,8 @@ class Sourcing:
                  deadline_s: float = FETCH_DEADLINE_S) -> None:
         self.cfg, self.manager, self.directory = cfg, manager, directory
         self.deadline_s = deadline_s
-        self.sources = (AdapterSources(cfg.adapter_sources, max_bytes=cfg.max_adapter_mb * MiB)
+        self.sources = (AdapterSources(cfg.adapter_sources, max_bytes=cfg.max_adapter_mb * MiB,
+                                       deadline_s=cfg.source_deadline_s)
                         if cfg.adapter_sources else None)
         self.tier = None
         if cfg.catalog_store:
@@ -95,8 +100,10 @@ class Sourcing:
             fut = asyncio.get_running_loop().run_in_executor(self._pool, self._fetch, model, principal)
             return await asyncio.wait_for(asyncio.shield(fut), self.deadline_s)
         except asyncio.TimeoutError:
-            raise EngineError(f"adapter {model!r} is still being fetched after {self.deadline_s:g} s; "
-                              "retry later", status=503, code="source_unavailable") from None
+            err = EngineError(f"adapter {model!r} is still being fetched after {self.deadline_s:g} s; "
+                              "retry later", status=503, code="source_unavailable")
+            err.retry_after = 5
+            raise err from None
         finally:
             with self._lock:
                 self._pending -= 1
@@ -192,6 +199,8 @@ class Sourcing:
     def close(self) -> None:
         if self.tier is not None:
             self.tier.close()
+        if self.sources is not None:
+            self.sources.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
