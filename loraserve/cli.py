@@ -221,6 +221,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     from .server.request_log import configure_logging
     configure_logging(args.log_level, args.log_format)
+    from .logs import LOG_FORMAT_ENV, ship_stdio_as_json
+    os.environ[LOG_FORMAT_ENV] = args.log_format  # the engine core and shard hosts log alike
+    if args.log_format == "json":  # and every stray line (a child's, a C library's) is wrapped
+        ship_stdio_as_json()
     from .ray_serve.config import from_args as scale_out
     scale = scale_out(args)  # None: one engine; bad --replicas values stop here
     from .server.connections import from_args as connection_bounds, plan_connections

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import lmdb
 
+from ..logs import configure_process_logging
 from .errors import CatalogError, ShardUnavailable
 from .shards import Shard, ShardOptions
 from .store import verified_blobs
@@ -72,7 +73,8 @@ def _dumps(obj) -> bytes:
 def serve(conn: Connection, catalog_dir: str, options: dict) -> None:
     """A host's loop: answer requests until the owner closes the socket (or sends None)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the owner's to handle
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_process_logging("shard-host", logging.WARNING,
+                              "%(asctime)s %(levelname)s %(name)s: %(message)s")
     opts, shards = ShardOptions(**options), {}
     try:
         conn.send(("ready", None))  # up: from here on the owner times each request

@@ -9,8 +9,10 @@ logger:
     {"request_id": "...", "method": "POST", "path": "/v1/chat/completions", "status": 200,
      "tenant": "acme", "model": "acme/support", "adapter": "acme/support@r3", "tier": "cpu",
      "prompt_tokens": 12, "completion_tokens": 40, "ttft_s": 0.031, "total_s": 0.412,
-     "response_id": "chatcmpl-..."}
+     "response_id": "chatcmpl-...", "key_id": "acme-prod"}
 
+`key_id` is the id of the request's key in the keys file (a JWT the Tinker SDK traded a key for
+names that key's id; never the key itself; null without keys or for a refused key);
 `adapter` is the revision the request ran (`adapter@revision`, or the base's name); `tier` is
 where that revision was when the request reached the engine (`AdapterManager.tier_of`, carried
 on the first output): `device` (already in the pool), `cpu` (the CPU cache) or `catalog` (read
@@ -31,9 +33,9 @@ import time
 import uuid
 from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
-from datetime import datetime, timezone
 from typing import Any
 
+from loraserve.logs import JsonFormatter  # noqa: F401  (the server's formatter, every process's)
 from loraserve.textsafe import encodable  # noqa: F401  (re-exported: the server's users import it here)
 
 access_log = logging.getLogger("loraserve.server.access")
@@ -60,6 +62,7 @@ class RequestRecord:
     ttft_s: float | None = None
     total_s: float | None = None
     response_id: str | None = None  # the answer's `id` (cmpl-..., chatcmpl-...), the engine's
+    key_id: str | None = None  # the id of the key the request came with (never the key)
     start: float = field(default_factory=time.perf_counter, repr=False)
 
     def line(self) -> dict[str, Any]:
@@ -150,25 +153,6 @@ class TextFormatter(logging.Formatter):
             head, sep, message = text.partition(": ")
             text = f"{head}{sep}[request {rid}] {message}"
         return text
-
-
-class JsonFormatter(logging.Formatter):
-    """Each record as one JSON object: time, level, logger, message, and a request line's fields
-    at the top level (`extra={"request": {...}}`); an exception's traceback under `exc_info`."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        line: dict[str, Any] = {
-            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(
-                timespec="milliseconds"),
-            "level": record.levelname, "logger": record.name, "message": record.getMessage()}
-        if getattr(record, "request_id", ""):
-            line["request_id"] = record.request_id
-        request = getattr(record, "request", None)
-        if isinstance(request, dict):
-            line.update(request)
-        if record.exc_info:
-            line["exc_info"] = self.formatException(record.exc_info)
-        return encodable(json.dumps(line, ensure_ascii=False, default=str))
 
 
 def configure_logging(level: str, fmt: str = "text") -> None:

@@ -41,6 +41,7 @@ from loraserve.server.errors import APIError
 from loraserve.server.limits import Lease, LimitExceeded, Limiter, TenantCounters
 from loraserve.server.metrics import ServerMetrics
 from loraserve.server.names import not_found
+from loraserve.server.request_log import current_record
 from loraserve.server.tokens import TokenIssuer, looks_like_jwt
 
 # the Tinker SDK's probes: it asks for its config before it has a token (server/tinker.py)
@@ -215,6 +216,8 @@ class AuthMiddleware:
             await error.response()(scope, receive, send)
             return
         scope.setdefault("state", {})["principal"] = principal
+        if (record := current_record()) is not None:  # the request's log line names the key's id
+            record.key_id = principal.key_id
         current = RequestTenancy(self.tenancy, principal)
         token = _CURRENT.set(current)
 

@@ -54,7 +54,7 @@ def test_the_clients_request_id_is_echoed_and_logged(http: httpx.Client,
     assert line["response_id"] == r.json()["id"]
     assert line | {"ttft_s": 0, "total_s": 0, "response_id": ""} == {
         "request_id": "trace-42", "method": "POST", "path": "/v1/completions", "status": 200,
-        "tenant": "acme", "model": "acme/support", "adapter": "acme/support", "tier": None,
+        "tenant": "acme", "key_id": None, "model": "acme/support", "adapter": "acme/support", "tier": None,
         "prompt_tokens": 2, "completion_tokens": 3, "ttft_s": 0, "total_s": 0, "response_id": ""}
     assert 0 < line["ttft_s"] <= line["total_s"]
 

@@ -37,6 +37,7 @@ from concurrent.futures import Future
 from loraserve.catalog.records import RevisionRecord
 
 from ...heap import settle_heap
+from ...logs import configure_process_logging
 from .build import build_engine
 from ..config import EngineConfig
 from .engine_loop import EngineLoop
@@ -59,7 +60,7 @@ def run_core(cfg: EngineConfig, conn: socket.socket, parent_pid: int, heartbeat=
     """Build the engine, serve `conn` until the parent goes away (in the core process, started
     by `core_boot.boot_core`). `heartbeat`: the slots shared with the API server, `beat` the
     thread already beating into them."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s core %(levelname)s %(message)s")
+    configure_process_logging("core", logging.INFO, "%(asctime)s core %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server decides when the core stops
     core = EngineCore(build_engine(cfg), conn, parent_pid, heartbeat, beat=beat)
     settle_heap()  # the engine is built: freeze its heap, collect less often (loraserve.heap)
