@@ -1,28 +1,18 @@
-"""The engine core's wire format: msgpack messages between the API server and the core process.
+"""Value codecs of the engine's wire: requests, output deltas, errors and snapshots as plain msgpack
+values (lists, dicts, ints, strings, bytes), never pickled Python objects.
 
-Requests and per-step output deltas travel as plain msgpack values (lists, dicts, ints,
-strings, bytes), never pickled Python objects. Every message is a list whose first item is its
-kind:
-
-    API server -> core                       core -> API server
-    ["hello"]                                ["ready", info]               (reply to hello)
-    ["add", request, record_json | None]     ["step", [delta, ...], snapshot | None]
-    ["abort", request_id]                    ["ret", call_id, value, error | None]
-    ["call", call_id, name, args]
-    ["batch", [command, ...]]                (the commands above, in order: one send for many)
-
-A "step" message carries one engine step's deltas and, when it is due, the engine snapshot
-(see `core`): one send per step, however many requests the step served. Messages travel back
-to back over a stream socket: a msgpack value delimits itself, so `unpacker()` splits the
-stream into messages with no framing of ours.
+The messages that carry them are `engine.messages` (typed records with a kind, one codec per
+kind); this module encodes their fields. Ray Serve replicas and their ingress use the same
+value codecs for requests (`request_to_wire(..., resolved=True)`), deltas and errors.
 
 A delta is a list (`output_to_wire`): `RequestOutput`'s fields in their declared order (request
 id, token ids, text, logprobs, prompt logprobs, finish reason, ...), read from the dataclass. From
 the core its text is always "" (one byte): the API server's `OutputProcessor` detokenizes the
-token ids and applies stop strings; the same layout carries finished text deltas between Ray
-Serve replicas and their ingress.
+token ids and applies stop strings.
 
-The heartbeat does not travel on the socket: see `heartbeat` (two timestamps in shared memory).
+Messages travel back to back over a stream socket: a msgpack value delimits itself, so
+`unpacker()` splits the stream into frames with no framing of ours. The heartbeat does not
+travel on the socket: see `heartbeat` (two timestamps in shared memory).
 """
 from __future__ import annotations
 
@@ -143,26 +133,26 @@ def output_from_wire(o: list) -> RequestOutput:
 
 def snapshot_to_wire(s: EngineSnapshot) -> dict:
     d = {f.name: getattr(s, f.name) for f in dataclasses.fields(EngineSnapshot)}
-    d["resident"] = [list(k) for k in s.resident]
-    d["pool"] = None if s.pool is None else dataclasses.asdict(s.pool)
-    d["cpu_cache"] = None if s.cpu_cache is None else dataclasses.asdict(s.cpu_cache)
-    d["pager"] = None if s.pager is None else dataclasses.asdict(s.pager)
-    d["page_in_samples"] = [list(x) for x in s.page_in_samples]
-    d["quarantined"] = [list(x) for x in s.quarantined]
-    d["compile"] = [list(x) for x in s.compile]
+    d["resident"] = list(s.resident)
+    for name in _SNAPSHOT_STATS:
+        d[name] = None if d[name] is None else dataclasses.asdict(d[name])
     return d
 
 
+_SNAPSHOT_STATS = ("pool", "cpu_cache", "pager")  # adapters.stats dataclasses, or None
+
+
+def _frozen(value):
+    """msgpack's arrays back as the snapshot's tuples (nested ones too)."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
 def snapshot_from_wire(d: dict, pool_stats, cache_stats, pager_stats) -> EngineSnapshot:
-    """`*_stats`: the dataclasses to rebuild the tier stats with (adapters.stats)."""
-    d = dict(d)
-    d["resident"] = frozenset(tuple(k) for k in d["resident"])
-    d["running_adapters"] = tuple(d["running_adapters"])
-    d["waiting_adapters"] = tuple(d["waiting_adapters"])
-    d["pool"] = None if d["pool"] is None else pool_stats(**d["pool"])
-    d["cpu_cache"] = None if d["cpu_cache"] is None else cache_stats(**d["cpu_cache"])
-    d["pager"] = None if d["pager"] is None else pager_stats(**d["pager"])
-    d["page_in_samples"] = tuple(tuple(x) for x in d["page_in_samples"])
-    d["quarantined"] = tuple(tuple(x) for x in d.get("quarantined", ()))
-    d["compile"] = tuple(tuple(x) for x in d.get("compile", ()))
+    """`*_stats`: the dataclasses to rebuild the tier stats with (adapters.stats). Every array
+    field comes back a tuple (of tuples), as the snapshot holds it: a field added there
+    travels with no change here."""
+    d = {k: v if k in _SNAPSHOT_STATS else _frozen(v) for k, v in d.items()}
+    d["resident"] = frozenset(d["resident"])
+    for name, cls in zip(_SNAPSHOT_STATS, (pool_stats, cache_stats, pager_stats)):
+        d[name] = None if d[name] is None else cls(**d[name])
     return EngineSnapshot(**d)

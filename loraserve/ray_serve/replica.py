@@ -24,6 +24,7 @@ from loraserve.catalog.errors import CatalogError
 
 from ..engine.async_engine import AsyncEngine
 from ..engine.config import EngineConfig
+from ..engine.messages import Residency
 from ..engine.types import EngineError
 from ..engine.wire import error_to_wire, output_to_wire, request_from_wire, snapshot_to_wire
 from .config import INGRESS_DEPLOYMENT, ScaleOutConfig
@@ -83,7 +84,8 @@ class EngineReplica:
         return list(await asyncio.to_thread(self.engine.adapter_manager.warm, ref))
 
     async def residency(self, key: list[str]) -> str:
-        return self.engine.residency(tuple(key))
+        [where] = await self.engine.call(lambda cid: Residency(cid, (tuple(key),)))
+        return where
 
     # -- reports to the ingress -----------------------------------------------------------------
     async def _report_loop(self) -> None:

@@ -1,6 +1,6 @@
 """The engine core's heartbeat and the supervisor's backoff, without a core process.
 
-The core writes two timestamps (`wire`): ALIVE from a beat thread, PROGRESS from its loop at the
+The core writes two timestamps (`heartbeat`): ALIVE from a beat thread, PROGRESS from its loop at the
 start of each turn (LOOP_WAITING while it waits for work). What they measure: a loop stuck in
 one step stops PROGRESS while ALIVE goes on (stalled once that passes the engine timeout, but
 still beating: /ready stays up until then), a long step that ends before the timeout never looks
@@ -15,12 +15,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from loraserve.engine.core.process import EngineCore
+from loraserve.engine.core.process import EngineCoreProc
 from loraserve.engine.client.core_client import Backoff
 from loraserve.engine.heartbeat import LOOP_WAITING, PROGRESS, Heartbeat
 from loraserve.engine.snapshot import EngineSnapshot
 from loraserve.engine.types import GenerateRequest, RequestOutput, SamplingParams
-from loraserve.engine.wire import pack, request_to_wire, unpacker
+from loraserve.engine.messages import Add, Hello, Step, decode, encode
+from loraserve.engine.wire import unpacker
 
 BEAT_S = 0.05
 WAIT_S = 30
@@ -72,10 +73,10 @@ def beating():
     engine = SlowEngine()
     mine, theirs = socket.socketpair()
     slots = [0.0, 0.0]
-    core = EngineCore(engine, theirs, heartbeat=slots, heartbeat_s=BEAT_S)
+    core = EngineCoreProc(engine, theirs, heartbeat=slots, heartbeat_s=BEAT_S)
     thread = threading.Thread(target=core.serve, daemon=True)
     thread.start()
-    mine.sendall(pack(["hello"]))
+    mine.sendall(encode(Hello()))
     try:
         yield engine, mine, slots
     finally:
@@ -87,15 +88,16 @@ def beating():
 
 def _add(sock: socket.socket, rid: str) -> None:
     req = GenerateRequest(rid, [1, 2, 3], SamplingParams(max_tokens=1))
-    sock.sendall(pack(["add", request_to_wire(req), None]))
+    sock.sendall(encode(Add(req, None)))
 
 
 def _answered(sock: socket.socket, rid: str) -> None:
     messages = unpacker()
     sock.settimeout(WAIT_S)
     while True:
-        for msg in messages:
-            if msg[0] == "step" and any(o[0] == rid for o in msg[1]):
+        for frame in messages:
+            msg = decode(frame)
+            if isinstance(msg, Step) and any(o.request_id == rid for o in msg.outputs):
                 return
         messages.feed(sock.recv(1 << 16))
 

@@ -1,9 +1,9 @@
 """How few messages cross between the API server and the engine core, and that nothing is lost.
 
-The core sends one ["step", deltas, snapshot | None] message per step, however many requests the
+The core sends one Step(deltas, snapshot | None) message per step, however many requests the
 step served; while it steps without a pause the snapshot goes at most every
 SNAPSHOT_EVERY_S, and at once when it idles or a call returns. The API server sends the
-commands one turn of its event loop queued as one ["batch", ...] message, in order.
+commands one turn of its event loop queued as one Batch message, in order.
 """
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ import pytest
 from loraserve.demo import build_demo
 from loraserve.engine.core import process as core_module
 from loraserve.engine.config import EngineConfig
-from loraserve.engine.core.process import EngineCore
+from loraserve.engine.core.process import EngineCoreProc
 from loraserve.engine.client.core_client import CoreClient
 from loraserve.engine.snapshot import EngineSnapshot
 from loraserve.engine.types import GenerateRequest, RequestOutput, SamplingParams
-from loraserve.engine.wire import pack, request_to_wire, unpacker
+from loraserve.engine.messages import Abort, Add, Batch, Hello, Message, Ready, Step, decode, encode
+from loraserve.engine.wire import unpacker
 
 WAIT_S = 30
 
@@ -73,15 +74,15 @@ class Peer:
         self.sock = sock
         self.messages = unpacker()
 
-    def send(self, msg: list) -> None:
-        self.sock.sendall(pack(msg))
+    def send(self, msg: Message) -> None:
+        self.sock.sendall(encode(msg))
 
-    def receive(self, until, timeout_s: float = WAIT_S) -> list[list]:
+    def receive(self, until, timeout_s: float = WAIT_S) -> list[Message]:
         """Messages from the core until `until(messages)` holds."""
-        got: list[list] = []
+        got: list[Message] = []
         deadline = time.monotonic() + timeout_s
         while True:
-            got += list(self.messages)
+            got += [decode(f) for f in self.messages]
             if until(got):
                 return got
             self.sock.settimeout(max(0.001, deadline - time.monotonic()))
@@ -95,12 +96,13 @@ def served():
     """A core over a StubEngine serving on its own thread; (engine, peer, core)."""
     engine = StubEngine()
     mine, theirs = socket.socketpair()
-    core = EngineCore(engine, theirs)
+    core = EngineCoreProc(engine, theirs)
     thread = threading.Thread(target=core.serve, daemon=True)
     thread.start()
     peer = Peer(mine)
-    peer.send(["hello"])
-    assert peer.receive(lambda msgs: msgs)[0][0] == "ready"
+    peer.send(Hello())
+    assert any(isinstance(m, Ready) for m in peer.receive(
+        lambda msgs: any(isinstance(m, Ready) for m in msgs)))
     try:
         yield engine, peer, core
     finally:
@@ -109,20 +111,23 @@ def served():
         core.close()
 
 
-def _request(rid: str) -> list:
-    req = GenerateRequest(rid, [1, 2, 3], SamplingParams(max_tokens=1))
-    return ["add", request_to_wire(req), None]
+def _request(rid: str) -> Add:
+    return Add(GenerateRequest(rid, [1, 2, 3], SamplingParams(max_tokens=1)), None)
+
+
+def _with_outputs(msgs: list[Message]) -> list[Step]:
+    return [m for m in msgs if isinstance(m, Step) and m.outputs]
 
 
 def test_a_batch_of_commands_is_answered_in_one_step_message(served) -> None:
     engine, peer, _ = served
-    peer.send(["batch", [_request("a"), _request("b"), _request("gone"), ["abort", "gone"],
-                         _request("c")]])
-    got = peer.receive(lambda msgs: any(m[1] for m in msgs))
-    with_outputs = [m for m in got if m[1]]
-    assert len(with_outputs) == 1 and with_outputs[0][0] == "step"
-    assert [o[0] for o in with_outputs[0][1]] == ["a", "b", "c"]  # in order; the aborted one not
-    assert all(o[5] == "length" for o in with_outputs[0][1])
+    peer.send(Batch((_request("a"), _request("b"), _request("gone"), Abort("gone"),
+                     _request("c"))))
+    got = peer.receive(_with_outputs)
+    with_outputs = _with_outputs(got)
+    assert len(with_outputs) == 1
+    assert [o.request_id for o in with_outputs[0].outputs] == ["a", "b", "c"]  # in order; not the aborted one
+    assert all(o.finish_reason == "length" for o in with_outputs[0].outputs)
 
 
 def test_the_snapshot_is_rate_limited_while_busy_and_sent_when_idle(served, monkeypatch) -> None:
@@ -130,16 +135,17 @@ def test_the_snapshot_is_rate_limited_while_busy_and_sent_when_idle(served, monk
     monkeypatch.setattr(core_module, "SNAPSHOT_EVERY_S", 0.05)
     engine.busy_steps = 10**9  # step busily from the next command on ...
     peer.send(_request("start"))
-    peer.receive(lambda msgs: any(m[1] for m in msgs))
+    peer.receive(_with_outputs)
     time.sleep(0.5)
     steps_busy = engine.steps
     engine.busy_steps = 0  # ... then idle
-    got = peer.receive(lambda msgs: any(m[2] is not None and m[2]["running"] == 0 for m in msgs))
-    snaps = [m[2] for m in got if m[2] is not None]
+    got = peer.receive(lambda msgs: any(isinstance(m, Step) and m.snapshot is not None
+                                        and m.snapshot.running == 0 for m in msgs))
+    snaps = [m.snapshot for m in got if isinstance(m, Step) and m.snapshot is not None]
     assert steps_busy > 10 * len(snaps)  # far fewer snapshots than steps (~0.5 s / 0.05 s of them)
     assert len(snaps) <= 0.5 / 0.05 + 3
     last = snaps[-1]
-    assert last["running"] == 0 and last["preemptions"] >= steps_busy  # the idle state, at once
+    assert last.running == 0 and last.preemptions >= steps_busy  # the idle state, at once
 
 
 @pytest.fixture(scope="module")
@@ -149,13 +155,13 @@ def cfg(tmp_path_factory) -> EngineConfig:
                         max_model_len=128, max_batch_size=8, torch_threads=1)
 
 
-async def _concurrent_then_unload(cfg) -> tuple[list[list], list, EngineSnapshot, EngineSnapshot]:
+async def _concurrent_then_unload(cfg) -> tuple[list[Message], list, EngineSnapshot, EngineSnapshot]:
     client = CoreClient(cfg)
     try:
         await client.start()
-        sent: list[list] = []
-        send = client._send
-        client._send = lambda msg: (sent.append(msg), send(msg))[1]
+        sent: list[Message] = []
+        write = client._write
+        client._write = lambda msg: (sent.append(msg), write(msg))[1]
 
         async def one(i: int) -> list[int]:
             req = GenerateRequest(f"r{i}", [1 + i, 2, 3], SamplingParams(max_tokens=3, temperature=0.0,
@@ -177,11 +183,11 @@ async def _concurrent_then_unload(cfg) -> tuple[list[list], list, EngineSnapshot
 
 def test_client_batches_one_loop_turn_and_a_call_returns_after_its_snapshot(cfg) -> None:
     sent, tokens, before, after = asyncio.run(_concurrent_then_unload(cfg))
-    adds = [m for m in sent if m[0] == "add"] + [c for m in sent if m[0] == "batch"
-                                                 for c in m[1] if c[0] == "add"]
+    adds = [m for m in sent if isinstance(m, Add)] + [c for m in sent if isinstance(m, Batch)
+                                                      for c in m.messages if isinstance(c, Add)]
     assert len(adds) == 6 and all(len(t) == 3 for t in tokens)
     first = sent[0]  # the five requests of one gather, started in one turn of the loop
-    assert first[0] == "batch" and [c[0] for c in first[1]] == ["add"] * 5
+    assert isinstance(first, Batch) and [type(c) for c in first.messages] == [Add] * 5
     assert any(aid == "demo/pirate" for aid, _ in before.resident)
     assert not any(aid == "demo/pirate" for aid, _ in after.resident)
 
@@ -189,9 +195,9 @@ def test_client_batches_one_loop_turn_and_a_call_returns_after_its_snapshot(cfg)
 def test_the_core_stops_when_the_api_server_closes_its_end(served) -> None:
     engine, peer, core = served
     peer.send(_request("x"))
-    peer.receive(lambda msgs: any(m[1] for m in msgs))
+    peer.receive(_with_outputs)
     peer.sock.shutdown(socket.SHUT_WR)
     deadline = time.monotonic() + WAIT_S
-    while core._running and time.monotonic() < deadline:
+    while core._open and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not core._running
+    assert not core._open

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import threading
 from collections.abc import Iterator
 
@@ -19,10 +18,10 @@ import pytest
 from loraserve.engine.async_engine import AsyncEngine
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.core.llm_engine import LLMEngine
-from loraserve.engine.core.process import EngineCore
+from loraserve.engine.core.engine_core import EngineCore
 from loraserve.engine.core.structured import GrammarEngine
 from loraserve.engine.types import EngineError, GenerateRequest, GrammarSpec, SamplingParams
-from loraserve.engine.wire import request_to_wire
+from loraserve.engine.messages import Abort, Add
 
 DIGITS = GrammarSpec("regex", "[0-9]{3}", "guided_regex")
 
@@ -117,16 +116,14 @@ def test_async_engine_fails_alone_a_grammar_that_does_not_compile(demo_dense) ->
 
 @pytest.fixture()
 def core(demo_dense) -> Iterator[EngineCore]:
-    mine, theirs = socket.socketpair()
-    core = EngineCore(_engine(demo_dense), theirs)
+    core = EngineCore(_engine(demo_dense))
     yield core
     core.close()
-    mine.close()
 
 
 def _add(core: EngineCore, request_id: str, params: SamplingParams) -> list:
     req = GenerateRequest(request_id, [1, 2, 3], params)
-    return core._handle(["add", request_to_wire(req), None])
+    return core.handle(Add(req, None))
 
 
 def test_engine_core_admits_a_request_once_its_grammar_is_compiled(core: EngineCore) -> None:
@@ -135,21 +132,21 @@ def test_engine_core_admits_a_request_once_its_grammar_is_compiled(core: EngineC
     _add(core, "f", SamplingParams(max_tokens=4, ignore_eos=True))
     core.loop.step()  # steps the free request; the constrained one is not in the engine yet
     assert "f" in core.engine.seqs and "c" not in core.engine.seqs
-    assert core._admit_compiled() == []  # still compiling
+    assert core.admit_compiled() == []  # still compiling
     gate.set()
     core.engine.grammars.prepare(DIGITS).result(timeout=60)
-    core._admit_compiled()
-    assert "c" in core.engine.seqs and not core._compiling
+    core.admit_compiled()
+    assert "c" in core.engine.seqs and not core.compiling
 
 
 def test_engine_core_abort_or_timeout_while_compiling(core: EngineCore) -> None:
     gate = _gate(core.engine.grammars)
     _add(core, "gone", SamplingParams(max_tokens=4, structured=DIGITS))
-    core._handle(["abort", "gone"])
-    assert not core._compiling  # aborted before it reached the engine
+    core.handle(Abort("gone"))
+    assert not core.compiling  # aborted before it reached the engine
     core.engine.grammars.compile_timeout_s = 0.0
     _add(core, "late", SamplingParams(max_tokens=4, structured=DIGITS))
-    [failed] = core._admit_compiled()
+    [failed] = core.admit_compiled()
     assert failed.finish_reason == "error" and failed.error.param == "guided_regex"
     gate.set()
 
@@ -160,23 +157,24 @@ def test_async_engine_drops_a_request_aborted_while_its_grammar_compiles(demo_de
     req = GenerateRequest("gone", eng.tokenizer.encode("x"),
                           SamplingParams(max_tokens=4, structured=DIGITS))
 
+    added, add = [], eng.engine.add_sequence  # what reaches the engine
+    eng.engine.add_sequence = lambda seq: (added.append(seq.request_id), add(seq))[1]
+
     async def main() -> None:
         try:
             task = asyncio.create_task(_collect(eng, req))
-            while not await eng.call(lambda _: "gone" in eng._compiling):
+            while "gone" not in eng.core.compiling:
                 await asyncio.sleep(0.01)  # the engine thread has it as compiling
             task.cancel()  # the client leaves: the request is aborted
             with pytest.raises(asyncio.CancelledError):
                 await task
-            while await eng.call(lambda _: "gone" in eng._compiling):
+            while "gone" in eng.core.compiling:
                 await asyncio.sleep(0.01)  # the abort reached the engine thread
-            queued = threading.Event()  # set after the engine's own callback queued "compiled"
-            eng.engine.grammars.prepare(DIGITS).add_done_callback(lambda _: queued.set())
             gate.set()
-            assert await asyncio.to_thread(queued.wait, 60)
-            # this call runs after "compiled" (one queue, in order): nothing was added
-            assert "gone" not in await eng.call(lambda e: set(e.seqs))
+            assert await asyncio.to_thread(eng.engine.grammars.prepare(DIGITS).result, 60)
+            # the same grammar, compiled now: the next request runs, and the aborted one never did
             assert await _collect(eng, GenerateRequest("next", req.prompt_token_ids, req.params))
+            assert added == ["next"] and not eng.core.compiling
         finally:
             await eng.shutdown()
 

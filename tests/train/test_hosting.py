@@ -51,10 +51,13 @@ def test_in_process_slices_interleave_with_decoding(demo_dense):
     it runs a decode step between two training slices (one tenant: its serving and its
     training alternate step for slice)."""
     eng = AsyncEngine.from_config(_cfg(demo_dense, train_max_tokens=12))
-    eng._loop_state.trace = events = []  # appended on the engine thread only
+    eng.core.loop.trace = events = []  # appended on the engine thread only
 
     async def main():
         await eng.start()
+        # a first create waits for the optimizer's import (seconds on a busy machine), which the
+        # generation must not outlive: done before it starts
+        await eng.trainer.create("warm", RUN)
         req = GenerateRequest("g", eng.tokenizer.encode("Hi"), SamplingParams(
             max_tokens=100, temperature=0.0, ignore_eos=True), stream=True, tenant="default")
         gen = eng.generate(req)

@@ -24,13 +24,14 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.core.engine_loop import EngineLoop
 from loraserve.engine.core.llm_engine import LLMEngine
-from loraserve.engine.core.process import EngineCore
+from loraserve.engine.core.process import EngineCoreProc
 from loraserve.engine.core.scheduler import Scheduler
 from loraserve.engine.core.block_manager import BlockManager
 from loraserve.engine.core.sequence import Sequence
 from loraserve.engine.core.training import trainer_of
 from loraserve.engine.types import GenerateRequest, SamplingParams
-from loraserve.engine.wire import pack, request_to_wire, unpacker
+from loraserve.engine.messages import Add, Batch, Return, Step, Stop, Train, decode, encode
+from loraserve.engine.wire import unpacker
 
 RUN = {"rank": 2, "seed": 0, "train_attn": True, "train_mlp": True, "train_unembed": True}
 SERVING = ("decode", "prefill")
@@ -165,39 +166,41 @@ def test_training_is_charged_and_takes_its_turn(engine, loop):
 
 
 def test_the_core_process_drains_every_message_yet_runs_one_slice_per_turn(demo_dense):
-    """EngineCore takes every message that arrived before its turn (a batch: eight runs' passes
+    """EngineCoreProc takes every message that arrived before its turn (a batch: eight runs' passes
     and a request, as eight SDK clients and a chat send them): the turns it runs still hold one
     serving step and at most one slice each, and every pass is answered."""
     engine = LLMEngine(EngineConfig(model_dir=str(demo_dense), device="cpu", dtype="float32", max_model_len=128,
                                     torch_threads=1, max_batch_size=8, max_batched_tokens=64))
     ours, theirs = socket.socketpair()
-    core = EngineCore(engine, ours)
+    core = EngineCoreProc(engine, ours)
     core.loop.trace = trace = []
     thread = threading.Thread(target=core.serve, daemon=True)
     thread.start()
     try:
-        theirs.sendall(pack(["batch", [["call", i, "train", ["create", [f"r{i}", RUN, None]]] for i in range(8)]]))
+        theirs.sendall(encode(Batch(tuple(Train(i, "create", (f"r{i}", RUN, None)) for i in range(8)))))
         returns, finished, messages = {}, False, unpacker()
         theirs.settimeout(60)
         deadline = time.monotonic() + 120
         while len(returns) < 8 and time.monotonic() < deadline:  # the runs exist
             messages.feed(theirs.recv(1 << 16))
-            returns.update((msg[1], msg[2]) for msg in messages if msg[0] == "ret")
-        calls = [["call", 100 + i, "train", ["run", [f"r{i}", f"p{i}", [_datum(30, i)], "cross_entropy", None,
-                                                     True, "lab", 1.0, 10]]] for i in range(8)]
-        calls.append(["add", request_to_wire(_request("chat", "lab", tokens=12)), None])
-        theirs.sendall(pack(["batch", calls]))
+            returns.update((msg.call_id, msg.value) for msg in map(decode, messages)
+                           if isinstance(msg, Return))
+        calls = [Train(100 + i, "run", (f"r{i}", f"p{i}", [_datum(30, i)], "cross_entropy", None,
+                                        True, "lab", 1.0, 10)) for i in range(8)]
+        calls.append(Add(_request("chat", "lab", tokens=12), None))
+        theirs.sendall(encode(Batch(tuple(calls))))
         while not (finished and len(returns) == 16) and time.monotonic() < deadline:
             messages.feed(theirs.recv(1 << 16))
-            for msg in messages:
-                if msg[0] == "ret":
-                    assert msg[3] is None, msg
-                    returns[msg[1]] = msg[2]
-                elif msg[0] == "step":  # a delta's wire form: RequestOutput's fields in order
-                    finished |= any(out[0] == "chat" and out[5] is not None for out in msg[1])
+            for msg in map(decode, messages):
+                if isinstance(msg, Return):
+                    assert msg.error is None, msg
+                    returns[msg.call_id] = msg.value
+                elif isinstance(msg, Step):
+                    finished |= any(out.request_id == "chat" and out.finish_reason is not None
+                                    for out in msg.outputs)
         assert len(returns) == 16 and all(returns[100 + i]["metrics"]["loss:sum"] > 0 for i in range(8))
     finally:
-        theirs.sendall(pack(["stop"]))
+        theirs.sendall(encode(Stop()))
         thread.join(30)
         core.close()
         theirs.close()

@@ -8,7 +8,7 @@ sends token-id deltas; their text and stop strings are worked out here (`EngineF
 `OutputProcessor`), and a request a stop string ends is aborted in the core.
 
 The core gets one end of a Unix socket pair; this end is an asyncio transport on the server's
-event loop (no I/O thread in between: see `core`), and the commands one turn of the loop queues
+event loop, carrying `engine.messages` records (msgpack-encoded: `encode`, `decode`) (no I/O thread in between: see `core`), and the commands one turn of the loop queues
 (requests, aborts, calls) leave as one message at the end of that turn, so under load one write
 carries many requests.
 
@@ -28,7 +28,6 @@ whether requests arrive or not. While no core is up, requests get a 503 at once.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
 import multiprocessing
@@ -38,7 +37,6 @@ import time
 from dataclasses import dataclass, field
 
 from ...adapters.pool import PoolLimits
-from ...adapters.stats import CacheStats, PagerStats, PoolStats
 from ...model.config import ModelConfig
 from ...tokenizer import Tokenizer
 from .catalog_view import CatalogView
@@ -50,9 +48,10 @@ from .frontend import EngineFrontend
 from ..heartbeat import HEARTBEAT_S, Heartbeat, heartbeat_slots
 from ..snapshot import EngineSnapshot
 from ..training import Trainer
+from ..messages import (Batch, CoreInfo, Hello, Malformed, Message, Ready, Return, Step, Stop,
+                        Train, Warm, decode_batch, encode)
 from ..types import EngineError, GenerateRequest
-from ..wire import (error_from_wire, output_from_wire, pack, request_to_wire, snapshot_from_wire,
-                   unpacker)
+from ..wire import unpacker
 
 log = logging.getLogger(__name__)
 
@@ -62,16 +61,18 @@ CAUSES = ("exited", "stalled", "start_failed")  # why a core was replaced (the r
 
 
 class _CoreConnection(asyncio.Protocol):
-    """This process's end of the socket pair: every complete message to `on_message`."""
+    """This process's end of the socket pair: every complete message to `on_message` (a frame
+    that does not decode as a `Malformed`)."""
 
     def __init__(self, on_message):
         self.on_message = on_message
-        self._messages = unpacker()
+        self._frames = unpacker()
 
     def data_received(self, data: bytes) -> None:
-        self._messages.feed(data)
-        for msg in self._messages:
-            self.on_message(msg)
+        self._frames.feed(data)
+        for frame in self._frames:
+            for msg in decode_batch(frame):
+                self.on_message(msg)
 
 
 @dataclass
@@ -136,7 +137,7 @@ class CoreClient(EngineFrontend):
         self.vocab_size = mc.vocab_size
         self.adapter_manager = CatalogView(
             cfg.catalog_dir, self.model_name,
-            lambda rec: self.call_from_thread("warm", [rec.to_json()])) if cfg.catalog_dir else None
+            lambda rec: self.call_from_thread(lambda cid: Warm(cid, rec))) if cfg.catalog_dir else None
         self.directory = (self.adapter_manager.directory if self.adapter_manager is not None
                           else AdapterDirectory(self.model_name))
         self.sourcing = Sourcing.open(cfg, self.adapter_manager, self.directory)
@@ -147,23 +148,21 @@ class CoreClient(EngineFrontend):
         self.backoff = backoff or Backoff()
         # training runs live in the core, beside the model: a restarted core has none, and the
         # Tinker routes put each back from the state they kept after its last step
-        self.trainer = Trainer(lambda op, args: self.call("train", [op, args]), cfg.train_max_tokens)
+        self.trainer = Trainer(lambda op, args: self.call(lambda cid: Train(cid, op, tuple(args))),
+                               cfg.train_max_tokens)
         self.restarts = 0
         self.restart_causes = dict.fromkeys(CAUSES, 0)
         self.state = "stopped"  # starting | up | down (a backoff before the next start) | stopped
         self._state_since = time.monotonic()
         self._snapshot = EngineSnapshot()
-        self._call_ids = itertools.count()
-        self._calls: dict[int, asyncio.Future] = {}
         # the current core
         self._proc: multiprocessing.Process | None = None
         self._transport: asyncio.Transport | None = None  # None: no core to write to
-        self._outbox: list[list] = []          # commands queued this loop turn (see _command)
+        self._outbox: list[Message] = []       # commands queued this loop turn (see _send)
         self._hello: asyncio.Future | None = None  # the core's handshake answer
         self._beat: Heartbeat | None = None
         self._lost: asyncio.Future | None = None   # set when the core's process ends
         # the supervisor
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._supervisor: asyncio.Task | None = None
         self._first_up: asyncio.Future | None = None  # the first core answered (or failed)
         self._stopping: asyncio.Future | None = None  # shutdown asked
@@ -211,17 +210,6 @@ class CoreClient(EngineFrontend):
                                 self._next_start_at - now + self._start_s)
         return _unavailable("the engine core is starting; retry later",
                             self._start_s - (now - self._state_since))
-
-    def residency(self, key: tuple[str, str]) -> str:
-        return self.call_from_thread("residency", [[list(key)]])[0]
-
-    def describe_adapter(self, adapter_id: str) -> dict:
-        """Blocking (a worker thread): catalog reads here, residency from the core."""
-        return self.adapter_manager.describe(adapter_id, self.residency)
-
-    async def unload_adapter(self, adapter_id: str) -> int:
-        await asyncio.to_thread(self.adapter_manager.catalog.policy, adapter_id)  # 404 first
-        return await self.call("unload_adapter", [adapter_id])
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -380,13 +368,13 @@ class CoreClient(EngineFrontend):
         self._lost = self._loop.create_future()
         self._loop.add_reader(proc.sentinel, self._core_died, proc)
         self._hello = self._loop.create_future()
-        self._send(["hello"])
+        self._write(Hello())
         return proc
 
-    def _handshake(self, info: dict) -> None:
+    def _handshake(self, info: CoreInfo) -> None:
         if self.adapter_manager is not None:
-            self.adapter_manager.learn(info["base_fingerprint"],
-                                       PoolLimits(info["max_rank"], tuple(info["kinds"])))
+            self.adapter_manager.learn(info.base_fingerprint,
+                                       PoolLimits(info.max_rank, info.kinds))
 
     def _core_died(self, proc) -> None:
         """Event loop: the core process ended (its sentinel)."""
@@ -406,10 +394,7 @@ class CoreClient(EngineFrontend):
             err = _unavailable(f"the engine core {what} while serving this request; retry it",
                                self.backoff.delay + self._start_s)
         self._fail_in_flight(err)
-        calls, self._calls = self._calls, {}
-        for fut in calls.values():
-            if not fut.done():
-                fut.set_exception(err)
+        self._fail_calls(err)
         if proc is None:
             self._close_transport()
             return
@@ -434,7 +419,7 @@ class CoreClient(EngineFrontend):
         """Ask the core to stop and wait for it to end, at most `within_s`, and only as long as
         it beats (a stopped core is not waited for: the caller kills it)."""
         self._flush()
-        self._send(["stop"])
+        self._write(Stop())
         deadline = time.monotonic() + within_s
         while not self._lost.done() and time.monotonic() < deadline:
             if not self._beat.beating(time.monotonic()):
@@ -452,61 +437,46 @@ class CoreClient(EngineFrontend):
 
 
     # -- messages -------------------------------------------------------------------------------
-    def _dispatch(self, msg: list) -> None:
+    def _dispatch(self, msg: Message | Malformed) -> None:
         """Event loop: one message from the core."""
-        kind = msg[0]
-        if kind == "step":  # one engine step: this server's deltas, and the snapshot if sent
-            if msg[2] is not None:
-                self._snapshot = snapshot_from_wire(msg[2], PoolStats, CacheStats, PagerStats)
-            if msg[1]:
-                self._deliver([output_from_wire(o) for o in msg[1]])
-        elif kind == "ret":
-            fut = self._calls.pop(msg[1], None)
-            if fut is not None and not fut.done():
-                if msg[3] is None:
-                    fut.set_result(msg[2])
-                else:
-                    fut.set_exception(error_from_wire(msg[3]))
-        elif kind == "ready":
+        if isinstance(msg, Step):  # one engine step: this server's deltas, and the snapshot if sent
+            if msg.snapshot is not None:
+                self._snapshot = msg.snapshot
+            if msg.outputs:
+                self._deliver(list(msg.outputs))
+        elif isinstance(msg, Return):
+            self._returned(msg)
+        elif isinstance(msg, Ready):
             if self._hello is not None and not self._hello.done():
-                self._hello.set_result(msg[1])
+                self._hello.set_result(msg.info)
+        elif isinstance(msg, Malformed):  # what it names fails; the rest goes on
+            log.error("%s", msg.error)
+            if msg.error.call_id is not None:
+                self._returned(Return(msg.error.call_id, None, msg.error))
 
-    def _command(self, msg: list) -> None:
-        """Event loop: queue a command for the core. What one turn of the loop queues leaves as
-        one message (in order) when the turn ends: under load, many requests per send."""
+    def _send(self, msg: Message) -> None:
+        """Event loop: queue a message for the core. What one turn of the loop queues leaves as
+        one Batch (in order) when the turn ends: under load, many requests per send."""
         if not self._outbox:
             self._loop.call_soon(self._flush)
         self._outbox.append(msg)
 
     def _flush(self) -> None:
-        """Event loop: send the queued commands as one ["batch", commands] message."""
+        """Event loop: send the queued commands as one message."""
         if not self._outbox or self._transport is None:
             return
         commands, self._outbox = self._outbox, []
-        self._send(commands[0] if len(commands) == 1 else ["batch", commands])
+        self._write(commands[0] if len(commands) == 1 else Batch(tuple(commands)))
 
-    def _send(self, msg: list) -> None:
-        self._transport.write(pack(msg))  # buffered by the transport if the socket is full
-
-    async def call(self, name: str, args: list):
-        """Run a named engine call in the core between steps; its result or error."""
-        await self.start()
-        call_id = next(self._call_ids)
-        fut = self._loop.create_future()
-        self._calls[call_id] = fut
-        self._command(["call", call_id, name, args])
-        return await fut
-
-    def call_from_thread(self, name: str, args: list, timeout: float = 120.0):
-        """`call` from a worker thread (blocking)."""
-        return asyncio.run_coroutine_threadsafe(self.call(name, args), self._loop).result(timeout)
+    def _write(self, msg: Message) -> None:
+        self._transport.write(encode(msg))  # buffered by the transport if the socket is full
 
     # -- EngineFrontend -------------------------------------------------------------------------
     def _submit(self, req: GenerateRequest, record) -> None:
         if self.state != "up" or self._transport is None:  # lost while the adapter was resolved
             raise self.unavailable()
-        self._command(["add", request_to_wire(req), None if record is None else record.to_json()])
+        super()._submit(req, record)
 
     def _abort(self, request_id: str) -> None:
         if self._transport is not None:
-            self._command(["abort", request_id])
+            super()._abort(request_id)

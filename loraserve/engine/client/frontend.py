@@ -1,23 +1,29 @@
 """The request side of an engine, shared by the in-process and the out-of-process hosting.
 
-`EngineFrontend` lives on the API server's event loop. It validates a request, admits it against
-the queue bound (per-tenant share), takes the revision its model was resolved to at the edge
-(`GenerateRequest.resolved`, from `resolve`: the `AdapterDirectory`), submits it to wherever the engine runs,
-turns the engine's token-id deltas into text deltas (`OutputProcessor`: detokenization, stop
-strings, merging a non-streamed request's deltas) and hands each to the request's
-asyncio.Queue. Subclasses say how a request reaches the engine (`_submit`, `_abort`):
-`AsyncEngine` over a thread, `CoreClient` over a Unix socket to an engine-core process; the output
-path is this class's, so both give the same outputs.
+`EngineFrontend` is the API side's one engine client; it lives on the API server's event loop.
+It validates a request, admits it against the queue bound (per-tenant share), takes the
+revision its model was resolved to at the edge (`GenerateRequest.resolved`, from `resolve`: the
+`AdapterDirectory`), sends it to the engine core as an `Add` (`engine.messages`), turns the
+core's token-id deltas into text deltas (`OutputProcessor`: detokenization, stop strings,
+merging a non-streamed request's deltas) and hands each to the request's asyncio.Queue. Calls
+(unload, residency, warm, train) are records with a call id, answered by one `Return` each
+(`call`). A subclass is only the transport: how a message reaches the core (`_send`) and how
+the core's messages come back (to `_deliver` and `_returned`): `AsyncEngine` over a thread,
+`CoreClient` over a Unix socket to an engine-core process. Everything else is this class's, so
+every hosting gives the same outputs and answers.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 
 from ..config import EngineConfig
 from ..directory import EVERYONE, AdapterDirectory, Viewer
+from ..messages import Abort, Add, Call, Message, Residency, Return, Unload
 from .output_processor import OutputProcessor
 from .sourcing import resolve as resolve_model
 from ..snapshot import EngineSnapshot
@@ -43,6 +49,9 @@ class EngineFrontend(ABC):
         self._in_flight = 0
         self._tenant_in_flight: dict[str, int] = {}
         self._warm = WarmRefs()  # whether a ref is resolved inline or on a thread
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
+        self._call_ids = itertools.count()
+        self._calls: dict[int, asyncio.Future] = {}  # call id -> its answer
 
     # -- hosting (subclasses) --------------------------------------------------------------------
     @abstractmethod
@@ -54,14 +63,65 @@ class EngineFrontend(ABC):
         """Stop hosting the engine."""
 
     @abstractmethod
-    def _submit(self, req: GenerateRequest, record) -> None:
-        """Hand req (on revision `record`, None = base) to the engine; its token-id deltas come
-        to _deliver."""
+    def _send(self, msg: Message) -> None:
+        """Event loop: hand msg to the core (the transport). The core's deltas come back to
+        `_deliver`, its returns to `_returned`."""
 
-    @abstractmethod
+    def _submit(self, req: GenerateRequest, record) -> None:
+        """Hand req (on revision `record`, None = base) to the engine."""
+        self._send(Add(req, record))
+
     def _abort(self, request_id: str) -> None:
         """Tell the engine to end request_id: nobody waits for it any more, or a stop string
         ended it here."""
+        self._send(Abort(request_id))
+
+    # -- calls ----------------------------------------------------------------------------------
+    async def call(self, make: Callable[[int], Call]) -> Any:
+        """Event loop: the call `make(call_id)` run by the core between steps; its value, or
+        its error raised."""
+        await self.start()
+        call_id = next(self._call_ids)
+        fut = self._loop.create_future()
+        self._calls[call_id] = fut
+        self._send(make(call_id))
+        return await fut
+
+    def call_from_thread(self, make: Callable[[int], Call], timeout: float = 120.0) -> Any:
+        """`call` from a worker thread (blocking)."""
+        return asyncio.run_coroutine_threadsafe(self.call(make), self._loop).result(timeout)
+
+    def _returned(self, ret: Return) -> None:
+        """Event loop: the core's answer to a call."""
+        fut = self._calls.pop(ret.call_id, None)
+        if fut is not None and not fut.done():
+            if ret.error is None:
+                fut.set_result(ret.value)
+            else:
+                fut.set_exception(ret.error)
+
+    def _fail_calls(self, err: Exception) -> None:
+        """Event loop: fail every call waiting for the core (it is gone)."""
+        calls, self._calls = self._calls, {}
+        for fut in calls.values():
+            if not fut.done():
+                fut.set_exception(err)
+
+    def residency(self, key: tuple[str, str]) -> str:
+        """Blocking (a worker thread): where revision `key` is, the core's answer (gpu, cpu,
+        disk or quarantined)."""
+        return self.call_from_thread(lambda cid: Residency(cid, (tuple(key),)))[0]
+
+    def describe_adapter(self, adapter_id: str) -> dict:
+        """Blocking (a worker thread): policy record, revisions (catalog reads here) and each
+        revision's residency (from the core)."""
+        return self.adapter_manager.describe(adapter_id, self.residency)
+
+    async def unload_adapter(self, adapter_id: str) -> int:
+        """Evict adapter_id's idle revisions from the device pool and the CPU tier (catalog
+        errors, e.g. 404 for an unknown id, are raised before anything changes)."""
+        await asyncio.to_thread(self.adapter_manager.catalog.policy, adapter_id)
+        return await self.call(lambda cid: Unload(cid, adapter_id))
 
     @property
     @abstractmethod
