@@ -136,6 +136,47 @@ def test_report_files_every_series_and_no_remote_reference(fake_url, tmp_path):
     assert text.count("<svg") == 7 and "<script" not in text.lower()
     assert not REMOTE.search(text), REMOTE.search(text)
     assert "url(http" not in text and "@import" not in text
+    assert_pngs_and_csv(out, s)
+
+
+PNGS = ("throughput", "latency", "hit_rate", "page_ins", "resident_adapters", "memory", "errors")
+
+
+def assert_pngs_and_csv(out, series: dict) -> None:
+    """Issue 43: the report also writes a PNG per chart (valid: PNG's signature, decodable, a
+    real size) and series.csv, one row per point of every series in summary.json."""
+    import csv
+
+    from PIL import Image
+
+    for stem in PNGS:
+        path = out / f"{stem}.png"
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", stem
+        with Image.open(path) as img:
+            img.verify()
+        with Image.open(path) as img:
+            img.load()  # every pixel decodes
+            assert img.format == "PNG" and img.width > 300 and img.height > 80, (stem, img.size)
+            assert len(set(img.convert("L").getdata())) > 2  # drawn on, not a blank canvas
+    with open(out / "series.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and list(rows[0]) == ["series", "label", "x", "y"]
+    expected = {}
+    for key, value in series.items():
+        if key == "throughput":
+            for label in ("ok_per_s", "errors_per_s", "output_tokens_per_s"):
+                expected[key, label] = list(zip(value["t"], value[label]))
+        elif key == "latency_cdf":
+            expected.update({(key, label): list(zip(c["x"], c["p"])) for label, c in value.items()})
+        elif key == "errors_by_status":
+            expected.update({(key, label): [("", n)] for label, n in value.items()})
+        else:
+            expected.update({(key, label): list(zip(g["t"], g["value"])) for label, g in value.items()})
+    got: dict = {}
+    for r in rows:
+        got.setdefault((r["series"], r["label"]), []).append(
+            (float(r["x"]) if r["x"] else "", float(r["y"]) if r["y"] else None))
+    assert got == {k: v for k, v in expected.items() if v}
 
 
 def test_report_of_a_run_with_nothing_to_scrape(tmp_path):
@@ -154,6 +195,7 @@ def test_report_of_a_run_with_nothing_to_scrape(tmp_path):
     assert set(data["series"]) == set(SERIES_KEYS)
     assert data["series"]["hit_rate"] == {} and data["series"]["memory_bytes"]["api_server"]["t"] == []
     assert "<svg" in (tmp_path / "report.html").read_text()
+    assert_pngs_and_csv(tmp_path, data["series"])  # the no-data charts too
 
 
 def test_cli_report_and_client_choice(fake_url, tmp_path, capsys):
@@ -310,7 +352,7 @@ def test_memory_is_charted_anonymous_and_file_backed_apart(tmp_path):
 
     from prometheus_client import generate_latest
 
-    from loraserve.loadgen.report import _memory_chart, build_series
+    from loraserve.loadgen.report import _memory_chart, _svg, build_series
     from loraserve.server.metrics import ServerMetrics
     from loraserve.server.process_metrics import CoreMemoryCollector, rss_kinds
 
@@ -334,7 +376,7 @@ def test_memory_is_charted_anonymous_and_file_backed_apart(tmp_path):
     assert set(series["memory_bytes"]) == {f"{p} {k}" for p in ("api_server", "engine_core")
                                            for k in ("anonymous", "file-backed")}
     assert all(len(g["value"]) == 3 and min(g["value"]) > 0 for g in series["memory_bytes"].values())
-    svg = _memory_chart(series["memory_bytes"])
+    svg = _svg(_memory_chart(series["memory_bytes"]))
     assert "engine_core file-backed" in svg and "api_server anonymous" in svg
 
 

@@ -1,4 +1,7 @@
-"""`loraserve loadtest --report DIR`: report.html (charts people can look at) and summary.json.
+"""`loraserve loadtest --report DIR`: report.html (charts people can look at), summary.json, each
+chart again as a PNG (for a ticket or a slide: throughput.png, latency.png, hit_rate.png,
+page_ins.png, resident_adapters.png, memory.png, errors.png) and series.csv (every series' points,
+one row each: `report_csv.py`).
 
 The series (summary.json's "series", every key always present, empty when the run had nothing
 to show):
@@ -18,7 +21,8 @@ to show):
                      the catalog's LMDB pages, reclaimable page cache) when the server says so
 
 The charts are matplotlib figures written as inline SVG (text kept as text), so the page needs
-nothing but itself: no scripts, no stylesheets or fonts from elsewhere.
+nothing but itself: no scripts, no stylesheets or fonts from elsewhere; the same figures are
+saved as the PNGs.
 """
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from loraserve.loadgen.report_csv import write_series_csv
 
 SERIES_KEYS = ("throughput", "latency_cdf", "errors_by_status", "errors_over_time", "hit_rate",
                "page_ins_per_s", "evictions_per_s", "resident_adapters", "resident_bytes",
@@ -189,9 +195,12 @@ def _memory(rows) -> dict[str, dict[str, list]]:
 
 # -- the page ---------------------------------------------------------------------------------------
 def _svg(fig) -> str:
-    """A figure as inline SVG markup (no XML prolog, no metadata block)."""
+    """A figure as inline SVG markup (no XML prolog, no metadata block; text kept as text)."""
+    from matplotlib import rc_context
+
     buf = io.StringIO()
-    fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
+    with rc_context({"svg.fonttype": "none"}):
+        fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
     text = buf.getvalue()
     text = text[text.index("<svg"):]
     return re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)
@@ -218,18 +227,18 @@ def _points(g: dict[str, list], scale: float) -> list[tuple[float, float]]:
     return [(t, v * scale) for t, v in zip(g["t"], g["value"]) if v is not None]
 
 
-def _finish(fig, ax, drawn: bool) -> str:
-    """The chart's SVG: a legend and a zero floor once a line is drawn, else the no-data mark."""
+def _finish(fig, ax, drawn: bool):
+    """The chart: a legend and a zero floor once a line is drawn, else the no-data mark."""
     if drawn:
         ax.legend(fontsize=8)
         ax.set_ylim(bottom=0)
     else:
         _empty(ax)
-    return _svg(fig)
+    return fig
 
 
 def _lines(title: str, ylabel: str, groups: dict[str, dict[str, list]], scale: float = 1.0,
-           step: bool = False) -> str:
+           step: bool = False):
     fig, ax = _figure(title, "seconds into the run", ylabel)
     drawn = False
     for name, g in groups.items():
@@ -242,7 +251,7 @@ def _lines(title: str, ylabel: str, groups: dict[str, dict[str, list]], scale: f
     return _finish(fig, ax, drawn)
 
 
-def _memory_chart(groups: dict[str, dict[str, list]]) -> str:
+def _memory_chart(groups: dict[str, dict[str, list]]):
     """Resident memory, anonymous solid and file-backed dashed (same colour per process): the
     page cache of a catalog read end to end grows by gigabytes and is reclaimable; summed with
     the process's own memory it reads as a leak."""
@@ -262,12 +271,12 @@ def _memory_chart(groups: dict[str, dict[str, list]]) -> str:
     return _finish(fig, ax, drawn)
 
 
-def _charts(series: dict) -> list[tuple[str, str]]:
-    """(heading, svg) per chart."""
+def _charts(series: dict) -> list[tuple[str, str, Any]]:
+    """(heading, PNG file stem, matplotlib Figure) per chart."""
     from matplotlib import rc_context
 
     charts = []
-    with rc_context({"svg.fonttype": "none", "font.size": 9}):
+    with rc_context({"font.size": 9}):
         th = series["throughput"]
         fig, ax = _figure(f"Throughput ({th['source']} side)", "seconds into the run", "requests/s")
         if th["t"]:
@@ -278,7 +287,7 @@ def _charts(series: dict) -> list[tuple[str, str]]:
             ax.set_ylim(bottom=0)
         else:
             _empty(ax)
-        charts.append(("Throughput over time", _svg(fig)))
+        charts.append(("Throughput over time", "throughput", fig))
 
         fig, ax = _figure("Latency distribution", "milliseconds (log scale)", "fraction of requests ≤ x")
         drawn = False
@@ -297,15 +306,16 @@ def _charts(series: dict) -> list[tuple[str, str]]:
         else:
             _empty(ax)
         charts.append(("Latency, TTFT (cold and hot adapters) and inter-token latency (CDF)",
-                       _svg(fig)))
+                       "latency", fig))
 
-        charts.append(("Adapter tier hit rates", _lines("Hit rate per scrape interval", "hits / lookups",
-                                                        series["hit_rate"])))
-        charts.append(("Page-ins", _lines("Adapters paged in, by source tier", "page-ins/s",
-                                          series["page_ins_per_s"])))
-        charts.append(("Resident adapters", _lines("Adapters resident, by tier", "adapters",
-                                                   series["resident_adapters"], step=True)))
-        charts.append(("Memory", _memory_chart(series["memory_bytes"])))
+        charts.append(("Adapter tier hit rates", "hit_rate",
+                       _lines("Hit rate per scrape interval", "hits / lookups", series["hit_rate"])))
+        charts.append(("Page-ins", "page_ins", _lines("Adapters paged in, by source tier",
+                                                      "page-ins/s", series["page_ins_per_s"])))
+        charts.append(("Resident adapters", "resident_adapters",
+                       _lines("Adapters resident, by tier", "adapters", series["resident_adapters"],
+                              step=True)))
+        charts.append(("Memory", "memory", _memory_chart(series["memory_bytes"])))
 
         errors = series["errors_by_status"]
         fig, ax = _figure("Failed requests by kind", "", "", height=0.8 + 0.35 * max(2, len(errors)))
@@ -315,7 +325,7 @@ def _charts(series: dict) -> list[tuple[str, str]]:
         else:
             _empty(ax, "no errors")
             ax.set_yticks([])
-        charts.append(("Errors", _svg(fig)))
+        charts.append(("Errors", "errors", fig))
     return charts
 
 
@@ -329,10 +339,12 @@ table { border-collapse: collapse; } td, th { padding: 0.2em 0.8em; border-botto
 """
 
 
-def render_html(report: dict, series: dict, text: str) -> str:
+def render_html(report: dict, series: dict, text: str, charts: list | None = None) -> str:
+    """The page; `charts`: `_charts(series)` when the caller made them already."""
     cfg = report["config"]
     title = f"loraserve loadtest: {cfg['url']}"
-    figures = "\n".join(f"<section><h2>{html.escape(h)}</h2>\n{svg}\n</section>" for h, svg in _charts(series))
+    figures = "\n".join(f"<section><h2>{html.escape(h)}</h2>\n{_svg(fig)}\n</section>"
+                        for h, _, fig in (charts if charts is not None else _charts(series)))
     rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
                    for k, v in sorted(cfg.items()))
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n"
@@ -340,16 +352,22 @@ def render_html(report: dict, series: dict, text: str) -> str:
             f"<h1>{html.escape(title)}</h1>\n<pre>{html.escape(text)}</pre>\n"
             f"<div class=\"grid\">\n{figures}\n</div>\n"
             f"<h2>Configuration</h2>\n<table>{rows}</table>\n"
-            f"<p>The numbers behind every chart are in summary.json beside this page.</p>\n"
+            f"<p>The numbers behind every chart are in summary.json and series.csv beside this "
+            f"page, and each chart is there as a PNG.</p>\n"
             f"</body></html>\n")
 
 
 def write_report(directory: str | Path, report: dict, series: dict, text: str) -> tuple[Path, Path]:
-    """Write report.html and summary.json (the report plus "series") under `directory`."""
+    """Write report.html, summary.json (the report plus "series"), a PNG per chart and
+    series.csv under `directory`; returns (report.html, summary.json)."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     summary = out / "summary.json"
     summary.write_text(json.dumps({**report, "series": series}, indent=1, allow_nan=False) + "\n")
+    charts = _charts(series)
     page = out / "report.html"
-    page.write_text(render_html(report, series, text))
+    page.write_text(render_html(report, series, text, charts))
+    for _, stem, fig in charts:
+        fig.savefig(out / f"{stem}.png", format="png", dpi=120, bbox_inches="tight")
+    write_series_csv(out / "series.csv", series)
     return page, summary
