@@ -38,6 +38,9 @@ RUNTIME = os.environ.get("CONTAINER_RUNTIME", "runc")
 NOFILE = subprocess.run(["sh", "-c", "ulimit -Hn"], capture_output=True, text=True).stdout.strip()
 PODMAN = ["podman", "run", "-d", "--runtime", RUNTIME, "--network", "host",
           "--ulimit", f"nofile={NOFILE}:{NOFILE}", "--ulimit", "nproc=4096:4096"]
+# --engine-timeout (default 30 s without progress) for a host whose two cores are shared: the
+# first steps run beside the decode step's background compiles, and one took over 30 s there
+SERVE_ENV = ["-e", f"LORASERVE_ENGINE_TIMEOUT={os.environ.get('SMOKE_ENGINE_TIMEOUT', '180')}"]
 # the chart's emptyDirs (deploy/render.py: CACHE_DIR, DEMO_DIR, /tmp)
 WRITABLE = ["/tmp", "/var/lib/loraserve/cache", "/var/lib/loraserve/demo"]
 REPO = Path(__file__).resolve().parents[2]
@@ -94,7 +97,7 @@ def answered(body: dict) -> str:
 
 def run(name: str, extra: list[str], port: int, checks) -> None:
     subprocess.run(["podman", "rm", "-f", name], capture_output=True)
-    cmd = [*PODMAN, "--name", name, "-e", f"LORASERVE_PORT={port}", *extra, TAG]
+    cmd = [*PODMAN, "--name", name, "-e", f"LORASERVE_PORT={port}", *SERVE_ENV, *extra, TAG]
     shown = [re.sub(r"(_KEY=).*", r"\1***", part) for part in cmd]
     print("+", " ".join(shown), flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
