@@ -36,7 +36,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from loraserve.catalog.errors import BaseMismatch
+from loraserve.catalog.errors import BaseMismatch, CorruptBlob
 from loraserve.catalog.ids import parse_model_ref
 from loraserve.catalog.layout import checked_region, load_revision
 from loraserve.catalog.records import RevisionRecord
@@ -74,7 +74,7 @@ class Pager:
     """
 
     def __init__(self, catalog, cpu_cache: CpuCache, base_fingerprint: str, *, workers: int = 4,
-                 batch: int = 16, compute_dtype: str | None = None):
+                 batch: int = 16, compute_dtype: str | None = None, healer=None):
         if workers < 1:
             raise ValueError(f"pager workers must be >= 1, got {workers}")
         if batch < 1:
@@ -85,6 +85,7 @@ class Pager:
         self.cpu_cache = cpu_cache
         self.base_fingerprint = base_fingerprint
         self.compute_dtype = compute_dtype  # the engine's dtype: factors must not overflow it either
+        self.healer = healer  # set (--catalog-store): a blob failing its checksum is healed from the store
         self.workers = workers
         self.batch = batch
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loraserve-pager")
@@ -250,6 +251,8 @@ class Pager:
                 except BaseMismatch as exc:
                     self._finish(load, start, error=exc)
             blobs = self.catalog.read_blobs([load.record for load in readable]) if readable else []
+            if self.healer is not None:  # on this pager thread: the store's round trip included
+                blobs = [self._healed(load.record, blob) for load, blob in zip(readable, blobs, strict=True)]
             batch = list(zip(readable, blobs, strict=True))
         except Exception as exc:  # read_blobs itself failed (or a bug): the rest fail with it
             for load in [load for load in running if not load.future.done()]:
@@ -262,6 +265,15 @@ class Pager:
         with self._lock:
             self._read.append((start, batch))
         wake()
+
+    def _healed(self, record, blob: bytearray | Exception) -> bytearray | Exception:
+        """`blob`, or for a CorruptBlob the store's verified copy (catalog.store_heal)."""
+        if not isinstance(blob, CorruptBlob):
+            return blob
+        try:
+            return self.healer.heal(record, blob)
+        except CorruptBlob as exc:
+            return exc
 
     def _complete(self, start: float, batch: list[tuple[_Load, bytearray | Exception]]) -> None:
         """Decode, check and cache each read blob of a batch; each load completes on its own."""

@@ -33,7 +33,8 @@ from .ids import validate_adapter_id, validate_revision
 from .lru import BoundedLRU
 from .records import PolicyRecord, RevisionRecord
 from .shards import CATALOG_META, Shard, ShardOptions, shard_of
-from .writes import promote_in_txn, put_revision_in_txn, read_policy, read_revision, rollback_in_txn, tag_in_txn
+from .writes import (promote_in_txn, put_revision_in_txn, read_policy, read_revision, rewrite_blob_in_txn,
+                     rollback_in_txn, tag_in_txn)
 
 CATALOG_FORMAT = "loraserve.catalog.v1"
 
@@ -375,6 +376,11 @@ class Catalog:
                               promote=promote, source=source, now=now),
             reserve=len(blob),
         ))
+
+    def rewrite_blob(self, record: RevisionRecord, blob: bytes) -> None:
+        """Replace `record`'s stored blob with `blob`, its verified bytes (a repair: store_heal)."""
+        self._shard_for(record.adapter_id).write(
+            functools.partial(rewrite_blob_in_txn, record=record, blob=blob), reserve=len(blob))
 
     def promote(self, adapter_id: str, revision: str) -> PolicyRecord:
         """Make `revision` (id or tag) the served one; the old one becomes `previous`."""

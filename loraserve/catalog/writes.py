@@ -9,7 +9,7 @@ import re
 
 import lmdb
 
-from .errors import AdapterNotFound, BaseMismatch, RevisionExists, RevisionNotFound
+from .errors import AdapterNotFound, BaseMismatch, CorruptBlob, RevisionExists, RevisionNotFound
 from .format import blob_checksum, read_adapter_meta
 from .records import PolicyRecord, RevisionRecord
 from .shards import Dbs, add_blob_bytes
@@ -98,6 +98,16 @@ def put_revision_in_txn(txn, dbs: Dbs, adapter_id: str, blob: bytes, revision: s
     elif policy.promoted is None:
         policy.rank, policy.targets = record.rank, list(record.targets)
     save_policy(txn, dbs, policy)
+    return record
+
+
+def rewrite_blob_in_txn(txn, dbs: Dbs, record: RevisionRecord, blob: bytes) -> RevisionRecord:
+    """Replace the stored blob of an existing revision with `blob`, which must be its bytes (the
+    record's size and checksum): the repair of a blob that failed its checksum here."""
+    if len(blob) != record.size or blob_checksum(blob) != record.checksum:
+        raise CorruptBlob(f"{record.ref}: the replacement does not match the record; not written")
+    read_revision(txn, dbs, record.adapter_id, record.revision)  # the revision exists here
+    txn.put(record.ref.encode(), blob, db=dbs.blob)
     return record
 
 

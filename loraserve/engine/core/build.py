@@ -50,6 +50,15 @@ def pool_targets(model: torch.nn.Module, kinds: set[str] | None = None) -> list[
     return list(by_kind.values())
 
 
+def _healer(cfg: EngineConfig, catalog):
+    """With `--catalog-store`, what heals a blob failing its checksum from the store."""
+    if not cfg.catalog_store:
+        return None
+    from loraserve.catalog.store_heal import BlobHealer
+    from loraserve.catalog.store_s3 import ObjectStore, parse_store_uri
+    return BlobHealer(catalog, ObjectStore(parse_store_uri(cfg.catalog_store)[0]))
+
+
 def build_engine(cfg: EngineConfig) -> LLMEngine:
     """An LLMEngine; with cfg.catalog_dir, serving adapters from that catalog; with its decode
     step compiled where cfg.compile asks for it (after the LoRA wrappers are attached): on CUDA
@@ -123,7 +132,7 @@ def _enable_lora(engine: LLMEngine, cfg: EngineConfig) -> None:
     cpu_cache = CpuCache(cfg.cpu_cache_mb * 2**20, pin_memory=engine.device.type == "cuda",
                          max_entries=cfg.max_cpu_adapters)
     pager = Pager(catalog, cpu_cache, fingerprint, workers=cfg.pager_workers, batch=cfg.pager_batch,
-                  compute_dtype=str(engine.dtype).removeprefix("torch."))
+                  compute_dtype=str(engine.dtype).removeprefix("torch."), healer=_healer(cfg, catalog))
     pager.slabs = Slabs.for_pool(pool, pin_memory=cpu_cache.pin_memory)  # the CPU tier's layout
     manager = AdapterManager(catalog, pool, cpu_cache, pager, fingerprint)
     manager.decode_on_engine_thread()
