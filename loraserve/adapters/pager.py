@@ -271,9 +271,12 @@ class Pager:
         if not isinstance(blob, CorruptBlob):
             return blob
         try:
-            return self.healer.heal(record, blob)
+            healed = self.healer.heal(record, blob)
         except CorruptBlob as exc:
             return exc
+        with self._lock:
+            self._stats.blobs_healed += 1
+        return healed
 
     def _complete(self, start: float, batch: list[tuple[_Load, bytearray | Exception]]) -> None:
         """Decode, check and cache each read blob of a batch; each load completes on its own."""

@@ -79,6 +79,7 @@ class PagerStats:
     disk_reads: int = 0        # catalog blob reads started (singleflight: one per missing key)
     singleflight_joins: int = 0
     load_errors: int = 0       # disk loads that failed (corrupt, base mismatch, ...)
+    blobs_healed: int = 0      # blobs failing their checksum re-fetched from the store (store_heal)
     in_flight: int = 0         # disk loads running or queued right now
 
     def copy(self) -> "PagerStats":

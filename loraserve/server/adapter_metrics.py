@@ -56,11 +56,16 @@ class AdapterCollector(Collector):
         quarantined = GaugeMetricFamily(
             "loraserve_adapter_quarantined", "Adapter revisions quarantined: their numbers went non-finite "
             "in a step, so the engine never serves them again", labels=extra)
+        healed = CounterMetricFamily(
+            "loraserve_adapter_blobs_healed", "Adapter blobs that failed their checksum here and were "
+            "re-fetched from the catalog store, verified and rewritten", labels=extra)
         for labels, snap in snaps:
             reads.add_metric(list(labels.values()), snap.pager.disk_reads)
+            healed.add_metric(list(labels.values()), snap.pager.blobs_healed)
             parked.add_metric(list(labels.values()), snap.parked)
             quarantined.add_metric(list(labels.values()), len(snap.quarantined))
         yield reads
+        yield healed
         yield _page_in_histogram(snaps)
         yield parked
         yield quarantined

@@ -79,6 +79,9 @@ def test_a_corrupt_blob_is_healed_from_the_store_and_served(healing, caplog) -> 
     assert any("re-fetched from the store" in m for m in caplog.messages), caplog.messages
     with Catalog(healing["catalog_dir"]) as cat:  # rewritten: the local copy verifies again
         assert cat.read_blob(cat.resolve("acme/heal")) == healing["blobs"][0]
+    metrics = http.get("/metrics").text
+    assert any(line.startswith("loraserve_adapter_blobs_healed_total") and float(line.split()[-1]) >= 1
+               for line in metrics.splitlines()), [l for l in metrics.splitlines() if "healed" in l]
 
 
 def test_without_a_good_copy_the_named_error_stands(healing) -> None:
