@@ -29,8 +29,9 @@ class EngineConfig:
     max_batched_tokens: int = field(default=4096, metadata={
         "help": "tokens one prefill step computes; longer prompts are prefilled in chunks"})
     train_state_dir: str | None = field(default=None, metadata={
-        "help": "where Tinker save_weights writes training state (factors, Adam moments)",
-        "default": "a new temporary directory"})
+        "help": "where Tinker save_weights writes training state (factors, Adam moments); "
+                "kept after exit",
+        "default": "a new temporary directory, removed at exit"})
     train_max_tokens: int = field(default=512, metadata={
         "help": "tokens of a training pass (Tinker forward/forward_backward) run between two "
                 "decode steps: the most a training step holds serving back"})

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -180,7 +181,8 @@ def install_tinker(app: FastAPI) -> TinkerState:
     """Serve the Tinker SDK routes on `app` (built by build_app: `app.state.ctx` set); futures
     still running when the app stops end with an error answer."""
     config = app.state.ctx.engine.config  # None: a test double without one
-    state_dir = getattr(config, "train_state_dir", None) or tempfile.mkdtemp(prefix="loraserve-train-")
+    kept = getattr(config, "train_state_dir", None)  # the operator's: kept after exit
+    state_dir = kept or tempfile.mkdtemp(prefix="loraserve-train-")  # ours: removed at exit
     state = TinkerState(runs=RunRegistry(Path(state_dir)))
     app.state.tinker = state
     app.include_router(tinker_router())
@@ -193,6 +195,8 @@ def install_tinker(app: FastAPI) -> TinkerState:
                 yield inner
             finally:  # before the engine stops
                 await asyncio.gather(*state.futures.cancel_all(), return_exceptions=True)
+                if not kept:
+                    shutil.rmtree(state_dir, ignore_errors=True)
 
     app.router.lifespan_context = lifespan_with_futures
     return state
