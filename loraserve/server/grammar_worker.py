@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 
-from loraserve.engine.core.structured import check_spec  # noqa: F401 - xgrammar, preloaded
+import torch  # noqa: F401 - preloaded in the forkserver (xgrammar imports it)
+
+from loraserve.engine.structured import check_spec
 from loraserve.engine.types import EngineError, GrammarSpec
 from loraserve.server.errors import APIError
 from loraserve.server.tool_calls import FAMILIES, JSON_CALLS, TOOL_CALL, call_grammar

@@ -246,8 +246,13 @@ def detach_leases() -> list[Lease]:
 
 
 def principal_of(request: Request) -> Principal:
-    """The principal of a request (OPEN on an app without AuthMiddleware)."""
-    return getattr(request.state, "principal", OPEN)
+    """The principal of a request, as AuthMiddleware decided it (OPEN there only for a server
+    without keys). A request that reached a route without one is refused (401), never taken
+    for the admin: the principal is decided once, at the edge, and passed down."""
+    principal = getattr(request.state, "principal", None)
+    if principal is None:
+        raise unauthorized()
+    return principal
 
 
 # -- visibility ----------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraserve.engine.core.structured import check_spec, json_schema_ebnf, rename_rule
+from loraserve.engine.structured import check_spec, json_schema_ebnf, rename_rule
 from loraserve.engine.types import GrammarSpec
 from loraserve.server.errors import APIError
 
