@@ -39,13 +39,18 @@ ECHO_MAX = 256  # characters of a requested name echoed in an error
 
 class Viewer(Protocol):
     """Who asks: the server's principal (`loraserve.keys.Principal`) or anything that says which
-    tenants' adapters it may see."""
+    tenants' adapters it may see, and which tenant a base-model request of its is charged to."""
+
+    @property
+    def home_tenant(self) -> str: ...
 
     def sees(self, tenant: str) -> bool: ...
 
 
 class Everyone:
     """The principal of in-process callers with no keys at all (tests, bench, `LLMEngine.add_request`)."""
+
+    home_tenant = ""
 
     def sees(self, tenant: str) -> bool:
         return True
@@ -92,8 +97,8 @@ class AdapterDirectory:
         if principal is None:
             raise TypeError("AdapterDirectory.resolve needs the principal the request acts for")
         name = self.canonical(model)
-        if name == self.base_name:
-            return ResolvedModel(model, name)
+        if name == self.base_name:  # the base: the tenant of the key that asks
+            return ResolvedModel(model, name, tenant=principal.home_tenant)
         try:
             adapter_id, revision = parse_model_ref(name)
         except InvalidAdapterId:

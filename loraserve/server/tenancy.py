@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraserve.catalog.errors import InvalidAdapterId
 from loraserve.catalog.ids import parse_model_ref, validate_adapter_id
-from loraserve.engine.types import GenerateRequest, RequestOutput, ResolvedModel
+from loraserve.engine.types import EngineError, GenerateRequest, RequestOutput, ResolvedModel
 from loraserve.keys import (ALL_TENANTS, OPEN, KeyEntry, KeyFileError, KeyStore, Principal,
                             digest, load_keys)
 from loraserve.server.audit_log import FAILED, AuditLog
@@ -368,15 +368,20 @@ class Admission:
 
 
 class TenantEngine:
-    """An engine whose requests carry one admission's tenant and weight (the scheduler's fair
-    share) and whose output tokens are counted for that tenant."""
+    """An engine whose requests carry one admission's weight (the scheduler's fair share) and
+    whose output tokens are counted for the admission's tenant. The tenant is the directory's
+    (`ResolvedModel.tenant`, which the request and the admission both read): never written here,
+    and a request of another tenant is a bug, refused."""
 
     def __init__(self, engine: Any, admission: Admission):
         self.engine = engine
         self.admission = admission
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        request.tenant = self.admission.tenant
+        if request.tenant != self.admission.tenant:
+            raise EngineError(f"request {request.request_id} is tenant {request.tenant!r}'s, "
+                              f"admitted for {self.admission.tenant!r}", status=500,
+                              code="internal_error")
         request.tenant_weight = self.admission.weight
         return self._counted(request)
 
@@ -412,7 +417,7 @@ def admit(resolved: ResolvedModel, principal: Principal, prompts: Sequence[Any],
     current = _CURRENT.get()
     if current is None:
         return Admission(resolved.tenant)
-    tenant = resolved.tenant or principal.home_tenant
+    tenant = resolved.tenant  # the directory's: the adapter's tenant, or the key's for the base
     tenancy = current.tenancy
     policy = tenancy.keys.tenant(tenant)
     prompt_tokens = sum(len(p.token_ids) for p in prompts)

@@ -120,7 +120,7 @@ class FakeEngine:
         self._check_fail()
         name = model.removeprefix("tinker://")
         if name == self.model_name:
-            return ResolvedModel(model, name)
+            return ResolvedModel(model, name, tenant=principal.home_tenant)
         try:
             adapter_id, rev = parse_model_ref(name)
         except InvalidAdapterId:
