@@ -41,3 +41,33 @@ def test_the_principal_the_edge_decided_is_the_one_routes_read() -> None:
     user = Principal(key_id="k1", admin=False, tenants=("acme",))
     assert TestClient(_app(user)).get("/who").json() == {"key": "k1", "admin": False}
     assert TestClient(_app(OPEN)).get("/who").json() == {"key": None, "admin": True}
+
+
+def test_the_tenant_is_the_directorys_and_the_engine_wrapper_never_rewrites_it() -> None:
+    """The directory decides a request's tenant once (an adapter's tenant; for the base, the
+    asking key's home tenant); the request carries it, admission charges it, and TenantEngine,
+    which adds the admission's weight, refuses a request of another tenant instead of
+    overwriting it."""
+    import pytest
+
+    from loraserve.engine.directory import AdapterDirectory
+    from loraserve.engine.types import EngineError, GenerateRequest, SamplingParams
+    from loraserve.server.tenancy import Admission, TenantEngine
+
+    user = Principal(key_id="k1", admin=False, tenants=("acme",))
+    base = AdapterDirectory("base").resolve("base", user)
+    assert base.is_base and base.tenant == "acme"
+    req = GenerateRequest("r", [1], SamplingParams(max_tokens=1), resolved=base)
+    assert req.tenant == "acme"
+
+    class Engine:
+        async def generate(self, request):
+            yield request
+
+    admitted = Admission("acme", weight=3.0, counters=object())
+    TenantEngine(Engine(), admitted).generate(req)
+    assert req.tenant == "acme" and req.tenant_weight == 3.0
+    other = GenerateRequest("o", [1], SamplingParams(max_tokens=1), tenant="globex")
+    with pytest.raises(EngineError) as err:
+        TenantEngine(Engine(), admitted).generate(other)
+    assert err.value.status == 500 and other.tenant == "globex"
