@@ -193,14 +193,19 @@ class _TimedOut(SourceUnavailable):
     """A source's call past its deadline (its thread still runs)."""
 
 
+class _Refused(SourceUnavailable):
+    """A source not asked: cooling down after a missed deadline, or busy until the deadline."""
+
+
 class Bulkhead:
     """One source's own worker threads, concurrency cap and breaker, so that a slow or hung
     source holds only its own threads, never another source's nor the caller's for long.
 
     `call(fn)` runs `fn()` on one of `workers` threads and waits at most `deadline_s` for it in
-    all (the overall deadline of a fetch, not of one read); a source with every thread busy, or
-    that missed a deadline in the last `cooldown_s`, is SourceUnavailable at once (the caller
-    falls through to the next source). A call past its deadline goes on on its thread until the
+    all (the overall deadline of a fetch, not of one read; waiting for a free thread counts); a
+    source that missed a deadline in the last `cooldown_s` is SourceUnavailable at once, and so
+    is one whose threads stay busy until the deadline (the caller falls through to the next
+    source). A call past its deadline goes on on its thread until the
     transfer ends (its scratch files are removed then), still holding that thread: so at most
     `workers` threads per source are ever stuck."""
 
@@ -214,13 +219,18 @@ class Bulkhead:
         self.refused = 0  # calls answered SourceUnavailable without running (busy or cooling)
 
     def call(self, fn: Callable[[], T], abandoned: Callable[[], None]) -> T:
-        """`fn()` within the deadline; past it, `abandoned()` runs once `fn` has ended."""
-        if time.monotonic() < self._down_until:
-            self.refused += 1
-            raise SourceUnavailable(f"{self.name} missed its deadline recently; not asked")
-        if not self._slots.acquire(blocking=False):
-            self.refused += 1
-            raise SourceUnavailable(f"{self.name} is busy ({self.workers} fetches in progress)")
+        """`fn()` within the deadline (waiting for a free thread counts); past it, `abandoned()`
+        runs once `fn` has ended."""
+        deadline = time.monotonic() + self.deadline_s
+        while not self._slots.acquire(timeout=0.05):
+            if self._cooling():
+                raise _Refused(f"{self.name} missed its deadline recently; not asked")
+            if time.monotonic() > deadline:
+                self.refused += 1
+                raise _Refused(f"{self.name} is busy ({self.workers} fetches in progress)")
+        if self._cooling():
+            self._slots.release()
+            raise _Refused(f"{self.name} missed its deadline recently; not asked")
 
         def run() -> T:
             try:
@@ -233,11 +243,17 @@ class Bulkhead:
             self._slots.release()
             raise SourceUnavailable(f"{self.name} is closed") from None
         try:
-            return future.result(timeout=self.deadline_s)
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
             self._down_until = time.monotonic() + self.cooldown_s
             future.add_done_callback(lambda _: abandoned())
             raise _TimedOut(f"{self.name} did not answer within {self.deadline_s:g} s") from None
+
+    def _cooling(self) -> bool:
+        if time.monotonic() < self._down_until:
+            self.refused += 1
+            return True
+        return False
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -295,7 +311,8 @@ class AdapterSources:
             except SourceNotFound:
                 continue
             except SourceUnavailable as exc:
-                log.warning("adapter source %s (%s) failed for %s: %s", i + 1, template.uri, adapter_id, exc)
+                log.log(logging.DEBUG if isinstance(exc, _Refused) else logging.WARNING,
+                        "adapter source %s (%s) failed for %s: %s", i + 1, template.uri, adapter_id, exc)
                 down.append(self.bulkheads[i].name)
                 continue
             except CatalogError as exc:  # an answer (403, 413, a checksum): named, not located

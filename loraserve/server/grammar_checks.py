@@ -251,11 +251,11 @@ class GrammarChecks:
                        "(the server's limit on a grammar's conversion); simplify it")
             self.failed.put(spec.key, (message, spec.param))
             raise EngineError(message, param=spec.param) from None
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # the parser crashed on it (a stack overflow in xgrammar)
             self._replace(worker)
-            raise EngineError(f"{spec.param}: the grammar could not be checked (its worker "
-                              "ended); retry", status=503, code="grammar_unavailable",
-                              param=spec.param) from None
+            message = f"{spec.param}: the grammar could not be parsed (its parser process ended)"
+            self.failed.put(spec.key, (message, spec.param))  # not sent to a worker again
+            raise EngineError(message, param=spec.param) from None
         finally:
             self._ran(tenant)
             self._dispatch()
