@@ -176,11 +176,13 @@ class Tokenizer:
         chat = ChatTemplate(source, variables) if source else None
         return cls(tok, list(dict.fromkeys(eos)), chat)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; no BOS/EOS or other special tokens are added."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. With `add_special_tokens`, the tokenizer's own post-processor adds
+        what the model expects around a text (Llama 3's `<|begin_of_text|>`; nothing for Qwen or
+        SmolLM2, whose files add none): what vLLM and transformers do for a completion prompt."""
         if not isinstance(text, str):
             raise TokenizerError(f"encode expects str, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         self._check_ids(ids)

@@ -15,8 +15,12 @@ from loraserve.server.protocol import CompletionRequest
 
 
 def normalize_prompts(prompt: Any, tokenizer: Any, vocab_size: int, echo: bool,
-                      max_model_len: int | None = None) -> list[sv.Prompt]:
+                      max_model_len: int | None = None, add_special_tokens: bool = True) -> list[sv.Prompt]:
     """The four prompt forms as a list of Prompt (a [int] is one prompt, a [str] many).
+
+    A text is tokenized with the tokenizer's special tokens (a BOS where the model's tokenizer
+    adds one), as vLLM's completions do unless the request says `add_special_tokens: false`;
+    token ids are taken as given.
 
     With `max_model_len`, a text or id list that cannot fit the context is refused on its length, before
     it is tokenized or its ids checked. Token-id prompts are range-checked before anything decodes
@@ -29,7 +33,7 @@ def normalize_prompts(prompt: Any, tokenizer: Any, vocab_size: int, echo: bool,
     if isinstance(prompt[0], str):
         for text in prompt if max_model_len is not None else ():
             sv.check_text_length(text, max_model_len, "prompt")
-        return [sv.Prompt(p, tokenizer.encode(p)) for p in prompt]
+        return [sv.Prompt(p, tokenizer.encode(p, add_special_tokens=add_special_tokens)) for p in prompt]
     id_lists = [prompt] if isinstance(prompt[0], int) else prompt
     for ids in id_lists:
         if max_model_len is not None:
@@ -115,7 +119,7 @@ def _plan(req: CompletionRequest, engine: sv.Engine, config: Any = None) -> Plan
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     sv.check_max_tokens(max_tokens)
     prompts = normalize_prompts(req.prompt, engine.tokenizer, engine.vocab_size, req.echo,
-                                engine.max_model_len)
+                                engine.max_model_len, req.add_special_tokens)
     for prompt in prompts:
         sv.check_prompt(prompt, max_tokens, engine, "prompt")
     params = sv.sampling_params(req, max_tokens, req.logprobs,

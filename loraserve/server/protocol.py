@@ -217,6 +217,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (where it adds one) before a text prompt
 
     @field_validator("prompt", mode="wrap")
     @classmethod

@@ -35,11 +35,11 @@ from loraserve.server.request_log import RequestRecord, current_record
 from loraserve.server.tenancy import principal_of
 from loraserve.server.tool_calls import plan_tools
 
-# add_special_tokens: loraserve's generation never adds BOS/EOS around a prompt (the tokenizer's
-# `encode`; a chat template writes its own), so only the value that asks for that is accepted
-NO_SPECIALS = Refused("prompts are tokenized as /v1/completions and /v1/chat/completions "
-                      "tokenize them: no special tokens added; only false",
-                      lambda v: v is False)
+# add_special_tokens: as vLLM's, a `prompt` is tokenized as /v1/completions tokenizes it (the
+# tokenizer's special tokens, e.g. a BOS, added unless false) and `messages` as the chat route
+# does (the template writes its own; true is refused: the chat route has no such switch)
+CHAT_SPECIALS = Refused("messages are tokenized as /v1/chat/completions tokenizes them: the chat "
+                        "template writes every special token; only false", lambda v: v is False)
 
 
 class TokenizeRequest(StrictBody):
@@ -53,14 +53,13 @@ class TokenizeRequest(StrictBody):
     return_token_strs: bool = False
     tools: Any = None  # checked as chat's (tool_calls.plan_tools)
     chat_template_kwargs: dict[str, Any] | None = None  # the template's variables, as chat's
+    add_special_tokens: bool | None = None  # None: vLLM's default for the form (prompt true, messages false)
     # refused (REFUSED): declared so that the 400 says why
-    add_special_tokens: Any = None
     continue_final_message: Any = None
     chat_template: Any = None
     mm_processor_kwargs: Any = None
 
     REFUSED: ClassVar[dict[str, Refused]] = {
-        "add_special_tokens": NO_SPECIALS,
         "continue_final_message": Refused("the template always ends the conversation where the "
                                           "chat endpoint does; only false", lambda v: v is False),
         "chat_template": Refused("the served base's chat template is the only one"),
@@ -89,8 +88,12 @@ def _input(req: TokenizeRequest, engine: sv.Engine) -> list[int]:
             if getattr(req, name):
                 raise APIError(400, f"{name} go to the chat template: send `messages`",
                                param=name)
+        specials = True if req.add_special_tokens is None else req.add_special_tokens
         return normalize_prompts(req.prompt, engine.tokenizer, engine.vocab_size, False,
-                                 engine.max_model_len)[0].token_ids
+                                 engine.max_model_len, specials)[0].token_ids
+    if req.add_special_tokens:
+        raise APIError(400, f"add_special_tokens: {CHAT_SPECIALS.reason}", code="unsupported_parameter",
+                       param="add_special_tokens")
     tools = plan_tools(req.tools, None, None, engine.tokenizer.chat_template)
     return chat_prompt(req, engine.tokenizer, engine.max_model_len,
                        None if tools is None else tools.tools).token_ids

@@ -38,7 +38,7 @@ class FakeTokenizer:
     eos_token_ids = [EOS_ID]
     chat_template = None  # renders no tools: a request with tools is refused
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [NEWLINE_ID if c == "\n" else (ord(c) - 32 if 32 <= ord(c) < 127 else 31)
                 for c in text]
 

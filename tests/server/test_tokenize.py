@@ -67,7 +67,8 @@ def test_token_strs_and_detokenize_round_trip(http: httpx.Client) -> None:
 
 
 @pytest.mark.parametrize("body, param, code", [
-    ({"prompt": "x", "add_special_tokens": True}, "add_special_tokens", "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True},
+     "add_special_tokens", "unsupported_parameter"),
     ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ x }}"},
      "chat_template", "unsupported_parameter"),
     ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
