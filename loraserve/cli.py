@@ -138,6 +138,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     option("adapter_root")
     option("max_adapter_mb")
     option("adapter_sources", flag="--adapter-source", metavar="URI")
+    option("source_deadline_s", metavar="S")
     option("catalog_store", metavar="s3://BUCKET/PREFIX")
     option("pager_workers")
     option("pager_batch")

@@ -79,9 +79,9 @@ class EngineConfig:
                 "cache), /dir/{tenant}/{name}; imported as a revision and served. "
                 "/v1/load_lora_adapter takes these URIs as lora_path", "default": "none"})
     source_deadline_s: float = field(default=30.0, metadata={
-        "help": "the longest one fetch from one adapter source may take, in all (not per read); "
-                "past it, or while that source's own 2 fetch threads are busy, the next source is "
-                "tried and a request no source served gets a 503 with Retry-After naming it"})
+        "help": "the longest one fetch from one adapter source may take, in all (not per read; "
+                "waiting for one of the source's own 2 threads counts); past it the next source is "
+                "tried, and a request no source served gets a 503 with Retry-After naming it"})
     catalog_store: str | None = field(default=None, metadata={
         "help": "s3://bucket/prefix[?cache_mb=N], the catalog's durable tier: every write is "
                 "published there, an adapter missing here is faulted in from it, promotes there "
