@@ -7,12 +7,15 @@
 // in its low nibble and input j + 32 in its high one, so one 32-byte load and two masks give the
 // chunk's 64 codes in order.
 //
-// The activations are quantized to int8 per block of 32 (scale d = max|x| / 127), as llama.cpp
-// does, so a chunk is one VNNI dot product (vpdpbusd: unsigned codes x signed activations, 64
-// multiply-adds an instruction), scaled per 32-block by scale * d in float; the mins' share is
-// sum over groups of min * sum(x in group), with the float sums of x. A decode step's time is the
-// time to read the weights: two output rows are read at once (two streams in flight), up to four
-// activation rows share each chunk read, and torch's thread pool splits the output rows.
+// Two kernels. `rows_f32` (the one served) takes the activations as they are: codes go to float,
+// each 32-input block's dot product is scaled once. `rows` (int8_acts) quantizes the activations
+// to int8 per block of 32 (d = max|x| / 127), as llama.cpp does, so a 64-input chunk is one VNNI
+// dot product (vpdpbusd: unsigned codes x signed activations, 64 multiply-adds an instruction);
+// it reads no faster at decode shapes and its rounding of x compounds over a real model's layers
+// (bench/quant_kernels.py, bench/RESULTS.md). Both add the mins' share as the sum over groups of
+// min * sum(x in group), with the float sums of x. A decode step's time is the time to read the
+// weights: two output rows are read at once (two streams in flight), up to four activation rows
+// share each chunk read, and torch's thread pool splits the output rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -47,11 +50,12 @@ struct Acts {
   const float* s;   // [M, K / group]: sum of x over each weight group
 };
 
-void quantize_acts(const float* x, int64_t m, int64_t k, int64_t group, int8_t* q, float* d, float* s) {
+void quantize_acts(const float* x, int64_t m, int64_t k, int64_t group, int8_t* q, float* d, float* s,
+                   bool codes) {
   const int64_t chunks = k / kChunk, groups = k / group;
   for (int64_t r = 0; r < m; ++r) {
     const float* xr = x + r * k;
-    for (int64_t b = 0; b < k / 32; ++b) {
+    for (int64_t b = 0; codes && b < k / 32; ++b) {
       const __m512 a = _mm512_loadu_ps(xr + b * 32), c = _mm512_loadu_ps(xr + b * 32 + 16);
       const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(a)), _mm512_reduce_max_ps(_mm512_abs_ps(c)));
       const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -150,6 +154,63 @@ void dequantize_rows(const uint8_t* w, const uint16_t* sc, const uint16_t* mn, f
   }
 }
 
+// The same product with the activations as they are (float32): the codes go to float and each
+// 32-input block's dot product is scaled once. About twice the instructions of `rows` per weight,
+// but no rounding of x: the result is the dequantized weight's product to float rounding.
+template <int Bits, int Rows>
+void rows_f32(const uint8_t* w, const uint16_t* sc, const uint16_t* mn, const float* x, const float* xs,
+              float* y, int64_t n0, int64_t n1, int64_t n, int64_t k, int64_t group, int64_t r0) {
+  const int64_t chunks = k / kChunk, groups = k / group, row_bytes = Bits == 8 ? k : k / 2;
+  for (int64_t o = n0; o < n1; o += kStreams) {
+    const int streams = static_cast<int>(std::min<int64_t>(kStreams, n1 - o));
+    __m512 acc[kStreams][Rows];
+    for (int j = 0; j < kStreams; ++j)
+      for (int i = 0; i < Rows; ++i) acc[j][i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+#pragma GCC unroll 2
+      for (int j = 0; j < kStreams; ++j) {
+        if (j >= streams) break;
+        const int64_t row = o + j;
+        const __m512i codes = load_codes<Bits>(w + row * row_bytes, c);
+        const uint16_t* s = sc + row * groups;
+        for (int half_block = 0; half_block < 2; ++half_block) {
+          const float scale = half(s[(c * kChunk + half_block * 32) / group]);
+          const __m512 qa = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(codes, 2 * half_block)));
+          const __m512 qb = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(codes, 2 * half_block + 1)));
+          const __m512 sv = _mm512_set1_ps(scale);
+          for (int i = 0; i < Rows; ++i) {
+            const float* xr = x + (r0 + i) * k + c * kChunk + half_block * 32;
+            const __m512 dot = _mm512_fmadd_ps(qb, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(qa, _mm512_loadu_ps(xr)));
+            acc[j][i] = _mm512_fmadd_ps(dot, sv, acc[j][i]);
+          }
+        }
+      }
+    }
+    for (int j = 0; j < streams; ++j) {
+      const uint16_t* m = mn + (o + j) * groups;
+      for (int i = 0; i < Rows; ++i) {
+        float t = _mm512_reduce_add_ps(acc[j][i]);
+        const float* xsr = xs + (r0 + i) * groups;
+        for (int64_t g = 0; g < groups; ++g) t += half(m[g]) * xsr[g];
+        y[(r0 + i) * n + o + j] = t;
+      }
+    }
+  }
+}
+
+template <int Bits>
+void all_rows_f32(const uint8_t* w, const uint16_t* sc, const uint16_t* mn, const float* x, const float* xs,
+                  float* y, int64_t n0, int64_t n1, int64_t m, int64_t n, int64_t k, int64_t group) {
+  for (int64_t r = 0; r < m; r += kMaxRows) {
+    switch (std::min<int64_t>(kMaxRows, m - r)) {
+      case 1: rows_f32<Bits, 1>(w, sc, mn, x, xs, y, n0, n1, n, k, group, r); break;
+      case 2: rows_f32<Bits, 2>(w, sc, mn, x, xs, y, n0, n1, n, k, group, r); break;
+      case 3: rows_f32<Bits, 3>(w, sc, mn, x, xs, y, n0, n1, n, k, group, r); break;
+      default: rows_f32<Bits, 4>(w, sc, mn, x, xs, y, n0, n1, n, k, group, r); break;
+    }
+  }
+}
+
 template <int Bits>
 void all_rows(const uint8_t* w, const uint16_t* sc, const uint16_t* mn, const Acts& a, float* y,
               int64_t n0, int64_t n1, int64_t m, int64_t n, int64_t k, int64_t group) {
@@ -165,7 +226,7 @@ void all_rows(const uint8_t* w, const uint16_t* sc, const uint16_t* mn, const Ac
 #endif
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const at::Tensor& mins, int64_t bits, int64_t group) {
+                        const at::Tensor& mins, int64_t bits, int64_t group, bool int8_acts) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_linear: x must be float32 [M, K]");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2,
               "quant_linear: codes must be contiguous uint8 [N, K or K/2]");
@@ -180,10 +241,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   at::Tensor y = at::empty({m, n}, x.options());
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
   const at::Tensor xc = x.contiguous();
-  at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
-  at::Tensor d = at::empty({m, k / kChunk, 16}, x.options());
+  at::Tensor q = at::empty({int8_acts ? m : 0, k}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({int8_acts ? m : 0, k / kChunk, 16}, x.options());
   at::Tensor s = at::empty({m, k / group}, x.options());
-  quantize_acts(xc.data_ptr<float>(), m, k, group, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
+  quantize_acts(xc.data_ptr<float>(), m, k, group, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
+                int8_acts);
   const Acts a{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>()};
   const auto* w = codes.data_ptr<uint8_t>();
   const auto* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
@@ -195,8 +257,13 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t n0 = t * share, n1 = std::min(n, n0 + share);
       if (n0 >= n1) continue;
-      if (bits == 8) all_rows<8>(w, sc, mn, a, yv, n0, n1, m, n, k, group);
-      else all_rows<4>(w, sc, mn, a, yv, n0, n1, m, n, k, group);
+      if (int8_acts) {
+        if (bits == 8) all_rows<8>(w, sc, mn, a, yv, n0, n1, m, n, k, group);
+        else all_rows<4>(w, sc, mn, a, yv, n0, n1, m, n, k, group);
+      } else {
+        if (bits == 8) all_rows_f32<8>(w, sc, mn, xc.data_ptr<float>(), a.s, yv, n0, n1, m, n, k, group);
+        else all_rows_f32<4>(w, sc, mn, xc.data_ptr<float>(), a.s, yv, n0, n1, m, n, k, group);
+      }
     }
   });
   return y;
@@ -236,7 +303,7 @@ at::Tensor quant_dequantize(const at::Tensor& codes, const at::Tensor& scales, c
 
 TORCH_LIBRARY(loraserve_quant, m) {
   m.def("dequantize(Tensor codes, Tensor scales, Tensor mins, int bits, int k, int group) -> Tensor");
-  m.def("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int bits, int group) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int bits, int group, bool int8_acts) -> Tensor");
   m.def("caps() -> int");
 }
 

@@ -1,10 +1,11 @@
 """Weight-only quantized linears on the CPU (`cpu_quant.cpp`), built on first use.
 
 `quant_linear(x, codes, scales, mins, bits, group)` multiplies float32 rows x [M, K] by a weight
-held in model/quant.py's layout (unsigned 4- or 8-bit codes, float16 scale and min per group):
-the activations go to int8 per 32 inputs and each 64-input chunk is one AVX512-VNNI dot product,
-so a one-row step reads 4.5-5 bits a weight instead of 32 (bench/quant_kernels.py has the table
-against torch's own packed matmuls). It is registered with the dispatcher in C++
+held in model/quant.py's layout (unsigned 4- or 8-bit codes, float16 scale and min per group),
+codes turned to float in registers: a one-row step reads 5-6 bits a weight instead of 32
+(bench/quant_kernels.py has the table against torch's own packed matmuls). `int8_acts=True`
+runs the AVX512-VNNI variant instead, activations rounded to int8 per 32 inputs as llama.cpp
+does; measured no faster here and less exact (cpu_quant.cpp), it is kept for the bench. It is registered with the dispatcher in C++
 (`loraserve_quant::quant_linear`), with a fake for torch.compile's graphs.
 
 Built as `cpu_gemv` is, for this CPU (`-march=native`), into the same cache root keyed by the
@@ -41,7 +42,7 @@ def available() -> bool:
             try:
                 torch.ops.load_library(str(_build()))
                 torch.library.register_fake("loraserve_quant::quant_linear")(
-                    lambda x, codes, scales, mins, bits, group: x.new_empty((x.shape[0], codes.shape[0])))
+                    lambda x, codes, scales, mins, bits, group, int8_acts: x.new_empty((x.shape[0], codes.shape[0])))
                 torch.library.register_fake("loraserve_quant::dequantize")(
                     lambda codes, scales, mins, bits, k, group: scales.new_empty((codes.shape[0], k),
                                                                                  dtype=torch.float32))
@@ -52,9 +53,10 @@ def available() -> bool:
 
 
 def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                 bits: int, group: int) -> torch.Tensor:
-    """x [M, K] float32 -> [M, N] float32 through the packed weight (see the module doc)."""
-    return torch.ops.loraserve_quant.quant_linear(x, codes, scales, mins, bits, group)
+                 bits: int, group: int, int8_acts: bool = False) -> torch.Tensor:
+    """x [M, K] float32 -> [M, N] float32 through the packed weight (see the module doc); with
+    int8_acts the activations are rounded to int8 per 32 inputs first (the VNNI kernel)."""
+    return torch.ops.loraserve_quant.quant_linear(x, codes, scales, mins, bits, group, int8_acts)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, k: int,
