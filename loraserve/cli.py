@@ -56,6 +56,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tool-call-parser", metavar="NAME", type=_tool_call_parser,
                    help=f"vLLM's: the tool-call format the model writes, one of "
                         f"{', '.join(PARSERS)} (default: read off the chat template's markers)")
+    from .cli_vllm import add_vllm_flags
+    add_vllm_flags(p)
     from .server.lora_modules import parse_lora_module
     p.add_argument("--lora-modules", nargs="+", action="extend", type=parse_lora_module,
                    default=[], metavar="NAME=PATH",

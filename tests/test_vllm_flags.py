@@ -236,3 +236,37 @@ def test_tool_call_flags(capsys: pytest.CaptureFixture) -> None:
     assert plan_tools(tools, "auto", None, qwen_template).family is QWEN
     assert plan_tools(tools, "auto", None, qwen_template, MISTRAL).family is MISTRAL
     assert plan_tools(tools, "auto", None, "{{ tools }}", LLAMA3).family is LLAMA3
+
+
+# --- vLLM flags without an option of that name (loraserve/cli_vllm.py) ---
+
+from loraserve.cli_vllm import INSTEAD, PARALLEL  # noqa: E402
+
+
+def test_vllm_flags_that_ask_for_what_we_do_start_the_server(serve_config, tmp_path) -> None:
+    from loraserve.demo import build_demo_base
+    base = str(build_demo_base(tmp_path / "base"))
+    cfg = serve_config([base, "--enforce-eager", "--no-enable-prefix-caching", "--trust-remote-code",
+                        "--enable-chunked-prefill", "--tensor-parallel-size", "1", "-pp", "1", "-dp", "1",
+                        "--enable-lora", "--max-loras", "3"])
+    assert (cfg.compile, cfg.prefix_caching, cfg.max_gpu_adapters) == ("off", False, 3)
+    cfg = serve_config([base, "--enable-prefix-caching"])
+    assert (cfg.compile, cfg.prefix_caching) == ("auto", True)
+
+
+@pytest.mark.parametrize("flag", sorted(INSTEAD))
+def test_each_vllm_flag_we_lack_is_refused_in_one_line_naming_ours(flag, capsys) -> None:
+    argv = [flag] + (["x"] if INSTEAD[flag][0] else [])
+    with pytest.raises(SystemExit) as stop:
+        _serve_args(*argv)
+    assert stop.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("loraserve serve: error: " + flag) and INSTEAD[flag][1] in last
+
+
+@pytest.mark.parametrize("flag", sorted(PARALLEL))
+def test_parallel_sizes_other_than_one_name_replicas(flag, capsys) -> None:
+    assert getattr(_serve_args(flag, "1"), flag.strip("-").replace("-", "_")) == 1
+    with pytest.raises(SystemExit):
+        _serve_args(flag, "2")
+    assert "--replicas" in capsys.readouterr().err
