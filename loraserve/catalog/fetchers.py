@@ -139,8 +139,6 @@ class HubFetcher:
     Offline (`HF_HUB_OFFLINE`), files come from huggingface_hub's cache (filled by
     `huggingface-cli download` or `hf_hub_download`), checked against their blob names."""
 
-    CHUNK = 1 << 16
-
     def __init__(self, timeout_s: float, revision: str = "main", cache_dir: str | None = None,
                  deadline_s: float = 60.0) -> None:
         self.endpoint = os.environ.get("HF_ENDPOINT") or None  # None: huggingface_hub's default
@@ -198,7 +196,7 @@ class HubFetcher:
                 raise SourceNotFound(f"{what} does not exist")
             if response.status_code >= 400:
                 raise SourceUnavailable(f"{what}: the Hub answered {response.status_code}")
-            for chunk in response.iter_bytes(self.CHUNK):
+            for chunk in response.iter_bytes():  # each read as it arrives: a drip meets the deadline
                 data += chunk
                 if len(data) > meta.size:
                     raise SourceUnavailable(f"{what}: the Hub sent more than the {meta.size} "
