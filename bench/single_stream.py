@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/_common.py, for bench.decode
 
 import argparse
 import time

@@ -18,7 +18,8 @@ Writes, under --out (every step is skipped when its output is there):
 With --from-gguf FILE (a real model, e.g. SmolLM2-135M-Instruct's Q4_1 file from `make models`)
 hf/ is that file as loraserve reads it (`loraserve.model.gguf.resolve_base`: dequantized to float32,
 its own tokenizer and chat template, written by the project's .venv), and gguf/base-f32.gguf is
-llama.cpp's conversion of that hf/ directory: both servers then run the same float32 weights
+the file with every tensor dequantized to F32 by the `gguf` package (`gguf_to_f32`; metadata and
+tokenizer as in the file): both servers then run the same float32 weights
 (run.py --llama-base FILE serves the original file on llama.cpp's side instead).
 
 Why this tokenizer: llama.cpp's converter recognises a byte-level BPE tokenizer only by a hash of
@@ -137,6 +138,40 @@ def from_gguf(file: Path, hf: Path) -> None:
                     ignore=shutil.ignore_patterns("loraserve-gguf.json"))
 
 
+def gguf_to_f32(src: Path, dst: Path) -> None:
+    """dst = src with every tensor dequantized to F32 by the `gguf` package (llama.cpp's own
+    reader and reference dequantizers), metadata and tokenizer copied as they are: what llama.cpp
+    serves as "the f32 GGUF" of a quantized file. The file's own tokenizer metadata is kept, so
+    llama.cpp tokenizes as it does with the original (converting the hf/ directory back would
+    need llama.cpp's converter to know the tokenizer class loraserve wrote)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        if field.name == gguf.Keys.General.FILE_TYPE:
+            writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    tensors = []
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        tensors.append((t.name, np.ascontiguousarray(data)))
+        writer.add_tensor_info(t.name, data.shape, np.dtype(np.float32), data.nbytes, gguf.GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, data in tensors:
+        writer.write_tensor_data(data)
+    writer.close()
+
+
 def write_adapters(hf: Path, peft_root: Path, n: int, rank: int, sigma: float) -> None:
     import torch
     from peft import LoraConfig, get_peft_model
@@ -166,7 +201,7 @@ def llamacpp_src(cache: Path) -> Path:
     return found[-1]
 
 
-def convert(out: Path, n: int, cache: Path, outtype: str = "f32") -> None:
+def convert(out: Path, n: int, cache: Path, outtype: str = "f32", from_gguf: Path | None = None) -> None:
     """The base and n adapters as gguf/base-{outtype}.gguf and gguf/aNN-{outtype}.gguf. f32 keeps
     the checkpoint's weights exactly; bf16 and f16 round them (bf16 as torch's `.to(bfloat16)`
     does: round to nearest even), and the converter keeps 1-D tensors (norms) in f32."""
@@ -174,6 +209,9 @@ def convert(out: Path, n: int, cache: Path, outtype: str = "f32") -> None:
     gg = out / "gguf"
     gg.mkdir(exist_ok=True)
     base = gg / f"base-{outtype}.gguf"
+    if not base.is_file() and from_gguf is not None and outtype == "f32":
+        gguf_to_f32(from_gguf, Path(str(base) + ".tmp"))
+        Path(str(base) + ".tmp").rename(base)
     if not base.is_file():
         subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(out / "hf"),
                         "--outtype", outtype, "--outfile", str(base) + ".tmp"], check=True)
@@ -236,7 +274,8 @@ def main() -> None:
             write_base(hf, args.hidden, args.layers, args.head_dim, args.seed, args.heads)
     write_adapters(hf, out / "peft", args.adapters, args.rank, args.sigma)
     for outtype in args.outtypes.split(","):
-        convert(out, args.adapters, (args.cache or out.parent).resolve(), outtype.strip())
+        convert(out, args.adapters, (args.cache or out.parent).resolve(), outtype.strip(),
+                args.from_gguf and args.from_gguf.resolve())
     if not (out / "prompts.json").is_file():
         write_prompts(out, args.prompts)
     print(f"model, {args.adapters} adapters and prompts under {out}")

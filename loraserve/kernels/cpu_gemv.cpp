@@ -26,6 +26,10 @@ namespace {
 constexpr int64_t kF32Rows = 8;    // row-major f32: rows a thread reads at once
 constexpr int64_t kF32Cols = 16;   // column-major f32: input rows a thread reads at once
 constexpr int64_t kBf16Rows = 16;  // row-major bf16
+constexpr int64_t kF32Tile = 4;    // row-major f32, several rows of x: weight rows per tile
+// Rows of x up to which a row-major f32 weight is read by `f32_rows_multi` (once, for all rows);
+// from here on the GEMM's own blocking (oneDNN through at::linear) is faster.
+constexpr int64_t kF32MaxRows = 16;
 
 // Split [0, n) into one share per thread, each a multiple of `align` but the last.
 template <typename F>
@@ -67,6 +71,59 @@ void f32_rows(const float* w, const float* x, float* y, int64_t r0, int64_t r1, 
     }
     y[r] = _mm512_reduce_add_ps(acc);
   }
+}
+
+// y[b, r] = W[r, :] . x[b, :] for r in [r0, r0 + R), b in [b0, b0 + B); W row-major [m, n], x [M, n],
+// y [M, m]. R weight rows stream from memory together and every one of them meets B rows of x
+// while in registers: the weight is read once for B rows (R x B accumulators, R + 1 loads per
+// R x B FMAs).
+template <int R, int B>
+inline void f32_tile(const float* w, const float* x, float* y, int64_t r0, int64_t b0, int64_t n, int64_t m) {
+  __m512 acc[R][B];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < B; ++j) acc[i][j] = _mm512_setzero_ps();
+  const float* wr = w + r0 * n;
+  const float* xb = x + b0 * n;
+  for (int64_t k = 0; k < n; k += 16) {
+    const __mmask16 mk = tail16(n - k);
+    __m512 xv[B];
+#pragma GCC unroll 4
+    for (int j = 0; j < B; ++j) xv[j] = _mm512_maskz_loadu_ps(mk, xb + j * n + k);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m512 wv = _mm512_maskz_loadu_ps(mk, wr + i * n + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < B; ++j) acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < B; ++j) y[(b0 + j) * m + r0 + i] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+// Rows [r0, r1) of y = x W^T for M rows of x: each block of weight rows meets every row of x
+// (in tiles of 4, then the 1-3 left) before the next block is read, so the weight streams from
+// memory once whatever M is; x stays in the core's caches.
+template <int R>
+void f32_rows_block(const float* w, const float* x, float* y, int64_t r, int64_t n, int64_t m, int64_t M) {
+  int64_t b = 0;
+  for (; b + 4 <= M; b += 4) f32_tile<R, 4>(w, x, y, r, b, n, m);
+  switch (M - b) {
+    case 3: f32_tile<R, 3>(w, x, y, r, b, n, m); break;
+    case 2: f32_tile<R, 2>(w, x, y, r, b, n, m); break;
+    case 1: f32_tile<R, 1>(w, x, y, r, b, n, m); break;
+    default: break;
+  }
+}
+
+void f32_rows_multi(const float* w, const float* x, float* y, int64_t r0, int64_t r1, int64_t n, int64_t m,
+                    int64_t M) {
+  int64_t r = r0;
+  for (; r + kF32Tile <= r1; r += kF32Tile) f32_rows_block<kF32Tile>(w, x, y, r, n, m, M);
+  for (; r < r1; ++r) f32_rows_block<1>(w, x, y, r, n, m, M);
 }
 
 // y[c0:c1] = x . Wt[:, c0:c1]; Wt row-major [n, m] (the column-major W of a [m, n] linear).
@@ -140,13 +197,29 @@ int64_t caps() {
 bool row_major(const at::Tensor& w) { return w.stride(1) == 1 && w.stride(0) == w.size(1); }
 bool col_major(const at::Tensor& w) { return w.stride(0) == 1 && w.stride(1) == w.size(0); }
 
-// x [1, n] @ weight[m, n].T -> [1, m]. weight row-major (f32 or bf16) or column-major (f32).
+// x [M, n] @ weight[m, n].T -> [M, m]. One row: weight row-major (f32 or bf16) or column-major
+// (f32). Several rows: a row-major f32 weight up to kF32MaxRows rows is read once for all of
+// them (`f32_rows_multi`); any other case goes to at::linear, so a caller (and a compiled graph)
+// may send every batch size here.
 at::Tensor vec_linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "vec_linear: CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "vec_linear: x must be [1, in] and weight [out, in]");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "vec_linear: x must be [rows, in] and weight [out, in]");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "vec_linear: x and weight dtypes differ");
-  const int64_t m = weight.size(0), n = weight.size(1);
+  const int64_t m = weight.size(0), n = weight.size(1), rows = x.size(0);
+  if (rows != 1) {
+#if defined(__AVX512F__)
+    if (x.scalar_type() == at::kFloat && row_major(weight) && rows >= 2 && rows <= kF32MaxRows) {
+      const at::Tensor xc = x.contiguous();
+      at::Tensor y = at::empty({rows, m}, x.options());
+      const float *w = weight.data_ptr<float>(), *xv = xc.data_ptr<float>();
+      float* yv = y.data_ptr<float>();
+      per_thread(m, kF32Tile, [&](int64_t lo, int64_t hi) { f32_rows_multi(w, xv, yv, lo, hi, n, m, rows); });
+      return y;
+    }
+#endif
+    return at::linear(x, weight);
+  }
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({1, m}, x.options());
 #if defined(__AVX512F__)

@@ -49,8 +49,16 @@ def supports(dtype: torch.dtype) -> bool:
     return bool(_caps() & _CAPS.get(dtype, 0))
 
 
+def reads_rows_once(dtype: torch.dtype) -> bool:
+    """Whether `vec_linear` reads a row-major `dtype` weight once for 2-16 rows (float32 with AVX-512)."""
+    return dtype == torch.float32 and supports(dtype)
+
+
 def vec_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [1, in] @ weight [out, in].T -> [1, out]; weight row-major, or column-major (f32)."""
+    """y = x @ weight.T: x [M, in], weight [out, in] -> y [M, out]. One row: weight row-major, or
+    column-major (f32). 2-16 rows over a row-major f32 weight: read once for all rows (a small
+    decode batch pays one weight read, as one row does). Anything else: `torch.nn.functional.linear`'s
+    GEMM, so every batch size may be sent here."""
     return torch.ops.loraserve_cpu.vec_linear(x, weight)
 
 
@@ -75,7 +83,7 @@ def _load(lib: Path) -> None:
     if str(lib) in _loaded:
         return
     torch.ops.load_library(str(lib))
-    torch.library.register_fake("loraserve_cpu::vec_linear")(lambda x, weight: x.new_empty((1, weight.shape[0])))
+    torch.library.register_fake("loraserve_cpu::vec_linear")(lambda x, weight: x.new_empty((x.shape[0], weight.shape[0])))
     _loaded.add(str(lib))
 
 

@@ -96,14 +96,18 @@ def weight_layout(setting: str, model: nn.Module, device: torch.device, dtype: t
                   max_batch: int, cache_bytes: int | None = None) -> str:
     """"packed" (oneDNN's layout, `prepack_linears`) or "plain" for `--weight-prepack` `setting`
     (auto | on | off). auto packs a base whose weights outgrow the last-level cache, unless no
-    step can hold more than PLAIN_MAX_BATCH sequences: one copy of the weights serves every batch
-    size, so the layout follows the largest batch the engine can run."""
+    step can hold more than PLAIN_MAX_BATCH sequences, or `cpu_gemv` reads a plain weight once
+    for a small batch of rows in this dtype (`cpu_gemv.reads_rows_once`: float32 on AVX-512):
+    then one stream and a few read the weights at the memory's rate, which the packed GEMM does
+    not at one row (bench/RESULTS.md, issue 41 part 2). One copy of the weights serves every
+    batch size, so the layout follows the steps that read most bytes per token."""
     if setting == "off" or not can_prepack(device, dtype):
         return "plain"
     if setting == "on":
         return "packed"
     big = outgrows_last_level_cache(model, cache_bytes)
-    return "packed" if big and max_batch > PLAIN_MAX_BATCH else "plain"
+    few_rows = max_batch <= PLAIN_MAX_BATCH or cpu_gemv.reads_rows_once(dtype)
+    return "packed" if big and not few_rows else "plain"
 
 
 _HANDLES: dict[int, weakref.ref] = {}  # handle -> a live PackedLinear's packed weight
@@ -162,11 +166,11 @@ class PackedLinear(nn.Module):
 
 
 # Dtypes whose one-row product runs fastest over a column-major weight (the [out, in] weight
-# stored as [in, out]): MKL's float32 GEMM of one row by a contiguous [in, out] matrix streamed
-# 0.6B shapes ~8% faster than `torch.mv` over [out, in], and its 42-row prefill GEMM too;
-# `cpu_gemv`'s column-major kernel streams it as fast as its row-major one. The bfloat16 kernels
-# are the other way round: row-major is fastest for `torch.mv` and for `cpu_gemv`'s AVX512-BF16
-# kernel, column-major 2-3x slower (bench/single_stream.py layouts --dtype, bench/RESULTS.md).
+# stored as [in, out]) where `cpu_gemv` is missing: MKL's float32 GEMM of one row by a contiguous
+# [in, out] matrix streamed 0.6B shapes ~8% faster than `torch.mv` over [out, in]. Where
+# `cpu_gemv` reads float32 rows (AVX-512), the weight stays row-major: its kernel for several
+# rows reads that layout, and one row streams it 1.14x faster than the column-major kernel (SmolLM2
+# shapes, bench/RESULTS.md issue 41). bfloat16 is row-major either way (column-major 2-3x slower).
 COLUMN_MAJOR_DTYPES = (torch.float32,)
 
 
@@ -179,15 +183,17 @@ class VectorLinear(nn.Linear):
     gradients, to `F.linear`. The weight's shape is [out, in] either way, so whatever reads it
     (LoRA shapes, training hooks through `F.linear`) sees an ordinary linear."""
 
-    native = False  # one-row calls through cpu_gemv (set by `vector_linears`)
+    native = False  # calls through cpu_gemv (set by `vector_linears`)
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
-        if x.dim() != 2 or x.shape[0] != 1 or x.dtype != w.dtype:
+        if x.dim() != 2 or x.dtype != w.dtype:
             return F.linear(x, w, self.bias)
         if self.native and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
-            y = cpu_gemv.vec_linear(x, w)
+            y = cpu_gemv.vec_linear(x, w)  # any row count: the kernel picks (cpu_gemv.vec_linear)
             return y if self.bias is None else y + self.bias
+        if x.shape[0] != 1:
+            return F.linear(x, w, self.bias)
         if not w.is_contiguous():
             return F.linear(x, w, self.bias)
         y = torch.mv(w, x[0])
@@ -210,7 +216,8 @@ def vector_linears(model: nn.Module) -> int:
             child.__class__ = VectorLinear
             count += 1
             w = child.weight
-            if w.dtype in COLUMN_MAJOR_DTYPES and shared[id(w)] == 1 and w.is_contiguous():
+            column = w.dtype in COLUMN_MAJOR_DTYPES and not cpu_gemv.reads_rows_once(w.dtype)
+            if column and shared[id(w)] == 1 and w.is_contiguous():
                 child.weight = nn.Parameter(w.t().contiguous().t(), requires_grad=w.requires_grad)
                 moved.add(id(child.weight))
             child.native = _native_one_row(child.weight)

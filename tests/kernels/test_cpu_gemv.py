@@ -79,6 +79,31 @@ def test_one_row_product_equals_float64_reference(out, inp, layout, threads, see
         torch.set_num_threads(before)
 
 
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(rows=st.integers(1, 40), out=st.integers(1, 70), inp=st.integers(1, 150), layout=st.sampled_from(LAYOUTS),
+       threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_a_product_of_any_row_count_equals_float64_reference(rows, out, inp, layout, threads, seed):
+    """Several rows: a row-major float32 weight is read once for 2-16 rows (tiles of 4 weight rows
+    by 4, 3, 2 or 1 rows of x: every tail), the rest goes to torch's GEMM; all equal the reference."""
+    dtype, order = layout
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, inp, generator=g).to(dtype)
+    if order == "column":
+        w = w.t().contiguous().t()
+    x = torch.randn(rows, inp, generator=g).to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        if cpu_gemv.supports(dtype):
+            got = cpu_gemv.vec_linear(x, w)
+            if dtype == torch.float32 or rows == 1:
+                _assert_matches(got, x, w)
+            else:  # torch's bf16 GEMM rounds as it does, not to one ulp
+                torch.testing.assert_close(got.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_vector_linears_use_the_kernel_where_it_exists(dtype):
     """`native` follows `supports`; with a bias, several rows, or gradients a call goes to torch."""
@@ -128,7 +153,7 @@ def test_the_op_refuses_what_it_has_no_kernel_for():
         assert not cpu_gemv.supports(torch.bfloat16)  # nothing built: nothing to call
         return
     with pytest.raises(RuntimeError, match="x must be"):
-        cpu_gemv.vec_linear(torch.ones(2, 8), torch.ones(4, 8))
+        cpu_gemv.vec_linear(torch.ones(2, 8), torch.ones(4, 9))
     with pytest.raises(RuntimeError, match="no kernel"):
         cpu_gemv.vec_linear(torch.ones(1, 8, dtype=torch.float16), torch.ones(4, 8, dtype=torch.float16))
     with pytest.raises(RuntimeError, match="no kernel"):  # neither row- nor column-major

@@ -18,6 +18,7 @@ def test_weight_layout_at_bfloat16_follows_the_batch_size_as_at_float32():
     assert weight_layout("auto", model, cpu, bf16, 64, cache_bytes=big) == batching
     assert weight_layout("auto", model, cpu, bf16, PLAIN_MAX_BATCH, cache_bytes=big) == "plain"
     assert weight_layout("auto", model, cpu, torch.float32, PLAIN_MAX_BATCH, cache_bytes=big) == "plain"
+    # float32 where cpu_gemv reads a few rows at once: plain for a batching server too
 
 
 def test_vector_linear_one_row_at_bfloat16_equals_f_linear_to_bfloat16_rounding():

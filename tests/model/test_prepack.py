@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraserve.model import load_model
+from loraserve.kernels import cpu_gemv
 from loraserve.model.prepack import (DEFAULT_LLC_BYTES, PLAIN_MAX_BATCH, PackedLinear, VectorLinear,
                                      bf16_kernels, can_prepack, last_level_cache_bytes, linear_weight_bytes,
                                      outgrows_last_level_cache, prepack_linears, unpack_linears,
@@ -43,7 +44,8 @@ def test_packed_linear_equals_f_linear_for_any_row_count(bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_vector_linear_equals_f_linear_with_its_dtypes_layout(bias, dtype):
     """`vector_linears` swaps the class; a float32 weight is copied column-major (its one-row
-    GEMM streams it fastest), a bfloat16 one stays row-major (one row as torch.mv). The shape
+    GEMM streams it fastest) unless `cpu_gemv` reads float32 rows here (then it stays row-major,
+    the layout of that kernel), a bfloat16 one stays row-major (one row as torch.mv). The shape
     stays [out, in] and the values are the same; any row count gives F.linear's result."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(48, 80, bias=bias), nn.ReLU(), nn.Linear(80, 8, bias=bias)).to(dtype)
@@ -54,8 +56,9 @@ def test_vector_linear_equals_f_linear_with_its_dtypes_layout(bias, dtype):
     assert all(type(m) is VectorLinear for m in (model[0], model[2]))
     for m, (w, b) in zip((model[0], model[2]), ref):
         assert torch.equal(m.weight, w) and m.bias is b and m.weight.shape == w.shape
-        assert m.weight.is_contiguous() == (dtype != torch.float32)
-        assert m.weight.t().is_contiguous() == (dtype == torch.float32)
+        column = dtype == torch.float32 and not cpu_gemv.reads_rows_once(dtype)
+        assert m.weight.is_contiguous() == (not column)
+        assert m.weight.t().is_contiguous() == column
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for x, y in zip(xs, want):
         torch.testing.assert_close(model(x), y, rtol=tol, atol=tol)
@@ -68,7 +71,7 @@ def test_vector_linears_keeps_a_tied_head_on_its_embedding():
     model = nn.ModuleDict({"emb": emb, "head": head, "mlp": nn.Linear(16, 16)})
     vector_linears(model)
     assert model["head"].weight is emb.weight and emb.weight.is_contiguous()
-    assert model["mlp"].weight.t().is_contiguous()
+    assert model["mlp"].weight.t().is_contiguous() != cpu_gemv.reads_rows_once(torch.float32)
     x = torch.randn(1, 16)
     torch.testing.assert_close(model["head"](x), x @ emb.weight.t(), rtol=1e-5, atol=1e-5)
 
@@ -78,7 +81,9 @@ def test_weight_layout_packs_a_big_base_that_can_batch():
     model = nn.Sequential(nn.Linear(64, 64))
     size = linear_weight_bytes(model)
     big, small = size - 1, size  # last-level cache bytes: outgrown, not outgrown
-    assert weight_layout("auto", model, cpu, f32, 64, cache_bytes=big) == "packed"
+    # where cpu_gemv reads a plain float32 weight once for a few rows, plain serves every batch
+    batching = "plain" if cpu_gemv.reads_rows_once(f32) else "packed"
+    assert weight_layout("auto", model, cpu, f32, 64, cache_bytes=big) == batching
     assert weight_layout("auto", model, cpu, f32, PLAIN_MAX_BATCH, cache_bytes=big) == "plain"
     assert weight_layout("auto", model, cpu, f32, 64, cache_bytes=small) == "plain"
     assert weight_layout("on", model, cpu, f32, 1, cache_bytes=small) == "packed"
