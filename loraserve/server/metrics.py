@@ -78,7 +78,7 @@ class ServerMetrics:
         self.prefix_hit_rate = Gauge("loraserve_prefix_cache_hit_rate",
                                      "Prompt tokens found in the prefix cache / looked up, since start",
                                      registry=r)
-        self.sequences = SequenceMetrics()  # vLLM's per-sequence histograms (vllm_metrics.py)
+        self.sequences = SequenceMetrics(r)  # vLLM's per-sequence histograms (vllm_metrics.py)
         self.engine_counters = EngineCounters()
         r.register(self.engine_counters)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, fds (Linux)

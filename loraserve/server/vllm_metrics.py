@@ -14,7 +14,6 @@ too); each is mapped to what loraserve measures, never a constant:
   vllm:request_queue_time_seconds       engine arrival to first scheduled          last delta
   vllm:request_prefill_time_seconds     first scheduled to first token             arrives:
   vllm:request_decode_time_seconds      first token to the end                     `finished`)
-  vllm:request_inference_time_seconds   first scheduled to the end
   vllm:request_max_num_generation_tokens  each sequence's max_tokens, at admission
   vllm:request_success_total{finished_reason}  finished sequences: stop | length | abort
   (vllm:num_requests_running/waiting and vllm:gpu_cache_usage_perc are router_metrics.py's)
@@ -46,23 +45,29 @@ from prometheus_client.registry import Collector
 from loraserve.engine.types import RequestOutput
 from loraserve.server.router_metrics import label_names, labelled_snapshots
 
-_TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))  # 1 .. 5e6, vLLM's 1-2-5
-_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-                 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0,
-                  10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Fewer buckets than vLLM's (each is a line every scrape renders, ~10-20 us apiece): powers of 8
+# for token counts, a few decades for times.
+_TOKEN_BUCKETS = (1, 8, 64, 256, 1024, 4096, 16384, 65536)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+_PHASE_BUCKETS = (0.01, 0.05, 0.25, 1.0, 2.5, 10.0, 40.0, 160.0)
 FINISHED_REASONS = ("stop", "length", "abort")
 # loraserve_adapter_page_in_seconds{source} -> vllm:lora_adapter_load_seconds{transition}
 _TRANSITIONS = {"disk": "load", "cpu": "activation"}
 
 
 class SequenceMetrics:
-    """vLLM's per-sequence histograms, observed by the endpoint (registered nowhere: the
-    collector below exports them under vLLM's names with the served model's name)."""
+    """vLLM's per-sequence histograms, observed by the endpoint, in `registry` under vLLM's
+    names, labelled with the served model's name once `bind` has named it (nothing is observed
+    before)."""
 
-    def __init__(self) -> None:
+    def __init__(self, registry=None) -> None:
+        self._all: list = []
+        self._bound: dict | None = None
+
         def hist(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, registry=None, buckets=buckets)
+            h = Histogram(name, doc, ["model_name"], registry=registry, buckets=buckets)
+            self._all.append(h)
+            return h
 
         self.prompt = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
                            _TOKEN_BUCKETS)
@@ -79,41 +84,40 @@ class SequenceMetrics:
                             "Histogram of time spent in PREFILL phase for request.", _PHASE_BUCKETS)
         self.decode = hist("vllm:request_decode_time_seconds",
                            "Histogram of time spent in DECODE phase for request.", _PHASE_BUCKETS)
-        self.inference = hist("vllm:request_inference_time_seconds",
-                              "Histogram of time spent in RUNNING phase for request.",
-                              _PHASE_BUCKETS)
         self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                               ["finished_reason"], registry=None)
-        for reason in FINISHED_REASONS:
-            self.success.labels(finished_reason=reason)
+                               ["model_name", "finished_reason"], registry=registry)
+
+    def bind(self, model_name: str) -> None:
+        """Label every series with `model_name` (the served base's) from now on."""
+        b = {name: h.labels(model_name=model_name) for name, h in vars(self).items()
+             if h in self._all}
+        b["success"] = {r: self.success.labels(model_name=model_name, finished_reason=r)
+                        for r in FINISHED_REASONS}
+        self._bound = b
 
     def admitted(self, max_tokens: int, sequences: int) -> None:
         """`sequences` sequences, each allowed `max_tokens`, entered the engine."""
-        for _ in range(sequences):
-            self.max_tokens.observe(max_tokens)
+        if self._bound is not None:
+            for _ in range(sequences):
+                self._bound["max_tokens"].observe(max_tokens)
 
     def finished(self, out: RequestOutput) -> None:
         """A sequence's last delta (`out.finish_reason` set): its tokens and, with the engine's
         `timings`, its phases. An error is no success and has no phases."""
-        if out.finish_reason not in FINISHED_REASONS:
+        b = self._bound
+        if b is None or out.finish_reason not in FINISHED_REASONS:
             return
-        self.success.labels(finished_reason=out.finish_reason).inc()
-        self.prompt.observe(out.num_prompt_tokens)
-        self.generation.observe(out.num_output_tokens)
+        b["success"][out.finish_reason].inc()
+        b["prompt"].observe(out.num_prompt_tokens)
+        b["generation"].observe(out.num_output_tokens)
         if out.timings is None:
             return
         queue_s, prefill_s, decode_s = out.timings
-        self.queue.observe(queue_s)
-        self.prefill.observe(prefill_s)
-        self.decode.observe(decode_s)
-        self.inference.observe(prefill_s + decode_s)
+        b["queue"].observe(queue_s)
+        b["prefill"].observe(prefill_s)
+        b["decode"].observe(decode_s)
         if out.num_output_tokens > 1:
-            self.tpot.observe(decode_s / (out.num_output_tokens - 1))
-
-    def families(self) -> Iterator[Metric]:
-        for m in (self.prompt, self.generation, self.max_tokens, self.tpot, self.queue,
-                  self.prefill, self.decode, self.inference, self.success):
-            yield from m.collect()
+            b["tpot"].observe(decode_s / (out.num_output_tokens - 1))
 
 
 def renamed(families, name: str, labels: dict[str, str]) -> Metric:
@@ -129,12 +133,14 @@ def renamed(families, name: str, labels: dict[str, str]) -> Metric:
 
 
 class VllmCollector(Collector):
-    """Every vLLM name of the module doc for `engine` (its `model_name`, snapshots) and
-    `metrics` (the app's ServerMetrics)."""
+    """The vLLM names of the module doc that are another series renamed, or the snapshot's, for
+    `engine` (its `model_name`, snapshots) and `metrics` (the app's ServerMetrics, whose
+    SequenceMetrics it binds to the model's name; those are in its registry already)."""
 
     def __init__(self, engine, metrics) -> None:
         self.engine = engine
         self.metrics = metrics
+        metrics.sequences.bind(engine.model_name)
 
     def collect(self) -> Iterator[Metric]:
         model = {"model_name": self.engine.model_name}
@@ -143,8 +149,6 @@ class VllmCollector(Collector):
         yield renamed(m.ttft.collect(), "vllm:time_to_first_token_seconds", model)
         yield renamed(m.prompt_tokens.collect(), "vllm:prompt_tokens", model)
         yield renamed(m.generation_tokens.collect(), "vllm:generation_tokens", model)
-        for family in m.sequences.families():
-            yield renamed([family], family.name, model)
         if self.engine.snapshot is not None:  # an engine that publishes one (not a test fake)
             yield from lora_families(labelled_snapshots(self.engine), model)
 
