@@ -13,9 +13,10 @@ packed two to a byte, byte j of each 64-input chunk holding input j (low nibble)
 
 The LoRA wrappers see an ordinary projection (`in_features`, `out_features`, forward(x)); its
 delta runs beside this layer unchanged. Which kernel multiplies is chosen by rows per call from
-the measured table `KERNELS` (bench/quant_kernels.py): the project's own VNNI kernel
-(kernels/cpu_quant) for decode's few rows, a float GEMM over the weight dequantized per call
-for prefill's many. A linear whose inputs are no multiple of 64 stays float (logged).
+the measured table `KERNELS` (bench/quant_kernels.py): the project's own AVX-512 kernel
+(kernels/cpu_quant, float activations) for decode's few rows, a float GEMM over the weight
+dequantized per call for prefill's many; a call that needs gradients (training through the
+base) takes the GEMM too. A linear whose inputs are no multiple of 64 stays float (logged).
 """
 from __future__ import annotations
 
@@ -31,10 +32,11 @@ from ..kernels import cpu_quant
 log = logging.getLogger(__name__)
 
 GROUPS = (32, 64, 128)
-# Rows per call up to which the VNNI kernel beats "dequantize, then a float GEMM", per scheme,
-# from bench/quant_kernels.py on the 2-core AVX-512 dev machine (bench/RESULTS.md, "Quantized
-# bases"): at SmolLM2 and Qwen3-0.6B shapes the kernel won at every row count measured up to
-# these, the dequantized GEMM from the next measured count on.
+# Rows per call up to which the kernel (kernels/cpu_quant, float activations) serves, per scheme;
+# above, a float GEMM over the weight dequantized per call. From bench/quant_kernels.py on the
+# 2-core AVX-512 dev machine (bench/RESULTS.md, "Quantized bases"): the kernel beat
+# "dequantize + F.linear" at 1 and 4 rows on every shape and at 16 on most; at 64 the
+# dequantized GEMM won on some shapes, so prefill's many rows take it.
 KERNELS = {"int4": 16, "int8": 16}
 CHUNK = 64  # inputs per packed chunk (the kernel's step)
 
@@ -67,8 +69,8 @@ class Scheme:
         return f"int{self.bits}-" + ("channel" if self.group == 0 else f"g{self.group}")
 
 
-# Chosen by bench/quant_kernels.py: 32 costs 1/4 more scale/min bytes than 128 and reads the
-# same speed to within noise at decode shapes; 64 keeps the error of 32 within 10% (table there).
+# Chosen by bench/quant_kernels.py: group 32 read slower at decode shapes (a scale and a min per
+# 32 inputs: 1 bit a weight more than 64), 64 and 128 the same speed; 64 is the smaller error.
 DEFAULT_INT4_GROUP = 64
 
 
@@ -194,17 +196,3 @@ def quant_linear_of(linear: nn.Linear, scheme: Scheme) -> QuantLinear:
     """The QuantLinear of a float nn.Linear."""
     codes, scales, mins, group = quantize_weight(linear.weight, scheme)
     return QuantLinear(codes, scales, mins, scheme.bits, group, linear.in_features, linear.bias)
-
-
-def quantize_linears(model: nn.Module, scheme: Scheme) -> int:
-    """Make every plain `nn.Linear` of model (the head included; embeddings and norms stay) a
-    QuantLinear, in place; returns how many. After loading and fusing, before LoRA wrappers.
-    A tied head gets its own quantized copy: the embedding keeps its float table."""
-    swaps = [(parent, name, child) for parent in model.modules()
-             for name, child in parent.named_children() if type(child) is nn.Linear]
-    for parent, name, child in swaps:
-        try:
-            setattr(parent, name, quant_linear_of(child, scheme))
-        except QuantError as e:
-            log.warning("%s stays float: %s", name, e)
-    return len(swaps)
