@@ -11,7 +11,8 @@ each request `behave(repo, method)` picks one of BEHAVIOURS:
 - `reset`: closes the connection with a TCP reset before answering;
 - `garbage`: answers bytes that are no HTTP;
 - `short`: states the size, sends half, closes;
-- `error`: a 500.
+- `error`: a 500;
+- `corrupt` (never drawn by `seeded`): the file with one byte flipped, its ETag the true one's.
 
 Every connection is served on its own thread; `close()` ends them all (hung ones included).
 """
@@ -119,6 +120,11 @@ class BadHub:
         headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{etag_of(name, data)}"',
                    "Content-Length": str(len(data))}
         body = b"" if method == b"HEAD" else data
+        if behaviour == "corrupt" and body:
+            body = bytes([body[0] ^ 1]) + body[1:]
+            behaviour = "good"
+        elif behaviour == "corrupt":
+            behaviour = "good"
         return getattr(self, f"_{behaviour}")(conn, headers, body)
 
     def _send(self, conn: socket.socket, status: int, headers: dict[str, str], body: bytes,

@@ -52,7 +52,7 @@ class Picker:
 
     def __call__(self, repo: str, method: str) -> str:
         name = repo.split("/", 1)[1]
-        if name in BEHAVIOURS:
+        if name in BEHAVIOURS or name == "corrupt":
             return name
         if name.startswith("fuzz-") or name == "both":
             return self.fuzz(repo, method) if name != "both" else "hang"
@@ -65,8 +65,9 @@ def served(tmp_path_factory, hf_dense) -> Iterator[dict]:
     cat_dir, hub_root, local = tmp / "catalog", tmp / "hub", tmp / "local"
     Catalog.create(cat_dir, shards=2).close()
     write_peft(tmp / "peft", hf_dense, seed=5)
-    for name in (*BEHAVIOURS, "both", *(f"fuzz-{i}" for i in range(12))):
+    for name in (*BEHAVIOURS, "both", "corrupt", "huge", *(f"fuzz-{i}" for i in range(12))):
         shutil.copytree(tmp / "peft", hub_root / "acme" / name)
+    (hub_root / "acme" / "huge" / "adapter_model.safetensors").write_bytes(b"\0" * (5 << 20))
     for name in ("both", *(f"l{i}" for i in range(40))):
         shutil.copytree(tmp / "peft", local / ("acme" if name == "both" else "beta") / name)
     shutil.copytree(tmp / "peft", local / "beta" / "secret")
@@ -127,6 +128,26 @@ def test_each_failure_of_a_source_is_a_503_naming_it(served: dict, behaviour: st
     assert_clean(r, served)
     if behaviour == "lie":  # the transfer stopped at the stated size, not at the lie's end
         assert served["hub"].max_sent < 256 << 20
+
+
+@pytest.mark.parametrize("name, status, words", [
+    ("corrupt", 400, "checksum mismatch"),  # an answer, not a failure: no fall-through
+    ("huge", 413, "bytes"),
+])
+def test_the_answers_of_a_source_name_no_url_or_path(served: dict, name: str, status: int,
+                                                       words: str) -> None:
+    _wait_free(served["bulkhead"])
+    r = complete(served["http"], f"acme/{name}", "acme")
+    assert r.status_code == status and words in r.json()["error"]["message"], r.text
+    assert_clean(r, served)
+    assert "adapter source 1 (hf)" in r.json()["error"]["message"]
+
+
+def test_a_load_of_a_uri_outside_the_sources_names_none(served: dict) -> None:
+    r = served["http"].post("/v1/load_lora_adapter", headers=_auth("acme"), json={
+        "lora_name": "acme/elsewhere", "lora_path": "hf://beta/secret"})
+    assert r.status_code in (401, 403), r.text
+    assert_clean(r, served)
 
 
 def test_a_failing_source_falls_through_to_the_next(served: dict) -> None:
