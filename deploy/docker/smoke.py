@@ -41,6 +41,9 @@ PODMAN = ["podman", "run", "-d", "--runtime", RUNTIME, "--network", "host",
 # --engine-timeout (default 30 s without progress) for a host whose two cores are shared: the
 # first steps run beside the decode step's background compiles, and one took over 30 s there
 SERVE_ENV = ["-e", f"LORASERVE_ENGINE_TIMEOUT={os.environ.get('SMOKE_ENGINE_TIMEOUT', '180')}"]
+# more serve settings for both runs, to narrow a failure down: SMOKE_ENV="LORASERVE_X=1 LORASERVE_Y=2"
+for setting in os.environ.get("SMOKE_ENV", "").split():
+    SERVE_ENV += ["-e", setting]
 # the chart's emptyDirs (deploy/render.py: CACHE_DIR, DEMO_DIR, /tmp)
 WRITABLE = ["/tmp", "/var/lib/loraserve/cache", "/var/lib/loraserve/demo"]
 REPO = Path(__file__).resolve().parents[2]
