@@ -30,11 +30,11 @@ class FaultIn:
         doc = self.store.policy_doc(adapter_id)
         remote = doc.policy
         if remote is None or not remote.revisions:  # never published, or deleted
-            raise AdapterNotFound(f"adapter {adapter_id!r} not found in {self.store.uri}")
+            raise AdapterNotFound(f"adapter {adapter_id!r} not found in the catalog store")
         rev = remote.promoted if revision is None else remote.tags.get(revision, revision)
         if rev is None or rev not in remote.revisions:
             raise RevisionNotFound(f"adapter {adapter_id!r} has no revision {revision or 'promoted'!r} "
-                                   f"in {self.store.uri}")
+                                   "in the catalog store")
         return doc, rev
 
     def copy(self, doc: PolicyDoc, rev: str) -> None:

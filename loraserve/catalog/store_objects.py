@@ -26,6 +26,7 @@ fails its record's checksum is CorruptBlob.
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from dataclasses import dataclass, field
 
@@ -33,6 +34,8 @@ from .errors import CatalogError, CorruptBlob, SourceNotFound, SourceUnavailable
 from .fetchers import s3_error
 from .format import blob_checksum
 from .records import PolicyRecord, RevisionRecord
+
+log = logging.getLogger(__name__)
 
 
 class WriteConflict(CatalogError):
@@ -103,9 +106,10 @@ class ObjectStore:
         try:
             return fn(Bucket=self.bucket, **kw)
         except ClientError as exc:
-            raise s3_error(exc, f"{self.uri}: {what}") from None
-        except BotoCoreError as exc:
-            raise SourceUnavailable(f"{self.uri}: {what}: store unreachable ({exc})") from None
+            raise s3_error(exc, f"the catalog store: {what}") from None
+        except BotoCoreError as exc:  # the endpoint and bucket go to the log, not to clients
+            log.warning("catalog store %s: %s: %s", self.uri, what, exc)
+            raise SourceUnavailable(f"the catalog store: {what}: store unreachable") from None
 
     def exists(self, key: str) -> bool:
         try:
@@ -141,10 +145,11 @@ class ObjectStore:
         except ClientError as exc:
             code = str(exc.response.get("Error", {}).get("Code", ""))
             if code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
-                raise WriteConflict(f"{self.uri}: {key} was written by another writer") from None
-            raise s3_error(exc, f"{self.uri}: {key}") from None
+                raise WriteConflict(f"the catalog store: {key} was written by another writer") from None
+            raise s3_error(exc, f"the catalog store: {key}") from None
         except BotoCoreError as exc:
-            raise SourceUnavailable(f"{self.uri}: {key}: store unreachable ({exc})") from None
+            log.warning("catalog store %s: %s: %s", self.uri, key, exc)
+            raise SourceUnavailable(f"the catalog store: {key}: store unreachable") from None
 
     def get_with_etag(self, key: str) -> tuple[bytes, str] | None:
         """(the object, its ETag), or None when absent."""
@@ -261,7 +266,7 @@ class ObjectStore:
         blob = self.get(self.blob_key(record.checksum)) if where is None else \
             self.get_range(where["segment"], where["offset"], record.size)
         if blob is None:
-            raise CorruptBlob(f"{record.ref}: blob {record.checksum} is missing from {self.uri}")
+            raise CorruptBlob(f"{record.ref}: blob {record.checksum} is missing from the catalog store")
         if len(blob) != record.size or blob_checksum(blob) != record.checksum:
-            raise CorruptBlob(f"{record.ref}: the blob in {self.uri} fails its checksum; not cached")
+            raise CorruptBlob(f"{record.ref}: the blob in the catalog store fails its checksum; not cached")
         return blob

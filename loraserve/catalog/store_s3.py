@@ -108,12 +108,12 @@ class StoreTier:
         if doc.policy is None:
             return
         if revision in doc.deleted:
-            raise RevisionExists(f"{adapter_id}@{revision} was deleted in {self.store.uri}; a revision id is "
+            raise RevisionExists(f"{adapter_id}@{revision} was deleted in the catalog store; a revision id is "
                                  "never reused: save under another name")
         if revision in doc.policy.revisions:
             record = self.store.locate(doc, revision)[0]
             if record is None or record.checksum != blob_checksum(blob):
-                raise RevisionExists(f"{adapter_id}@{revision}: {self.store.uri} holds that revision with "
+                raise RevisionExists(f"{adapter_id}@{revision}: the catalog store holds that revision with "
                                      "other bytes, and the store's copy wins: save under another name")
 
     def _local_revisions(self, adapter_id: str) -> list[str]:

@@ -220,3 +220,17 @@ class socket_closed:
 
     def __exit__(self, *exc: object) -> None:
         pass
+
+
+def test_an_unreachable_catalog_store_names_no_endpoint_or_bucket(monkeypatch) -> None:
+    from loraserve.catalog.store_objects import ObjectStore
+    with socket_closed() as endpoint:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        store = ObjectStore("s3://internal-bucket/prod")
+        with pytest.raises(SourceUnavailable) as err:
+            store.policy("acme/x")
+    text = str(err.value)
+    assert err.value.status == 503 and "internal-bucket" not in text and endpoint not in text, text
