@@ -5,7 +5,6 @@ A seeded grammar fuzzer (depth, breadth, patterns, refs) runs against the live s
 long run is bench/grammar_fuzz.py."""
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
