@@ -80,14 +80,17 @@ class S3Fetcher:
         what = f"s3://{bucket}/{key}"
         try:
             head = self.client.head_object(Bucket=bucket, Key=key)
-            _budget(what, head["ContentLength"], left, max_bytes)
+            stated = head["ContentLength"]
+            _budget(what, stated, left, max_bytes)
             obj = self.client.get_object(Bucket=bucket, Key=key, IfMatch=head["ETag"])
-            data = obj["Body"].read(left + 1)
+            data = obj["Body"].read(stated + 1)  # never more than it stated, and one byte
         except ClientError as exc:
             raise s3_error(exc, what) from None
         except BotoCoreError as exc:
             raise SourceUnavailable(f"{what}: store unreachable ({exc})") from None
-        _budget(what, len(data), left, max_bytes)
+        if len(data) != stated:  # a store that lies about a size is failing, not answering
+            raise SourceUnavailable(f"{what}: {len(data)}{'+' if len(data) > stated else ''} "
+                                    f"bytes where {stated} were stated")
         verify_s3(what, data, obj["ETag"], obj.get("Metadata", {}))
         return data
 
