@@ -41,6 +41,7 @@ ray = pytest.importorskip("ray")
 import psutil  # noqa: E402  (Ray's: on sys.path once ray is imported)
 
 from loraserve.demo import DEMO_ADAPTERS, DemoPaths, build_demo  # noqa: E402
+from loraserve.ray_serve.config import REPLICA_DEPLOYMENT  # noqa: E402
 from loraserve.ray_serve.routing import preference  # noqa: E402
 from loraserve.server.residency import Bloom  # noqa: E402
 from ray_testing import ready  # noqa: E402
@@ -52,6 +53,7 @@ PROMPT = DEMO_ADAPTERS[0][1]
 HEADER = "x-loraserve-replica"
 START_S = 300       # the server's start: Ray, Serve, two engines (~60 s on 2 busy cores)
 SHUTDOWN_TIMEOUT_S = 30
+ENGINE_TIMEOUT_S = 10  # each replica's engine core: no progress this long and it is replaced
 LONG_TOKENS = 900   # a stream long enough to act on while it runs
 HELD_TOKENS = 4000  # streams read while checks run beside them (max_model_len 4096)
 ADMIN_KEY, ACME_KEY = "ray-admin-key", "ray-acme-key"
@@ -127,7 +129,7 @@ def server(demo: DemoPaths, tmp_path_factory) -> Iterator[Server]:
            "--adapter-root", str(demo.root / "adapters"), "--device", "cpu",
            "--max-model-len", "4096", "--max-batch-size", "4", "--max-gpu-adapters", "2",
            "--torch-threads", "1", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
-           "--keys", str(keys)]
+           "--engine-timeout", str(ENGINE_TIMEOUT_S), "--keys", str(keys)]
     log = work / "server.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -466,6 +468,48 @@ def test_metrics_show_every_replica(http) -> None:
                  "loraserve_running_requests", "loraserve_adapter_resident"):
         assert {s.labels["replica"] for s in fams[name]} == replicas, name
     assert fams["loraserve_catalog_shards_degraded"][0].value == 0
+
+
+def _replica_cores() -> list[psutil.Process]:
+    """The engine-core processes of the engine replicas: each replica hosts the process
+    transport, so its core is a multiprocessing child of the replica's actor process."""
+    cores = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            parent = p.parent()
+            if ("spawn_main" in " ".join(p.cmdline()) and parent is not None
+                    and REPLICA_DEPLOYMENT in " ".join(parent.cmdline())):
+                cores.append(p)
+    return cores
+
+
+def test_a_replica_whose_engine_is_wedged_stops_reporting_and_its_core_is_replaced(http) -> None:
+    """A replica's engine loop that makes no progress (its core stopped: SIGSTOP) is no longer
+    reported to the ingress (Ray replicas hosted the in-thread engine before, and a wedged
+    engine thread kept reporting healthy: tests/engine/test_hosting_liveness.py), and the
+    replica's supervisor kills, reaps and replaces the core after the engine timeout, as
+    `serve` does: both replicas report again and serve."""
+    replicas = live_replicas(http)
+    cores = _replica_cores()
+    assert len(cores) == 2, [_cmdline(c) for c in cores]
+    wedged = cores[0]
+    wedged.send_signal(signal.SIGSTOP)
+    try:
+        [left] = live_replicas(http, count=1, timeout_s=60)  # the wedged one stopped reporting
+        assert left in replicas
+        deadline = time.monotonic() + 120  # past the engine timeout: killed, reaped, replaced
+        while psutil.pid_exists(wedged.pid):
+            assert time.monotonic() < deadline, "the wedged core was not replaced"
+            time.sleep(0.5)
+    finally:
+        with contextlib.suppress(psutil.Error):
+            wedged.send_signal(signal.SIGCONT)
+    assert live_replicas(http, count=2, timeout_s=180) == replicas  # the same replica, a new core
+    assert len(_replica_cores()) == 2
+    model = base_model(http)
+    for i in range(8):
+        r = chat(http, [model, *PHRASES][i % 4], max_tokens=4)
+        assert r.status_code == 200, (i, r.text)
 
 
 def test_runtime_load_goes_through_the_one_writer(http) -> None:

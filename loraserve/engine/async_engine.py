@@ -6,13 +6,20 @@ queue, its deltas and call returns come back to the event loop with `call_soon_t
 everything the HTTP side reads about the engine comes from the `EngineSnapshot` it publishes.
 This is the single-process hosting (tests, debugging, `loraserve serve --single-process`);
 `CoreClient` runs the same core in its own process.
+
+Its loop stamps PROGRESS at the start of each turn (LOOP_WAITING while it waits), as the core
+process's does (`heartbeat`), and `ready` reads it: an engine thread stuck in one turn for
+`engine_timeout_s` is not ready (/ready 503), as a stalled core is not. ALIVE is this very
+process, always alive while it answers.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
+import time
 
 from .client.frontend import EngineFrontend
 from .client.sourcing import Sourcing
@@ -20,16 +27,18 @@ from .config import EngineConfig
 from .core.build import build_engine
 from .core.engine_core import EngineCore
 from .core.llm_engine import LLMEngine
+from .heartbeat import ENGINE_TIMEOUT_S, HEARTBEAT_S, LOOP_WAITING, PROGRESS, Heartbeat
 from .messages import Message, Return, Train
 from .snapshot import EngineSnapshot
 from .training import Trainer
+from .types import EngineError
 
 log = logging.getLogger(__name__)
 _WAKE = object()  # on the queue: run a turn (a page-in landed, a grammar compiled, ...)
 
 
 class AsyncEngine(EngineFrontend):
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, engine_timeout_s: float = ENGINE_TIMEOUT_S):
         super().__init__(engine.tokenizer)
         self.engine = engine
         self.cfg = engine.cfg
@@ -42,6 +51,8 @@ class AsyncEngine(EngineFrontend):
         self.core = EngineCore(engine, lambda: self._inbox.put(_WAKE))  # engine thread only
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self.heartbeat = [math.inf, LOOP_WAITING]  # ALIVE: this process; PROGRESS: the loop's
+        self._progress = Heartbeat(self.heartbeat, HEARTBEAT_S, engine_timeout_s)
         self.trainer = Trainer(
             lambda op, args: self.call(lambda cid: Train(cid, op, tuple(args))),
             engine.cfg.train_max_tokens)
@@ -63,6 +74,20 @@ class AsyncEngine(EngineFrontend):
     @property
     def snapshot(self) -> EngineSnapshot:
         return self.engine.snapshot
+
+    @property
+    def ready(self) -> bool:
+        """The engine thread makes progress: not stuck in one turn for the engine timeout."""
+        return self._progress.stalled_for(time.monotonic()) <= self._progress.timeout_s
+
+    def unavailable(self) -> EngineError:
+        stuck = self._progress.stalled_for(time.monotonic())
+        if stuck <= self._progress.timeout_s:
+            return super().unavailable()
+        err = EngineError(f"the engine has made no progress for {stuck:.1f} s; retry later",
+                          status=503, code="engine_unavailable")
+        err.retry_after = 1
+        return err
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -90,9 +115,17 @@ class AsyncEngine(EngineFrontend):
 
     def _run(self) -> None:
         """The engine thread: the core's turns, each with the messages that are here."""
-        core = self.core
+        core, beat = self.core, self.heartbeat
         while not self._stop.is_set() and core.running:
-            outs = core.turn(self._take(core.wait_s()))
+            wait_s = core.wait_s()
+            if wait_s != 0:  # waiting for a message or a wake-up is not being stuck
+                beat[PROGRESS] = LOOP_WAITING
+                messages = self._take(wait_s)
+                beat[PROGRESS] = time.monotonic()
+            else:
+                beat[PROGRESS] = time.monotonic()
+                messages = self._take(0)
+            outs = core.turn(messages)
             if outs:  # before the slice: a token never waits for it
                 self._loop.call_soon_threadsafe(self._deliver, outs)
             self._hand_back(core.replies())

@@ -9,7 +9,8 @@ server's loop was busy.
 - `ALIVE` is written every heartbeat interval by a thread of the core (`Beat`), from the moment
   the process runs (`core_boot.boot_core`, before it imports torch and builds the engine). It goes stale
   when the process stops running: SIGSTOP, a freeze, a C call that holds the GIL.
-- `PROGRESS` is written by the core's loop itself at the start of each turn (`EngineCore.serve`),
+- `PROGRESS` is written by the core's loop itself at the start of each turn (`EngineCoreProc.serve`;
+  the in-thread transport, `AsyncEngine._run`, stamps its own the same way),
   and is `LOOP_WAITING` while the loop blocks waiting for a command: waiting is not being stuck,
   however long it lasts. It goes stale when the loop is stuck in one turn (a step that never
   ends), while ALIVE goes on.
@@ -28,6 +29,7 @@ import time
 ALIVE, PROGRESS = 0, 1  # the heartbeat slots
 LOOP_WAITING = -1.0     # PROGRESS while the core's loop waits for a command
 HEARTBEAT_S = 0.5       # how often the beat thread writes ALIVE
+ENGINE_TIMEOUT_S = 30.0  # `serve --engine-timeout`: no progress this long and the engine is stalled
 SUSPECT_BEATS = 4       # ALIVE this many beats old (at least 1 s): not beating
 
 

@@ -42,6 +42,10 @@ class ScaleOutConfig:
     object_store_mb: int | None = None  # local Ray's object store; None: Ray's default
     routing: str = "affinity"   # ROUTING: the engine deployment's Serve request router
     load_bound_c: float = 1.25  # affinity: a replica takes no request past c x the mean load
+    # each replica supervises its engine-core process as `serve` does (`--engine-timeout`,
+    # `--engine-start-timeout`): no progress this long and the core is replaced
+    engine_timeout_s: float = 30.0
+    engine_start_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING:
@@ -57,6 +61,8 @@ class ScaleOutConfig:
             raise ValueError("num_cpus sizes a local Ray; it cannot be given with --ray-address")
         if self.replica_cpus < 0 or (self.replica_gpus or 0) < 0:
             raise ValueError("replica_cpus and replica_gpus must be >= 0")
+        if not self.engine_timeout_s > 0:
+            raise ValueError(f"engine_timeout_s must be > 0, got {self.engine_timeout_s}")
         if not 0 < self.report_interval_s < self.stale_after_s:
             raise ValueError("need 0 < report_interval_s < stale_after_s")
         if not 0 <= self.port < 65536:
@@ -128,4 +134,6 @@ def from_args(args: argparse.Namespace) -> ScaleOutConfig | None:
                           replica_gpus=args.replica_gpus, host=args.host, port=args.port,
                           object_store_mb=args.ray_object_store_mb,
                           routing=args.replica_routing or "affinity",
-                          load_bound_c=1.25 if args.load_bound is None else args.load_bound)
+                          load_bound_c=1.25 if args.load_bound is None else args.load_bound,
+                          engine_timeout_s=args.engine_timeout,
+                          engine_start_timeout_s=args.engine_start_timeout)

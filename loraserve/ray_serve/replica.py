@@ -1,5 +1,14 @@
-"""An engine replica: one `AsyncEngine` over the server's EngineConfig, catalog read-only, as a
-Ray Serve deployment.
+"""An engine replica: one engine-core process over the server's EngineConfig, catalog read-only,
+as a Ray Serve deployment.
+
+The replica hosts the process transport (`CoreClient`), as `loraserve serve` does: its engine
+runs in an engine-core process that the replica supervises through its heartbeat, so a replica
+inherits stall detection and restart. A core whose loop makes no progress for the engine
+timeout ends its requests with one clean 503 and is replaced; while no core is ready the replica
+stops reporting to the ingress (`_report_loop`), so the ingress's board drops it after
+`stale_after_s` and /ready reads the engines' progress, not the replica's event loop. A
+supervisor that gave up fails Serve's health check (`check_health`), and Serve replaces the
+replica.
 
 Requests arrive through the ingress's deployment handle with the adapter id as Serve's
 multiplexed model id. `load_adapter` (`@serve.multiplexed`, its capacity the engine's device
@@ -22,7 +31,7 @@ from ray import serve
 
 from loraserve.catalog.errors import CatalogError
 
-from ..engine.async_engine import AsyncEngine
+from ..engine.client.core_client import CoreClient
 from ..engine.config import EngineConfig
 from ..engine.messages import Residency
 from ..engine.types import EngineError
@@ -45,7 +54,8 @@ class EngineReplica:
         # the ingress runs the miss path and the durable tier (the catalog's one writer)
         cfg = EngineConfig(**{**engine_config, "catalog_readonly": True, "adapter_sources": [],
                               "catalog_store": None})
-        self.engine = AsyncEngine.from_config(cfg)
+        self.engine = CoreClient(cfg, engine_timeout_s=scale.engine_timeout_s,
+                                 start_timeout_s=scale.engine_start_timeout_s)
         await self.engine.start()
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
@@ -72,11 +82,21 @@ class EngineReplica:
 
     # -- control calls from the ingress ----------------------------------------------------------
     async def info(self) -> dict:
-        """What the ingress checks adapters against (the pool's rank and target kinds)."""
-        mgr = self.engine.adapter_manager
-        limits = mgr.pool.limits if mgr is not None else None
-        return {"replica": self.replica_id, "max_rank": limits.max_rank if limits else 0,
-                "kinds": list(limits.kinds) if limits else []}
+        """What the ingress checks adapters against (the pool's rank and target kinds, from the
+        core's handshake)."""
+        info = self.engine.core_info
+        return {"replica": self.replica_id, "max_rank": info.max_rank if info else 0,
+                "kinds": list(info.kinds) if info else []}
+
+    async def core_pid(self) -> int | None:
+        """The engine-core process serving here now (tests stop it to wedge this replica)."""
+        return self.engine.core_pid
+
+    async def check_health(self) -> None:
+        """Serve's health check: unhealthy once the supervisor gave up on its engine core (a
+        core that stalls or dies is replaced by the supervisor itself, without Serve)."""
+        if self.engine.state == "stopped":
+            raise RuntimeError("the engine core's supervisor stopped")
 
     async def warm(self, ref: str) -> list[str]:
         """Page ref into the CPU tier (after /v1/load_lora_adapter); this replica now holds it."""
@@ -89,10 +109,15 @@ class EngineReplica:
 
     # -- reports to the ingress -----------------------------------------------------------------
     async def _report_loop(self) -> None:
-        """Every report interval: the snapshot and command results to the ingress; run the
-        commands it hands back. Errors (the ingress restarting, say) are retried next time."""
+        """Every report interval while the engine core is ready (up, beating and making
+        progress): the snapshot and command results to the ingress; run the commands it hands
+        back. Errors (the ingress restarting, say) are retried next time. No report while no
+        core is ready: the ingress counts this replica out after `stale_after_s`."""
         while True:
             try:
+                if not self.engine.ready:
+                    await asyncio.sleep(self.scale.report_interval_s)
+                    continue
                 sent = self._results
                 self._results = {}
                 commands = await self._ingress.report.remote(

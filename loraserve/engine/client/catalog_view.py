@@ -21,8 +21,9 @@ from ..directory import EVERYONE, AdapterDirectory
 
 class CatalogView:
     def __init__(self, catalog_dir: str, base_name: str, warm_on: Callable[[RevisionRecord], None],
-                 base_fingerprint: str = ""):
-        self.catalog = open_for_serving(catalog_dir, readonly=False)  # shard hosts map the shards
+                 base_fingerprint: str = "", readonly: bool = False):
+        """`readonly`: this process never writes the catalog (a Ray Serve engine replica)."""
+        self.catalog = open_for_serving(catalog_dir, readonly=readonly)  # shard hosts map the shards
         self.directory = AdapterDirectory(base_name, self.catalog, base_fingerprint)
         self._warm_on = warm_on
 

@@ -45,7 +45,7 @@ from ..config import EngineConfig
 from ..core.boot import boot_core
 from ..directory import AdapterDirectory
 from .frontend import EngineFrontend
-from ..heartbeat import HEARTBEAT_S, Heartbeat, heartbeat_slots
+from ..heartbeat import ENGINE_TIMEOUT_S, HEARTBEAT_S, Heartbeat, heartbeat_slots
 from ..snapshot import EngineSnapshot
 from ..training import Trainer
 from ..messages import (Batch, CoreInfo, Hello, Malformed, Message, Ready, Return, Step, Stop,
@@ -55,7 +55,6 @@ from ..wire import unpacker
 
 log = logging.getLogger(__name__)
 
-ENGINE_TIMEOUT_S = 30.0  # `serve --engine-timeout`: no progress this long and the core is stalled
 RETRY_AFTER_MAX_S = 60
 CAUSES = ("exited", "stalled", "start_failed")  # why a core was replaced (the restart counter's label)
 
@@ -137,7 +136,8 @@ class CoreClient(EngineFrontend):
         self.vocab_size = mc.vocab_size
         self.adapter_manager = CatalogView(
             cfg.catalog_dir, self.model_name,
-            lambda rec: self.call_from_thread(lambda cid: Warm(cid, rec))) if cfg.catalog_dir else None
+            lambda rec: self.call_from_thread(lambda cid: Warm(cid, rec)),
+            readonly=cfg.catalog_readonly) if cfg.catalog_dir else None
         self.directory = (self.adapter_manager.directory if self.adapter_manager is not None
                           else AdapterDirectory(self.model_name))
         self.sourcing = Sourcing.open(cfg, self.adapter_manager, self.directory)
@@ -155,6 +155,7 @@ class CoreClient(EngineFrontend):
         self.state = "stopped"  # starting | up | down (a backoff before the next start) | stopped
         self._state_since = time.monotonic()
         self._snapshot = EngineSnapshot()
+        self.core_info: CoreInfo | None = None  # the current core's handshake
         # the current core
         self._proc: multiprocessing.Process | None = None
         self._transport: asyncio.Transport | None = None  # None: no core to write to
@@ -372,6 +373,7 @@ class CoreClient(EngineFrontend):
         return proc
 
     def _handshake(self, info: CoreInfo) -> None:
+        self.core_info = info
         if self.adapter_manager is not None:
             self.adapter_manager.learn(info.base_fingerprint,
                                        PoolLimits(info.max_rank, info.kinds))
