@@ -2,7 +2,7 @@
 bandwidth, each weight layout's GEMM time at a few rows, and the engine's decode step.
 
     python bench/single_stream.py bandwidth                # GB/s of a large sum and copy
-    python bench/single_stream.py layouts [--rows 1,4,32] [--dtype bfloat16]  # per-layout GEMM at 0.6B shapes
+    python bench/single_stream.py layouts [--rows 1,4,32] [--dtype bfloat16] [--shapes smollm2]  # per-layout GEMM
     python bench/single_stream.py step --model DIR [--batches 1,4] [--profile]
     python bench/single_stream.py step --model DIR --variants 'packed:weight_prepack=on;plain:weight_prepack=off'
     python bench/single_stream.py ops --model DIR [--engine-args max_batch_size=1]   # ops a step dispatches
@@ -35,6 +35,10 @@ import torch.nn.functional as F
 SHAPES_06B = {"q": (1024, 2048), "k": (1024, 1024), "v": (1024, 1024), "o": (2048, 1024),
               "gate": (1024, 3072), "up": (1024, 3072), "down": (3072, 1024)}
 LAYERS = 28
+# SmolLM2-135M, q/k/v and gate/up fused as the engine serves them (30 layers; the tied head's
+# [49152, 576] read once per step is not in the table)
+SHAPES_SMOLLM2 = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
+SHAPES = {"0.6b": (SHAPES_06B, 28), "smollm2": (SHAPES_SMOLLM2, 30)}
 
 
 def best_of(fn, reps: int) -> float:
@@ -61,10 +65,12 @@ def layouts(rows: int, reps: int, fused: bool, dtype: torch.dtype = torch.float3
     loraserve's own one-row kernels (`kernels/cpu_gemv.cpp`) where this CPU has them."""
     from loraserve.kernels import cpu_gemv
     shapes = dict(SHAPES_06B)
-    if fused:   # what a loader concatenating at load time would hand the step
+    if fused == "smollm2":
+        shapes = dict(SHAPES_SMOLLM2)
+    elif fused:   # what a loader concatenating at load time would hand the step
         shapes = {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)}
     weights = [{k: (torch.randn(o, i) / i ** 0.5).to(dtype) for k, (i, o) in shapes.items()}
-               for _ in range(LAYERS)]
+               for _ in range(SHAPES["smollm2"][1] if fused == "smollm2" else LAYERS)]
     xs = {i: torch.randn(rows, i).to(dtype) for i, _ in shapes.values()}
     prepared = {
         "F.linear [out,in]": weights,
@@ -85,6 +91,9 @@ def layouts(rows: int, reps: int, fused: bool, dtype: torch.dtype = torch.float3
     if dtype != torch.float32:  # oneDNN's packed layout: float32 here (see model.prepack)
         for name in ("oneDNN packed (hint 1)", "oneDNN packed (hint 256)"):
             del calls[name]
+    if rows > 1 and cpu_gemv.reads_rows_once(dtype):  # the rows read the weight once (2-16)
+        prepared["cpu_gemv [out,in]"] = weights
+        calls["cpu_gemv [out,in]"] = lambda w, x: cpu_gemv.vec_linear(x, w)
     if rows == 1:
         prepared["torch.mv [out,in]"] = weights
         calls["torch.mv [out,in]"] = lambda w, x: torch.mv(w, x[0])
@@ -107,8 +116,9 @@ def layouts(rows: int, reps: int, fused: bool, dtype: torch.dtype = torch.float3
     return best
 
 
-def weight_bytes(fused: bool, dtype: torch.dtype = torch.float32) -> int:
-    return LAYERS * sum(i * o for i, o in SHAPES_06B.values()) * dtype.itemsize
+def weight_bytes(fused: bool | str, dtype: torch.dtype = torch.float32) -> int:
+    shapes, layers = SHAPES["smollm2"] if fused == "smollm2" else SHAPES["0.6b"]
+    return layers * sum(i * o for i, o in shapes.values()) * dtype.itemsize
 
 
 def step_profile(model: str, batches: list[int], tokens: int, profile: bool, extra: dict) -> None:
@@ -264,6 +274,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--rows", default="1,4,32")
     ap.add_argument("--fused", action="store_true", help="layouts: qkv and gate_up concatenated")
+    ap.add_argument("--shapes", default="0.6b", choices=list(SHAPES),
+                    help="layouts: Qwen3-0.6B's linears, or SmolLM2-135M's (fused, as served)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="layouts: weight dtype")
     ap.add_argument("--model", default=None)
     ap.add_argument("--batches", default="1,4")
@@ -281,12 +293,13 @@ def main() -> None:
             print(f"{name:>20}: {gbs:6.1f} GB/s")
     elif args.what == "layouts":
         dtype = getattr(torch, args.dtype)
-        nbytes = weight_bytes(args.fused, dtype)
-        print(f"0.6B shapes, {LAYERS} layers, {nbytes / 1e9:.2f} GB of {args.dtype} linear weights, "
-              f"{args.threads} threads, fused={args.fused}, best of {args.reps}")
+        fused = "smollm2" if args.shapes == "smollm2" else args.fused
+        nbytes = weight_bytes(fused, dtype)
+        print(f"{args.shapes} shapes, {nbytes / 1e9:.2f} GB of {args.dtype} linear weights, "
+              f"{args.threads} threads, fused={bool(fused)}, best of {args.reps}")
         for rows in (int(r) for r in args.rows.split(",")):
             with torch.inference_mode():
-                best = layouts(rows, args.reps, args.fused, dtype)
+                best = layouts(rows, args.reps, fused, dtype)
             for name, s in best.items():
                 print(f"rows {rows:>3}  {name:<30} {s * 1e3:8.2f} ms  {nbytes / s / 1e9:6.1f} GB/s")
     elif args.what == "split":
