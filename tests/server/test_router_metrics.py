@@ -112,17 +112,25 @@ def test_sequences_keep_the_name_as_asked(engine) -> None:
     assert eng.make_sequence(GenerateRequest("names-2", [1], SamplingParams(max_tokens=1))).adapter_ref is None
 
 
-def _per_call(fn, n: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n
+class _Reads:
+    """The engine, recording the names a scrape reads off it."""
+
+    def __init__(self, engine):
+        self._engine, self.names = engine, []
+
+    def __getattr__(self, name):
+        self.names.append(name)
+        return getattr(self._engine, name)
 
 
-def test_a_scrape_stays_cheap(http, app, engine) -> None:
-    """Every collector reads snapshots only: about 20 µs for the vLLM gauges and 1.5 ms for a
-    whole render on the 2-core development machine; the bounds leave room for a busy one."""
+def test_a_scrape_reads_published_snapshots_only(http, app, engine) -> None:
+    """A scrape costs no engine work: the collectors read the snapshot the engine published
+    (and names and config fixed at start-up), never a call into the engine loop, and render
+    reads only the stats handed to it. (What it costs in time is bench work, not a test's.)"""
     assert http.get("/metrics").status_code == 200
-    router = RouterMetricsCollector(engine)
-    assert _per_call(lambda: list(router.collect()), 200) < 0.001
-    assert _per_call(lambda: app.state.ctx.metrics.render(engine.stats()), 50) < 0.025
+    reads = _Reads(engine)
+    assert list(RouterMetricsCollector(reads).collect())
+    assert set(reads.names) <= {"replica_snapshots", "snapshot", "model_name", "config"}, reads.names
+    stats = engine.stats()
+    text = app.state.ctx.metrics.render(stats).decode()
+    assert "vllm:num_requests_running" in text and "loraserve_" in text
