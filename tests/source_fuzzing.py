@@ -177,7 +177,9 @@ class BadHub:
         return False
 
     def _error(self, conn, headers, body) -> bool:
-        return self._send(conn, 500, {}, b"upstream error")
+        """A 500 (with a body only where HTTP allows one: not for HEAD), then the connection closed."""
+        self._send(conn, 500, {}, b"upstream error" if body else b"")
+        return False
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
