@@ -1,14 +1,18 @@
 """The engine, in two halves that run in different processes, and what they share.
 
 - `engine.core`: where the model is. The scheduler, KV block books, model runner, sampler and the
-  step loop (`core.llm_engine.LLMEngine`, driven by `core.engine_loop.EngineLoop`), the structured-
-  output matchers, and the engine-core process's main (`core.process`, entered via `core.boot`).
+  step loop (`core.llm_engine.LLMEngine`, driven by `core.engine_loop.EngineLoop`), the
+  transport-free `core.engine_core.EngineCore` that owns them (admission, call dispatch,
+  residency), the structured-output matchers, and the engine-core process's transport
+  (`core.process.EngineCoreProc`, entered via `core.boot`).
   Build an engine with `core.build.build_engine`.
 - `engine.client`: the API process's side. `client.frontend.EngineFrontend` (detokenize, stop
-  strings, resolve warm refs), and `client.core_client.CoreClient`, which talks to an engine-core
-  process over a Unix socket (`wire`) and reads the catalog through `client.catalog_view`.
-- Shared by both: `types` (requests, outputs, errors), `wire`, `snapshot`, `config`, `interface`
-  (the engine interface the server uses), `heartbeat`, `directory` (model name -> `ResolvedModel`).
+  strings, resolve warm refs, calls), and `client.core_client.CoreClient`, which talks to an
+  engine-core process over a Unix socket and reads the catalog through `client.catalog_view`.
+- Shared by both: `types` (requests, outputs, errors), `messages` (the one typed message set
+  between the sides), `wire` (its field codecs), `snapshot`, `config`, `interface` (the engine
+  interface the server uses), `heartbeat`, `directory` (model name -> `ResolvedModel`),
+  `structured` (grammar text the server checks).
 - `async_engine.AsyncEngine` hosts both halves in one process: the core on a thread, the client
   on the event loop.
 

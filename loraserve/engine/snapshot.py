@@ -4,9 +4,9 @@ The engine thread is the only writer of the scheduler, the block manager and the
 pool. The HTTP loop (`/metrics`, `/v1/models`) never reads those containers; it reads the latest
 `EngineSnapshot`, which the engine replaces (one reference assignment, atomic in Python) after
 applying commands, when it goes idle, and at most every `PUBLISH_EVERY_S` while it steps (in an
-engine-core process, the snapshot travels with the step's deltas: `wire`). A revision's residency
-for `/v1/adapters/{id}` is the one exception: the snapshot's device set answers `gpu` in process,
-and an engine core answers a `residency` call on its own thread (`core.EngineCore._residency`).
+engine-core process, the snapshot travels with the step's deltas: a `messages.Step`). A
+revision's residency for `/v1/adapters/{id}` is the one exception: on every hosting the engine
+core answers a `Residency` call on its own thread (`core.engine_core.EngineCore.residency`).
 """
 from __future__ import annotations
 
