@@ -271,3 +271,25 @@ def test_a_float_base_adapter_is_refused_on_an_int4_base_unless_allowed(tmp_path
         engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0), ["acme/a"])
     allowed = build_engine(EngineConfig(**cfg, allow_quantized_base_adapters=True))
     assert len(allowed.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0), ["acme/a"])[0]) == 2
+
+
+def test_serve_flags_reach_the_engine_config(tmp_path, make_hf, serve_config):
+    file = gguf_of(make_hf("qwen3", **TINY), tmp_path / "gguf" / "m.gguf", GG.Q4_1)
+    assert serve_config(["--model", str(file)]).quantize == "auto"  # a quantized file stays quantized
+    assert serve_config(["--model", str(file), "--dequantize"]).quantize == "none"
+    cfg = serve_config(["--model", str(file), "--quantize", "int4", "--quantize-group", "128",
+                        "--allow-quantized-base-adapters"])
+    assert (cfg.quantize, cfg.quantize_group, cfg.allow_quantized_base_adapters) == ("int4", 128, True)
+    with pytest.raises(SystemExit):  # argparse: 48 is no choice
+        serve_config(["--model", str(file), "--quantize", "int4", "--quantize-group", "48"])
+
+
+def test_gradients_flow_to_the_input_not_to_the_quantized_weight():
+    """Training LoRA through a quantized base: the layer passes gradients to its input (the GEMM
+    over the dequantized weight) and has no parameter of its own to train."""
+    layer = quant_linear_of(nn.Linear(128, 64, bias=False), Scheme(4, 64))
+    assert not any(p.requires_grad for p in layer.parameters())
+    x = torch.randn(2, 128, requires_grad=True)
+    layer(x).square().sum().backward()
+    w = layer.dequantized()
+    torch.testing.assert_close(x.grad, 2 * (x.detach() @ w.t()) @ w, rtol=1e-4, atol=1e-4)
