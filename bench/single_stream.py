@@ -91,7 +91,7 @@ def layouts(rows: int, reps: int, fused: bool, dtype: torch.dtype = torch.float3
     if dtype != torch.float32:  # oneDNN's packed layout: float32 here (see model.prepack)
         for name in ("oneDNN packed (hint 1)", "oneDNN packed (hint 256)"):
             del calls[name]
-    if rows > 1 and cpu_gemv.reads_rows_once(dtype):  # the rows read the weight once (2-16)
+    if rows > 1 and cpu_gemv.reads_rows_once(dtype):  # the rows read the weight once (2-64)
         prepared["cpu_gemv [out,in]"] = weights
         calls["cpu_gemv [out,in]"] = lambda w, x: cpu_gemv.vec_linear(x, w)
     if rows == 1:

@@ -50,13 +50,13 @@ def supports(dtype: torch.dtype) -> bool:
 
 
 def reads_rows_once(dtype: torch.dtype) -> bool:
-    """Whether `vec_linear` reads a row-major `dtype` weight once for 2-16 rows (float32 with AVX-512)."""
+    """Whether `vec_linear` reads a row-major `dtype` weight once for 2-64 rows (float32 with AVX-512)."""
     return dtype == torch.float32 and supports(dtype)
 
 
 def vec_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y = x @ weight.T: x [M, in], weight [out, in] -> y [M, out]. One row: weight row-major, or
-    column-major (f32). 2-16 rows over a row-major f32 weight: read once for all rows (a small
+    column-major (f32). 2-64 rows over a row-major f32 weight: read once for all rows (a
     decode batch pays one weight read, as one row does). Anything else: `torch.nn.functional.linear`'s
     GEMM, so every batch size may be sent here."""
     return torch.ops.loraserve_cpu.vec_linear(x, weight)
