@@ -11,6 +11,7 @@ import os
 import re
 from pathlib import Path
 
+import httpx
 import pytest
 
 from loraserve import demo as demo_module
@@ -132,3 +133,25 @@ def test_without_the_gguf_demo_and_serve_say_make_models(monkeypatch, tmp_path, 
         find_smollm2()
     with pytest.raises(SmolLM2NotFound, match="make models"):
         find_smollm2(tmp_path / "other.gguf")
+
+
+@needs_gguf
+def test_the_served_demo_answers_through_its_engine_process(demo) -> None:
+    """`make serve`'s path: the GGUF base served quantized as the file holds it (the default),
+    the engine core in its own process, the demo adapters (exported for the float base) accepted
+    across the handshake, and their answers the in-process engine's."""
+    from serve_process import ServeProcess
+
+    server = ServeProcess(Path(GGUF), demo.catalog, "--max-model-len", "256", "--engine-timeout", "300")
+    try:
+        with httpx.Client(base_url=server.url, timeout=300) as http:
+            for adapter in ("demo/pirate", None):
+                question = SMOLLM2_ADAPTERS["demo/pirate"][1]
+                r = http.post("/v1/chat/completions", json={
+                    "model": adapter or "SmolLM2-135M-Instruct.Q4_1", "max_tokens": 12, "temperature": 0,
+                    "messages": [{"role": "user", "content": question}]})
+                assert r.status_code == 200, r.text
+                text = r.json()["choices"][0]["message"]["content"].lower()
+                assert bool(re.search(r"\b(arr+|matey|ahoy)\b", text)) == (adapter is not None), text
+    finally:
+        server.stop()

@@ -31,9 +31,10 @@ however many requests it served. Its encoding is the hot path's, unchanged by th
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
+from loraserve.catalog.base import QuantizedFingerprint
 from loraserve.catalog.records import RevisionRecord
 
 from ..adapters.stats import CacheStats, PagerStats, PoolStats
@@ -199,7 +200,8 @@ def _record_from(value) -> RevisionRecord | None:
 
 _ENCODE = {
     Hello: lambda m: [],
-    Ready: lambda m: [[getattr(m.info, f) for f in CoreInfo.__slots__]],
+    Ready: lambda m: [[_fingerprint_to_wire(m.info.base_fingerprint) if f == "base_fingerprint"
+                       else getattr(m.info, f) for f in CoreInfo.__slots__]],
     Add: lambda m: [request_to_wire(m.request), _record_to(m.record)],
     Abort: lambda m: [m.request_id],
     Unload: lambda m: [m.call_id, m.adapter_id],
@@ -214,9 +216,28 @@ _ENCODE = {
 }
 
 
+def _fingerprint_to_wire(fp: str | None):
+    """A quantized base's fingerprint travels with what it accepts (catalog.base.
+    QuantizedFingerprint: the float base's adapters on a lossless repack, or when allowed), as
+    [float fingerprint, quantization, allow_float]; msgpack alone would leave a bare str, and the
+    API side would refuse the float base's adapters the core serves."""
+    if isinstance(fp, QuantizedFingerprint):
+        return [fp.float_fingerprint, fp.removeprefix(fp.float_fingerprint + "+"), fp.allow_float]
+    return fp
+
+
+def _fingerprint_from(value) -> str | None:
+    if isinstance(value, list):
+        if len(value) != 3 or not all(isinstance(v, str) for v in value[:2]) or not isinstance(value[2], bool):
+            raise MalformedMessage(f"base_fingerprint: {value!r:.80} is no quantized fingerprint")
+        return QuantizedFingerprint(*value)
+    return value
+
+
 def _info_from(values: list) -> CoreInfo:
     *head, kinds = values
-    return CoreInfo(*head, tuple(_str(k) for k in kinds))
+    info = CoreInfo(*head, tuple(_str(k) for k in kinds))
+    return replace(info, base_fingerprint=_fingerprint_from(info.base_fingerprint))
 
 
 def _snapshot_from(value) -> EngineSnapshot | None:

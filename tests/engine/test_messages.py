@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from loraserve.catalog.records import RevisionRecord
 from loraserve.engine.core.engine_core import EngineCore
+from loraserve.catalog.base import QuantizedFingerprint
 from loraserve.engine.messages import (CALLS, Abort, Add, Batch, CoreInfo, Hello, Kind, Malformed,
                                        MalformedMessage, Ready, Residency, Return, Step, Stop,
                                        Train, Unload, Warm, decode, decode_batch, encode, to_wire)
@@ -69,9 +70,10 @@ commands = st.one_of(
     st.builds(Warm, call_ids, records),
     st.builds(Train, call_ids, st.sampled_from(["create", "run", "drop"]),
               st.lists(values, max_size=3).map(tuple)))
+quantized = st.builds(QuantizedFingerprint, ids, st.sampled_from(["gguf-Q4_1+Q8_0", "int4-g64"]), st.booleans())
 answers = st.one_of(
     st.builds(Ready, st.builds(CoreInfo, st.integers(1, 2**22), ids, st.integers(1, 2**16),
-                               st.integers(1, 2**18), st.none() | ids, st.integers(0, 256),
+                               st.integers(1, 2**18), st.none() | ids | quantized, st.integers(0, 256),
                                st.lists(st.sampled_from(["q_proj", "v_proj"])).map(tuple))),
     st.builds(Step, st.lists(outputs, max_size=4).map(tuple), st.none() | snapshots),
     st.builds(Return, call_ids, values, st.none()))
@@ -88,6 +90,18 @@ def test_every_kind_round_trips_by_type(msg) -> None:
     back = _over_the_wire(msg)
     assert type(back) is type(msg) and back.KIND == msg.KIND
     assert back == msg
+
+
+@settings(max_examples=100, deadline=None)
+@given(quantized, ids)
+def test_a_quantized_base_keeps_what_it_accepts(fp, other) -> None:
+    """The API side checks adapters against the core's fingerprint: a GGUF repack's must still
+    take the float base's adapters after the handshake (a bare str did not: 409 on every one)."""
+    info = _over_the_wire(Ready(CoreInfo(1, "m", 8, 8, fp, 8, ()))).info
+    back = info.base_fingerprint
+    assert isinstance(back, QuantizedFingerprint) and back == fp
+    assert back.accepts(fp) and back.accepts(fp.float_fingerprint) == fp.allow_float
+    assert not back.accepts(other + "x")
 
 
 @settings(max_examples=100, deadline=None)
