@@ -17,18 +17,14 @@ op is a speed-up, never a requirement. `LORASERVE_CPU_GEMV=0` turns it off.
 """
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import logging
 import os
-import shutil
-import stat
 import subprocess
-import sysconfig
-import tempfile
 from pathlib import Path
 
 import torch
+
+from . import cpp_build
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +35,7 @@ _state: dict[str, int] = {}
 
 def cache_dir() -> Path:
     """Where built libraries go: $LORASERVE_CACHE_DIR, else $XDG_CACHE_HOME/loraserve, else ~/.cache/loraserve."""
-    root = os.environ.get("LORASERVE_CACHE_DIR") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "loraserve"
-    return Path(root) / "cpu_gemv"
+    return cpp_build.cache_root() / "cpu_gemv"
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -87,108 +81,14 @@ def _load(lib: Path) -> None:
     _loaded.add(str(lib))
 
 
-def _flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
+def build_dir() -> Path:
+    """Where this kernel's library is built and cached (kernels.cpp_build.build_dir)."""
+    return cpp_build.build_dir(cache_dir())
+
+
+trusted_file = cpp_build.trusted_file  # the check every cached library passes before it is loaded
 
 
 def _build() -> Path:
-    """The library for this source, torch and CPU: built now unless already in `cache_dir`."""
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        raise OSError("no C++ compiler on PATH")
-    from torch.utils import cpp_extension
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    lib_dir = Path(torch.__file__).parent / "lib"
-    cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w",
-           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in cpp_extension.include_paths()),
-           f"-I{sysconfig.get_paths()['include']}", str(SOURCE), f"-L{lib_dir}", "-lc10", "-ltorch_cpu",
-           f"-Wl,-rpath,{lib_dir}"]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, _flags(), *cmd]).encode()).hexdigest()[:16]
-    out = build_dir() / f"cpu_gemv-{key}.so"
-    if trusted_file(out):
-        return out
-    with open(out.parent / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds, the others wait for its file
-        if not trusted_file(out):
-            tmp = out.with_suffix(f".{os.getpid()}.tmp")
-            log.info("building the CPU one-row kernels (once per machine): %s", out)
-            subprocess.run([*cmd, "-o", str(tmp)], check=True, capture_output=True, timeout=600)
-            os.chmod(tmp, 0o700)
-            _write_private(_digest_path(out), _digest(tmp))  # the hash loads are checked against
-            os.replace(tmp, out)
-    return out
-
-
-# -- the cache is trusted only as far as it is ours ----------------------------------------------
-#
-# A library in the cache runs as this process. One is loaded only if it, its recorded SHA-256
-# (`<lib>.sha256`, written when it was built) and the directory are all owned by this user and
-# writable by no one else, and its bytes hash to the record; anything else is rebuilt. A cache
-# directory that fails the test (shared, group- or world-writable, another user's) is not used:
-# the library is built into a private directory of this process's (mode 0700) instead.
-
-
-def _ours(st: os.stat_result) -> bool:
-    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
-
-
-def trusted_dir(path: Path) -> bool:
-    """`path` is a real directory (no link), this user's, writable by no one else."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and _ours(st)
-
-
-def trusted_file(lib: Path) -> bool:
-    """`lib` may be loaded: a regular file (no link) and its hash record, both this user's and
-    writable by no one else, in a trusted directory, and its bytes hash to the record."""
-    record = _digest_path(lib)
-    try:
-        sts = os.lstat(lib), os.lstat(record)
-    except OSError:
-        return False
-    if not trusted_dir(lib.parent) or not all(stat.S_ISREG(st.st_mode) and _ours(st) for st in sts):
-        log.warning("not loading %s: it or its hash record is not this user's alone; rebuilding", lib)
-        return False
-    if record.read_text().strip() != _digest(lib):
-        log.warning("not loading %s: its bytes do not hash to the recorded SHA-256; rebuilding", lib)
-        return False
-    return True
-
-
-def build_dir() -> Path:
-    """`cache_dir()` if it is (or can be made) this user's alone, else a new private directory."""
-    path = cache_dir()
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError:
-        pass
-    if trusted_dir(path):
-        return path
-    private = Path(tempfile.mkdtemp(prefix="loraserve-cpu-gemv-"))  # mode 0700, this user's
-    log.warning("the kernel cache %s is not this user's alone; building into %s", path, private)
-    return private
-
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _digest_path(lib: Path) -> Path:
-    return lib.with_name(lib.name + ".sha256")
-
-
-def _write_private(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    """The library for this source, torch and CPU (built now unless a trusted one is cached)."""
+    return cpp_build.library("cpu_gemv", SOURCE, ("-fopenmp",))

@@ -8,25 +8,21 @@ runs the AVX512-VNNI variant instead, activations rounded to int8 per 32 inputs 
 does; measured no faster here and less exact (cpu_quant.cpp), it is kept for the bench. It is registered with the dispatcher in C++
 (`loraserve_quant::quant_linear`), with a fake for torch.compile's graphs.
 
-Built as `cpu_gemv` is, for this CPU (`-march=native`), into the same cache root keyed by the
-source, torch's version and the CPU's flags. Without a compiler, AVX512-VNNI or F16C, or when the
+Built by `kernels.cpp_build` as `cpu_gemv` is, for this CPU (`-march=native`), into the same cache root keyed by the
+source, torch's version and the CPU's flags, loaded only once it passes the same ownership and hash check. Without a compiler, AVX512-VNNI or F16C, or when the
 build fails, `available()` is False and `QuantLinear` dequantizes into a float GEMM instead: the
 op is a speed-up, never a requirement. `LORASERVE_CPU_QUANT=0` turns it off.
 """
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import sysconfig
 from pathlib import Path
 
 import torch
 
-from . import cpu_gemv
+from . import cpp_build
 
 log = logging.getLogger(__name__)
 
@@ -66,35 +62,5 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bi
 
 
 def _build() -> Path:
-    """The library for this source, torch and CPU: built now unless already cached."""
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        raise OSError("no C++ compiler on PATH")
-    from torch.utils import cpp_extension
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    lib_dir = Path(torch.__file__).parent / "lib"
-    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
-           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in cpp_extension.include_paths()),
-           f"-I{sysconfig.get_paths()['include']}", str(SOURCE), f"-L{lib_dir}", "-lc10", "-ltorch_cpu",
-           f"-Wl,-rpath,{lib_dir}"]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, _cpu_flags(), *cmd]).encode())
-    out = cpu_gemv.cache_dir().parent / "cpu_quant" / f"cpu_quant-{key.hexdigest()[:16]}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds, the others wait for its file
-        if not out.exists():
-            tmp = out.with_suffix(f".{os.getpid()}.tmp")
-            log.info("building the CPU quantized kernels (once per machine): %s", out)
-            subprocess.run([*cmd, "-o", str(tmp)], check=True, capture_output=True, timeout=600)
-            os.replace(tmp, out)
-    return out
-
-
-def _cpu_flags() -> str:
-    try:
-        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("flags")), "")
-    except OSError:
-        return ""
+    """The library for this source, torch and CPU (built now unless a trusted one is cached)."""
+    return cpp_build.library("cpu_quant", SOURCE)

@@ -69,3 +69,20 @@ def test_a_private_cache_dir_is_used_and_made_private(tmp_path: Path, monkeypatc
     chosen = cpu_gemv.build_dir()
     assert chosen == tmp_path / "mine" / "cpu_gemv"
     assert os.lstat(chosen).st_mode & 0o777 == 0o700
+
+
+def test_every_kernel_library_goes_through_the_one_check(tmp_path: Path, monkeypatch) -> None:
+    """cpu_quant's library is built and loaded as cpu_gemv's (kernels.cpp_build): a private
+    directory, a hash record, and a plant under its name is rebuilt, not loaded."""
+    from loraserve.kernels import cpp_build, cpu_quant
+
+    monkeypatch.setenv("LORASERVE_CACHE_DIR", str(tmp_path / "mine"))
+    try:
+        lib = cpu_quant._build()
+    except OSError:  # no compiler here: nothing is built, nothing loaded
+        return
+    assert lib.parent == tmp_path / "mine" / "cpu_quant" and cpp_build.trusted_file(lib)
+    lib.chmod(0o777)  # now writable by anyone: not trusted, so built again
+    assert not cpp_build.trusted_file(lib)
+    again = cpu_quant._build()
+    assert again == lib and cpp_build.trusted_file(again)
