@@ -184,7 +184,11 @@ def ask(http: httpx.Client, schema: dict, temperature: float, chat: bool,
         path = "/v1/completions"
         body["prompt"] = "JSON: "
         body["guided_json"] = schema
-    r = http.post(path, json=body)
+    for _ in range(600):  # a tenant's grammars in flight are bounded: a 429 is retried, as a client would
+        r = http.post(path, json=body)
+        if r.status_code != 429:
+            break
+        time.sleep(min(float(r.headers.get("retry-after") or 0.2), 1.0))
     answer = Answer(schema, temperature, path, r.status_code)
     if r.status_code == 400:
         error = r.json()["error"]
