@@ -148,7 +148,10 @@ def test_progress_travels_to_ready_and_metrics(demo_dense, caches):
                                         max_model_len=64, max_batch_size=2, compile="on",
                                         compile_batch_sizes=[2])
     with LiveServer(build_app(engine)) as server, httpx.Client(base_url=server.url, timeout=120) as http:
-        body = http.get("/ready").json()
+        body, deadline = http.get("/ready").json(), time.monotonic() + 60
+        while set(body) == {"status"} and time.monotonic() < deadline:  # the loop's first snapshot
+            time.sleep(0.1)                                              # is not published yet
+            body = http.get("/ready").json()
         assert body["status"] == "ready" and set(body) == {"status", "compiling", "compiled"}
         r = http.post("/v1/completions", json={"model": engine.model_name, "prompt": [5, 9, 14],
                                                "max_tokens": 4, "temperature": 0})

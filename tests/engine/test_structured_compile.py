@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -146,7 +147,13 @@ def test_engine_core_abort_or_timeout_while_compiling(core: EngineCore) -> None:
     assert not core.compiling  # aborted before it reached the engine
     core.engine.grammars.compile_timeout_s = 0.0
     _add(core, "late", SamplingParams(max_tokens=4, structured=DIGITS))
-    [failed] = core.admit_compiled()
+    # the bound counts from when the grammar engine was ready (its tokenizer info built on a
+    # thread): on a busy machine that may come after the add, so wait for the bound to pass
+    deadline, outs = time.monotonic() + 60, []
+    while not outs and time.monotonic() < deadline:
+        outs = core.admit_compiled()
+        time.sleep(0.01)
+    [failed] = outs
     assert failed.finish_reason == "error" and failed.error.param == "guided_regex"
     gate.set()
 

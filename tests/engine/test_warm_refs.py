@@ -63,6 +63,9 @@ class Frontend(EngineFrontend):
 
     def _abort(self, request_id: str) -> None: ...
 
+    def _send(self, msg) -> None:  # every message goes through _submit / _abort above
+        raise AssertionError(f"unexpected message to the core: {msg!r}")
+
 
 def test_second_resolve_of_a_ref_runs_inline_and_reads_the_catalog_again():
     fe = Frontend()

@@ -242,11 +242,11 @@ def test_large_prompt_is_tokenized_off_the_event_loop(monkeypatch: pytest.Monkey
     tokenizing, release = threading.Event(), threading.Event()
     real_encode = FakeTokenizer.encode
 
-    def held_encode(self: FakeTokenizer, text: str) -> list[int]:
+    def held_encode(self: FakeTokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
         if len(text) > 16 * 1024:
             tokenizing.set()
             release.wait(30)
-        return real_encode(self, text)
+        return real_encode(self, text, add_special_tokens)
 
     monkeypatch.setattr(FakeTokenizer, "encode", held_encode)
     result: dict = {}
