@@ -54,7 +54,11 @@ class EngineCore:
         self.engine = engine
         self.loop = EngineLoop(engine)
         self.wake = wake
-        engine.set_notify(wake)  # page-ins landed
+        engine.set_notify(wake)  # page-ins landed, a decode bucket's compile moved on
+        # what changed before this wake was installed (the background compile starts with the
+        # engine, before any hosting): published now, or /ready would not list it until the
+        # next change woke a turn
+        engine.publish()
         self.running = True  # False once a Stop arrived
         # requests whose grammar compiles on the grammar workers: (the Add, its compile, since)
         self.compiling: dict[str, tuple[Add, Future, float]] = {}
