@@ -46,6 +46,9 @@ class StubEngine:
     def set_notify(self, wake) -> None:
         pass
 
+    def publish(self, force: bool = True) -> None:  # the snapshot EngineCore publishes at start
+        pass
+
     def make_sequence(self, req, record):
         return req
 

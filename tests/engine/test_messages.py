@@ -174,6 +174,9 @@ def test_the_core_fails_a_malformed_frame_alone_and_goes_on() -> None:
         def set_notify(self, wake) -> None:
             pass
 
+        def publish(self, force: bool = True) -> None:  # the snapshot EngineCore publishes at start
+            pass
+
     core = EngineCore(Engine())
     bad_add = [int(Kind.ADD), {"id": "r1", "prompt": "not a list"}, None]
     bad_call = [int(Kind.UNLOAD), 7, 42]
