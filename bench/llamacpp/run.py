@@ -219,13 +219,18 @@ class LoraServe(Server):
 
     def __init__(self, model_dir: Path, catalog: Path, threads: int, n_adapters: int, batch: int,
                  max_len: int, extra: list[str] = (), binary: Path | None = None,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", model: Path | None = None):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
+        # another model file (a quantized GGUF) is served as the server serves it by default:
+        # no --dtype (a float --dtype would dequantize it), and the catalog's adapters, made on
+        # the float checkpoint, allowed on its quantized base
+        served = (["--model", str(model), "--allow-quantized-base-adapters"] if model else
+                  ["--model", str(model_dir / "hf"), "--dtype", dtype])
         self.cmd = [str(binary or ROOT / ".venv" / "bin" / "loraserve"), "serve", *extra,
-                    "--model", str(model_dir / "hf"), "--catalog", str(catalog),
+                    *served, "--catalog", str(catalog),
                     "--served-model-name", "base", "--host", "127.0.0.1", "--port", str(port),
-                    "--device", "cpu", "--dtype", dtype, "--torch-threads", str(threads),
+                    "--device", "cpu", "--torch-threads", str(threads),
                     "--no-prefix-caching",
                     "--max-model-len", str(max_len), "--max-gpu-adapters", str(max(n_adapters, 1)),
                     "--max-lora-rank", "16", "--log-level", "warning"]
@@ -387,6 +392,9 @@ def main() -> None:
     ap.add_argument("--llama-base", type=Path, default=None,
                     help="the GGUF llama.cpp serves instead of MODEL_DIR/gguf/base-TYPE.gguf, e.g. "
                          "the original quantized file the f32 checkpoint was dequantized from")
+    ap.add_argument("--loraserve-model", type=Path, default=None,
+                    help="the model loraserve serves instead of MODEL_DIR/hf, e.g. the original "
+                         "quantized GGUF (served quantized, its default; pair with --llama-base)")
     ap.add_argument("--loraserve-args", default="",
                     help="more `loraserve serve` options, e.g. '--compile on'")
     ap.add_argument("--loraserve-bin", type=Path, default=None,
@@ -423,7 +431,8 @@ def main() -> None:
     results: dict = {}
     for threads in [int(t) for t in args.threads.split(",")]:
         servers = [LoraServe(model_dir, catalog, threads, n_adapters, args.batch, max_len,
-                             args.loraserve_args.split(), args.loraserve_bin, args.dtype),
+                             args.loraserve_args.split(), args.loraserve_bin, args.dtype,
+                             args.loraserve_model),
                    LlamaCpp(args.llama_server, model_dir, threads, n_adapters, args.batch, max_len,
                             args.llama_flash_attn, args.dtype, args.llama_base)]
         for s in servers:
