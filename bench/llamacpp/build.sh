@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build llama.cpp's `llama-server` (CPU only, Release) from the llama.cpp sources bundled in
+# Build llama.cpp's `llama-server` and `llama-perplexity` (CPU only, Release) from the llama.cpp sources bundled in
 # llama-cpp-python's source package on PyPI, and a separate venv for its converters
 # (convert_hf_to_gguf.py, convert_lora_to_gguf.py). Idempotent: every step is skipped when its
 # output exists. Nothing is written inside the repository except under the cache dir
@@ -36,15 +36,16 @@ else
         > "$CACHE/LLAMACPP_COMMIT" || echo unknown > "$CACHE/LLAMACPP_COMMIT"
 fi
 
-# 2. llama-server (CPU only, no network features: no OpenSSL, no prebuilt web UI download)
+# 2. llama-server and llama-perplexity (CPU only, no network features: no OpenSSL, no prebuilt
+#    web UI download)
 BUILD="$CACHE/build"
-if [ ! -x "$BUILD/bin/llama-server" ]; then
+if [ ! -x "$BUILD/bin/llama-server" ] || [ ! -x "$BUILD/bin/llama-perplexity" ]; then
     cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
         -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_NATIVE=ON \
         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
         -DLLAMA_BUILD_TOOLS=ON -DBUILD_SHARED_LIBS=OFF
-    cmake --build "$BUILD" --target llama-server -j "$JOBS"
+    cmake --build "$BUILD" --target llama-server llama-perplexity -j "$JOBS"
 fi
 "$BUILD/bin/llama-server" --version 2>&1 | tail -n 2 > "$CACHE/LLAMACPP_VERSION" || true
 
