@@ -237,15 +237,19 @@ class LoraServe(Server):
         # the batch size stays the server's default (64): a server that cannot batch
         # (`--loraserve-args '--max-batch-size 1'`) is a special mode, labelled as such
 
-    def wait_compiled(self, timeout: float = 3600) -> list[str]:
+    def wait_compiled(self, up_to: int | None = None, timeout: float = 3600) -> list[str]:
         """Until the background compile of the decode step has made every bucket (`/ready`
-        lists none `compiling`): what a user's server runs after its first minutes. The
-        buckets in use."""
+        lists none `compiling`): what a user's server runs after its first minutes. With
+        `up_to`, only the buckets of batches up to that size (those a timed batch of that many
+        runs in); the larger ones go on compiling in the background meanwhile, as they do on
+        a fresh server. The buckets in use."""
         import httpx
         t0 = time.time()
         while time.time() - t0 < timeout:
             body = httpx.get(f"{self.url}/ready", timeout=10).json()
-            if not body.get("compiling"):
+            waiting = [b for b in body.get("compiling", [])
+                       if up_to is None or int(re.match(r"batch(\d+)", b).group(1)) <= up_to]
+            if not waiting:
                 return body.get("compiled", [])
             time.sleep(2)
         raise SystemExit(f"loraserve still compiling after {timeout} s; see {self.log}")
@@ -392,6 +396,9 @@ def main() -> None:
     ap.add_argument("--llama-base", type=Path, default=None,
                     help="the GGUF llama.cpp serves instead of MODEL_DIR/gguf/base-TYPE.gguf, e.g. "
                          "the original quantized file the f32 checkpoint was dequantized from")
+    ap.add_argument("--wait-compiled", type=int, default=None, metavar="N",
+                    help="time once the decode buckets up to batch N are compiled (default: all "
+                         "of them); the rest compile on in the background at the lowest priority")
     ap.add_argument("--loraserve-model", type=Path, default=None,
                     help="the model loraserve serves instead of MODEL_DIR/hf, e.g. the original "
                          "quantized GGUF (served quantized, its default; pair with --llama-base)")
@@ -442,7 +449,9 @@ def main() -> None:
             for s in servers:
                 s.wait_ready(300)
             ls, lc = servers
-            compiled = ls.wait_compiled()  # timed as it runs once its background compile is done
+            # timed as it runs once its background compile is done (of every bucket, or with
+            # --wait-compiled N of the buckets up to batch N)
+            compiled = ls.wait_compiled(args.wait_compiled)
             print(f"[threads {threads}] loraserve decode buckets compiled: {', '.join(compiled) or 'none'}")
             lc_ids = llamacpp_tokenize(lc, texts)
             same_tok = sum(a == b for a, b in zip(lc_ids, prompt_ids))
