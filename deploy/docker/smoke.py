@@ -44,7 +44,7 @@ SERVE_ENV = ["-e", f"LORASERVE_ENGINE_TIMEOUT={os.environ.get('SMOKE_ENGINE_TIME
 # more serve settings for both runs, to narrow a failure down: SMOKE_ENV="LORASERVE_X=1 LORASERVE_Y=2"
 for setting in os.environ.get("SMOKE_ENV", "").split():
     SERVE_ENV += ["-e", setting]
-# the chart's emptyDirs (deploy/render.py: CACHE_DIR, DEMO_DIR, /tmp)
+# the chart's emptyDirs (deploy/helm/loraserve/templates/workload.yaml: cache, demo, tmp)
 WRITABLE = ["/tmp", "/var/lib/loraserve/cache", "/var/lib/loraserve/demo"]
 REPO = Path(__file__).resolve().parents[2]
 

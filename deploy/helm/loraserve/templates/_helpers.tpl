@@ -1,4 +1,4 @@
-{{/* One copy of each rule that several templates use; deploy/render.py holds the same rules. */}}
+{{/* One copy of each rule that several templates use. */}}
 {{- define "loraserve.labels" -}}
 app.kubernetes.io/name: loraserve
 app.kubernetes.io/instance: {{ .Release.Name }}
@@ -22,7 +22,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{ if .Values.catalog.persistence.enabled }}StatefulSet{{ else }}Deployment{{ end }}
 {{- end }}
 
-{{/* What the chart refuses to render (deploy/render.py's check: the same messages) */}}
+{{/* What the chart refuses to render, saying why (tests/test_deploy_chart.py: REFUSED) */}}
 {{- define "loraserve.validate" -}}
 {{- if and (not .Values.auth.disabled) (not .Values.keys.secretName) (not .Values.keys.apiKey.secretName) }}
 {{- fail "API keys are required: set keys.secretName (a Secret with keys.toml) or keys.apiKey.secretName, or auth.disabled=true to serve every route (admin and training included) to anyone who reaches the Service" }}
