@@ -32,18 +32,23 @@ class ExpertLinear(nn.Module):
         token_index (each pair's token row in the batch) is unused here; a LoRA wrapper that
         replaces this module uses it to find each pair's adapter."""
         out = x.new_empty(x.shape[0], self.out_features)
+        start = 0
+        for e, n in enumerate(self._counts(expert_ids)):
+            if n:
+                out[start:start + n] = x[start:start + n] @ self.weight[e].T
+                start += n
+        return out
+
+    def _counts(self, expert_ids: Tensor) -> list[int]:
+        """Rows per expert, in expert order; ValueError unless the rows are grouped by expert
+        in ascending order with ids in range."""
         counts = torch.bincount(expert_ids, minlength=self.num_experts)
         unsorted = (expert_ids[1:] < expert_ids[:-1]).any().to(counts.dtype)
         *counts, unsorted = torch.cat([counts, unsorted[None]]).tolist()   # one device sync
         if unsorted or len(counts) != self.num_experts:
             raise ValueError("ExpertLinear rows must be grouped by expert id in ascending order, "
                              f"with ids in [0, {self.num_experts})")
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                out[start:start + n] = x[start:start + n] @ self.weight[e].T
-                start += n
-        return out
+        return counts
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, in={self.in_features}, out={self.out_features}"
