@@ -48,7 +48,8 @@ class AsyncEngine(EngineFrontend):
         self.directory = engine.directory  # the engine's catalog, in this process
         self.sourcing = Sourcing.open(engine.cfg, engine.adapters, self.directory)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.core = EngineCore(engine, lambda: self._inbox.put(_WAKE))  # engine thread only
+        self.core = EngineCore(engine, lambda: self._inbox.put(_WAKE),  # engine thread only
+                               lambda: not self._inbox.empty())
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.heartbeat = [math.inf, LOOP_WAITING]  # ALIVE: this process; PROGRESS: the loop's

@@ -4,6 +4,9 @@ Forward hooks on the target modules add `scale * B(A x)` to each output; nothing
 replaced or copied, so decode steps between training slices see the model exactly as before.
 `attached_rows` does it for several runs at once, each on its own contiguous rows of one batch
 (the serving path's segmented LoRA, in training): one pass over the base for all of them.
+The hooks act only outside inference mode, where every training forward runs: a serving step,
+which runs in inference mode, passes through them untouched while a slice that gave way to it
+part way holds them (train/preempt.py).
 The hooks go on whatever sits at the target path: a plain `nn.Linear`, a `PackedLinear`, or the
 serving LoRA wrapper around either (the host clears the serving LoRA state first, so the wrapper
 adds nothing of its own during a training forward).
@@ -55,7 +58,9 @@ Part = tuple[int, "int | None", "tuple[nn.Parameter, nn.Parameter] | None", floa
 def _rows_hook(parts: list[Part]):
     """Rows s..e-1 of the batch (e None: to the end) get their run's `scale * B(A x)` (none where
     the pair is None: that run does not train this module)."""
-    def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+    def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor | None:
+        if torch.is_inference_mode_enabled():  # a serving step while the slice is parked (preempt.py)
+            return None
         x = args[0]
         deltas = []
         for s, e, pair, scale in parts:
@@ -83,7 +88,9 @@ def _per_expert(x: Tensor, expert_ids: Tensor, a: Tensor, b: Tensor) -> Tensor:
 def _experts_hook(parts: list[Part]):
     """As `_rows_hook` for packed experts (`ExpertLinear(x, expert_ids, token_index)`): its rows
     are (token, expert) pairs, each pair is its token's run's (token_index in s..e-1)."""
-    def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+    def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor | None:
+        if torch.is_inference_mode_enabled():
+            return None
         x, expert_ids, token_index = args
         delta = output.new_zeros(output.shape, dtype=torch.float32)
         for s, e, pair, scale in parts:

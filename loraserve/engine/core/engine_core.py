@@ -16,7 +16,9 @@ One turn of a transport: `turn(messages)` (the messages that arrived, then the r
 grammar compiled, then the serving step: its deltas), hand the deltas over, `replies()` (call
 returns, the handshake), then `train()` (at most one training slice) and `replies()` again. Between
 turns it waits at most `wait_s()` for a message or a `wake` (a page-in landed, a grammar
-compiled, a warm or a training pass finished on another thread).
+compiled, a warm or a training pass finished on another thread). A transport also says whether
+either waits now (`has_input`): a training slice in `train` gives way to it part way, ending the
+turn, and goes on in a later one (train/preempt.py).
 
 Grammar-compile admission: a request whose grammar is still compiling waits in `compiling`,
 off the engine, and each turn admits those whose compile is done and fails those past the
@@ -48,11 +50,19 @@ def _nothing() -> None:
     pass
 
 
+def _no_input() -> bool:
+    return False
+
+
 class EngineCore:
-    def __init__(self, engine: LLMEngine, wake: Callable[[], None] = _nothing):
-        """`wake`: any thread, make the transport's wait return (it runs a turn)."""
+    def __init__(self, engine: LLMEngine, wake: Callable[[], None] = _nothing,
+                 has_input: Callable[[], bool] = _no_input):
+        """`wake`: any thread, make the transport's wait return (it runs a turn). `has_input`:
+        any thread, whether a message or a wake-up waits on the transport (a training slice in
+        `train` gives way to it part way)."""
         self.engine = engine
         self.loop = EngineLoop(engine)
+        self.loop.has_input = has_input
         self.wake = wake
         engine.set_notify(wake)  # page-ins landed, a decode bucket's compile moved on
         # what changed before this wake was installed (the background compile starts with the

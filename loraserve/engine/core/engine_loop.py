@@ -16,7 +16,10 @@ Training shares the turns: after its serving step (`serve`), a turn runs at most
 the queued training (`train`, `TrainerCore.slice_turn`), and only in training's turn of the fair
 share, so a serving step never waits for more than one slice, however many runs train. The
 hostings hand the serving step's deltas over before the slice runs: a token never waits for the
-slice after the step that made it.
+slice after the step that made it. A slice gives way part way when `has_input()` (set by the
+hosting: a message or a wake-up waits on its transport) says so, at its next preemption point
+(train/preempt.py): the turn ends there, and a later turn resumes the slice, so a request that
+arrives while a slice runs is admitted and prefilled after one layer's attention or MLP of it.
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ from ..types import FIRST, RequestOutput, coalesce
 log = logging.getLogger(__name__)
 
 
+def _never() -> bool:
+    return False
 
 
 class EngineLoop:
@@ -39,8 +44,12 @@ class EngineLoop:
         # quiet requests -> FIRST, None (nothing held) or the merged deltas since the first (`coalesce`)
         self._quiet: dict[str, object] = {}
         # when a list: each turn's work in order, "prefill" / "decode" (a serving step that ran a
-        # batch) and "train" (a training slice); tests read the interleaving from it
+        # batch), "train" (a training slice, or the parked one going on) and "parked" after it
+        # when it gave way before its end; tests read the interleaving from it
         self.trace: list[str] | None = None
+        # whether the hosting has a message or a wake-up waiting (any thread may ask; a slice
+        # gives way to it); none without a transport
+        self.has_input: Callable[[], bool] = _never
 
     def add(self, seq: Sequence, stream: bool = True) -> list[RequestOutput]:
         try:
@@ -88,17 +97,20 @@ class EngineLoop:
 
     def train(self) -> bool:
         """The turn's training slice, if training waits and it is its turn (after a serving step
-        that ran a batch, `TrainerCore.slice_turn` asks the fair share); whether one ran."""
+        that ran a batch, `TrainerCore.slice_turn` asks the fair share), until it ends or gives
+        way to input (`has_input`); whether one ran."""
         trainer = trainer_if_any(self.engine)
         if trainer is None or not trainer.has_queued:
             return False
         try:
-            sliced = trainer.slice_turn(self.engine.last_batch_size > 0)
+            sliced = trainer.slice_turn(self.engine.last_batch_size > 0, self.has_input)
         except Exception:  # a bug outside any one pass (each pass's own faults answer it)
             log.exception("training slice failed")
             sliced = False
         if sliced and self.trace is not None:
             self.trace.append("train")
+            if trainer.inflight is not None:
+                self.trace.append("parked")
         return sliced
 
     def _coalesce(self, outs: list[RequestOutput]) -> list[RequestOutput]:

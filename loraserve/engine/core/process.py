@@ -74,7 +74,7 @@ class EngineCoreProc:
 
     def __init__(self, engine: LLMEngine, conn: socket.socket, parent_pid: int | None = None,
                  heartbeat=None, heartbeat_s: float = HEARTBEAT_S, beat: Beat | None = None):
-        self.core = EngineCore(engine, self._wake)
+        self.core = EngineCore(engine, self._wake, self._has_input)
         self.engine, self.loop = engine, self.core.loop
         self.parent_pid = parent_pid
         self.conn = conn
@@ -104,6 +104,11 @@ class EngineCoreProc:
             pass
         except OSError:  # closed: a compile that ended after the core stopped has no one to wake
             pass
+
+    def _has_input(self) -> bool:
+        """Any thread while the loop waits in a turn (a training slice asks): a frame, a hang-up
+        or a wake-up waits."""
+        return any(events & (select.POLLIN | select.POLLHUP | select.POLLERR) for _, events in self._poll.poll(0))
 
     # -- the loop -------------------------------------------------------------------------------
     def serve(self) -> None:

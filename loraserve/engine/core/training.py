@@ -11,11 +11,22 @@ next datums of the pass whose tenant is furthest behind in the scheduler's fair 
 with those of other runs' passes waiting too (train/grouped.py), or one chunk of a datum longer
 than the budget (train/chunked.py, forward chunks then backward chunks). The slice runs only in
 training's turn (`Scheduler.training_turn`): its tenant, charged its tokens, is not ahead of
-another tenant with serving work. So however many runs train, a serving step waits for one slice
-at most, and a light tenant's request that arrives runs before the next slice. (Before, every run
-drove its own slices with one call each; the core took every call that had arrived before its
-next step, so N runs put N slices back to back between two decode steps, and a request queued
-behind them.) `begin` / `advance` run a pass slice by slice on the caller's say (tests, bench).
+another tenant with serving work. (Before, every run drove its own slices with one call each;
+the core took every call that had arrived before its next step, so N runs put N slices back to
+back between two decode steps, and a request queued behind them.)
+
+A slice gives way part way: it computes on the core's trainer thread while the owner thread
+waits (train/preempt.py, `Handoff`), and at each preemption point (each decoder layer's
+attention and MLP, forward and backward) it parks when the hosting has a message or a wake-up
+waiting (`has_input`): the owner runs its turns (the new request's prefill, decode steps) and
+resumes the slice in a later turn, under the rule that starts one: no serving step ran a batch,
+or it is training's turn. So a request that arrives while a slice runs waits for one layer's
+attention or MLP of it, not for its rest, and however many runs train, a serving step waits for
+one slice at most. The parked slice is `inflight`; ops that would change what it computes
+with (an optim_step or a load_state of one of its runs, an `advance`) first let it finish, and
+one whose passes all ended meanwhile (dropped, or their callers gone) is abandoned.
+`begin` / `advance` run a pass slice by slice on the caller's say (tests, bench), on the owner
+thread, whole.
 
 A process's first optimizer imports torch._dynamo (2.6 s on the 2-core box): the first `create`
 starts that import on a thread of its own and answers when it is done (a Future, finished by the
@@ -34,7 +45,9 @@ import json
 import struct
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +58,7 @@ from ...catalog.layout import save_revision
 from ...train.config import RunConfig, TrainingError
 from ...train.resume import ResumeWriter, snapshot
 from ...train.grouped import pick, run_group
+from ...train.preempt import Handoff, preemption_points
 from ...train.run import AdamParams, Datum, Pass, TrainingRun
 from ..types import EngineError
 from .llm_engine import LLMEngine
@@ -84,10 +98,27 @@ def trainer_if_any(engine: LLMEngine) -> TrainerCore | None:
 
 
 def close_trainer(engine: LLMEngine) -> None:
-    """At engine shutdown: every resume state queued is on disk (the writer thread is gone)."""
+    """At engine shutdown: a parked slice abandoned, the trainer thread gone, every resume state
+    queued on disk (the writer thread gone)."""
     core = _CORES.get(engine)
     if core is not None:
+        core.handoff.close()
         core.writer.flush()
+
+
+def _never() -> bool:
+    return False
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A slice handed to the trainer thread that parked before its end."""
+
+    group: list[Pass]   # the passes it computes, its lead first
+    work: list[int]     # each one's `work` before the slice (what it is charged after)
+    tenant: str         # the lead pass's tenant and weight, and the slice's tokens for it:
+    weight: float       # resumed under the rule that starts a slice (`Scheduler.training_turn`)
+    tokens: int
 
 
 def _refused(exc: Exception) -> EngineError:
@@ -109,14 +140,16 @@ class TrainerCore:
         self.queue: dict[str, tuple[Future, int]] = {}  # queued pass id -> (its answer, budget), oldest first
         # operations waiting for the optimizer import (a create first), in arrival order
         self.waiting: list[tuple[Future, str, list]] = []
-        self.slices = 0  # slices run (each a turn of the engine loop at most)
+        self.slices = 0  # slices started (each in a turn of the engine loop)
+        self.handoff = Handoff()  # the trainer thread that computes queued slices
+        self.inflight: InFlight | None = None  # the slice parked part way, if any
         self.writer = ResumeWriter()
 
     @property
     def has_queued(self) -> bool:
-        """Training the engine loop drives waits for a turn: slices, or creates whose optimizer
-        import is done."""
-        return bool(self.queue) or bool(self.waiting and _OPTIMIZER_READY.is_set())
+        """Training the engine loop drives waits for a turn: slices (a parked one too), or
+        creates whose optimizer import is done."""
+        return bool(self.queue) or self.inflight is not None or bool(self.waiting and _OPTIMIZER_READY.is_set())
 
     def handle(self, op: str, args: list) -> Any:
         """Run one operation; TrainingError / ValueError become a 400 EngineError. A queued
@@ -206,8 +239,11 @@ class TrainerCore:
         self.payers[pass_id] = (tenant, weight)
         self.engine.scheduler.train_joined(tenant, weight)
 
-    def slice_turn(self, served: bool) -> bool:
-        """One slice of the queued training, if it is training's turn; whether one ran.
+    def slice_turn(self, served: bool, has_input: Callable[[], bool] = _never) -> bool:
+        """One slice of the queued training, if it is training's turn; whether one ran (or the
+        parked one went on). It runs on the trainer thread until it ends, or parks at a
+        preemption point because `has_input()` says the hosting has a message or a wake-up
+        waiting; a parked slice goes on in a later turn, under the same rule as a new one.
 
         The pass: the oldest queued one of the tenant that would be least ahead after its slice
         (its virtual time plus the slice's tokens over its weight; arrival order on ties). With
@@ -217,9 +253,18 @@ class TrainerCore:
         self._finish_waiting()
         for pass_id in [k for k, (answer, _) in self.queue.items() if answer.cancelled()]:
             self._end(pass_id)  # nobody waits for it (its caller went away): it never finishes
+        self._abandon_orphan()
+        sched, f = self.engine.scheduler, self.inflight
+        if f is not None:
+            if served and not sched.training_turn(f.tenant, f.tokens, f.weight):
+                return False
+            self._clear_serving_lora()  # the serving steps meanwhile set their own slots
+            if self.handoff.resume(has_input):
+                self._land()
+            return True
         if not self.queue:
             return False
-        sched, best, seen = self.engine.scheduler, None, set()
+        best, seen = None, set()
         for pass_id, (_, budget) in self.queue.items():
             tenant, weight = self.payers[pass_id]
             if tenant in seen:
@@ -233,9 +278,50 @@ class TrainerCore:
         if served and not sched.training_turn(tenant, work, weight):
             return False
         p, budget = self.passes[pass_id], self.queue[pass_id][1]
-        failed = self._slice(p, budget) if not p.done else {}
-        self._settle(failed)
+        if p.done:  # its datums all ran in other passes' slices
+            self._settle({})
+            return True
+        group, whole = self._start(p, budget)
+        self.inflight = InFlight(group, [q.work for q in group], tenant, weight, work)
+        model = self.engine.model
+
+        def job() -> dict[Pass, BaseException]:
+            with preemption_points(model, self.handoff.point):
+                return self._compute(group, whole, budget)
+
+        if self.handoff.run(job, has_input):
+            self._land()
         return True
+
+    def _land(self) -> None:
+        """The in-flight slice ended (or was abandoned): charge and answer its passes that are
+        still here."""
+        f, self.inflight = self.inflight, None
+        try:
+            failed = self.handoff.result()
+        except BaseException as exc:  # the preemption points' own fault: the slice failed
+            failed = {q: exc for q in f.group}
+        self._charge(f.group, f.work)
+        live = {id(q) for q in self.passes.values()}
+        self._settle({q: exc for q, exc in failed.items() if id(q) in live})
+
+    def _finish_inflight(self, run: TrainingRun | None = None) -> None:
+        """Let the parked slice (if any; with `run`, only one computing for it) run to its end
+        now, before something that would change what it computes with."""
+        f = self.inflight
+        if f is None or (run is not None and all(q.run is not run for q in f.group)):
+            return
+        self._clear_serving_lora()
+        self.handoff.finish()
+        self._land()
+
+    def _abandon_orphan(self) -> None:
+        """A parked slice whose passes all ended (dropped, callers gone) computes no more."""
+        f = self.inflight
+        live = {id(q) for q in self.passes.values()}
+        if f is not None and not any(id(q) in live for q in f.group):
+            self.handoff.abandon()
+            self._land()
 
     def advance(self, pass_id: str, max_tokens: int) -> dict | None:
         """Run one slice of a `begin`-held pass now, batched with the next datums of other runs'
@@ -245,6 +331,7 @@ class TrainerCore:
         p = self.passes.get(pass_id)
         if p is None or pass_id in self.queue:
             raise EngineError(f"no training pass {pass_id!r} held for advance", status=404, code="not_found")
+        self._finish_inflight()  # its hooks and passes are the model's until it ends
         failure = self.failures.pop(pass_id, None)
         try:
             if failure is None and not p.done:
@@ -291,33 +378,52 @@ class TrainerCore:
                 self._end(pass_id)
 
     def _slice(self, p: Pass, max_tokens: int) -> dict[Pass, BaseException]:
-        """One slice of at most `max_tokens`: p's next whole datums and, one datum each in turn,
-        those of other runs' passes that wait (one pass per run), as ONE batch through the base
-        (train/grouped.py); or the next chunk of p's datum longer than the budget, alone. Each
-        pass's tenant pays for its own rows, failed or not. The passes that failed, with why."""
+        """One slice of at most `max_tokens` on this thread, whole (`advance`): see `_start`.
+        Each pass's tenant pays for its own rows, failed or not. The passes that failed, with why."""
+        group, whole = self._start(p, max_tokens)
+        work = [q.work for q in group]
+        failed = self._compute(group, whole, max_tokens)
+        self._charge(group, work)
+        return failed
+
+    def _start(self, p: Pass, max_tokens: int) -> tuple[list[Pass], bool]:
+        """A slice's passes: p's next whole datums and, one datum each in turn, those of other
+        runs' passes that wait (one pass per run), as ONE batch through the base
+        (train/grouped.py; whole = True); or the next chunk of p's datum longer than the budget,
+        alone. The serving LoRA state is cleared for it."""
         self.slices += 1
-        if self.engine.runner.lora is not None:  # the wrappers add nothing during a training forward
-            self.engine.runner.lora.set_slots([])
-        ids = {q: qid for qid, q in self.passes.items() if qid not in self.failures}
+        self._clear_serving_lora()
         group, runs, whole = [p], {id(p.run)}, p.groupable(max_tokens)
         if whole:
-            for q in ids:
-                if id(q.run) not in runs and q.groupable(max_tokens):
+            for qid, q in self.passes.items():
+                if qid not in self.failures and id(q.run) not in runs and q.groupable(max_tokens):
                     group.append(q)
                     runs.add(id(q.run))
-        work = [q.work for q in group]
+        return group, whole
+
+    def _clear_serving_lora(self) -> None:
+        if self.engine.runner.lora is not None:  # the wrappers add nothing during a training forward
+            self.engine.runner.lora.set_slots([])
+
+    @staticmethod
+    def _compute(group: list[Pass], whole: bool, max_tokens: int) -> dict[Pass, BaseException]:
+        """The slice's forward (and backward): the passes that failed, with why."""
         try:
             if whole:
-                failed = run_group(pick(group, max_tokens))
-            else:
-                p.advance(max_tokens)
-                failed = {}
-        except BaseException as exc:  # beyond a loss of one run: every pass of the slice fails
-            failed = {q: exc for q in group}
+                return run_group(pick(group, max_tokens))
+            group[0].advance(max_tokens)
+            return {}
+        except BaseException as exc:  # beyond a loss of one run (or abandoned): every pass of it fails
+            return {q: exc for q in group}
+
+    def _charge(self, group: list[Pass], work: list[int]) -> None:
+        """Each pass's tenant pays for what the slice computed for it (one that ended meanwhile,
+        dropped or its caller gone: nobody)."""
+        ids = {id(q): qid for qid, q in self.passes.items()}
         for q, before in zip(group, work):
-            tenant, weight = self.payers[ids[q]]
-            self.engine.scheduler.charge(tenant, q.work - before, weight)
-        return failed
+            if id(q) in ids:
+                tenant, weight = self.payers[ids[id(q)]]
+                self.engine.scheduler.charge(tenant, q.work - before, weight)
 
     def _end(self, pass_id: str) -> None:
         tenant, _ = self.payers.pop(pass_id)
@@ -333,6 +439,7 @@ class TrainerCore:
         Adam parameter is out of range or the step would take the factors past what serving
         admits (train/run.py); the run is then as it was, its gradients kept."""
         run = self._run(run_id)
+        self._finish_inflight(run)  # autograd holds its factors until the slice's backward ran
         if not isinstance(adam, dict) or set(adam) - set(AdamParams.__dataclass_fields__):
             raise EngineError(f"adam_params must hold only {sorted(AdamParams.__dataclass_fields__)}",
                               status=400, code="training_error", param="adam_params")
@@ -371,6 +478,7 @@ class TrainerCore:
         """Put a state blob in the run; its step count after. `keep`: write it as the resume
         state too (a load_weights; not the restore of the resume state itself)."""
         run = self._run(run_id)
+        self._finish_inflight(run)
         tensors = safetensors.torch.load(bytes(blob))
         steps = int(_metadata(blob).get("steps", "0"))
         run.load_state({k: v.to(self.engine.device) for k, v in tensors.items()}, steps, optimizer=optimizer)
@@ -387,6 +495,7 @@ class TrainerCore:
             if queued is not None:
                 _reply(queued[0], error=EngineError(f"training run {run_id!r} was unloaded before this "
                                                     "pass ended", status=404, code="model_not_found"))
+        self._abandon_orphan()
         path = self.resume.pop(run_id, None)
         if path is not None:
             self.writer.discard(path)
