@@ -26,6 +26,7 @@ from loraserve.catalog.layout import load_revision
 from loraserve.catalog.records import RevisionRecord
 from loraserve.catalog.store import Catalog
 from loraserve.adapters.pool import AdapterPool, PoolConfig, TargetSpec
+from loraserve.kernels import LoRAOps
 from loraserve.lora.layers import LoRAExpertLinear, LoRALinear, LoRAState
 from loraserve.model.moe import ExpertLinear
 
@@ -103,7 +104,7 @@ class EnginePath:
                  for k, ls in layers.items()]
         self.pool = AdapterPool(specs, PoolConfig(max_slots=1, max_rank=weights.rank))
         self.pool.load(("audit", "r"), weights)
-        self.state = LoRAState(self.pool, backend, torch.device("cpu"))
+        self.state = LoRAState(self.pool, LoRAOps(backend, "cpu"))
 
     def run(self, path: str, w: torch.Tensor, x: torch.Tensor, experts: torch.Tensor | None) -> torch.Tensor:
         """base(x) + LoRA(x) for module `path` with base weight w (float32)."""

@@ -37,7 +37,9 @@ Custom ops: `shrink`, `expand` and `add_lora` are registered as `torch.ops.loras
 that calls them without a graph break (see `ops.py`).
 
 Backends: `resolve_backend("auto" | "triton" | "torch", device)`; "auto" is Triton on CUDA and
-torch elsewhere; Triton on CPU needs TRITON_INTERPRET=1 (tests only). `reference.py` holds the
+torch elsewhere; Triton on CPU needs TRITON_INTERPRET=1 (tests only). `LoRAOps(backend, device)`
+resolves it once and calls the ops on that backend (the engine's); the module functions take a
+`backend=` name and resolve it per call. `reference.py` holds the
 per-token float32 oracles.
 """
 
@@ -45,11 +47,11 @@ from .backend import BACKENDS, resolve_backend
 from .expand import expand_triton
 from .launch import LaunchConfig
 from .meta import LoRAMeta
-from .ops import add_lora, expand, shrink
+from .ops import LoRAOps, add_lora, expand, shrink
 from .shrink import shrink_triton
 from .torch_backend import add_lora_torch, plan_torch
 
 __all__ = [
-    "BACKENDS", "LaunchConfig", "LoRAMeta", "add_lora", "add_lora_torch", "expand",
+    "BACKENDS", "LaunchConfig", "LoRAMeta", "LoRAOps", "add_lora", "add_lora_torch", "expand",
     "expand_triton", "plan_torch", "resolve_backend", "shrink", "shrink_triton",
 ]

@@ -11,6 +11,12 @@ TorchDispatchMode, e.g. FakeTensorMode, is active). Plain eager calls run the sa
 implementation directly: the custom-op dispatcher costs tens of microseconds a call in torch 2.13
 (argument parsing and default filling in Python), more than a Triton launch, and the server runs
 eagerly.
+
+The backend is chosen once per device: `LoRAOps(backend, device)` resolves it when the engine
+builds its model and its methods dispatch on the resolved name; the module functions take
+`backend="auto" | "triton" | "torch"` and resolve it on each call (for direct callers: tests,
+benchmarks). The implementations and the custom ops' bodies take a resolved name ("triton" or
+"torch"; "auto" is resolved there too, for a caller of `torch.ops.loraserve.*`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,33 @@ from .shrink import shrink_triton
 from .torch_backend import add_lora_torch, expand_torch, shrink_torch
 
 
+class LoRAOps:
+    """`shrink`, `expand` and `add_lora` with the backend resolved once for one device (the
+    engine's `LoRAState` holds one): the calls never resolve it again."""
+
+    __slots__ = ("backend", "device")
+
+    def __init__(self, backend: str, device: torch.device | str):
+        self.device = torch.device(device)
+        self.backend = resolve_backend(backend, self.device)  # "triton" or "torch"
+
+    def shrink(self, v: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor,
+               row_table: torch.Tensor, ranks: torch.Tensor, meta: LoRAMeta) -> None:
+        """`shrink` on this backend."""
+        _shrink(v, x, A_rows, row_table, ranks, meta, self.backend)
+
+    def expand(self, y: torch.Tensor, v: torch.Tensor, B_rows: torch.Tensor,
+               row_table: torch.Tensor, ranks: torch.Tensor, meta: LoRAMeta) -> None:
+        """`expand` on this backend."""
+        _expand(y, v, B_rows, row_table, ranks, meta, self.backend)
+
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor,
+                 B_rows: torch.Tensor, row_table: torch.Tensor, ranks: torch.Tensor,
+                 meta: LoRAMeta, *, buffer: torch.Tensor | None = None, plan=None) -> None:
+        """`add_lora` on this backend."""
+        _add_lora(y, x, A_rows, B_rows, row_table, ranks, meta, self.backend, buffer, plan)
+
+
 def shrink(v: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, row_table: torch.Tensor,
            ranks: torch.Tensor, meta: LoRAMeta, *, backend: str = "auto") -> None:
     """v[t, :r(a)] = x[t] @ A[a]^T for each token t with slot a >= 0; every other v entry := 0.
@@ -35,11 +68,7 @@ def shrink(v: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, row_table: to
     dtype, read; row_table [A, R_max] int32, read; ranks [A] int32 (0 = slot has no LoRA on this
     target), read; meta from `LoRAMeta.build` for these T tokens.
     """
-    if _through_op():
-        torch.ops.loraserve.shrink(v, x, A_rows, row_table, ranks, meta.tensors(),
-                                   _op_tokens(meta, x), meta.moe, backend)
-    else:
-        _shrink_impl(v, x, A_rows, row_table, ranks, meta, backend)
+    _shrink(v, x, A_rows, row_table, ranks, meta, _resolved(backend, x))
 
 
 def expand(y: torch.Tensor, v: torch.Tensor, B_rows: torch.Tensor, row_table: torch.Tensor,
@@ -51,11 +80,7 @@ def expand(y: torch.Tensor, v: torch.Tensor, B_rows: torch.Tensor, row_table: to
     (MoE: [P, E, H_out]) in y's dtype, i.e. B transposed, read; row_table [A, R_max] int32 and
     ranks [A] int32, read; meta from `LoRAMeta.build`.
     """
-    if _through_op():
-        torch.ops.loraserve.expand(y, v, B_rows, row_table, ranks, meta.tensors(),
-                                   _op_tokens(meta, v), meta.moe, backend)
-    else:
-        _expand_impl(y, v, B_rows, row_table, ranks, meta, backend)
+    _expand(y, v, B_rows, row_table, ranks, meta, _resolved(backend, y))
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
@@ -70,6 +95,33 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: tor
     plan: torch backend only, from `plan_torch` (built once per step and target kind); an eager
     host-side shortcut, dropped while a compiler traces the call (the op plans for itself).
     """
+    _add_lora(y, x, A_rows, B_rows, row_table, ranks, meta, _resolved(backend, x), buffer, plan)
+
+
+def _resolved(backend: str, t: torch.Tensor) -> str:
+    """The module functions' backend for `t`'s device; the name as given while the ops trace
+    (their fake implementations check it and touch no device)."""
+    return backend if _through_op() else resolve_backend(backend, t.device)
+
+
+def _shrink(v, x, A_rows, row_table, ranks, meta: LoRAMeta, backend: str) -> None:
+    if _through_op():
+        torch.ops.loraserve.shrink(v, x, A_rows, row_table, ranks, meta.tensors(),
+                                   _op_tokens(meta, x), meta.moe, backend)
+    else:
+        _shrink_impl(v, x, A_rows, row_table, ranks, meta, backend)
+
+
+def _expand(y, v, B_rows, row_table, ranks, meta: LoRAMeta, backend: str) -> None:
+    if _through_op():
+        torch.ops.loraserve.expand(y, v, B_rows, row_table, ranks, meta.tensors(),
+                                   _op_tokens(meta, v), meta.moe, backend)
+    else:
+        _expand_impl(y, v, B_rows, row_table, ranks, meta, backend)
+
+
+def _add_lora(y, x, A_rows, B_rows, row_table, ranks, meta: LoRAMeta, backend: str,
+              buffer: torch.Tensor | None, plan) -> None:
     if _through_op():
         torch.ops.loraserve.add_lora(y, x, A_rows, B_rows, row_table, ranks, buffer,
                                      meta.tensors(), _op_tokens(meta, x), meta.moe, backend)
@@ -89,12 +141,16 @@ def _through_op() -> bool:
     return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
 
 
-# -- implementations (the custom ops' bodies) ------------------------------------------------
+# -- implementations (the custom ops' bodies): `backend` is a resolved name -------------------
+
+_RESOLVED = ("triton", "torch")
 
 
 def _shrink_impl(v: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, row_table: torch.Tensor,
                  ranks: torch.Tensor, meta: LoRAMeta, backend: str) -> None:
-    if resolve_backend(backend, x.device) == "triton":
+    if backend not in _RESOLVED:
+        backend = resolve_backend(backend, x.device)
+    if backend == "triton":
         shrink_triton(v, x, A_rows, row_table, ranks, meta)
     else:
         shrink_torch(v, x, A_rows, row_table, ranks, meta)
@@ -102,7 +158,9 @@ def _shrink_impl(v: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, row_tab
 
 def _expand_impl(y: torch.Tensor, v: torch.Tensor, B_rows: torch.Tensor, row_table: torch.Tensor,
                  ranks: torch.Tensor, meta: LoRAMeta, backend: str) -> None:
-    if resolve_backend(backend, y.device) == "triton":
+    if backend not in _RESOLVED:
+        backend = resolve_backend(backend, y.device)
+    if backend == "triton":
         expand_triton(y, v, B_rows, row_table, ranks, meta)
     else:
         expand_torch(y, v, B_rows, row_table, ranks, meta)
@@ -111,7 +169,9 @@ def _expand_impl(y: torch.Tensor, v: torch.Tensor, B_rows: torch.Tensor, row_tab
 def _add_lora_impl(y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
                    row_table: torch.Tensor, ranks: torch.Tensor, meta: LoRAMeta, backend: str,
                    buffer: torch.Tensor | None, plan=None) -> None:
-    if resolve_backend(backend, x.device) == "triton":
+    if backend not in _RESOLVED:
+        backend = resolve_backend(backend, x.device)
+    if backend == "triton":
         if buffer is None:
             buffer = torch.empty(x.shape[0], row_table.shape[1], dtype=torch.float32,
                                  device=x.device)

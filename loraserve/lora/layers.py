@@ -24,14 +24,15 @@ class LoRAState:
     """What every wrapper reads during one forward: each token's adapter slot and the grouped
     metadata built from it (once per step for dense targets, once per MoE layer for experts)."""
 
-    def __init__(self, pool, backend: str, device: torch.device):
+    def __init__(self, pool, ops: kernels.LoRAOps):
         self.pool = pool
         self.max_slots = pool.config.max_slots
         self.num_experts = max((s.experts for s in pool.specs.values()), default=0) or 1
         self.covers_lm_head = "lm_head" in pool.specs  # else the logits pass needs no slots
-        self.backend = backend
-        self.device = device
-        self.token_slots = torch.empty(0, dtype=torch.int32, device=device)  # [T]
+        self.ops = ops  # the backend chosen once for the device
+        self.backend = ops.backend
+        self.device = ops.device
+        self.token_slots = torch.empty(0, dtype=torch.int32, device=self.device)  # [T]
         self.meta: LoRAMeta | None = None      # None = no LoRA token in this step
         self._pair_key: int | None = None
         self._pair_meta: LoRAMeta | None = None
@@ -101,7 +102,7 @@ class LoRAState:
         if self.backend != "torch" or torch.compiler.is_compiling():
             # a compiled step calls the registered op, which plans for itself on the torch
             # backend: the plan cache is host-side Python state a graph cannot hold
-            kernels.add_lora(y, x, A, B, table, ranks, meta, backend=self.backend)
+            self.ops.add_lora(y, x, A, B, table, ranks, meta)
             return
         self.plans.add(plan_key, y, x, A, B, table, ranks, meta)
 

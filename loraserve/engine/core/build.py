@@ -136,7 +136,7 @@ def _enable_lora(engine: LLMEngine, cfg: EngineConfig) -> None:
     pager.slabs = Slabs.for_pool(pool, pin_memory=cpu_cache.pin_memory)  # the CPU tier's layout
     manager = AdapterManager(catalog, pool, cpu_cache, pager, fingerprint)
     manager.decode_on_engine_thread()
-    state = LoRAState(pool, kernels.resolve_backend(cfg.lora_backend, engine.device), engine.device)
+    state = LoRAState(pool, kernels.LoRAOps(cfg.lora_backend, engine.device))  # backend chosen once
     attach_lora(engine.model, state, kinds)
     engine.enable_lora(manager, state)
     for ref in cfg.pinned_adapters:
