@@ -15,8 +15,14 @@ The LoRA wrappers see an ordinary projection (`in_features`, `out_features`, for
 delta runs beside this layer unchanged. Which kernel multiplies is chosen by rows per call from
 the measured table `KERNELS` (bench/quant_kernels.py): the project's own AVX-512 kernel
 (kernels/cpu_quant, float activations) for decode's few rows, a float GEMM over the weight
-dequantized per call for prefill's many; a call that needs gradients (training through the
-base) takes the GEMM too. A linear whose inputs are no multiple of 64 stays float (logged).
+dequantized per call for prefill's many. A linear whose inputs are no multiple of 64 stays float
+(logged).
+
+Training through the base (QLoRA, train/): a call whose input needs a gradient multiplies as
+serving does (same rows, same kernel: the logits training sees are the ones served), and its
+backward gives the input dx = dy W, W dequantized a slice of output rows at a time
+(`QuantLinear.input_grad`); nothing is kept between the two but a reference to the layer, and
+codes, scales and mins get no gradient.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from ..kernels import cpu_quant
 
@@ -39,6 +46,9 @@ GROUPS = (32, 64, 128)
 # dequantized GEMM won on some shapes, so prefill's many rows take it.
 KERNELS = {"int4": 16, "int8": 16}
 CHUNK = 64  # inputs per packed chunk (the kernel's step)
+# Float bytes of the weight one step of the input gradient dequantizes (`QuantLinear.input_grad`):
+# a slice of output rows, so a backward never holds a layer's whole float weight.
+BACKWARD_SLICE_BYTES = 8 << 20
 
 
 class QuantError(ValueError):
@@ -92,12 +102,16 @@ class QuantLinear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The [out, in] weight the codes stand for (a new tensor: prefill's GEMM and tests)."""
+        return self.dequantized_rows(0, self.out_features, dtype)
+
+    def dequantized_rows(self, start: int, end: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Rows start..end-1 of the dequantized weight: [end - start, in], a new tensor."""
+        codes, scales, mins = self.codes[start:end], self.scales[start:end], self.mins[start:end]
         if self.native:
-            w = cpu_quant.dequantize(self.codes, self.scales, self.mins, self.bits, self.in_features, self.group)
-            return w.to(dtype)
-        q = unpack_codes(self.codes, self.bits, self.in_features).to(torch.float32)
-        n, g = self.out_features, self.group
-        w = q.view(n, -1, g) * self.scales.float().unsqueeze(-1) + self.mins.float().unsqueeze(-1)
+            return cpu_quant.dequantize(codes, scales, mins, self.bits, self.in_features, self.group).to(dtype)
+        q = unpack_codes(codes, self.bits, self.in_features).to(torch.float32)
+        n, g = codes.shape[0], self.group
+        w = q.view(n, -1, g) * scales.float().unsqueeze(-1) + mins.float().unsqueeze(-1)
         return w.view(n, self.in_features).to(dtype)
 
     @property
@@ -107,13 +121,32 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.native and rows.shape[0] <= self.max_rows and not rows.requires_grad:
-            y = cpu_quant.quant_linear(rows.float().contiguous(), self.codes, self.scales, self.mins,
-                                       self.bits, self.group).to(x.dtype)
-            y = y if self.bias is None else y + self.bias
+        if rows.requires_grad and torch.is_grad_enabled():
+            y = _InputGrad.apply(rows, self)
         else:
-            y = F.linear(rows, self.dequantized(x.dtype), self.bias)
+            y = self.product(rows)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def product(self, rows: Tensor) -> Tensor:
+        """rows [M, in] -> [M, out] in rows' dtype, bias added: the kernel up to `max_rows` rows,
+        else a GEMM over the dequantized weight (module doc). Not differentiable (forward is)."""
+        if self.native and rows.shape[0] <= self.max_rows:
+            y = cpu_quant.quant_linear(rows.float().contiguous(), self.codes, self.scales, self.mins,
+                                       self.bits, self.group).to(rows.dtype)
+            return y if self.bias is None else y + self.bias
+        return F.linear(rows, self.dequantized(rows.dtype), self.bias)
+
+    def input_grad(self, dy: Tensor) -> Tensor:
+        """dx = dy W: dy [M, out] -> [M, in] in dy's dtype, W dequantized BACKWARD_SLICE_BYTES of
+        output rows at a time (each slice dropped before the next is made), summed in float32
+        at least (a 16-bit dy's slices are not rounded one by one)."""
+        acc = torch.promote_types(dy.dtype, torch.float32)
+        step = max(1, BACKWARD_SLICE_BYTES // (self.in_features * acc.itemsize))
+        dx = dy.new_zeros((dy.shape[0], self.in_features), dtype=acc)
+        for s in range(0, self.out_features, step):
+            e = min(s + step, self.out_features)
+            dx.addmm_(dy[:, s:e].to(acc), self.dequantized_rows(s, e, acc))
+        return dx.to(dy.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
@@ -129,6 +162,21 @@ class QuantLinear(nn.Module):
                               for p in parts])
         return cls(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
                    torch.cat([p.mins for p in parts]), parts[0].bits, parts[0].group, parts[0].in_features, bias)
+
+
+class _InputGrad(torch.autograd.Function):
+    """y = layer.product(x), differentiable in x: backward dx = layer.input_grad(dy). Saves no
+    tensor (the codes are read again in backward); the layer has no trainable weight."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, layer: QuantLinear) -> Tensor:
+        ctx.layer = layer
+        return layer.product(rows)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: Tensor) -> tuple[Tensor, None]:
+        return ctx.layer.input_grad(dy), None
 
 
 def fusable(parts: list[nn.Module]) -> bool:

@@ -54,6 +54,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from ...catalog.base import trained_fingerprint
 from ...catalog.layout import save_revision
 from ...train.config import RunConfig, TrainingError
 from ...train.resume import ResumeWriter, snapshot
@@ -458,12 +459,15 @@ class TrainerCore:
         """The run's current factors as revision `adapter_id@revision`, servable at once: the
         serving layout goes into the CPU tier from memory (`AdapterManager.install`), no catalog
         round trip; the blob returned is what the caller writes to the catalog (durability),
-        checked servable as every revision is (`save_revision`) before anything is served."""
+        checked servable as every revision is (`save_revision`) before anything is served. It
+        records the base it was trained on (`catalog.base.trained_fingerprint`: a quantized
+        base's own fingerprint, the float base's for a GGUF repack)."""
         mgr = self.engine.adapters
         if mgr is None:
             raise EngineError("this server has no adapter catalog: start it with --catalog to save "
                               "weights for sampling", status=400, code="training_error")
-        weights = self._run(run_id).factors.serving_weights(mgr.base_fingerprint, self.engine.dtype, source)
+        weights = self._run(run_id).factors.serving_weights(trained_fingerprint(mgr.base_fingerprint),
+                                                            self.engine.dtype, source)
         blob = save_revision(weights)
         mgr.install((adapter_id, revision), weights)
         return blob
