@@ -4,7 +4,8 @@
 sharded with `model.safetensors.index.json`) and lists every LoRA-targetable module with its
 (in, out) features. Experts are found either per expert on disk
 (`model.layers.{l}.mlp.experts.{e}.gate_proj.weight`, what transformers writes) or fused
-(`mlp.experts.gate_up_proj [E, 2I, H]`, `mlp.experts.down_proj [E, H, I]`).
+(`mlp.experts.gate_up_proj [E, 2I, H]`, `mlp.experts.down_proj [E, H, I]`). An AWQ/GPTQ
+checkpoint's quantized linears (`X.qweight`, `X.scales`; model/quant_hf.py) count as `X.weight`.
 
 `base_fingerprint(model_dir)` is xxh3-128 over the canonical JSON of the architecture keys
 and every tensor in sorted name order (name, dtype, shape, bytes), streamed from mmap, so a
@@ -92,8 +93,10 @@ class QuantizedFingerprint(str):
         return fingerprint == self or (self.allow_float and fingerprint == self.float_fingerprint)
 
 
-# a GGUF file's blocks repacked (model.quant_gguf) are the weights its dequantized base holds
-LOSSLESS_QUANTIZATION_PREFIX = "gguf-"
+# a GGUF file's blocks repacked (model.quant_gguf) are the weights its dequantized base holds;
+# an AWQ/GPTQ checkpoint (model.quant_hf) has no weights but its quantized ones, which
+# --dequantize serves as floats
+LOSSLESS_QUANTIZATION_PREFIX = ("gguf-", "awq-", "gptq-")
 
 
 def served_fingerprint(float_fingerprint: str, quantization: str | None, allow_float: bool) -> str:
@@ -104,18 +107,6 @@ def served_fingerprint(float_fingerprint: str, quantization: str | None, allow_f
         return float_fingerprint
     lossless = quantization.startswith(LOSSLESS_QUANTIZATION_PREFIX)
     return QuantizedFingerprint(float_fingerprint, quantization, allow_float or lossless)
-
-
-def trained_fingerprint(served: str) -> str:
-    """The base fingerprint a revision trained on the served base records: the served one (an
-    adapter fit to `--quantize int8|int4` weights names them: it serves on that base, and on
-    the float base only as another base's), save on a GGUF repack, whose weights are the float
-    base's bit for bit: there the float fingerprint, which both the repack and the float base
-    serve."""
-    if isinstance(served, QuantizedFingerprint) and served.removeprefix(
-            served.float_fingerprint + "+").startswith(LOSSLESS_QUANTIZATION_PREFIX):
-        return served.float_fingerprint
-    return str(served)
 
 
 def base_fingerprint(model_dir: str | Path) -> str:
@@ -157,6 +148,20 @@ def _dense_modules(index: dict[str, TensorEntry]) -> dict[str, ModuleInfo]:
         kind = _layer_kind(name)
         if kind in DENSE_KINDS and len(e.shape) == 2:
             modules[parse_weight_name(name)] = ModuleInfo(e.shape[1], e.shape[0], 0, (name,))
+    return modules
+
+
+def _quantized_modules(index: dict[str, TensorEntry], config: dict) -> dict[str, ModuleInfo]:
+    """AWQ/GPTQ linears: out from `X.scales` [K / G, N], in from `X.qweight` ([K, N / 8] AWQ,
+    [K / 8, N] GPTQ)."""
+    gptq = (config.get("quantization_config") or {}).get("quant_method") == "gptq"
+    modules = {}
+    for name, e in index.items():
+        stem = name.removesuffix("qweight")
+        scales = index.get(stem + "scales")
+        if stem != name and _layer_kind(stem + "weight") in DENSE_KINDS and scales is not None:
+            in_features = e.shape[0] * (8 if gptq else 1)
+            modules[parse_weight_name(stem + "weight")] = ModuleInfo(in_features, scales.shape[1], 0, (name,))
     return modules
 
 
@@ -205,8 +210,9 @@ def _lm_head(index: dict[str, TensorEntry], config: dict) -> dict[str, ModuleInf
 
 
 def _bulk_dtype(index: dict[str, TensorEntry]) -> str:
-    """Dtype name of most tensors; float32 when the checkpoint is empty or the code unknown."""
-    codes = [e.dtype for e in index.values()]
+    """Dtype name of most float tensors (an AWQ/GPTQ checkpoint's int32 codes are not the
+    weights' dtype); float32 when there are none."""
+    codes = [e.dtype for e in index.values() if name_of_code(e.dtype)]
     return (name_of_code(max(set(codes), key=codes.count)) if codes else None) or "float32"
 
 
@@ -236,8 +242,8 @@ class BaseInfo:
         model_dir = Path(model_dir)
         config = read_config(model_dir)
         index = read_tensor_index(model_dir)
-        modules = {**_dense_modules(index), **_fused_expert_modules(index), **_per_expert_modules(index),
-                   **_lm_head(index, config)}
+        modules = {**_dense_modules(index), **_quantized_modules(index, config), **_fused_expert_modules(index),
+                   **_per_expert_modules(index), **_lm_head(index, config)}
         norm = normalize_config(config)
         return cls(
             model_dir=model_dir,

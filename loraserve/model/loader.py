@@ -5,9 +5,15 @@ its dtype and device, so the weights are never materialised twice. Only safetens
 The checkpoint must hold exactly the tensors the model uses: one that is missing, or one the model
 has no place for (another architecture's bias, an extra head), is refused by name before any
 tensor bytes are read.
+
+An AWQ or GPTQ checkpoint (config.json's `quantization_config`, model/quant_hf.py) holds
+`X.qweight`, `X.qzeros`, `X.scales` (and GPTQ's `X.g_idx`) in place of a linear's `X.weight`:
+each such linear is built as a `QuantLinear` from them, never as a float weight; MoE experts so
+stored are read as their dequantized float weights.
 """
 from __future__ import annotations
 
+import logging
 import re
 from contextlib import ExitStack
 from pathlib import Path
@@ -18,9 +24,12 @@ from torch import Tensor
 
 from loraserve.catalog.checkpoint import read_tensor_index
 from loraserve.catalog.dtypes import SERVING_DTYPES, dtype_name, torch_dtype
+from loraserve.model import quant_hf
 from loraserve.model.checkpoint import CheckpointError, expert_tensor_name
 from loraserve.model.config import ModelConfig
 from loraserve.model.transformer import CausalLM
+
+log = logging.getLogger(__name__)
 
 # buffers old checkpoints carry that the model recomputes (transformers skips them as well)
 _RECOMPUTED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -39,21 +48,44 @@ def resolve_dtype(name: str, config: ModelConfig, device: str | torch.device) ->
 
 
 class _TensorSource:
-    """Reads checkpoint tensors by name across shard files, opening each file once."""
+    """Reads checkpoint tensors by name across shard files, opening each file once. In an AWQ/GPTQ
+    checkpoint (`quantization`) a quantized linear's `X.weight` is listed in place of its parts
+    (quant_hf.PARTS), and `get` reads it dequantized (MoE experts)."""
 
-    def __init__(self, model_dir: Path, stack: ExitStack):
+    def __init__(self, model_dir: Path, stack: ExitStack, quantization: quant_hf.HFQuantization | None = None):
         self._files = {name: entry.file for name, entry in read_tensor_index(model_dir).items()}
         self._stack = stack
         self._open: dict[Path, object] = {}
+        self.quantization = quantization
+        self.quantized = quant_hf.quantized_weights(self._files) if quantization else {}  # X.weight -> X
 
     def __contains__(self, name: str) -> bool:
-        return name in self._files
+        return name in self._files or name in self.quantized
 
     def names(self) -> list[str]:
-        return list(self._files)
+        plain = [n for n in self._files if not (self.quantized and quant_hf.is_part(n))]
+        return plain + list(self.quantized)
+
+    def quantized_part(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        """A part of a quantized linear (quant_hf.Read)."""
+        return self._read(name, torch.Size(shape))
 
     def get(self, name: str, shape: torch.Size) -> Tensor:
         """The CPU tensor `name`, checked against `shape`."""
+        if name in self.quantized and name not in self._files:
+            return self.quantized_linear(name, shape, None, torch.float32, torch.device("cpu")).weight
+        return self._read(name, shape)
+
+    def quantized_linear(self, name: str, shape: torch.Size, bias: Tensor | None, dtype: torch.dtype,
+                         device: torch.device) -> torch.nn.Module:
+        """The served layer of quantized weight `name` [out, in] (quant_hf.quant_linear)."""
+        prefix = self.quantized[name]
+        n, k = shape
+        return quant_hf.quant_linear(self.quantization, self.quantized_part, prefix, n, k,
+                                     self._files[f"{prefix}.qweight"], f"{prefix}.g_idx" in self._files,
+                                     bias, dtype, device)
+
+    def _read(self, name: str, shape: torch.Size) -> Tensor:
         if name not in self._files:
             raise CheckpointError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
         file = self._files[name]
@@ -79,15 +111,24 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
     dtype_name(dtype)  # ValueError unless a serving dtype
     config = ModelConfig.from_dir(model_dir)
     with ExitStack() as stack:
-        source = _TensorSource(model_dir, stack)
+        source = _TensorSource(model_dir, stack, quant_hf.read_quantization(model_dir))
         config.tie_word_embeddings = "lm_head.weight" not in source
         model = CausalLM(config, device="meta")
         params = list(model.named_parameters())
         _check_names(source, [n for name, p in params for n, _ in _checkpoint_names(name, p.shape)],
                      config.arch)
+        quantized = [(name, p.shape) for name, p in params if name in source.quantized]  # not experts
         for name, param in params:
-            value = _read_param(source, name, param.shape, dtype, device)
-            _assign(model, name, torch.nn.Parameter(value, requires_grad=False))
+            if name not in source.quantized:
+                value = _read_param(source, name, param.shape, dtype, device)
+                _assign(model, name, torch.nn.Parameter(value, requires_grad=False))
+        for name, shape in quantized:  # after the biases, which the layers take
+            owner, _, _ = name.rpartition(".")
+            bias = getattr(model.get_submodule(owner), "bias", None)
+            _assign(model, owner, source.quantized_linear(name, shape, bias, dtype, device))
+        if len(source.quantized) > len(quantized):
+            log.info("%s: %d quantized MoE expert weights read as their dequantized float weights "
+                     "(experts are not served quantized)", model_dir, len(source.quantized) - len(quantized))
     model.tie_weights()
     model.model.rotary_emb.reset_buffers(device)
     return model.eval()

@@ -32,7 +32,7 @@ from loraserve.model import load_model
 from loraserve.model.gguf import GGUFError, resolve_base
 from loraserve.model.quant import KERNELS, QuantLinear, Scheme, quant_linear_of, quantize_weight, unpack_codes
 from loraserve.model.quant_gguf import repack_gguf, source_file
-from test_gguf import TINY, VOCAB, gguf_of, hf_meta, hf_tensors, k_quant_blocks, write_gguf
+from test_gguf import TINY, VOCAB, gguf_of
 
 GG = gguf.GGMLQuantizationType
 KERNEL_RTOL = 0.03
@@ -119,22 +119,6 @@ def test_dequantize_and_an_explicit_dtype_serve_the_float_weights(tmp_path, make
         engine = LLMEngine(EngineConfig(model_dir=str(base), device="cpu", max_model_len=64, **cfg))
         assert engine.quantization is None
         assert not any(isinstance(m, QuantLinear) for m in engine.model.modules())
-
-
-def test_a_k_quant_linear_is_refused_naming_itself_and_the_file(tmp_path, make_hf):
-    source = make_hf("llama", **{**TINY, "intermediate_size": 256})
-    tensors = hf_tensors(source, GG.Q4_0)
-    down = "blk.0.ffn_down.weight"
-    tensors[down] = (k_quant_blocks(np.random.default_rng(0), 64, 256, GG.Q4_K), GG.Q4_K)
-    file = write_gguf(tmp_path / "gguf" / "k.gguf", "llama", tensors, hf_meta(source.config))
-    base = resolve_base(file)
-    with pytest.raises(GGUFError) as err:
-        LLMEngine(EngineConfig(model_dir=str(base), device="cpu", max_model_len=64))
-    text = str(err.value)
-    assert "\n" not in text and str(file) in text and down in text and "Q4_K" in text
-    assert "--quantize none" in text
-    engine = LLMEngine(EngineConfig(model_dir=str(base), device="cpu", max_model_len=64, quantize="none"))
-    assert engine.quantization is None
 
 
 def test_a_non_finite_scale_is_refused_at_load(tmp_path, make_hf):
