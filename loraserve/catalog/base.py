@@ -109,6 +109,18 @@ def served_fingerprint(float_fingerprint: str, quantization: str | None, allow_f
     return QuantizedFingerprint(float_fingerprint, quantization, allow_float or lossless)
 
 
+def trained_fingerprint(served: str) -> str:
+    """The base fingerprint a revision trained on the served base records: the served one (an
+    adapter fit to `--quantize int8|int4` weights names them: it serves on that base, and on
+    the float base only as another base's), save on a GGUF repack, whose weights are the float
+    base's bit for bit: there the float fingerprint, which both the repack and the float base
+    serve."""
+    if isinstance(served, QuantizedFingerprint) and served.removeprefix(
+            served.float_fingerprint + "+").startswith(LOSSLESS_QUANTIZATION_PREFIX):
+        return served.float_fingerprint
+    return str(served)
+
+
 def base_fingerprint(model_dir: str | Path) -> str:
     """xxh3-128 hex of the architecture config and all weight bytes (streamed via mmap)."""
     model_dir = Path(model_dir)
