@@ -130,6 +130,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     option("max_model_len")
     option("kv_cache_mb")
     option("max_batched_tokens")
+    option("grammar_compile_timeout_s", metavar="S")
     option("train_max_tokens")
     option("train_state_dir", metavar="DIR")
     option("prefix_caching", flag="--no-prefix-caching")

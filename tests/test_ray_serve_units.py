@@ -117,10 +117,11 @@ def test_merged_snapshot_sums_and_unites() -> None:
 # -- the ingress facade's streams ---------------------------------------------------------------
 
 class FakeStream:
-    """What `handle.generate.remote()` returns: items, then maybe an exception."""
+    """What `handle.generate.remote()` returns: items, then maybe an exception; with `more`,
+    a replica still generating after them (the next item never comes)."""
 
-    def __init__(self, items: list, error: BaseException | None = None):
-        self.items, self.error, self.cancelled = list(items), error, False
+    def __init__(self, items: list, error: BaseException | None = None, more: bool = False):
+        self.items, self.error, self.more, self.cancelled = list(items), error, more, False
 
     def __aiter__(self):
         return self
@@ -130,6 +131,8 @@ class FakeStream:
             return self.items.pop(0)
         if self.error is not None:
             raise self.error
+        if self.more:
+            await asyncio.Event().wait()
         raise StopAsyncIteration
 
     def cancel(self) -> None:
@@ -215,7 +218,7 @@ def test_a_full_deployment_is_a_429(frontend_for) -> None:
 
 
 def test_closing_a_stream_early_cancels_the_replica_call(frontend_for) -> None:
-    stream = FakeStream([["replica", "a"], _delta("x"), _delta("y"), _delta("z", "stop")])
+    stream = FakeStream([["replica", "a"], _delta("x"), _delta("y")], more=True)
     front = frontend_for([stream])
 
     async def first_only():
@@ -487,86 +490,3 @@ def test_the_router_sends_base_only_calls_to_the_least_loaded() -> None:
     router, reps = _router_and_replicas(["rep-a", "rep-b"])
     router.on_send_request(reps[0].replica_id)
     assert _choose(router, reps, "") == ["rep-b", "rep-a"]
-
-
-# -- the ingress's cluster-wide fair share (fair.FairGate) -------------------------------------
-
-def _gate_order(capacity: int, arrivals: list[tuple[str, float]], max_waiting: int = 100) -> list[str]:
-    """Tenants in the order their sequences got a slot: `capacity` slots held by "x" first,
-    then `arrivals` queue, then slots free one at a time (each admitted sequence ends at once)."""
-    from loraserve.ray_serve.fair import FairGate
-
-    async def run() -> list[str]:
-        gate = FairGate(lambda: capacity, lambda: max_waiting)
-        order: list[str] = []
-        release = asyncio.Event()
-
-        async def seq(tenant: str, weight: float, hold: bool) -> None:
-            async with gate.slot(tenant, weight):
-                order.append(tenant)
-                if hold:
-                    await release.wait()
-
-        holders = [asyncio.create_task(seq("x", 1.0, True)) for _ in range(capacity)]
-        await asyncio.sleep(0)
-        waiters = []
-        for tenant, weight in arrivals:
-            waiters.append(asyncio.create_task(seq(tenant, weight, False)))
-            await asyncio.sleep(0)
-        release.set()
-        await asyncio.gather(*holders, *waiters)
-        return order[capacity:]
-
-    return asyncio.run(run())
-
-
-def test_the_fair_gate_admits_at_once_under_capacity() -> None:
-    assert _gate_order(2, []) == []
-    from loraserve.ray_serve.fair import FairGate
-
-    async def run() -> int:
-        gate = FairGate(lambda: 2, lambda: 0)
-        async with gate.slot("a", 1.0), gate.slot("b", 1.0):
-            return gate.running
-
-    assert asyncio.run(run()) == 2
-
-
-def test_a_later_tenant_is_not_served_after_a_whole_burst() -> None:
-    """Tenant a queues 8 sequences, then b queues 2: b's go second and fourth, not last (a
-    FIFO across the cluster, as Serve's router queue is, would serve them 9th and 10th)."""
-    order = _gate_order(1, [("a", 1.0)] * 8 + [("b", 1.0)] * 2)
-    assert order[:4] == ["a", "b", "a", "b"] and order.count("a") == 8, order
-
-
-def test_free_slots_follow_the_weights() -> None:
-    order = _gate_order(1, [("a", 1.0)] * 6 + [("b", 2.0)] * 6)
-    assert order[:6].count("b") == 4 and order[:6].count("a") == 2, order
-
-
-def test_the_fair_gate_bounds_its_queue_and_forgets_the_cancelled() -> None:
-    from loraserve.engine.types import EngineError
-    from loraserve.ray_serve.fair import FairGate
-
-    async def run() -> tuple[int, int, int]:
-        gate = FairGate(lambda: 1, lambda: 1)
-        hold = asyncio.Event()
-
-        async def seq(tenant: str) -> None:
-            async with gate.slot(tenant, 1.0):
-                await hold.wait()
-
-        first = asyncio.create_task(seq("a"))
-        await asyncio.sleep(0)
-        queued = asyncio.create_task(seq("b"))
-        await asyncio.sleep(0)
-        with pytest.raises(EngineError) as full:
-            await seq("c")
-        queued.cancel()  # a client gone while waiting: its place is given up
-        await asyncio.gather(queued, return_exceptions=True)
-        waiting = gate.queued()
-        hold.set()
-        await first
-        return full.value.status, waiting, gate.running
-
-    assert asyncio.run(run()) == (429, 0, 0)

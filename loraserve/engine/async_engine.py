@@ -9,8 +9,11 @@ This is the single-process hosting (tests, debugging, `loraserve serve --single-
 
 Its loop stamps PROGRESS at the start of each turn (LOOP_WAITING while it waits), as the core
 process's does (`heartbeat`), and `ready` reads it: an engine thread stuck in one turn for
-`engine_timeout_s` is not ready (/ready 503), as a stalled core is not. ALIVE is this very
-process, always alive while it answers.
+`engine_timeout_s` is not ready (/ready 503), as a stalled core is not, and a watch on the event
+loop (`_watch`) ends the requests and calls in flight then with one clean 503 each, as the
+process hosting's supervisor does when it replaces a stalled core (a thread cannot be killed:
+once it moves again, its deltas for them are dropped and their aborts free what they hold).
+ALIVE is this very process, always alive while it answers.
 """
 from __future__ import annotations
 
@@ -21,16 +24,15 @@ import queue
 import threading
 import time
 
-from .client.frontend import EngineFrontend
+from .client.frontend import EngineFrontend, unavailable_error
 from .client.sourcing import Sourcing
 from .config import EngineConfig
 from .core.build import build_engine
 from .core.engine_core import EngineCore
 from .core.llm_engine import LLMEngine
 from .heartbeat import ENGINE_TIMEOUT_S, HEARTBEAT_S, LOOP_WAITING, PROGRESS, Heartbeat
-from .messages import Message, Return, Train
+from .messages import Message, Return
 from .snapshot import EngineSnapshot
-from .training import Trainer
 from .types import EngineError
 
 log = logging.getLogger(__name__)
@@ -51,12 +53,11 @@ class AsyncEngine(EngineFrontend):
         self.core = EngineCore(engine, lambda: self._inbox.put(_WAKE),  # engine thread only
                                lambda: not self._inbox.empty())
         self._thread: threading.Thread | None = None
+        self._watcher: asyncio.Task | None = None
         self._stop = threading.Event()
         self.heartbeat = [math.inf, LOOP_WAITING]  # ALIVE: this process; PROGRESS: the loop's
         self._progress = Heartbeat(self.heartbeat, HEARTBEAT_S, engine_timeout_s)
-        self.trainer = Trainer(
-            lambda op, args: self.call(lambda cid: Train(cid, op, tuple(args))),
-            engine.cfg.train_max_tokens)
+        self.trainer = self._trainer()
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> AsyncEngine:
@@ -85,10 +86,7 @@ class AsyncEngine(EngineFrontend):
         stuck = self._progress.stalled_for(time.monotonic())
         if stuck <= self._progress.timeout_s:
             return super().unavailable()
-        err = EngineError(f"the engine has made no progress for {stuck:.1f} s; retry later",
-                          status=503, code="engine_unavailable")
-        err.retry_after = 1
-        return err
+        return unavailable_error(f"the engine has made no progress for {stuck:.1f} s; retry later")
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -98,10 +96,12 @@ class AsyncEngine(EngineFrontend):
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="loraserve-engine", daemon=True)
         self._thread.start()
+        self._watcher = asyncio.ensure_future(self._watch())
 
     async def shutdown(self) -> None:
         if self._thread is None:
             return
+        self._watcher.cancel()
         self._stop.set()
         self._inbox.put(_WAKE)
         await asyncio.to_thread(self._thread.join, 10)
@@ -109,6 +109,25 @@ class AsyncEngine(EngineFrontend):
         self.core.close()
         if self.sourcing is not None:
             self.sourcing.close()
+
+    async def _watch(self) -> None:
+        """Event loop: every half beat, whether the engine thread is stuck in one turn past the
+        engine timeout; at the start of each such stall, every request and call in flight ends
+        with one clean 503."""
+        stalled = False
+        while True:
+            await asyncio.sleep(self._progress.suspect_s / 2)
+            stuck = self._progress.stalled_for(time.monotonic())
+            if stuck > self._progress.timeout_s and not stalled:
+                err = unavailable_error(f"the engine made no progress for {stuck:.1f} s while "
+                                        "serving this request; retry it")
+                log.error("engine thread stalled for %.1f s: ending what is in flight", stuck)
+                ended = list(self._queues)
+                self._fail_in_flight(err)
+                self._fail_calls(err)
+                for request_id in ended:  # freed once the thread moves again
+                    self._abort(request_id)
+            stalled = stuck > self._progress.timeout_s
 
     # -- the transport --------------------------------------------------------------------------
     def _send(self, msg: Message) -> None:

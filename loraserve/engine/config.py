@@ -28,6 +28,10 @@ class EngineConfig:
         "help": "prompt + output tokens per sequence"})
     max_batched_tokens: int = field(default=4096, metadata={
         "help": "tokens one prefill step computes; longer prompts are prefilled in chunks"})
+    grammar_compile_timeout_s: float = field(default=10.0, metadata={
+        "help": "seconds a structured-output grammar may take to compile against the vocabulary "
+                "(counted once the tokenizer's grammar setup is done); past it that request gets "
+                "a 400 naming the field, and nothing else waits"})
     train_state_dir: str | None = field(default=None, metadata={
         "help": "where Tinker save_weights writes training state (factors, Adam moments); "
                 "kept after exit",
@@ -161,6 +165,8 @@ class EngineConfig:
             raise ValueError(f"lora_backend must be auto|triton|torch, got {self.lora_backend!r}")
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         for name in ("max_batch_size", "max_model_len", "max_batched_tokens", "block_size",
                      "max_gpu_adapters", "max_lora_rank", "cpu_cache_mb", "max_adapter_mb", "pager_workers",
                      "pager_batch", "train_max_tokens"):

@@ -1,18 +1,24 @@
-"""The ingress's engine facade: the FastAPI app is served unchanged over it, generation goes to
-the engine replicas through a Serve deployment handle.
+"""The ingress's engine client: `EngineFrontend` over a Serve deployment handle (the Ray
+transport). The FastAPI app is served unchanged over it.
 
-`RayEngineFrontend` has the surface the app reads of `AsyncEngine`/`CoreClient` (model sizes,
-tokenizer, `generate`, `stats`, `snapshot`, `list_models`, `adapter_manager`, ...), so every
-route, auth and tenant check and error body is the single process's. What differs:
+Everything a request meets before the engine is `EngineFrontend`'s, as in one process:
+validation, admission (`client.admission`: fair share in tokens across the whole cluster, one
+implementation for every hosting), resolving a request's adapter here (unknown: the usual 404
+before any replica is asked), calls. What this transport does:
 
-- `generate` resolves the request's adapter in the ingress (unknown: the usual 404 before any
-  replica is asked), then streams from a replica chosen by Serve with the adapter id as the
-  multiplexed model id: Serve's router prefers a replica that holds the adapter, and spills to
-  another when those are full. Base-only requests carry no model id and go anywhere.
+- An `Add` streams the request from a replica chosen by Serve, with the adapter id as the
+  multiplexed model id: Serve's router prefers a replica that holds the adapter and spills to
+  another when those are full. Base-only requests carry no model id and go anywhere. The
+  replica hosts the process transport (`CoreClient`, ray_serve/replica.py), so its deltas come
+  as text already; an `Abort` cancels the stream.
 - A replica that dies before the first output is retried once on another; one that dies
   mid-stream ends the request with one clean 503 (a stream gets its error event and [DONE]).
-- Sequences go to the replicas while the cluster has running slots; past that they wait here
-  and free slots go to tenants by weighted fair share across the whole cluster (fair.py).
+- Admission lets sequences through while the cluster has running slots (live replicas x
+  `max_batch_size`); past that they wait here and free slots go to tenants by weighted fair
+  share in tokens (Serve's router queue in front of the replicas is FIFO).
+- Calls: `Residency` reads the replicas' reports (quarantined or gpu on any), else asks the
+  replica Serve routes the adapter to; `Unload` runs on every replica (`board.broadcast`);
+  `Warm` pages a revision into the CPU tier of the replica that will serve it next.
 - The catalog is opened read-write here, the one writer (`/v1/load_lora_adapter`, promote,
   rollback, and the miss path: `--adapter-source`, `--catalog-store`); replicas open it
   read-only and see each commit in their next read.
@@ -34,19 +40,13 @@ from loraserve.catalog.base import base_fingerprint
 
 from ..adapters.pool import PoolLimits
 from ..adapters.stats import CacheStats, PagerStats, PoolStats
-from ..engine.client.catalog_view import CatalogView
-from ..engine.client.sourcing import Sourcing
-from ..engine.client.sourcing import resolve as resolve_model
+from ..engine.client.frontend import EngineFrontend, unavailable_error
 from ..engine.config import EngineConfig
-from ..engine.directory import EVERYONE, AdapterDirectory
+from ..engine.messages import Abort, Add, Call, Message, Residency, Return, Unload, Warm
 from ..engine.snapshot import EngineSnapshot
 from ..engine.types import EngineError, GenerateRequest, RequestOutput, ResolvedModel
-from ..engine.client.warm_refs import WarmRefs
 from ..engine.wire import error_from_wire, output_from_wire, request_to_wire, snapshot_from_wire
-from ..model.config import ModelConfig
-from ..tokenizer import Tokenizer
 from .board import ReplicaBoard, merged
-from .fair import FairGate
 from .config import ScaleOutConfig
 
 log = logging.getLogger(__name__)
@@ -59,59 +59,35 @@ served_by: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("ser
 
 
 def replica_lost() -> EngineError:
-    return EngineError("the engine replica serving this request stopped; retry it", status=503,
-                       code="engine_unavailable")
+    return unavailable_error("the engine replica serving this request stopped; retry it")
 
 
-class RayEngineFrontend:
+class RayEngineFrontend(EngineFrontend):
+    trainer = None  # training runs beside one resident base; not across replicas (yet)
+
     def __init__(self, cfg: EngineConfig, replicas: DeploymentHandle, scale: ScaleOutConfig):
-        self.cfg = cfg
+        super().__init__(cfg=cfg)
         self.scale = scale
         self.replicas = replicas
-        mc = ModelConfig.from_dir(cfg.model_dir)
-        self.model_name = cfg.model_name
-        self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings)
-        self.vocab_size = mc.vocab_size
-        self.tokenizer = Tokenizer.from_dir(cfg.model_dir)
-        self.adapter_manager = CatalogView(cfg.catalog_dir, self.model_name, self._warm_on,
-                                           base_fingerprint(cfg.model_dir)) if cfg.catalog_dir else None
-        self.directory = (self.adapter_manager.directory if self.adapter_manager is not None
-                          else AdapterDirectory(self.model_name))
         # the miss path runs here, the catalog's one writer; replicas see its imports on their next read
-        self.sourcing = Sourcing.open(cfg, self.adapter_manager, self.directory)
-        self._warm = WarmRefs()
+        self._open_catalog(base_fingerprint(cfg.model_dir))
         self.board = ReplicaBoard(scale.stale_after_s)
-        self.gate = FairGate(lambda: self._replica_count() * cfg.max_batch_size,
-                             lambda: self._replica_count() * cfg.max_waiting)
+        self._streams: dict[str, asyncio.Task] = {}  # request id -> its stream from a replica
         self._started = False
 
     # -- what the server reads -------------------------------------------------------------------
     @property
-    def config(self) -> EngineConfig:
-        return self.cfg
-
-    @property
     def ready(self) -> bool:
-        """Some engine replica reported lately."""
+        """Some engine replica reported lately (a replica reports only while its core is ready)."""
         return bool(self.board.live())
 
-    core_pid = None  # engines run in replicas: no engine-core process of this one
-
-    def _replica_count(self) -> int:
-        """The replicas that reported lately (those configured, before any has)."""
-        return len(self.board.live()) or self.scale.replicas
-    trainer = None  # training runs beside one resident base; not across replicas (yet)
-
-    def supervision(self) -> dict | None:
-        """Replicas are Ray Serve's to supervise: None."""
-        return None
+    @property
+    def restarts(self) -> int:
+        return self.board.lost
 
     def unavailable(self) -> EngineError:
         """The 503 while no replica has reported lately."""
-        err = EngineError("no engine replica has reported lately; retry later", status=503,
-                          code="engine_unavailable")
-        err.retry_after = 1
-        return err
+        return unavailable_error("no engine replica has reported lately; retry later")
 
     def replica_snapshots(self) -> dict[str, EngineSnapshot]:
         """replica id -> its latest snapshot (router_metrics labels series by it)."""
@@ -121,31 +97,17 @@ class RayEngineFrontend:
     def snapshot(self) -> EngineSnapshot:
         return merged(list(self.board.live().values()))
 
-    def stats(self) -> dict:
-        return {**self.snapshot.stats(), "engine_ready": int(self.ready),
-                "engine_restarts": self.board.lost}
+    def _replica_count(self) -> int:
+        """The replicas that reported lately (those configured, before any has)."""
+        return len(self.board.live()) or self.scale.replicas
 
-    def list_models(self) -> list[str]:
-        return [self.model_name, *self.snapshot.resident_ids()]
+    def _slots(self) -> int:
+        """The cluster's running slots: sequences wait here past them, not in Serve's FIFO."""
+        return self._replica_count() * self.cfg.max_batch_size
 
-    def residency(self, key: tuple[str, str]) -> str:
-        """Blocking: gpu when a replica holds the revision in its device pool; else what the
-        replica Serve routes the adapter to says (cpu or disk)."""
-        if any(s.quarantine_reason(key) is not None for s in self.board.live().values()):
-            return "quarantined"
-        if any(key in s.resident for s in self.board.live().values()):
-            return "gpu"
-        handle = self.replicas.options(multiplexed_model_id=key[0])
-        return handle.residency.remote(list(key)).result(timeout_s=CONTROL_TIMEOUT_S)
-
-    def describe_adapter(self, adapter_id: str) -> dict:
-        return self.adapter_manager.describe(adapter_id, self.residency)
-
-    async def unload_adapter(self, adapter_id: str) -> int:
-        """Evict adapter_id's idle revisions on every replica (404 first for an unknown id)."""
-        await asyncio.to_thread(self.adapter_manager.catalog.policy, adapter_id)
-        results = await self.board.broadcast("unload_adapter", [adapter_id], CONTROL_TIMEOUT_S)
-        return sum(results.values())
+    def _queue_tokens(self) -> int:
+        """What the replicas' queues would hold: max_waiting sequences of max_model_len each."""
+        return self._replica_count() * self.cfg.max_waiting * self.max_model_len
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -156,6 +118,7 @@ class RayEngineFrontend:
         if self.adapter_manager is not None:
             self.adapter_manager.learn(self.adapter_manager.base_fingerprint,
                                        PoolLimits(info["max_rank"], tuple(info["kinds"])))
+        self._loop = asyncio.get_running_loop()
         self._started = True
 
     async def shutdown(self) -> None:
@@ -169,17 +132,43 @@ class RayEngineFrontend:
         snap = snapshot_from_wire(snapshot, PoolStats, CacheStats, PagerStats)
         return self.board.report(replica_id, snap, seen, results)
 
-    # -- requests -------------------------------------------------------------------------------
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        await self.start()
-        req.check(self.vocab_size, self.max_model_len)
-        if req.resolved is None:  # an in-process caller naming its adapter only
-            req.resolved = await self.resolve(req.adapter or self.model_name, EVERYONE)
-        adapter_id = None if req.resolved.is_base else req.resolved.adapter[0]
+    # -- the transport --------------------------------------------------------------------------
+    def _send(self, msg: Message) -> None:
+        """Event loop: an Add streams from a replica, an Abort cancels that stream, a call runs
+        against the replicas and is answered by one Return."""
+        if isinstance(msg, Add):
+            rid = msg.request.request_id
+            self._streams[rid] = asyncio.ensure_future(self._serve(msg))
+        elif isinstance(msg, Abort):
+            task = self._streams.pop(msg.request_id, None)
+            if task is not None:
+                task.cancel()
+        else:
+            asyncio.ensure_future(self._answer(msg))
+
+    async def _serve(self, msg: Add) -> None:
+        """One request's stream: its deltas (text already: the replica's frontend made it) to
+        the request's queue, or its error as the last one."""
+        req, rid = msg.request, msg.request.request_id
+        if req.resolved is None and msg.record is not None:  # an in-process caller's adapter
+            rec = msg.record
+            req.resolved = ResolvedModel(req.adapter, req.adapter, (rec.adapter_id, rec.revision),
+                                         rec, req.tenant)
+        adapter_id = None if msg.record is None else msg.record.adapter_id
         wire = request_to_wire(req, resolved=True)  # the replica runs this record, never resolves
-        async with self.gate.slot(req.tenant, req.tenant_weight):  # the cluster's fair share
+        try:
             async for out in self._tries(req, wire, adapter_id):
-                yield out
+                self._put(out)
+        except Exception as exc:  # raised to the reader as it was raised here
+            self._put(RequestOutput.failed(rid, exc))
+        finally:
+            if self._streams.get(rid) is asyncio.current_task():
+                del self._streams[rid]
+
+    def _put(self, out: RequestOutput) -> None:
+        q = self._queues.get(out.request_id)
+        if q is not None:
+            q.put_nowait(out)
 
     async def _tries(self, req: GenerateRequest, wire: dict,
                      adapter_id: str | None) -> AsyncIterator[RequestOutput]:
@@ -231,13 +220,35 @@ class RayEngineFrontend:
             if not finished:  # closed early (client gone) or failed: the replica aborts it
                 gen.cancel()
 
-    async def resolve(self, model: str, principal) -> ResolvedModel:
-        """`directory.resolve(model, principal)`, a name the catalog lacks fetched from the
-        durable tier and the adapter sources (`sourcing.resolve`)."""
-        return await resolve_model(self._warm, self.directory, self.sourcing, model, principal)
+    # -- calls ----------------------------------------------------------------------------------
+    async def _answer(self, msg: Call) -> None:
+        try:
+            ret = Return(msg.call_id, await asyncio.wait_for(self._run_call(msg), CONTROL_TIMEOUT_S))
+        except Exception as exc:
+            ret = Return(msg.call_id, None, exc)
+        self._returned(ret)
 
-    def _warm_on(self, rec) -> None:
-        """Blocking: page `rec` into the CPU tier of the replica Serve routes its adapter to (the
-        one that will serve it next)."""
-        handle = self.replicas.options(multiplexed_model_id=rec.adapter_id)
-        handle.warm.remote(f"{rec.adapter_id}@{rec.revision}").result(timeout_s=CONTROL_TIMEOUT_S)
+    async def _run_call(self, msg: Call):
+        if isinstance(msg, Residency):
+            return [await self._residency(key) for key in msg.keys]
+        if isinstance(msg, Unload):  # on every replica
+            results = await self.board.broadcast("unload_adapter", [msg.adapter_id], CONTROL_TIMEOUT_S)
+            return sum(results.values())
+        if isinstance(msg, Warm):  # into the CPU tier of the replica Serve routes the adapter to
+            rec = msg.record
+            handle = self.replicas.options(multiplexed_model_id=rec.adapter_id)
+            await handle.warm.remote(f"{rec.adapter_id}@{rec.revision}")
+            return None
+        raise EngineError(f"{type(msg).__name__} calls are not served behind Ray Serve "
+                          "(training runs beside one engine)", status=501, code="not_implemented")
+
+    async def _residency(self, key: tuple[str, str]) -> str:
+        """gpu when a replica holds the revision in its device pool (quarantined when one
+        quarantined it); else what the replica Serve routes the adapter to says (cpu or disk)."""
+        live = self.board.live().values()
+        if any(s.quarantine_reason(key) is not None for s in live):
+            return "quarantined"
+        if any(key in s.resident for s in live):
+            return "gpu"
+        handle = self.replicas.options(multiplexed_model_id=key[0])
+        return await handle.residency.remote(list(key))

@@ -26,7 +26,7 @@ from ..server.config import ServerConfig
 from ..server.router_metrics import labelled_snapshots, label_names
 from .config import ScaleOutConfig
 from .drain import Drain, DrainGate
-from .fair import FairGate
+from ..engine.client.admission import Admission
 from .frontend import RayEngineFrontend, served_by
 from .routing import in_flight
 
@@ -83,7 +83,7 @@ class ReplicaEngineGauges(Collector):
                 m.add_metric(list(labels.values()), float(getattr(snap, attr)))
             yield m
         yield router_gauge()
-        yield fair_gauge(self.frontend.gate)
+        yield fair_gauge(self.frontend.admission)
 
 
 def router_gauge() -> GaugeMetricFamily:
@@ -96,8 +96,8 @@ def router_gauge() -> GaugeMetricFamily:
     return m
 
 
-def fair_gauge(gate: FairGate) -> GaugeMetricFamily:
-    """Sequences waiting at the ingress for a running slot (fair.FairGate), per tenant."""
+def fair_gauge(gate: Admission) -> GaugeMetricFamily:
+    """Sequences waiting at the ingress for a running slot (client.admission), per tenant."""
     m = GaugeMetricFamily("loraserve_fair_share_waiting", "Sequences waiting at the ingress "
                           "for a running slot in the cluster", labels=["tenant"])
     for tenant, queue in sorted(gate.waiting.items()):

@@ -92,7 +92,7 @@ def test_second_resolve_of_a_ref_runs_inline_and_reads_the_catalog_again():
     first, second = asyncio.run(go())
     assert [o.adapter_revision for o in first + second] == ["r1", "r2"]
     assert fe.resolves == [("r1", False), ("r2", True), ("r2", False), ("r2", False)]
-    assert fe._in_flight == 0
+    assert fe.admission.in_flight() == 0
 
 
 def _one(fe, i: int, ref: str) -> list[RequestOutput]:
@@ -130,7 +130,7 @@ def test_cold_refs_resolve_inline_until_a_read_is_slow(monkeypatch):
     now[0] += 10.1                           # back-off over (and every ref's warmth expired)
     _one(fe, 4, "acme/d")
     assert fe.resolves[-1] == ("r2", True)
-    assert fe._in_flight == 0
+    assert fe.admission.in_flight() == 0
 
 
 def test_a_slow_read_backs_off_for_a_while(monkeypatch):

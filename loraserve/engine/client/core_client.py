@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import multiprocessing
 import os
 import socket
@@ -37,25 +36,18 @@ import time
 from dataclasses import dataclass, field
 
 from ...adapters.pool import PoolLimits
-from ...model.config import ModelConfig
-from ...tokenizer import Tokenizer
-from .catalog_view import CatalogView
-from .sourcing import Sourcing
 from ..config import EngineConfig
 from ..core.boot import boot_core
-from ..directory import AdapterDirectory
-from .frontend import EngineFrontend
+from .frontend import RETRY_AFTER_MAX_S, EngineFrontend, unavailable_error
 from ..heartbeat import ENGINE_TIMEOUT_S, HEARTBEAT_S, Heartbeat, heartbeat_slots
 from ..snapshot import EngineSnapshot
-from ..training import Trainer
 from ..messages import (Batch, CoreInfo, Hello, Malformed, Message, Ready, Return, Step, Stop,
-                        Train, Warm, decode_batch, encode)
+                        decode_batch, encode)
 from ..types import EngineError, GenerateRequest
 from ..wire import unpacker
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_MAX_S = 60
 CAUSES = ("exited", "stalled", "start_failed")  # why a core was replaced (the restart counter's label)
 
 
@@ -103,13 +95,6 @@ def _retrieved(fut: asyncio.Future) -> None:
         fut.exception()  # nobody may be waiting: no "exception was never retrieved"
 
 
-def _unavailable(message: str, retry_after_s: float) -> EngineError:
-    """A 503 engine_unavailable; its `retry_after` (whole seconds) becomes Retry-After."""
-    err = EngineError(message, status=503, code="engine_unavailable")
-    err.retry_after = min(RETRY_AFTER_MAX_S, max(1, math.ceil(retry_after_s)))
-    return err
-
-
 START_TIMEOUT_S = 300.0  # a core's start-up: loading the base, warming adapters
 COMPILE_START_TIMEOUT_S = 1800.0  # ... and compiling its decode step (minutes on a small CPU)
 
@@ -126,21 +111,10 @@ class CoreClient(EngineFrontend):
     def __init__(self, cfg: EngineConfig, *, start_timeout_s: float | None = None,
                  engine_timeout_s: float = ENGINE_TIMEOUT_S, heartbeat_s: float | None = None,
                  backoff: Backoff | None = None):
-        mc = ModelConfig.from_dir(cfg.model_dir)  # first: an unsupported model says so in one line
-        super().__init__(Tokenizer.from_dir(cfg.model_dir))
+        super().__init__(cfg=cfg)
         if engine_timeout_s <= 0:
             raise ValueError("engine_timeout_s must be > 0")
-        self.cfg = cfg
-        self.model_name = cfg.model_name
-        self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings)
-        self.vocab_size = mc.vocab_size
-        self.adapter_manager = CatalogView(
-            cfg.catalog_dir, self.model_name,
-            lambda rec: self.call_from_thread(lambda cid: Warm(cid, rec)),
-            readonly=cfg.catalog_readonly) if cfg.catalog_dir else None
-        self.directory = (self.adapter_manager.directory if self.adapter_manager is not None
-                          else AdapterDirectory(self.model_name))
-        self.sourcing = Sourcing.open(cfg, self.adapter_manager, self.directory)
+        self._open_catalog()
         self.start_timeout_s = start_timeout_s if start_timeout_s is not None else default_start_timeout(cfg)
         self.engine_timeout_s = engine_timeout_s
         self.heartbeat_s = heartbeat_s if heartbeat_s is not None else min(HEARTBEAT_S,
@@ -148,8 +122,7 @@ class CoreClient(EngineFrontend):
         self.backoff = backoff or Backoff()
         # training runs live in the core, beside the model: a restarted core has none, and the
         # Tinker routes put each back from the state they kept after its last step
-        self.trainer = Trainer(lambda op, args: self.call(lambda cid: Train(cid, op, tuple(args))),
-                               cfg.train_max_tokens)
+        self.trainer = self._trainer()
         self.restarts = 0
         self.restart_causes = dict.fromkeys(CAUSES, 0)
         self.state = "stopped"  # starting | up | down (a backoff before the next start) | stopped
@@ -200,16 +173,16 @@ class CoreClient(EngineFrontend):
         """The 503 for a request while no core takes requests, with a Retry-After estimate."""
         now = time.monotonic()
         if self._closing:
-            return _unavailable("the server is shutting down", RETRY_AFTER_MAX_S)
+            return unavailable_error("the server is shutting down", RETRY_AFTER_MAX_S)
         if self.state == "up":  # up, but its beat is late
             beat = self._beat
             eta = (self.engine_timeout_s - beat.stalled_for(now)) + self.backoff.delay + self._start_s
-            return _unavailable(f"the engine core has not answered for {beat.silent_for(now):.1f} s; "
+            return unavailable_error(f"the engine core has not answered for {beat.silent_for(now):.1f} s; "
                                 "retry later", eta)
         if self.state == "down":
-            return _unavailable("the engine core is restarting; retry later",
+            return unavailable_error("the engine core is restarting; retry later",
                                 self._next_start_at - now + self._start_s)
-        return _unavailable("the engine core is starting; retry later",
+        return unavailable_error("the engine core is starting; retry later",
                             self._start_s - (now - self._state_since))
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -220,7 +193,7 @@ class CoreClient(EngineFrontend):
         if self.state == "up" and self._beat.beating(time.monotonic()):
             return  # running: no await, which under load would cost a turn of the event loop
         if self._closing:
-            raise _unavailable("the server is shutting down", RETRY_AFTER_MAX_S)
+            raise unavailable_error("the server is shutting down", RETRY_AFTER_MAX_S)
         if self._supervisor is None:
             self._loop = asyncio.get_running_loop()
             self._first_up = self._loop.create_future()
@@ -260,7 +233,7 @@ class CoreClient(EngineFrontend):
                 if self._closing:
                     break
                 if not self._ever_up:
-                    raise _unavailable(f"the engine core {cause} (see the server log)", self._start_s)
+                    raise unavailable_error(f"the engine core {cause} (see the server log)", self._start_s)
                 self.restarts += 1
                 self.restart_causes[kind] += 1
                 delay = self.backoff.next(up_for)
@@ -273,7 +246,7 @@ class CoreClient(EngineFrontend):
             self._supervisor = None
         finally:
             if not self._first_up.done():
-                self._first_up.set_exception(_unavailable("the server is shutting down",
+                self._first_up.set_exception(unavailable_error("the server is shutting down",
                                                           RETRY_AFTER_MAX_S))
             if self._closing or self._supervisor is None:
                 self._set_state("stopped")
@@ -390,10 +363,10 @@ class CoreClient(EngineFrontend):
         beats; else SIGKILL, which ends a stopped process too) and reap it."""
         self._set_state("stopped" if self._closing else "down")
         if cause is None:
-            err = _unavailable("the server is shutting down", RETRY_AFTER_MAX_S)
+            err = unavailable_error("the server is shutting down", RETRY_AFTER_MAX_S)
         else:
             what = "stalled" if "stalled" in cause else "stopped"
-            err = _unavailable(f"the engine core {what} while serving this request; retry it",
+            err = unavailable_error(f"the engine core {what} while serving this request; retry it",
                                self.backoff.delay + self._start_s)
         self._fail_in_flight(err)
         self._fail_calls(err)

@@ -1,34 +1,53 @@
-"""The request side of an engine, shared by the in-process and the out-of-process hosting.
+"""The request side of an engine, shared by every hosting.
 
 `EngineFrontend` is the API side's one engine client; it lives on the API server's event loop.
-It validates a request, admits it against the queue bound (per-tenant share), takes the
-revision its model was resolved to at the edge (`GenerateRequest.resolved`, from `resolve`: the
-`AdapterDirectory`), sends it to the engine core as an `Add` (`engine.messages`), turns the
-core's token-id deltas into text deltas (`OutputProcessor`: detokenization, stop strings,
-merging a non-streamed request's deltas) and hands each to the request's asyncio.Queue. Calls
-(unload, residency, warm, train) are records with a call id, answered by one `Return` each
-(`call`). A subclass is only the transport: how a message reaches the core (`_send`) and how
-the core's messages come back (to `_deliver` and `_returned`): `AsyncEngine` over a thread,
-`CoreClient` over a Unix socket to an engine-core process. Everything else is this class's, so
-every hosting gives the same outputs and answers.
+It validates a request, admits it (`admission`: the bound on what is in flight and fair share,
+in tokens, one implementation for every hosting), takes the revision its model was resolved to
+at the edge (`GenerateRequest.resolved`, from `resolve`: the `AdapterDirectory`), sends it to
+the engine core as an `Add` (`engine.messages`), turns the core's token-id deltas into text
+deltas (`OutputProcessor`: detokenization, stop strings, merging a non-streamed request's
+deltas) and hands each to the request's asyncio.Queue. Calls (unload, residency, warm, train)
+are records with a call id, answered by one `Return` each (`call`). A subclass is only the
+transport: how a message reaches the core (`_send`) and how the core's messages come back (to
+`_deliver` and `_returned`): `AsyncEngine` over a thread, `CoreClient` over a Unix socket to an
+engine-core process, `ray_serve.frontend.RayEngineFrontend` over a Serve deployment handle to
+engine replicas (which host `CoreClient`, so their deltas come back as text, to the queues).
+Everything else is this class's, so every hosting gives the same outputs and answers.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 
+from ...model.config import ModelConfig
+from ...tokenizer import Tokenizer
 from ..config import EngineConfig
 from ..directory import EVERYONE, AdapterDirectory, Viewer
-from ..messages import Abort, Add, Call, Message, Residency, Return, Unload
+from ..messages import Abort, Add, Call, Message, Residency, Return, Train, Unload, Warm
+from .admission import Admission, cost
+from .catalog_view import CatalogView
 from .output_processor import OutputProcessor
+from .sourcing import Sourcing
 from .sourcing import resolve as resolve_model
 from ..snapshot import EngineSnapshot
+from ..training import Trainer
 from ..types import EngineError, GenerateRequest, RequestOutput, ResolvedModel
 from .warm_refs import WarmRefs
+
+RETRY_AFTER_MAX_S = 60
+
+
+def unavailable_error(message: str, retry_after_s: float = 1) -> EngineError:
+    """A 503 engine_unavailable; its `retry_after` (whole seconds, 1 to RETRY_AFTER_MAX_S)
+    becomes Retry-After."""
+    err = EngineError(message, status=503, code="engine_unavailable")
+    err.retry_after = min(RETRY_AFTER_MAX_S, max(1, math.ceil(retry_after_s)))
+    return err
 
 
 class EngineFrontend(ABC):
@@ -39,19 +58,42 @@ class EngineFrontend(ABC):
     tokenizer: object
     directory: AdapterDirectory  # what a request's model names (the one resolver; subclasses make it)
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer=None, cfg: EngineConfig | None = None) -> None:
+        """`tokenizer`, or with `cfg` alone (a hosting whose engine is elsewhere) the model's
+        name, sizes and tokenizer read from its directory (an unsupported model says so first)."""
+        if cfg is not None:
+            mc = ModelConfig.from_dir(cfg.model_dir)
+            self.cfg, self.model_name, self.vocab_size = cfg, cfg.model_name, mc.vocab_size
+            self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings)
+            if tokenizer is None:
+                tokenizer = Tokenizer.from_dir(cfg.model_dir)
         self.tokenizer = tokenizer
         # event loop only
         self._queues: dict[str, asyncio.Queue] = {}
         self._outputs = OutputProcessor(tokenizer)
-        # sequences between generate() and their last delta. Bounded by a full batch plus
-        # max_waiting; past it a request is refused (429) instead of queued forever.
-        self._in_flight = 0
-        self._tenant_in_flight: dict[str, int] = {}
+        # requests between generate() and their last delta, in tokens per tenant (`admission`)
+        self.admission = Admission(self._slots, self._queue_tokens)
         self._warm = WarmRefs()  # whether a ref is resolved inline or on a thread
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
         self._call_ids = itertools.count()
         self._calls: dict[int, asyncio.Future] = {}  # call id -> its answer
+
+    def _open_catalog(self, base_fingerprint: str = "") -> None:
+        """The catalog side where the engine is elsewhere: a `CatalogView` of cfg's catalog
+        (warming a revision is a `Warm` call to the core), the directory and the miss path."""
+        cfg = self.cfg
+        self.adapter_manager = CatalogView(
+            cfg.catalog_dir, self.model_name,
+            lambda rec: self.call_from_thread(lambda cid: Warm(cid, rec)), base_fingerprint,
+            readonly=cfg.catalog_readonly) if cfg.catalog_dir else None
+        self.directory = (self.adapter_manager.directory if self.adapter_manager is not None
+                          else AdapterDirectory(self.model_name))
+        self.sourcing = Sourcing.open(cfg, self.adapter_manager, self.directory)
+
+    def _trainer(self) -> Trainer:
+        """Training runs in the core, beside the model: each operation a `Train` call."""
+        return Trainer(lambda op, args: self.call(lambda cid: Train(cid, op, tuple(args))),
+                       self.cfg.train_max_tokens)
 
     # -- hosting (subclasses) --------------------------------------------------------------------
     @abstractmethod
@@ -142,9 +184,7 @@ class EngineFrontend(ABC):
 
     def unavailable(self) -> EngineError:
         """The 503 while `ready` is False (its `retry_after`, in seconds, becomes Retry-After)."""
-        err = EngineError("the engine is starting; retry later", status=503, code="engine_unavailable")
-        err.retry_after = 1
-        return err
+        return unavailable_error("the engine is starting; retry later")
 
     # the optional parts of `interface.EngineInterface`, "not here" unless a hosting has them
     adapter_manager = None  # the catalog side of the adapter tiers; None: base only
@@ -172,7 +212,12 @@ class EngineFrontend(ABC):
         req.check(self.vocab_size, self.max_model_len)
         if req.request_id in self._queues:
             raise EngineError(f"duplicate request id {req.request_id!r}")
-        self._admit(req.tenant)
+        async with self.admission.hold(req.tenant, req.tenant_weight, cost(req)):
+            async for out in self._admitted(req):
+                yield out
+
+    async def _admitted(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """An admitted request: resolved if the edge did not, handed to the engine, its deltas."""
         done = False
         try:
             if req.resolved is not None:  # decided at the edge: never resolved again
@@ -193,7 +238,6 @@ class EngineFrontend(ABC):
                 if done:
                     return
         finally:
-            self._release(req.tenant)
             self._outputs.remove(req.request_id)
             if self._queues.pop(req.request_id, None) is not None and not done:
                 self._abort(req.request_id)
@@ -220,25 +264,11 @@ class EngineFrontend(ABC):
         for rid in list(self._queues):
             self._queues[rid].put_nowait(RequestOutput.failed(rid, err))
 
-    def _admit(self, tenant: str) -> None:
-        """Count one more sequence in flight, or refuse it (429) when the queue is full.
+    def _slots(self) -> int:
+        """Sequences past admission at once: the engine's batch and its queue (its scheduler
+        orders them, in tokens)."""
+        return self.cfg.max_batch_size + self.cfg.max_waiting
 
-        At capacity, only tenants holding at least their share of it (capacity / tenants in
-        flight) are refused: one tenant's flood fills the queue with 429s for itself, not for
-        the others (whose sequences may then exceed the bound by at most one share)."""
-        cap = self.cfg.max_batch_size + self.cfg.max_waiting
-        mine = self._tenant_in_flight.get(tenant, 0)
-        share = cap / max(1, len(self._tenant_in_flight))
-        if self._in_flight >= cap and mine >= share:
-            raise EngineError(f"the server is at capacity ({self._in_flight} sequences running or "
-                              "queued); retry later", status=429, code="rate_limit_exceeded")
-        self._in_flight += 1
-        self._tenant_in_flight[tenant] = mine + 1
-
-    def _release(self, tenant: str) -> None:
-        self._in_flight -= 1
-        left = self._tenant_in_flight[tenant] - 1
-        if left:
-            self._tenant_in_flight[tenant] = left
-        else:
-            del self._tenant_in_flight[tenant]
+    def _queue_tokens(self) -> int:
+        """Tokens that may wait at admission: none here (the engine's queue is in `_slots`)."""
+        return 0

@@ -132,7 +132,8 @@ class LLMEngine:
         self.snapshot = EngineSnapshot(max_lora=0)
         # structured output's compiler: its tokenizer info is built now, on its own worker, so
         # the first constrained request does not wait for it
-        self.grammars = GrammarEngine(self.tokenizer, self.vocab_size, sorted(self.output.eos))
+        self.grammars = GrammarEngine(self.tokenizer, self.vocab_size, sorted(self.output.eos),
+                                      compile_timeout_s=cfg.grammar_compile_timeout_s)
 
     def enable_lora(self, manager, state) -> None:
         """Serve adapters: admission goes through the manager, the runner feeds the wrappers."""
