@@ -41,10 +41,9 @@ ray = pytest.importorskip("ray")
 import psutil  # noqa: E402  (Ray's: on sys.path once ray is imported)
 
 from loraserve.demo import DEMO_ADAPTERS, DemoPaths, build_demo  # noqa: E402
-from loraserve.ray_serve.config import REPLICA_DEPLOYMENT  # noqa: E402
 from loraserve.ray_serve.routing import preference  # noqa: E402
 from loraserve.server.residency import Bloom  # noqa: E402
-from ray_testing import ready  # noqa: E402
+from ray_testing import ready, replica_cores  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -470,19 +469,6 @@ def test_metrics_show_every_replica(http) -> None:
     assert fams["loraserve_catalog_shards_degraded"][0].value == 0
 
 
-def _replica_cores() -> list[psutil.Process]:
-    """The engine-core processes of the engine replicas: each replica hosts the process
-    transport, so its core is a multiprocessing child of the replica's actor process."""
-    cores = []
-    for p in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            parent = p.parent()
-            if ("spawn_main" in " ".join(p.cmdline()) and parent is not None
-                    and REPLICA_DEPLOYMENT in " ".join(parent.cmdline())):
-                cores.append(p)
-    return cores
-
-
 def test_a_replica_whose_engine_is_wedged_stops_reporting_and_its_core_is_replaced(http) -> None:
     """A replica's engine loop that makes no progress (its core stopped: SIGSTOP) is no longer
     reported to the ingress (Ray replicas hosted the in-thread engine before, and a wedged
@@ -490,7 +476,7 @@ def test_a_replica_whose_engine_is_wedged_stops_reporting_and_its_core_is_replac
     replica's supervisor kills, reaps and replaces the core after the engine timeout, as
     `serve` does: both replicas report again and serve."""
     replicas = live_replicas(http)
-    cores = _replica_cores()
+    cores = replica_cores()
     assert len(cores) == 2, [_cmdline(c) for c in cores]
     wedged = cores[0]
     wedged.send_signal(signal.SIGSTOP)
@@ -505,7 +491,7 @@ def test_a_replica_whose_engine_is_wedged_stops_reporting_and_its_core_is_replac
         with contextlib.suppress(psutil.Error):
             wedged.send_signal(signal.SIGCONT)
     assert live_replicas(http, count=2, timeout_s=180) == replicas  # the same replica, a new core
-    assert len(_replica_cores()) == 2
+    assert len(replica_cores()) == 2
     model = base_model(http)
     for i in range(8):
         r = chat(http, [model, *PHRASES][i % 4], max_tokens=4)
