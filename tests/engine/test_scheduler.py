@@ -234,7 +234,7 @@ def test_remove_from_running_waiting_and_parked_frees_everything():
     sched.add(wait)
     sched.park(parked)
     _step(sched)
-    assert sched.running == [run] and list(sched.waiting) == [wait] and run.slot >= 0
+    assert list(sched.running) == [run] and list(sched.waiting) == [wait] and run.slot >= 0
     slot = run.slot
     sched.remove(run)
     assert run.is_finished and not sched.running and run.block_table == [] and run.slot == -1

@@ -229,7 +229,7 @@ def test_a_training_tenant_has_work_and_pays_for_its_slices():
     assert sched.training_turn("a", 3, 1.0)
     assert sched.training_turn("c", 1000, 1.0)  # against its own serving only: its turn
     sched.train_left("a")
-    sched.remove(sched.running[0])
+    sched.remove(sched.running.first())
     assert sched.vtime("a") == 0 and sched.vtime("c") == 0  # idle: nobody owes anybody
 
 

@@ -40,7 +40,6 @@ a tenant's training alternates step for step (one slice at most between two of i
 """
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
 import time
@@ -48,6 +47,7 @@ from collections import deque
 from typing import Protocol
 
 from .block_manager import BlockManager
+from .seq_queue import SeqQueue
 from .sequence import SeqStatus, Sequence
 
 
@@ -81,8 +81,10 @@ class Scheduler:
         # decode steps that may go ahead of other tenants' prompts in a row: as many as a full
         # batch needs to decode one step budget of tokens
         self.decode_run = decode_run or max(1, math.ceil(max_batched_tokens / max_batch_size))
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        # ordered sets: adding, finishing, aborting, admitting and preempting a sequence are
+        # O(1) whatever the queues' lengths
+        self.waiting = SeqQueue()
+        self.running = SeqQueue()
         self.parked: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self._chunking = False  # the last prefill step left a prompt half done
@@ -112,21 +114,16 @@ class Scheduler:
         if self.parked.pop(seq.request_id, None) is None:
             return
         seq.status = SeqStatus.WAITING
-        arrivals = [s.arrival for s in self.waiting]
-        self.waiting.insert(bisect.bisect_right(arrivals, seq.arrival), seq)
+        self.waiting.insert_by_arrival(seq)
         self._joined(seq)
         self._queue(seq, +1)
 
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence wherever it is (finished or aborted) and free what it holds."""
-        queued = True
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
-            self.waiting.remove(seq)
+        queued = self.running.discard(seq)
+        if not queued and seq.status is SeqStatus.WAITING and self.waiting.discard(seq):
             self._queue(seq, -1)
-        else:
-            queued = False
+            queued = True
         if queued:
             self._left(seq)
         self.parked.pop(seq.request_id, None)
@@ -180,7 +177,7 @@ class Scheduler:
                 batch.append(seq)
         starving: list[Sequence] = []
         admitted: list[Sequence] = []
-        for seq in list(self.waiting):
+        for seq in self.waiting:  # admitted ones leave it after the loop (_start_running)
             if len(self.running) + len(admitted) >= self.max_batch_size or budget <= 0:
                 break
             verdict = self._admit(seq, budget, bool(batch), starving)
@@ -191,7 +188,7 @@ class Scheduler:
             budget -= seq.num_scheduled
             batch.append(seq)
             admitted.append(seq)
-        self.running.extend(admitted)
+        self._start_running(admitted)
         self._chunking = any(q.num_scheduled < q.num_pending for q in batch)
         return batch
 
@@ -248,16 +245,17 @@ class Scheduler:
             vt += seq.num_scheduled / seq.tenant_weight
             if q and seq.num_scheduled == seq.num_pending and share[tenant] > 0:
                 heapq.heappush(heap, (vt, q[0].arrival, tenant))
-        self.running.extend(admitted)
+        self._start_running(admitted)
         self._chunking = any(q.num_scheduled < q.num_pending for q in batch)
         return batch
 
     def _admit(self, seq: Sequence, budget: int, batch_open: bool,
                starving: list[Sequence]) -> str:
         """Try to admit waiting `seq` with `budget` tokens left: "ok" (it is running now, its
-        `num_scheduled` set), "skip" (its adapter has no slot now: try the next one), "later"
-        (it wants prompt logprobs and does not fit: a later step) or "stop" (out of KV
-        blocks, or a prompt-logprobs sequence keeps arrival order: admit nothing more)."""
+        `num_scheduled` set; it leaves the waiting queue when the step's admissions are done),
+        "skip" (its adapter has no slot now: try the next one), "later" (it wants prompt
+        logprobs and does not fit: a later step) or "stop" (out of KV blocks, or a
+        prompt-logprobs sequence keeps arrival order: admit nothing more)."""
         whole = seq.wants_prompt_logprobs
         if whole and len(seq) - seq.num_cached > budget and batch_open:
             return "later" if len(self._active) > 1 else "stop"  # it runs alone later
@@ -273,11 +271,16 @@ class Scheduler:
                 return "skip"
             seq.slot = slot
         self.blocks.allocate(seq)  # may find a cached prefix and advance num_cached
-        self.waiting.remove(seq)
         self._queue(seq, -1)
         seq.status = SeqStatus.RUNNING
         seq.num_scheduled = seq.num_pending if whole else min(seq.num_pending, budget)
         return "ok"
+
+    def _start_running(self, admitted: list[Sequence]) -> None:
+        """The sequences a prefill step admitted leave the waiting queue for the running one."""
+        for seq in admitted:
+            self.waiting.remove(seq)
+        self.running.extend(admitted)
 
     def _schedule_decode(self) -> list[Sequence]:
         batch: list[Sequence] = []
@@ -285,7 +288,7 @@ class Scheduler:
             if seq not in self.running or seq.num_pending != 1:
                 continue  # preempted below to make room for an older one, or mid-prefill
             while not self.blocks.can_append(seq):
-                victim = self.running[-1]
+                victim = self.running.last()
                 self._preempt(victim)
                 if victim is seq:
                     break
