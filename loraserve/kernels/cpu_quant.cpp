@@ -7,15 +7,21 @@
 // in its low nibble and input j + 32 in its high one, so one 32-byte load and two masks give the
 // chunk's 64 codes in order.
 //
-// Two kernels. `rows_f32` (the one served) takes the activations as they are: codes go to float,
-// each 32-input block's dot product is scaled once. `rows` (int8_acts) quantizes the activations
-// to int8 per block of 32 (d = max|x| / 127), as llama.cpp does, so a 64-input chunk is one VNNI
-// dot product (vpdpbusd: unsigned codes x signed activations, 64 multiply-adds an instruction);
-// it reads no faster at decode shapes and its rounding of x compounds over a real model's layers
-// (bench/quant_kernels.py, bench/RESULTS.md). Both add the mins' share as the sum over groups of
-// min * sum(x in group), with the float sums of x. A decode step's time is the time to read the
-// weights: two output rows are read at once (two streams in flight), up to four activation rows
-// share each chunk read, and torch's thread pool splits the output rows.
+// Three kernels. `table_rows` (the one served) takes the activations as they are and makes each
+// weight in registers as `dequantize` does (a 4-bit code through a 16-entry table of its group's
+// weights, one vpermps per 16 codes), so its product is the dequantized weight's up to the order
+// of the float additions; it reads 2 output rows at once, each prefetched 1 KiB ahead. Its floor
+// is the float fma per 16 weights and activation row: about 1 zmm fma a cycle on the dev
+// machine's Zen 4 core, about 12 GB/s of int4 codes a core at one row, the memory's rate with
+// both cores reading. `rows_f32`, the float kernel it replaced, turns codes to float and scales
+// each 32-input block's dot product once, with an integer division per chunk (kept for the
+// bench's comparison: 1.3-1.7x slower). `rows`
+// (int8_acts) quantizes the activations to int8 per block of 32 (d = max|x| / 127), as llama.cpp
+// does, so a 64-input chunk is one VNNI dot product (vpdpbusd: unsigned codes x signed
+// activations, 64 multiply-adds an instruction); its rounding of x compounds over a real model's
+// layers (bench/quant_kernels.py, bench/RESULTS.md). The last two add the mins' share as the sum
+// over groups of min * sum(x in group), with the float sums of x. Torch's thread pool splits the
+// output rows among its threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -26,6 +32,8 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -211,6 +219,133 @@ void all_rows_f32(const uint8_t* w, const uint16_t* sc, const uint16_t* mn, cons
   }
 }
 
+// The served kernel: each weight made in registers exactly as `dequantize` makes it (w = fma(q,
+// scale, min), min included), then multiplied by the float activations. A 4-bit code becomes its
+// weight in one vpermps on a 16-entry table of the group's weights (vpermps reads only the low 4
+// bits of each index: a byte widened to 32 bits indexes with its low nibble, shifted right by 4
+// with its high one, no mask); an 8-bit code by widening, a conversion and the fma. `Streams`
+// output rows are read at once, each prefetched `ahead` bytes in front, and each weight vector
+// meets `Rows` activation rows while in a register. Results are the dequantized weight's product
+// up to the order of the float additions. The loop holds no division and no scalar float16
+// conversion: a block's scales and mins are made float once (`block_scales`), and the group of
+// each half-chunk is counted forward.
+
+// sf[j][0][g] = scale, sf[j][1][g] = min of output row o + j, group g, as float.
+template <int Streams>
+void block_scales(const uint16_t* sc, const uint16_t* mn, int64_t o, int64_t groups, float* sf) {
+  for (int j = 0; j < Streams; ++j)
+    for (int part = 0; part < 2; ++part) {
+      const uint16_t* src = (part ? mn : sc) + (o + j) * groups;
+      float* dst = sf + (2 * j + part) * groups;
+      for (int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 mk = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
+        _mm512_mask_storeu_ps(dst + g, mk, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, src + g)));
+      }
+    }
+}
+
+inline __m512 group_table(const float* s, const float* m, int64_t g) {
+  const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_fmadd_ps(q, _mm512_set1_ps(s[g]), _mm512_set1_ps(m[g]));
+}
+
+// The 64 weights of chunk c of one output row (inputs 0-15, 16-31, 32-47, 48-63); g0 and g1 the
+// groups of its two halves (equal unless `Split`: a group that is no multiple of 64).
+template <int Bits, bool Split>
+inline void chunk_weights(const uint8_t* row, const float* s, const float* m, int64_t c, int64_t g0, int64_t g1,
+                          __m512 wv[4]) {
+  if constexpr (Bits == 4) {
+    const uint8_t* p = row + c * 32;
+    const __m512 ta = group_table(s, m, g0), tb = Split ? group_table(s, m, g1) : ta;
+    const __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i i1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+    wv[0] = _mm512_permutexvar_ps(i0, ta);
+    wv[1] = _mm512_permutexvar_ps(i1, ta);
+    wv[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(i0, 4), tb);
+    wv[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(i1, 4), tb);
+  } else {
+    const uint8_t* p = row + c * kChunk;
+    const __m512 sa = _mm512_set1_ps(s[g0]), ma = _mm512_set1_ps(m[g0]);
+    const __m512 sb = Split ? _mm512_set1_ps(s[g1]) : sa, mb = Split ? _mm512_set1_ps(m[g1]) : ma;
+#pragma GCC unroll 4
+    for (int part = 0; part < 4; ++part) {
+      const __m512 q = _mm512_cvtepi32_ps(
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + part * 16))));
+      wv[part] = _mm512_fmadd_ps(q, part < 2 ? sa : sb, part < 2 ? ma : mb);
+    }
+  }
+}
+
+// y[r0 + i, o + j] for j < Streams, i < Rows; sf from block_scales. One activation row keeps two
+// accumulators a stream (two chains of fmas, not one of four).
+template <int Bits, bool Split, int Rows, int Streams>
+void table_block(const uint8_t* w, const float* sf, const float* x, float* y, int64_t o, int64_t n, int64_t k,
+                 int64_t group, int64_t r0, int64_t ahead) {
+  constexpr int kAcc = Rows == 1 ? 2 : 1;
+  const int64_t chunks = k / kChunk, groups = k / group, row_bytes = Bits == 8 ? k : k / 2;
+  __m512 acc[Streams][Rows][kAcc];
+#pragma GCC unroll 8
+  for (int j = 0; j < Streams; ++j)
+#pragma GCC unroll 4
+    for (int i = 0; i < Rows; ++i)
+#pragma GCC unroll 2
+      for (int a = 0; a < kAcc; ++a) acc[j][i][a] = _mm512_setzero_ps();
+  const float* xr = x + r0 * k;
+  int64_t g0 = 0, g1 = 0, end0 = group, end1 = group;  // the halves' groups and where each ends
+  for (int64_t c = 0; c < chunks; ++c) {
+    while (c * kChunk >= end0) ++g0, end0 += group;
+    if (Split)
+      while (c * kChunk + 32 >= end1) ++g1, end1 += group;
+#pragma GCC unroll 8
+    for (int j = 0; j < Streams; ++j) {
+      const uint8_t* row = w + (o + j) * row_bytes;
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(row + c * (kChunk * Bits / 8) + ahead), _MM_HINT_T0);
+      __m512 wv[4];
+      const float* s = sf + 2 * j * groups;
+      chunk_weights<Bits, Split>(row, s, s + groups, c, g0, Split ? g1 : g0, wv);
+#pragma GCC unroll 4
+      for (int i = 0; i < Rows; ++i)
+#pragma GCC unroll 4
+        for (int part = 0; part < 4; ++part)
+          acc[j][i][part % kAcc] =
+              _mm512_fmadd_ps(wv[part], _mm512_loadu_ps(xr + i * k + c * kChunk + part * 16), acc[j][i][part % kAcc]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < Streams; ++j)
+#pragma GCC unroll 4
+    for (int i = 0; i < Rows; ++i) {
+      __m512 t = acc[j][i][0];
+      if (kAcc == 2) t = _mm512_add_ps(t, acc[j][i][kAcc - 1]);
+      y[(r0 + i) * n + o + j] = _mm512_reduce_add_ps(t);
+    }
+}
+
+// Output rows [n0, n1) for all m activation rows: each block of Streams output rows meets every
+// activation row (4 at a time) before the next block is read, so the weights stream from memory
+// once whatever m is.
+template <int Bits, bool Split, int Streams>
+void table_rows(const uint8_t* w, const uint16_t* sc, const uint16_t* mn, const float* x, float* y, int64_t n0,
+                int64_t n1, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ahead) {
+  std::vector<float> scratch(2 * Streams * (k / group));
+  float* sf = scratch.data();
+  const auto block = [&](auto streams, int64_t o) {
+    constexpr int S = decltype(streams)::value;
+    block_scales<S>(sc, mn, o, k / group, sf);
+    int64_t r = 0;
+    for (; r + kMaxRows <= m; r += kMaxRows) table_block<Bits, Split, kMaxRows, S>(w, sf, x, y, o, n, k, group, r, ahead);
+    switch (m - r) {
+      case 1: table_block<Bits, Split, 1, S>(w, sf, x, y, o, n, k, group, r, ahead); break;
+      case 2: table_block<Bits, Split, 2, S>(w, sf, x, y, o, n, k, group, r, ahead); break;
+      case 3: table_block<Bits, Split, 3, S>(w, sf, x, y, o, n, k, group, r, ahead); break;
+      default: break;
+    }
+  };
+  int64_t o = n0;
+  for (; o + Streams <= n1; o += Streams) block(std::integral_constant<int, Streams>{}, o);
+  for (; o < n1; ++o) block(std::integral_constant<int, 1>{}, o);
+}
+
 template <int Bits>
 void all_rows(const uint8_t* w, const uint16_t* sc, const uint16_t* mn, const Acts& a, float* y,
               int64_t n0, int64_t n1, int64_t m, int64_t n, int64_t k, int64_t group) {
@@ -225,8 +360,33 @@ void all_rows(const uint8_t* w, const uint16_t* sc, const uint16_t* mn, const Ac
 }
 #endif
 
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const at::Tensor& mins, int64_t bits, int64_t group, bool int8_acts) {
+// Which kernel multiplies (quant_linear_kernel's `kernel`): the served one, the float kernel it
+// replaced (bench/quant_kernels.py compares them), the int8-activation one.
+enum Kernel : int64_t { kTable = 0, kFloatV1 = 1, kInt8Acts = 2 };
+// The table kernel as served: output rows read at once and bytes of each prefetched in front of its
+// reads. Chosen by bench/quant_kernels.py --streams 2 4 8 --ahead 0 256 512 1024 (bench/RESULTS.md,
+// session 11): with the prefetch, 2 streams were as fast as 4 or 8 and 1024 bytes as 512; without
+// it, 10-20% slower.
+constexpr int64_t kServedStreams = 2, kAhead = 1024;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+template <int Bits>
+void table_all(const uint8_t* w, const uint16_t* sc, const uint16_t* mn, const float* x, float* y, int64_t n0,
+               int64_t n1, int64_t m, int64_t n, int64_t k, int64_t group, int64_t streams, int64_t ahead) {
+  const bool split = group % kChunk != 0;
+  switch (streams) {
+    case 2: split ? table_rows<Bits, true, 2>(w, sc, mn, x, y, n0, n1, m, n, k, group, ahead)
+                  : table_rows<Bits, false, 2>(w, sc, mn, x, y, n0, n1, m, n, k, group, ahead); break;
+    case 8: split ? table_rows<Bits, true, 8>(w, sc, mn, x, y, n0, n1, m, n, k, group, ahead)
+                  : table_rows<Bits, false, 8>(w, sc, mn, x, y, n0, n1, m, n, k, group, ahead); break;
+    default: split ? table_rows<Bits, true, 4>(w, sc, mn, x, y, n0, n1, m, n, k, group, ahead)
+                   : table_rows<Bits, false, 4>(w, sc, mn, x, y, n0, n1, m, n, k, group, ahead); break;
+  }
+}
+#endif
+
+at::Tensor product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                   int64_t bits, int64_t group, int64_t kernel, int64_t streams, int64_t ahead) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_linear: x must be float32 [M, K]");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2,
               "quant_linear: codes must be contiguous uint8 [N, K or K/2]");
@@ -238,18 +398,21 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
               "quant_linear: K must be a multiple of 64 and of the group, the group of 32");
   TORCH_CHECK(codes.size(1) == (bits == 8 ? k : k / 2) && scales.size(0) == n && scales.size(1) == k / group &&
                   mins.sizes() == scales.sizes(), "quant_linear: codes, scales and mins disagree with x");
+  TORCH_CHECK(kernel >= kTable && kernel <= kInt8Acts, "quant_linear: unknown kernel ", kernel);
   at::Tensor y = at::empty({m, n}, x.options());
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
   const at::Tensor xc = x.contiguous();
+  const bool int8_acts = kernel == kInt8Acts, sums = kernel != kTable;
   at::Tensor q = at::empty({int8_acts ? m : 0, k}, x.options().dtype(at::kChar));
   at::Tensor d = at::empty({int8_acts ? m : 0, k / kChunk, 16}, x.options());
-  at::Tensor s = at::empty({m, k / group}, x.options());
-  quantize_acts(xc.data_ptr<float>(), m, k, group, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
-                int8_acts);
+  at::Tensor s = at::empty({sums ? m : 0, k / group}, x.options());
+  if (sums) quantize_acts(xc.data_ptr<float>(), m, k, group, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                          s.data_ptr<float>(), int8_acts);
   const Acts a{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>()};
   const auto* w = codes.data_ptr<uint8_t>();
   const auto* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const auto* mn = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  const float* xv = xc.data_ptr<float>();
   float* yv = y.data_ptr<float>();
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / 16));
   const int64_t share = ((n + threads - 1) / threads + 15) / 16 * 16;
@@ -257,12 +420,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t n0 = t * share, n1 = std::min(n, n0 + share);
       if (n0 >= n1) continue;
-      if (int8_acts) {
+      if (kernel == kTable) {
+        if (bits == 8) table_all<8>(w, sc, mn, xv, yv, n0, n1, m, n, k, group, streams, ahead);
+        else table_all<4>(w, sc, mn, xv, yv, n0, n1, m, n, k, group, streams, ahead);
+      } else if (int8_acts) {
         if (bits == 8) all_rows<8>(w, sc, mn, a, yv, n0, n1, m, n, k, group);
         else all_rows<4>(w, sc, mn, a, yv, n0, n1, m, n, k, group);
       } else {
-        if (bits == 8) all_rows_f32<8>(w, sc, mn, xc.data_ptr<float>(), a.s, yv, n0, n1, m, n, k, group);
-        else all_rows_f32<4>(w, sc, mn, xc.data_ptr<float>(), a.s, yv, n0, n1, m, n, k, group);
+        if (bits == 8) all_rows_f32<8>(w, sc, mn, xv, a.s, yv, n0, n1, m, n, k, group);
+        else all_rows_f32<4>(w, sc, mn, xv, a.s, yv, n0, n1, m, n, k, group);
       }
     }
   });
@@ -271,6 +437,17 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(false, std::string("quant_linear: this build has no kernel (caps ") + std::to_string(caps()) + ")");
   return y;
 #endif
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const at::Tensor& mins, int64_t bits, int64_t group, bool int8_acts) {
+  return product(x, codes, scales, mins, bits, group, int8_acts ? kInt8Acts : kTable, kServedStreams, kAhead);
+}
+
+at::Tensor quant_linear_kernel(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                               const at::Tensor& mins, int64_t bits, int64_t group, int64_t kernel, int64_t streams,
+                               int64_t ahead) {
+  return product(x, codes, scales, mins, bits, group, kernel, streams, ahead);
 }
 
 at::Tensor quant_dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
@@ -304,11 +481,14 @@ at::Tensor quant_dequantize(const at::Tensor& codes, const at::Tensor& scales, c
 TORCH_LIBRARY(loraserve_quant, m) {
   m.def("dequantize(Tensor codes, Tensor scales, Tensor mins, int bits, int k, int group) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int bits, int group, bool int8_acts) -> Tensor");
+  m.def("quant_linear_kernel(Tensor x, Tensor codes, Tensor scales, Tensor mins, int bits, int group, int kernel, "
+        "int streams, int ahead) -> Tensor");
   m.def("caps() -> int");
 }
 
 TORCH_LIBRARY_IMPL(loraserve_quant, CPU, m) {
   m.impl("quant_linear", &quant_linear);
+  m.impl("quant_linear_kernel", &quant_linear_kernel);
   m.impl("dequantize", &quant_dequantize);
 }
 

@@ -2,10 +2,12 @@
 
 `quant_linear(x, codes, scales, mins, bits, group)` multiplies float32 rows x [M, K] by a weight
 held in model/quant.py's layout (unsigned 4- or 8-bit codes, float16 scale and min per group),
-codes turned to float in registers: a one-row step reads 5-6 bits a weight instead of 32
-(bench/quant_kernels.py has the table against torch's own packed matmuls). `int8_acts=True`
-runs the AVX512-VNNI variant instead, activations rounded to int8 per 32 inputs as llama.cpp
-does; measured no faster here and less exact (cpu_quant.cpp), it is kept for the bench. It is registered with the dispatcher in C++
+each weight made in registers as `dequantize` makes it (a 4-bit code through a 16-entry table of
+its group's weights): a one-row step reads 5-6 bits a weight instead of 32, and the product is
+the dequantized weight's up to float summation order (bench/quant_kernels.py has the table
+against torch's own packed matmuls and the kernel this one replaced). `int8_acts=True` runs the
+AVX512-VNNI variant instead, activations rounded to int8 per 32 inputs as llama.cpp does; less
+exact (cpu_quant.cpp), it is kept for the bench. It is registered with the dispatcher in C++
 (`loraserve_quant::quant_linear`), with a fake for torch.compile's graphs.
 
 Built by `kernels.cpp_build` as `cpu_gemv` is, for this CPU (`-march=native`), into the same cache root keyed by the
@@ -53,6 +55,21 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, min
     """x [M, K] float32 -> [M, N] float32 through the packed weight (see the module doc); with
     int8_acts the activations are rounded to int8 per 32 inputs first (the VNNI kernel)."""
     return torch.ops.loraserve_quant.quant_linear(x, codes, scales, mins, bits, group, int8_acts)
+
+
+# The kernels `quant_linear_kernel` can run (cpu_quant.cpp's `Kernel`): "table", the one
+# `quant_linear` serves; "float-v1", the float-activation kernel it replaced; "int8-acts", the
+# VNNI kernel (int8_acts=True). For bench/quant_kernels.py and the tests, which compare them.
+KERNEL_IDS = {"table": 0, "float-v1": 1, "int8-acts": 2}
+
+
+def quant_linear_kernel(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                        bits: int, group: int, kernel: str, streams: int = 2, ahead: int = 1024) -> torch.Tensor:
+    """`quant_linear` through a named kernel of KERNEL_IDS; for "table", `streams` output rows read
+    at once (2 or 8; any other value reads 4) and `ahead` bytes prefetched in front of each (0:
+    none). The defaults are what `quant_linear` serves."""
+    return torch.ops.loraserve_quant.quant_linear_kernel(x, codes, scales, mins, bits, group, KERNEL_IDS[kernel],
+                                                         streams, ahead)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, k: int,

@@ -3,8 +3,9 @@ layout, the VNNI kernel against the dequantized weight, GGUF blocks repacked bit
 `--quantize int8|int4` from a float checkpoint, adapters on a quantized base against PEFT on
 the dequantized one, the fingerprint rule, and the start-up refusals.
 
-Tolerances, stated once: the served kernel takes float activations, so a quantized layer's
-product equals the float product with its dequantized weight to float rounding (1e-5), and a
+Tolerances, stated once: the served kernel takes float activations and makes each weight as
+`dequantize` does, so a quantized layer's product equals the float product with its dequantized
+weight to float rounding (1e-5; against float64, KERNEL_FLOAT_TOL of sum |x w|), and a
 model's log-probs the dequantized model's within LOGPROB_ATOL, at decode's few rows (the kernel)
 and at prefill's many (a GEMM over the dequantized weight). The VNNI variant the bench also
 measures rounds activations to int8 per 32 inputs (as llama.cpp does): within KERNEL_RTOL of
@@ -30,12 +31,14 @@ from loraserve.engine.core.llm_engine import LLMEngine
 from loraserve.kernels import cpu_quant
 from loraserve.model import load_model
 from loraserve.model.gguf import GGUFError, resolve_base
-from loraserve.model.quant import KERNELS, QuantLinear, Scheme, quant_linear_of, quantize_weight, unpack_codes
+from loraserve.model.quant import (KERNELS, QuantLinear, Scheme, pack_codes, quant_linear_of, quantize_weight,
+                                   unpack_codes)
 from loraserve.model.quant_gguf import repack_gguf, source_file
 from test_gguf import TINY, VOCAB, gguf_of
 
 GG = gguf.GGMLQuantizationType
 KERNEL_RTOL = 0.03
+KERNEL_FLOAT_TOL = 1e-5
 LOGPROB_ATOL = 1e-4
 SCHEMES = [Scheme(8, 0), Scheme(8, 32), Scheme(4, 32), Scheme(4, 64), Scheme(4, 128)]
 
@@ -74,6 +77,57 @@ def test_the_layer_equals_the_dequantized_weight(scheme, rows):
     torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
     vnni = cpu_quant.quant_linear(x, layer.codes, layer.scales, layer.mins, layer.bits, layer.group, True)
     assert (vnni + layer.bias - ref).abs().max() <= KERNEL_RTOL * ref.abs().max()
+
+
+def _random_packed(n: int, k: int, bits: int, group: int, gen: torch.Generator):
+    """Codes over the whole range, scales and mins over several magnitudes: (codes, scales, mins)
+    in the stored layout, the float64 weight they stand for, and |scale q| + |min| (float64)."""
+    q = torch.randint(0, 2 ** bits, (n, k), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(n, k // group, generator=gen) * 10.0 ** torch.randint(-3, 1, (n, k // group), generator=gen)).half()
+    mins = (-8 * scales.float() * torch.rand(n, k // group, generator=gen)).half()
+    sq = q.double().view(n, -1, group) * scales.double().unsqueeze(-1)
+    m = mins.double().unsqueeze(-1).expand_as(sq)
+    return pack_codes(q, bits), scales, mins, (sq + m).reshape(n, k), (sq.abs() + m.abs()).reshape(n, k)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bits, group", [(4, 32), (4, 64), (4, 96), (4, 128), (8, 32), (8, 128), (8, 0)],
+                         ids=lambda v: str(v))
+def test_the_float_kernels_equal_the_float64_product(bits, group, threads):
+    """The served table kernel against float64 over random shapes and 1-70 rows: |y - y64| <=
+    KERNEL_FLOAT_TOL * sum_i |x_i w_i| per output, float32 summation's own error, as a GEMM over
+    the dequantized weight has. The float kernel it replaced sums scale * q and min apart, so its
+    bound is over |x| (|scale q| + |min|)."""
+    gen = torch.Generator().manual_seed(bits * 1000 + group + threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k, rows in [(1, 192, 1), (19, 384, 2), (53, 576, 3), (136, 192, 4), (40, 768, 5), (67, 384, 70),
+                           (33, 1152, 16), (96, 192, 9)]:
+            g = group or k
+            if k % g:
+                continue
+            codes, scales, mins, w, parts = _random_packed(n, k, bits, g, gen)
+            x = torch.randn(rows, k, generator=gen) * 10.0 ** torch.randint(-2, 2, (rows, 1), generator=gen)
+            ref, xabs = x.double() @ w.t(), x.double().abs()
+            for kernel, bound in (("table", xabs @ w.abs().t()), ("float-v1", xabs @ parts.t())):
+                y = cpu_quant.quant_linear_kernel(x, codes, scales, mins, bits, g, kernel)
+                assert ((y.double() - ref).abs() <= KERNEL_FLOAT_TOL * bound).all(), (kernel, n, k, rows)
+            served = cpu_quant.quant_linear(x, codes, scales, mins, bits, g)
+            torch.testing.assert_close(served, cpu_quant.quant_linear_kernel(x, codes, scales, mins, bits, g, "table"),
+                                       rtol=0, atol=0)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("streams, ahead", [(2, 0), (4, 512), (8, 256)])
+def test_every_table_kernel_variant_gives_the_same_product(streams, ahead):
+    """The bench's variants (output rows read at once, prefetch distance) change only the reading."""
+    gen = torch.Generator().manual_seed(streams)
+    codes, scales, mins, _, _ = _random_packed(45, 256, 4, 64, gen)
+    x = torch.randn(6, 256, generator=gen)
+    y = cpu_quant.quant_linear_kernel(x, codes, scales, mins, 4, 64, "table", streams, ahead)
+    torch.testing.assert_close(y, cpu_quant.quant_linear(x, codes, scales, mins, 4, 64), rtol=0, atol=0)
 
 
 def test_a_group_that_does_not_divide_takes_the_largest_that_does():
