@@ -27,7 +27,8 @@ from loraserve.engine.core.training import trainer_of
 from loraserve.engine.types import GenerateRequest, SamplingParams
 from loraserve.model import quant, quant_load
 from loraserve.model.quant import KERNELS, QuantLinear, Scheme, quant_linear_of, unpack_codes
-from loraserve.model.tiny import random_model, tiny_config
+from loraserve.model.tiny import random_model, tiny_config, write_tokenizer_files
+from loraserve.model.writer import save_checkpoint
 from loraserve.train.config import RunConfig
 from loraserve.train.run import AdamParams, Datum, TrainingRun
 
@@ -157,10 +158,10 @@ def _grads(model: nn.Module, budget: int) -> tuple[list[torch.Tensor], float]:
 def test_factor_gradients_equal_the_dequantized_twins_on_every_path(qbase):
     """Budgets: everything in one batch (37 rows, the GEMM), one datum a slice (5 and 12 rows
     through the kernel, 20 through the GEMM), and chunks of 9 (the long datums' chunked
-    forward and checkpointed backward). MoE: the router is quantized, and the experts train
-    through whatever `--quantize` makes of them."""
+    forward and checkpointed backward). MoE: the MoE block holds quantized layers (the
+    router, or the experts: whatever `--quantize` quantizes there) and trains through them."""
     if qbase.config.num_experts:
-        assert type(qbase.model.layers[0].mlp.gate) is QuantLinear
+        assert any(isinstance(m, QuantLinear) for m in qbase.model.layers[0].mlp.modules())
     want, want_loss = _grads(_dequantized_twin(qbase), 10_000)
     for budget in (10_000, 20, 9):
         got, loss = _grads(qbase, budget)
@@ -198,13 +199,24 @@ def _served_logprobs(engine, tokens: list[int], adapter: str | None) -> list[flo
     return [lp.logprob for lp in seq.prompt_logprobs[1:]]
 
 
-def test_the_adapter_serves_on_the_quantized_base_with_the_logits_training_saw(demo_dense, tmp_path):
+@pytest.fixture(params=["dense", "moe"])
+def base_dir(request, demo_dense, tmp_path):
+    """The demo's dense base, or a small MoE base (experts of 64 inputs, so all quantizable)."""
+    if request.param == "dense":
+        return demo_dense
+    base = tmp_path / "moe"
+    save_checkpoint(random_model(tiny_config(**{**BASES["moe"], "moe_intermediate_size": 64}), seed=0), base)
+    write_tokenizer_files(base)
+    return base
+
+
+def test_the_adapter_serves_on_the_quantized_base_with_the_logits_training_saw(base_dir, tmp_path):
     """Trained through the engine core on `--quantize int4`; saved, it carries the quantized
     base's fingerprint, serves there without --allow-quantized-base-adapters, and scores each
     datum's tokens as the run's forward did (a 10-token datum through the kernel, a 24-token
     one through the GEMM, on both sides); the float base refuses it (409)."""
     Catalog.create(tmp_path / "catalog", shards=1).close()
-    engine = build_engine(EngineConfig(model_dir=str(demo_dense), catalog_dir=str(tmp_path / "catalog"),
+    engine = build_engine(EngineConfig(model_dir=str(base_dir), catalog_dir=str(tmp_path / "catalog"),
                                        device="cpu", dtype="float32", compile="off", max_model_len=128,
                                        torch_threads=1, quantize="int4"))
     core = trainer_of(engine)
@@ -223,7 +235,7 @@ def test_the_adapter_serves_on_the_quantized_base_with_the_logits_training_saw(d
     assert losses[-1] < losses[0]
     blob = core.publish("q", "test", "default/q", "s1")
     fingerprint = read_adapter_meta(blob, "q")["base_fingerprint"]
-    assert fingerprint == base_fingerprint(demo_dense) + "+int4-g64"
+    assert fingerprint == base_fingerprint(base_dir) + "+int4-g64"
     engine.adapters.catalog.put_revision("default/q", blob, revision="s1", promote=True, source="test")
     for i, (tokens, inputs) in enumerate(data):
         core.begin("q", f"f{i}", [[tokens, inputs]], "cross_entropy", None, False, "default", 1.0)
@@ -234,7 +246,7 @@ def test_the_adapter_serves_on_the_quantized_base_with_the_logits_training_saw(d
         base = _served_logprobs(engine, full, None)
         assert max(abs(a - b) for a, b in zip(base, trained)) > 1e-3  # it learned
     with pytest.raises(BaseMismatch) as err:
-        check_base("default/q@s1", fingerprint, base_fingerprint(demo_dense))
+        check_base("default/q@s1", fingerprint, base_fingerprint(base_dir))
     assert err.value.status == 409
 
 
