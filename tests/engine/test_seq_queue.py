@@ -15,6 +15,7 @@ from loraserve.engine.core.scheduler import Scheduler
 from loraserve.engine.core.seq_queue import SeqQueue
 from loraserve.engine.core.sequence import SeqStatus, Sequence
 from loraserve.engine.types import SamplingParams
+from test_scheduler import _step
 
 OPS = ("append", "appendleft", "insert_by_arrival", "remove", "discard_absent", "first", "last")
 
@@ -96,20 +97,6 @@ def _check_books(sched: Scheduler, live: list[Sequence]) -> None:
     sched.blocks.check_invariants(places["running"])
 
 
-def _step(sched: Scheduler, live: list[Sequence]) -> None:
-    """The engine's part after schedule(): tokens computed, an output token, finished removed."""
-    batch, is_prefill = sched.schedule()
-    for seq in batch:
-        seq.num_cached = seq.num_cached + seq.num_scheduled if is_prefill else len(seq)
-    sched.blocks.commit(batch)
-    for seq in batch:
-        if seq.num_pending == 0:
-            seq.output_ids.append(7)
-            if len(seq.output_ids) >= seq.params.max_tokens:
-                sched.remove(seq)
-                live.remove(seq)
-
-
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(("add", "park", "unpark", "step", "step", "abort")),
                           st.integers(0, 1000), st.integers(1, 8)), max_size=50))
@@ -127,7 +114,8 @@ def test_the_scheduler_books_balance_over_random_operations(ops) -> None:
             parked = list(sched.parked.values())
             sched.unpark(parked[pick % len(parked)])
         elif op == "step":
-            _step(sched, live)
+            _step(sched)  # the engine's part: tokens computed, finished sequences removed
+            live = [s for s in live if not s.is_finished]
         elif op == "abort" and live:
             seq = live.pop(pick % len(live))
             sched.remove(seq)
