@@ -8,8 +8,9 @@ tensor bytes are read.
 
 An AWQ or GPTQ checkpoint (config.json's `quantization_config`, model/quant_hf.py) holds
 `X.qweight`, `X.qzeros`, `X.scales` (and GPTQ's `X.g_idx`) in place of a linear's `X.weight`:
-each such linear is built as a `QuantLinear` from them, never as a float weight; MoE experts so
-stored are read as their dequantized float weights.
+each such linear is built as a `QuantLinear` from them, never as a float weight, and a MoE
+layer's experts so stored as a `QuantExpertLinear` of them (model/quant_moe.py); experts whose
+inputs are no multiple of the kernel's step are read as their dequantized float weights.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from torch import Tensor
 from loraserve.catalog.checkpoint import read_tensor_index
 from loraserve.catalog.dtypes import SERVING_DTYPES, dtype_name, torch_dtype
 from loraserve.model import quant_hf
+from loraserve.model.quant import CHUNK
+from loraserve.model.quant_moe import QuantExpertLinear
 from loraserve.model.checkpoint import CheckpointError, expert_tensor_name
 from loraserve.model.config import ModelConfig
 from loraserve.model.transformer import CausalLM
@@ -117,18 +120,23 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
         params = list(model.named_parameters())
         _check_names(source, [n for name, p in params for n, _ in _checkpoint_names(name, p.shape)],
                      config.arch)
-        quantized = [(name, p.shape) for name, p in params if name in source.quantized]  # not experts
+        quantized = [(name, p.shape) for name, p in params if name in source.quantized]
+        experts = [(name, p.shape) for name, p in params if _quantized_experts(source, name, p.shape)]
         for name, param in params:
-            if name not in source.quantized:
+            if name not in source.quantized and name not in dict(experts):
                 value = _read_param(source, name, param.shape, dtype, device)
                 _assign(model, name, torch.nn.Parameter(value, requires_grad=False))
         for name, shape in quantized:  # after the biases, which the layers take
             owner, _, _ = name.rpartition(".")
             bias = getattr(model.get_submodule(owner), "bias", None)
             _assign(model, owner, source.quantized_linear(name, shape, bias, dtype, device))
-        if len(source.quantized) > len(quantized):
-            log.info("%s: %d quantized MoE expert weights read as their dequantized float weights "
-                     "(experts are not served quantized)", model_dir, len(source.quantized) - len(quantized))
+        for name, shape in experts:
+            parts = [source.quantized_linear(n, plane, None, dtype, device) for n, plane in _checkpoint_names(name, shape)]
+            _assign(model, name.rpartition(".")[0], QuantExpertLinear(parts))
+        read_float = len(source.quantized) - len(quantized) - sum(shape[0] for _, shape in experts)
+        if read_float:
+            log.info("%s: %d quantized MoE expert weights read as their dequantized float weights (their "
+                     "inputs are no multiple of %d)", model_dir, read_float, CHUNK)
     model.tie_weights()
     model.model.rotary_emb.reset_buffers(device)
     return model.eval()
@@ -140,6 +148,14 @@ def _checkpoint_names(name: str, shape: torch.Size) -> list[tuple[str, torch.Siz
     if expert_tensor_name(name, 0) is None:
         return [(name, shape)]
     return [(expert_tensor_name(name, e), shape[1:]) for e in range(shape[0])]
+
+
+def _quantized_experts(source: _TensorSource, name: str, shape: torch.Size) -> bool:
+    """Whether packed expert weight `name` [E, out, in] is stored quantized, every expert, with
+    inputs the kernel takes (else it is read dequantized)."""
+    names = _checkpoint_names(name, shape)
+    return (expert_tensor_name(name, 0) is not None and shape[-1] % CHUNK == 0
+            and all(n in source.quantized for n, _ in names))
 
 
 def _check_names(source: _TensorSource, wanted: list[str], arch: str) -> None:

@@ -299,11 +299,12 @@ def quantized_checkpoint(float_dir: Path, out: Path, method: str, *, group: int 
 
 @pytest.fixture
 def float_base(tmp_path, make_hf):
-    """A float Llama-shaped base directory with a tokenizer (through the GGUF conversion)."""
+    """A float base directory of `arch` with a tokenizer (through the GGUF conversion)."""
     from test_gguf import gguf_of
 
-    def make(arch: str = "llama") -> Path:
-        return resolve_base(gguf_of(make_hf(arch, **HF_SHAPES), tmp_path / "gguf" / f"{arch}.gguf"))
+    def make(arch: str = "llama", **shapes) -> Path:
+        model = make_hf(arch, **HF_SHAPES, **shapes)
+        return resolve_base(gguf_of(model, tmp_path / "gguf" / f"{arch}.gguf"))
     return make
 
 
@@ -333,6 +334,21 @@ def test_an_awq_or_gptq_checkpoint_is_served_repacked(method, fmt, arch, tmp_pat
     _assert_close_to(engine.model, twin, LOGPROB_ATOL)
     served = served_fingerprint(base_fingerprint(qdir), engine.quantization, allow_float=False)
     assert served == base_fingerprint(qdir) + f"+{method}-int4-g128"
+
+
+def test_quantized_moe_experts_are_served_quantized(tmp_path, float_base):
+    """A Qwen3-MoE GPTQ checkpoint whose experts are quantized per expert: each MoE layer's
+    experts one QuantExpertLinear of QuantLinears, logits the float twin's within LOGPROB_ATOL."""
+    from loraserve.model.quant_moe import QuantExpertLinear
+
+    base = float_base("qwen3_moe", num_experts=4, moe_intermediate_size=128)
+    qdir, twin_dir = quantized_checkpoint(base, tmp_path / "q", "gptq", exact=True)
+    engine = LLMEngine(EngineConfig(model_dir=str(qdir), device="cpu", max_model_len=64))
+    experts = [m for m in engine.model.modules() if isinstance(m, QuantExpertLinear)]
+    assert len(experts) == 3 * 2 and all(m.num_experts == 4 and m.experts[0].group == 128 for m in experts)
+    twin = load_model(twin_dir)
+    twin.fuse_projections()
+    _assert_close_to(engine.model, twin, LOGPROB_ATOL)
 
 
 def test_a_per_channel_gptq_checkpoint_takes_group_k(tmp_path, float_base):
