@@ -112,9 +112,9 @@ def served_fingerprint(float_fingerprint: str, quantization: str | None, allow_f
 def trained_fingerprint(served: str) -> str:
     """The base fingerprint a revision trained on the served base records: the served one (an
     adapter fit to `--quantize int8|int4` weights names them: it serves on that base, and on
-    the float base only as another base's), save on a GGUF repack, whose weights are the float
-    base's bit for bit: there the float fingerprint, which both the repack and the float base
-    serve."""
+    the float base only as another base's), save where the quantization is lossless
+    (LOSSLESS_QUANTIZATION_PREFIX: a GGUF file's blocks, an AWQ/GPTQ checkpoint's own weights):
+    there the float fingerprint, which both the quantized and the dequantized base serve."""
     if isinstance(served, QuantizedFingerprint) and served.removeprefix(
             served.float_fingerprint + "+").startswith(LOSSLESS_QUANTIZATION_PREFIX):
         return served.float_fingerprint
