@@ -23,9 +23,10 @@ quant_method, bits other than 4, another AWQ version or GPTQ format, a group tha
 of 32 (the kernel's) or does not divide a layer's inputs, tensors of the wrong shape, non-finite
 scales (or mins that overflow float16), and a GPTQ `g_idx` that is not consecutive groups of
 inputs (desc_act=True, "act-order": its groups would need the input permuted on every call;
-quantize with desc_act=False). A layer whose inputs are no multiple of 64 (the kernel's step)
-and MoE experts are served as their dequantized float weights (logged). The served base's
-quantization is named `awq-int4-g128` / `gptq-int4-g128`.
+quantize with desc_act=False). The loader (model/loader.py) builds each quantized linear with
+`quant_linear`, a MoE layer's quantized experts as a QuantExpertLinear of them; a layer whose
+inputs are no multiple of 64 (the kernel's step) is served as its dequantized float weight
+(logged). The served base's quantization is named `awq-int4-g128` / `gptq-int4-g128`.
 """
 from __future__ import annotations
 
