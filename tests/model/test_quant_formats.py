@@ -171,6 +171,8 @@ def test_a_q4_k_m_file_serves_q4_k_repacked_and_q6_k_float(arch, tmp_path, make_
         torch.testing.assert_close(served[path].weight, ref.get_submodule(path).weight, rtol=0, atol=0)
     assert isinstance(served["model.layers.0.mlp.down_proj"], QuantLinear)
     assert len(_quantized(engine.model)) == 3 * 2 + 1  # qkv, o, gate_up of 2 layers; layer 0's down
+    for path, layer in _quantized(engine.model).items():  # exact scales: the same weights, bit for bit
+        _assert_within(layer, ref.get_submodule(path).weight, torch.zeros(layer.out_features, layer.in_features))
     _assert_close_to(engine.model, ref, LOGPROB_ATOL)
     dequantized = LLMEngine(EngineConfig(model_dir=str(base), device="cpu", max_model_len=64, quantize="none"))
     assert dequantized.quantization is None and not _quantized(dequantized.model)
