@@ -56,6 +56,7 @@ class _TensorSource:
     (quant_hf.PARTS), and `get` reads it dequantized (MoE experts)."""
 
     def __init__(self, model_dir: Path, stack: ExitStack, quantization: quant_hf.HFQuantization | None = None):
+        self.model_dir = model_dir
         self._files = {name: entry.file for name, entry in read_tensor_index(model_dir).items()}
         self._stack = stack
         self._open: dict[Path, object] = {}
@@ -120,23 +121,13 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
         params = list(model.named_parameters())
         _check_names(source, [n for name, p in params for n, _ in _checkpoint_names(name, p.shape)],
                      config.arch)
-        quantized = [(name, p.shape) for name, p in params if name in source.quantized]
-        experts = [(name, p.shape) for name, p in params if _quantized_experts(source, name, p.shape)]
+        quantized = {name: p.shape for name, p in params
+                     if name in source.quantized or _quantized_experts(source, name, p.shape)}
         for name, param in params:
-            if name not in source.quantized and name not in dict(experts):
+            if name not in quantized:
                 value = _read_param(source, name, param.shape, dtype, device)
                 _assign(model, name, torch.nn.Parameter(value, requires_grad=False))
-        for name, shape in quantized:  # after the biases, which the layers take
-            owner, _, _ = name.rpartition(".")
-            bias = getattr(model.get_submodule(owner), "bias", None)
-            _assign(model, owner, source.quantized_linear(name, shape, bias, dtype, device))
-        for name, shape in experts:
-            parts = [source.quantized_linear(n, plane, None, dtype, device) for n, plane in _checkpoint_names(name, shape)]
-            _assign(model, name.rpartition(".")[0], QuantExpertLinear(parts))
-        read_float = len(source.quantized) - len(quantized) - sum(shape[0] for _, shape in experts)
-        if read_float:
-            log.info("%s: %d quantized MoE expert weights read as their dequantized float weights (their "
-                     "inputs are no multiple of %d)", model_dir, read_float, CHUNK)
+        _build_quantized(model, source, quantized, dtype, device)  # after the biases, which they take
     model.tie_weights()
     model.model.rotary_emb.reset_buffers(device)
     return model.eval()
@@ -148,6 +139,24 @@ def _checkpoint_names(name: str, shape: torch.Size) -> list[tuple[str, torch.Siz
     if expert_tensor_name(name, 0) is None:
         return [(name, shape)]
     return [(expert_tensor_name(name, e), shape[1:]) for e in range(shape[0])]
+
+
+def _build_quantized(model: CausalLM, source: _TensorSource, quantized: dict[str, torch.Size],
+                     dtype: torch.dtype, device: torch.device) -> None:
+    """Each quantized weight's module replaced by its served layer, built from the parts: a
+    linear's (with the loaded bias), a QuantExpertLinear of an ExpertLinear's experts."""
+    for name, shape in quantized.items():
+        owner = name.rpartition(".")[0]
+        if name in source.quantized:
+            bias = getattr(model.get_submodule(owner), "bias", None)
+            _assign(model, owner, source.quantized_linear(name, shape, bias, dtype, device))
+        else:
+            _assign(model, owner, QuantExpertLinear([source.quantized_linear(n, plane, None, dtype, device)
+                                                     for n, plane in _checkpoint_names(name, shape)]))
+    read_float = len(source.quantized) - sum(1 if n in source.quantized else s[0] for n, s in quantized.items())
+    if read_float:
+        log.info("%s: %d quantized MoE expert weights read as their dequantized float weights (their "
+                 "inputs are no multiple of %d)", source.model_dir, read_float, CHUNK)
 
 
 def _quantized_experts(source: _TensorSource, name: str, shape: torch.Size) -> bool:
