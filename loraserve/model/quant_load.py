@@ -9,7 +9,8 @@ q/k/v and gate/up are fused (fusing stacks QuantLinears as it stacks linears):
   built by the loader); anything else is served as loaded.
 - `none` (`--dequantize`): float weights (a GGUF file's dequantized, as before; an AWQ/GPTQ
   checkpoint's linears dequantized at load to the model's dtype).
-- `int8` / `int4`: every linear quantized from the loaded float weights (`--quantize-group`);
+- `int8` / `int4`: every linear quantized from the loaded float weights (`--quantize-group`),
+  routed experts included (model/quant_moe.py; a MoE router stays float);
   refused for an AWQ/GPTQ checkpoint, which is quantized already.
 
 Returns the name of the quantization ("gguf-Q4_1+Q8_0", "int4-g64", "awq-int4-g128", ...), which
@@ -22,9 +23,11 @@ from pathlib import Path
 
 from torch import nn
 
+from .moe import ExpertLinear, SparseMoeBlock
 from .quant import QuantError, QuantLinear, Scheme, quant_linear_of
 from .quant_gguf import FLOAT_TYPES, linear_types, repack_gguf, source_file
 from .quant_hf import read_quantization
+from .quant_moe import QuantExpertLinear
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +50,13 @@ def apply(model: nn.Module, model_dir: str | Path, setting: str, group: int | No
         return name
     scheme = Scheme.parse(setting, group)
     swaps = [(parent, attr, child) for parent in model.modules()
-             for attr, child in parent.named_children() if type(child) is nn.Linear]
+             for attr, child in parent.named_children() if type(child) in (nn.Linear, ExpertLinear)
+             and not (isinstance(parent, SparseMoeBlock) and attr == "gate")]  # the router stays float
     for parent, attr, child in swaps:
         try:
-            setattr(parent, attr, quant_linear_of(child, scheme))
+            quantized = (QuantExpertLinear.of(child, scheme) if isinstance(child, ExpertLinear)
+                         else quant_linear_of(child, scheme))
+            setattr(parent, attr, quantized)
         except QuantError as e:
             log.warning("%s stays float: %s", attr, e)
     log.info("base served quantized: %s (%d quantized linears)", scheme.name, _count(model))
