@@ -21,6 +21,10 @@ from `token_embd`) by the file's own blocks in our layout (model/quant.py):
   with one log line naming them. llama.cpp's Q4_K_M recipe (Q6_K head and some ffn_down) serves
   so: Q4_K repacked, the Q6_K tensors float.
 
+A MoE file's packed expert tensors (`ffn_{gate,up,down}_exps`, [E, out, in]) are repacked the
+same way, one QuantLinear per expert plane, into a QuantExpertLinear (model/quant_moe.py); the
+router (`ffn_gate_inp`) stays float.
+
 F32/F16/BF16 linears stay float; any other type refuses at start-up with one line naming the
 tensor, its type and the file (`--quantize none` serves such a file dequantized). Blocks are read
 with plain file reads, so the file's pages are not kept mapped beside the packed copies.
@@ -37,8 +41,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .gguf import _GLOBAL_TENSORS, _LAYER_TENSORS, _PERMUTED_ARCHS, MARKER, GGUFError, _open_reader, _unpermute
+from .gguf import (_EXPERT_TENSORS, _GLOBAL_TENSORS, _LAYER_TENSORS, _PERMUTED_ARCHS, MARKER, GGUFError,
+                   _open_reader, _unpermute)
 from .quant import CHUNK, QuantLinear, pack_codes
+from .quant_moe import QuantExpertLinear
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +68,8 @@ def source_file(model_dir: str | Path) -> Path | None:
 def linear_types(path: Path) -> set[str]:
     """The GGUF types of the file's projection and head tensors."""
     reader = _open_reader(path)
-    return {t.tensor_type.name for t in reader.tensors if _linear_name(t.name) is not None}
+    return {t.tensor_type.name for t in reader.tensors
+            if _linear_name(t.name) is not None or _experts_name(t.name) is not None}
 
 
 def _linear_name(name: str) -> str | None:
@@ -72,6 +79,14 @@ def _linear_name(name: str) -> str | None:
     parts = name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _PROJECTIONS and parts[3] == "weight":
         return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+    return None
+
+
+def _experts_name(name: str) -> str | None:
+    """The module path of the ExpertLinear a packed [E, out, in] GGUF tensor holds, else None."""
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _EXPERT_TENSORS and parts[3] == "weight":
+        return f"model.layers.{parts[1]}.mlp.experts.{_EXPERT_TENSORS[parts[2]]}"
     return None
 
 
@@ -85,8 +100,9 @@ def repack_gguf(model: nn.Module, path: Path, arch: str) -> str | None:
     wanted = {_linear_name(n): t for n, t in tensors.items() if _linear_name(n) is not None}
     if "lm_head" not in wanted:  # tied
         wanted["lm_head"] = tensors[f"{_GLOBAL_TENSORS_INV['model.embed_tokens']}.weight"]
-    types = {t.tensor_type.name for t in wanted.values()}
-    for module_path, t in wanted.items():
+    experts = {_experts_name(n): t for n, t in tensors.items() if _experts_name(n) is not None}
+    types = {t.tensor_type.name for t in [*wanted.values(), *experts.values()]}
+    for module_path, t in [*wanted.items(), *experts.items()]:
         kind = t.tensor_type.name
         if kind not in REPACKED + KEPT_FLOAT + FLOAT_TYPES:
             raise GGUFError(f"{path}: tensor {t.name} is {kind}, which loraserve serves quantized only "
@@ -94,7 +110,7 @@ def repack_gguf(model: nn.Module, path: Path, arch: str) -> str | None:
     quantized = types - set(FLOAT_TYPES)
     if not quantized:
         return None
-    kept = sorted(t.name for t in wanted.values() if t.tensor_type.name in KEPT_FLOAT)
+    kept = sorted(t.name for t in [*wanted.values(), *experts.values()] if t.tensor_type.name in KEPT_FLOAT)
     if kept:
         log.info("%s: %s served as float, dequantized at load: %s (a scale per 16 values) has no exact "
                  "layout in the quantized kernel's groups of 32", path, ", ".join(kept), "/".join(KEPT_FLOAT))
@@ -114,16 +130,27 @@ def repack_gguf(model: nn.Module, path: Path, arch: str) -> str | None:
             layer = _repacked(path, f, t, kind, n, k, heads, getattr(old, "bias", None))
             owner, _, attr = module_path.rpartition(".")
             setattr(model.get_submodule(owner) if owner else model, attr, layer)
+        for module_path, t in sorted(experts.items()):
+            e, n, k = (int(d) for d in reversed(t.shape.tolist()))
+            if t.tensor_type.name not in REPACKED or k % CHUNK:
+                continue  # float, or not the kernel's step: stays as loaded
+            per_expert = int(t.n_bytes) // e
+            layer = QuantExpertLinear([_repacked(path, f, t, t.tensor_type.name, n, k, None, None,
+                                                 offset=i * per_expert, n_bytes=per_expert) for i in range(e)])
+            owner, _, attr = module_path.rpartition(".")
+            setattr(model.get_submodule(owner), attr, layer)
     return "gguf-" + "+".join(sorted(quantized))
 
 
 _GLOBAL_TENSORS_INV = {v: k for k, v in _GLOBAL_TENSORS.items()}
 
 
-def _repacked(path: Path, f, t, kind: str, n: int, k: int, heads: int | None, bias) -> QuantLinear:
-    """The QuantLinear of one GGUF tensor's blocks, its rows un-permuted for llama's Q/K."""
-    f.seek(int(t.data_offset))
-    raw = np.frombuffer(f.read(int(t.n_bytes)), dtype=np.uint8)
+def _repacked(path: Path, f, t, kind: str, n: int, k: int, heads: int | None, bias, *, offset: int = 0,
+              n_bytes: int | None = None) -> QuantLinear:
+    """The QuantLinear of one GGUF tensor's blocks (or of `n_bytes` of them from `offset`: one
+    expert's plane of a packed expert tensor), its rows un-permuted for llama's Q/K."""
+    f.seek(int(t.data_offset) + offset)
+    raw = np.frombuffer(f.read(int(t.n_bytes) if n_bytes is None else n_bytes), dtype=np.uint8)
     values, size = _BYTES[kind]
     blocks = raw.reshape(n * k // values, size)
     with np.errstate(all="ignore"):  # a float16 overflow or a NaN is refused just below

@@ -85,3 +85,31 @@ def test_quantize_flag_quantizes_every_expert_of_a_moe_base(setting, tmp_path, m
     _assert_close_to(engine.model, _dequantized_twin(copy.deepcopy(engine.model)))
     routers = [m.gate for m in engine.model.modules() if type(m).__name__ == "SparseMoeBlock"]
     assert len(routers) == 2 and all(type(r) is torch.nn.Linear for r in routers)  # float: it picks experts
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_a_quantized_moe_gguf_serves_its_experts_repacked(qtype, tmp_path, make_hf) -> None:
+    """Default flags on a Qwen3-MoE GGUF whose expert tensors are quantized: each expert's plane
+    of the file's blocks becomes a QuantLinear holding exactly the dequantized directory's
+    weights; logits within test_quant's tolerance of the dequantized model."""
+    from gguf import GGMLQuantizationType as GG
+
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.core.llm_engine import LLMEngine
+    from loraserve.model import load_model
+    from loraserve.model.gguf import resolve_base
+    from test_gguf import TINY, gguf_of
+    from test_quant import _assert_close_to
+
+    hf = make_hf("qwen3_moe", **TINY, moe_intermediate_size=64)
+    base = resolve_base(gguf_of(hf, tmp_path / "gguf" / "moe.gguf", GG[qtype]))
+    engine = LLMEngine(EngineConfig(model_dir=str(base), device="cpu", max_model_len=64))
+    assert engine.quantization == f"gguf-{qtype}"
+    ref = load_model(base)
+    ref.fuse_projections()
+    experts = {n: m for n, m in engine.model.named_modules() if isinstance(m, QuantExpertLinear)}
+    assert len(experts) == 2 * 3
+    plain = dict(ref.named_modules())
+    for name, layer in experts.items():
+        torch.testing.assert_close(layer.weight, plain[name].weight, rtol=0, atol=0, msg=name)
+    _assert_close_to(engine.model, ref)
