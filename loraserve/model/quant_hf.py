@@ -57,14 +57,13 @@ Read = Callable[[str, tuple[int, ...]], Tensor]
 
 @dataclass(frozen=True, slots=True)
 class HFQuantization:
-    """A checkpoint's `quantization_config`: method "awq" | "gptq", bits 4, group G inputs per
+    """A checkpoint's `quantization_config` (bits 4): method "awq" | "gptq", group G inputs per
     scale (0: per output channel), zero_offset added to a stored zero, desc_act as declared."""
 
     method: str
     group: int
     zero_offset: int
     desc_act: bool
-    config_file: Path
 
     @property
     def name(self) -> str:
@@ -104,7 +103,7 @@ def read_quantization(model_dir: str | Path) -> HFQuantization | None:
             raise QuantError(f"{file}: gptq checkpoint_format {fmt!r} is not served; expected "
                              f"{' or '.join(_GPTQ_FORMATS)}")
         offset = _GPTQ_FORMATS[fmt]
-    return HFQuantization(method, max(group, 0), offset, bool(qc.get("desc_act")), file)
+    return HFQuantization(method, max(group, 0), offset, bool(qc.get("desc_act")))
 
 
 def quantized_weights(names: Iterable[str]) -> dict[str, str]:
@@ -116,11 +115,6 @@ def quantized_weights(names: Iterable[str]) -> dict[str, str]:
 def is_part(name: str) -> bool:
     """Whether checkpoint tensor `name` is part of a quantized linear (PARTS)."""
     return name.rpartition(".")[2] in PARTS
-
-
-def part_names(prefix: str, present: Callable[[str], bool]) -> list[str]:
-    """The tensors quantized linear `prefix` is read from (g_idx where the checkpoint has one)."""
-    return [f"{prefix}.{p}" for p in PARTS if p != "g_idx" or present(f"{prefix}.g_idx")]
 
 
 def read_linear(q: HFQuantization, read: Read, prefix: str, n: int, k: int, file: Path,

@@ -305,7 +305,7 @@ def float_base(tmp_path, make_hf):
     from test_gguf import gguf_of
 
     def make(arch: str = "llama", **shapes) -> Path:
-        model = make_hf(arch, **HF_SHAPES, **shapes)
+        model = make_hf(arch, **{**HF_SHAPES, **shapes})
         return resolve_base(gguf_of(model, tmp_path / "gguf" / f"{arch}.gguf"))
     return make
 
@@ -350,6 +350,23 @@ def test_quantized_moe_experts_are_served_quantized(tmp_path, float_base):
     assert len(experts) == 3 * 2 and all(m.num_experts == 4 and m.experts[0].group == 128 for m in experts)
     twin = load_model(twin_dir)
     twin.fuse_projections()
+    _assert_close_to(engine.model, twin, LOGPROB_ATOL)
+
+
+def test_a_layer_whose_inputs_the_kernel_cannot_step_is_served_float(tmp_path, float_base):
+    """Group 32 on an MLP of 160 (no multiple of the kernel's 64): down_proj is served as its
+    dequantized weight, the rest quantized; logits the float twin's (exact mins)."""
+    qdir, twin_dir = quantized_checkpoint(float_base("qwen3", intermediate_size=160), tmp_path / "q", "awq",
+                                          group=32, exact=True)
+    engine = LLMEngine(EngineConfig(model_dir=str(qdir), device="cpu", max_model_len=64))
+    twin = load_model(twin_dir)
+    twin.fuse_projections()
+    for layer in range(2):
+        down = f"model.layers.{layer}.mlp.down_proj"
+        assert type(engine.model.get_submodule(down)) is nn.Linear
+        torch.testing.assert_close(engine.model.get_submodule(down).weight, twin.get_submodule(down).weight,
+                                   rtol=0, atol=0)
+    assert len(_quantized(engine.model)) == 3 * 2 and engine.quantization == "awq-int4-g32"
     _assert_close_to(engine.model, twin, LOGPROB_ATOL)
 
 
