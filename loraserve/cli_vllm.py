@@ -15,7 +15,8 @@ from typing import Any
 # flag -> (takes a value, what to use instead): refused with that line
 INSTEAD: dict[str, tuple[bool, str]] = {
     "--quantization": (True, "use --quantize int8|int4 (weight-only, LoRA in float); a GGUF file's "
-                             "Q8_0/Q4_0/Q4_1 weights are served quantized as they are"),
+                             "Q8_0/Q4_0/Q4_1/Q4_K/Q5_K weights and an AWQ or GPTQ checkpoint are "
+                             "served quantized as they are"),
     "--chat-template": (True, "the base's own chat template is the only one (tokenizer_config.json, "
                               "chat_template.jinja or the GGUF file's metadata)"),
     "--seed": (True, "sampling is seeded per request: send the request field `seed`"),
