@@ -1,7 +1,7 @@
 """Which kernel multiplies a quantized base's linears, measured at decode and prefill shapes.
 
     python bench/quant_kernels.py [--rows 1 4 16 64] [--reps 15] [--threads 2] [--inductor]
-                                  [--streams 2 4 8] [--ahead 0 512] [--only int4-g64 ...]
+                                  [--streams 2 4 8] [--ahead 0 1024 8192] [--only int4-g64 ...]
 
 For each weight shape of SmolLM2-135M and Qwen3-0.6B (in -> out) and each row count, every
 candidate that can hold the scheme: float32 (the reference: `cpu_gemv`'s one-row kernel, or
@@ -37,7 +37,7 @@ SLOW = ("dequantize", "int4pack", "inductor")  # their time is not the weight's 
 STREAM_BYTES = 96 * 2**20  # copies of each candidate's weights: past a 32 MiB LLC
 OLD = "ours float-v1 (f32 x)"  # the float-activation kernel served before the table kernel
 NEW = "ours table (f32 x)"  # the served kernel (cpu_quant.quant_linear)
-SERVED = (2, 1024)  # its streams and prefetch distance (cpu_quant.cpp)
+SERVED = (4, 8192)  # its streams and prefetch distance (cpu_quant.cpp)
 
 
 def copies_for(nbytes: int) -> int:

@@ -10,7 +10,7 @@
 // Three kernels. `table_rows` (the one served) takes the activations as they are and makes each
 // weight in registers as `dequantize` does (a 4-bit code through a 16-entry table of its group's
 // weights, one vpermps per 16 codes), so its product is the dequantized weight's up to the order
-// of the float additions; it reads 2 output rows at once, each prefetched 1 KiB ahead. Its floor
+// of the float additions; it reads 4 output rows at once, each prefetched 8 KiB ahead. Its floor
 // is the float fma per 16 weights and activation row: about 1 zmm fma a cycle on the dev
 // machine's Zen 4 core, about 12 GB/s of int4 codes a core at one row, the memory's rate with
 // both cores reading. `rows_f32`, the float kernel it replaced, turns codes to float and scales
@@ -364,10 +364,11 @@ void all_rows(const uint8_t* w, const uint16_t* sc, const uint16_t* mn, const Ac
 // replaced (bench/quant_kernels.py compares them), the int8-activation one.
 enum Kernel : int64_t { kTable = 0, kFloatV1 = 1, kInt8Acts = 2 };
 // The table kernel as served: output rows read at once and bytes of each prefetched in front of its
-// reads. Chosen by bench/quant_kernels.py --streams 2 4 8 --ahead 0 256 512 1024 (bench/RESULTS.md,
-// session 11): with the prefetch, 2 streams were as fast as 4 or 8 and 1024 bytes as 512; without
-// it, 10-20% slower.
-constexpr int64_t kServedStreams = 2, kAhead = 1024;
+// reads (a layer's rows lie end to end, so far ahead is the rows that follow). Chosen by
+// bench/quant_kernels.py --streams 2 4 8 --ahead 0 ... 16384 (bench/RESULTS.md, session 11): no
+// prefetch or 256-1024 bytes read 10-25% slower than 4-16 KiB, which were alike; 4 streams and
+// 8 KiB were at the top within noise, and 4 streams computed faster than 2 on one core.
+constexpr int64_t kServedStreams = 4, kAhead = 8192;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
 template <int Bits>

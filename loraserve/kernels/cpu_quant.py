@@ -64,7 +64,7 @@ KERNEL_IDS = {"table": 0, "float-v1": 1, "int8-acts": 2}
 
 
 def quant_linear_kernel(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                        bits: int, group: int, kernel: str, streams: int = 2, ahead: int = 1024) -> torch.Tensor:
+                        bits: int, group: int, kernel: str, streams: int = 4, ahead: int = 8192) -> torch.Tensor:
     """`quant_linear` through a named kernel of KERNEL_IDS; for "table", `streams` output rows read
     at once (2 or 8; any other value reads 4) and `ahead` bytes prefetched in front of each (0:
     none). The defaults are what `quant_linear` serves."""
