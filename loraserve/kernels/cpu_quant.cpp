@@ -12,10 +12,11 @@
 // weights, one vpermps per 16 codes), so its product is the dequantized weight's up to the order
 // of the float additions; it reads 4 output rows at once, each prefetched 8 KiB ahead. Its floor
 // is the float fma per 16 weights and activation row: about 1 zmm fma a cycle on the dev
-// machine's Zen 4 core, about 12 GB/s of int4 codes a core at one row, the memory's rate with
-// both cores reading. `rows_f32`, the float kernel it replaced, turns codes to float and scales
-// each 32-input block's dot product once, with an integer division per chunk (kept for the
-// bench's comparison: 1.3-1.7x slower). `rows`
+// machine's Zen 4 core, about 12 GB/s of int4 codes a core at one row in cache: about half the
+// 2-thread memory rate, so both cores together should read near it. `rows_f32`, the float
+// kernel it replaced, turns codes to float and scales each 32-input block's dot product once,
+// with an integer division per chunk (kept for the bench's comparison: 1.4-2.3x slower in
+// bench/RESULTS.md's session 11 runs). `rows`
 // (int8_acts) quantizes the activations to int8 per block of 32 (d = max|x| / 127), as llama.cpp
 // does, so a 64-input chunk is one VNNI dot product (vpdpbusd: unsigned codes x signed
 // activations, 64 multiply-adds an instruction); its rounding of x compounds over a real model's
