@@ -1,29 +1,20 @@
 """The ingress's engine client: `EngineFrontend` over a Serve deployment handle (the Ray
-transport). The FastAPI app is served unchanged over it.
+transport). The FastAPI app is served unchanged over it, and everything a request meets before
+the engine (validation, admission in tokens, resolving its adapter here: an unknown one is the
+usual 404 before any replica is asked) is `EngineFrontend`'s, as in one process.
 
-Everything a request meets before the engine is `EngineFrontend`'s, as in one process:
-validation, admission (`client.admission`: fair share in tokens across the whole cluster, one
-implementation for every hosting), resolving a request's adapter here (unknown: the usual 404
-before any replica is asked), calls. What this transport does:
-
-- An `Add` streams the request from a replica chosen by Serve, with the adapter id as the
-  multiplexed model id: Serve's router prefers a replica that holds the adapter and spills to
-  another when those are full. Base-only requests carry no model id and go anywhere. The
-  replica hosts the process transport (`CoreClient`, ray_serve/replica.py), so its deltas come
-  as text already; an `Abort` cancels the stream.
-- A replica that dies before the first output is retried once on another; one that dies
-  mid-stream ends the request with one clean 503 (a stream gets its error event and [DONE]).
-- Admission lets sequences through while the cluster has running slots (live replicas x
-  `max_batch_size`); past that they wait here and free slots go to tenants by weighted fair
-  share in tokens (Serve's router queue in front of the replicas is FIFO).
-- Calls: `Residency` reads the replicas' reports (quarantined or gpu on any), else asks the
-  replica Serve routes the adapter to; `Unload` runs on every replica (`board.broadcast`);
-  `Warm` pages a revision into the CPU tier of the replica that will serve it next.
-- The catalog is opened read-write here, the one writer (`/v1/load_lora_adapter`, promote,
-  rollback, and the miss path: `--adapter-source`, `--catalog-store`); replicas open it
-  read-only and see each commit in their next read.
-- Snapshots come from the replicas' reports (`board.ReplicaBoard`), one per replica; /metrics
-  labels each replica's series with `replica`.
+- An `Add` streams the request from a replica Serve picks with the adapter id as the
+  multiplexed model id (Serve's router prefers a replica that holds it); the replica hosts a
+  `CoreClient` (ray_serve/replica.py), so its deltas come as text. An `Abort` cancels the stream.
+  A replica that dies before the first output is tried again once on another; one that dies
+  mid-stream ends the request with one clean 503.
+- Admission's slots are the live replicas' batches: past them requests wait here, by fair share
+  in tokens, not in Serve's FIFO router queue.
+- Calls: `Residency` from the replicas' reports (quarantined or gpu on any), else from the
+  replica the adapter routes to; `Unload` on every replica (`board.broadcast`); `Warm` into the
+  CPU tier of the replica that will serve the adapter next.
+- The catalog is opened read-write here, the one writer (loads, promotes, the miss path);
+  replicas open it read-only. Snapshots come from the replicas' reports (`board.ReplicaBoard`).
 """
 from __future__ import annotations
 
@@ -44,7 +35,7 @@ from ..engine.client.frontend import EngineFrontend, unavailable_error
 from ..engine.config import EngineConfig
 from ..engine.messages import Abort, Add, Call, Message, Residency, Return, Unload, Warm
 from ..engine.snapshot import EngineSnapshot
-from ..engine.types import EngineError, GenerateRequest, RequestOutput, ResolvedModel
+from ..engine.types import EngineError, RequestOutput, ResolvedModel
 from ..engine.wire import error_from_wire, output_from_wire, request_to_wire, snapshot_from_wire
 from .board import ReplicaBoard, merged
 from .config import ScaleOutConfig
@@ -147,8 +138,8 @@ class RayEngineFrontend(EngineFrontend):
             asyncio.ensure_future(self._answer(msg))
 
     async def _serve(self, msg: Add) -> None:
-        """One request's stream: its deltas (text already: the replica's frontend made it) to
-        the request's queue, or its error as the last one."""
+        """One request's deltas to its queue, its error as the last one; on another replica once
+        when its replica dies before the first output, else one clean 503."""
         req, rid = msg.request, msg.request.request_id
         if req.resolved is None and msg.record is not None:  # an in-process caller's adapter
             rec = msg.record
@@ -157,8 +148,18 @@ class RayEngineFrontend(EngineFrontend):
         adapter_id = None if msg.record is None else msg.record.adapter_id
         wire = request_to_wire(req, resolved=True)  # the replica runs this record, never resolves
         try:
-            async for out in self._tries(req, wire, adapter_id):
-                self._put(out)
+            for attempt in range(RETRIES + 1):
+                started = False
+                try:
+                    async for out in self._stream(wire, adapter_id):
+                        started = True
+                        self._put(out)
+                    return
+                except RayActorError as exc:
+                    if started or attempt == RETRIES:
+                        log.warning("request %s: engine replica lost (%s)", rid, exc)
+                        raise replica_lost() from None
+                    log.info("request %s: engine replica lost before its first output; retrying", rid)
         except Exception as exc:  # raised to the reader as it was raised here
             self._put(RequestOutput.failed(rid, exc))
         finally:
@@ -169,24 +170,6 @@ class RayEngineFrontend(EngineFrontend):
         q = self._queues.get(out.request_id)
         if q is not None:
             q.put_nowait(out)
-
-    async def _tries(self, req: GenerateRequest, wire: dict,
-                     adapter_id: str | None) -> AsyncIterator[RequestOutput]:
-        """The request on a replica; once more on another when its replica dies before the first
-        output, else one clean 503."""
-        for attempt in range(RETRIES + 1):
-            started = False
-            try:
-                async for out in self._stream(wire, adapter_id):
-                    started = True
-                    yield out
-                return
-            except RayActorError as exc:
-                if started or attempt == RETRIES:
-                    log.warning("request %s: engine replica lost (%s)", req.request_id, exc)
-                    raise replica_lost() from None
-                log.info("request %s: engine replica lost before its first output; retrying",
-                         req.request_id)
 
     async def _stream(self, wire: dict, adapter_id: str | None) -> AsyncIterator[RequestOutput]:
         """One try: the replica's output deltas; its errors raised as they were raised there.
