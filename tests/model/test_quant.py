@@ -98,6 +98,7 @@ def test_the_float_kernels_equal_the_float64_product(bits, group, threads):
     KERNEL_FLOAT_TOL * sum_i |x_i w_i| per output, float32 summation's own error, as a GEMM over
     the dequantized weight has. The float kernel it replaced sums scale * q and min apart, so its
     bound is over |x| (|scale q| + |min|)."""
+    assert cpu_quant.available()  # loads the library's ops
     gen = torch.Generator().manual_seed(bits * 1000 + group + threads)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -123,6 +124,7 @@ def test_the_float_kernels_equal_the_float64_product(bits, group, threads):
 @pytest.mark.parametrize("streams, ahead", [(2, 0), (4, 512), (8, 256)])
 def test_every_table_kernel_variant_gives_the_same_product(streams, ahead):
     """The bench's variants (output rows read at once, prefetch distance) change only the reading."""
+    assert cpu_quant.available()
     gen = torch.Generator().manual_seed(streams)
     codes, scales, mins, _, _ = _random_packed(45, 256, 4, 64, gen)
     x = torch.randn(6, 256, generator=gen)
