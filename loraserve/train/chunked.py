@@ -36,6 +36,34 @@ from loraserve.train.hooks import attached
 from loraserve.train.losses import LossSpec
 
 
+QUERY_BLOCK = 128  # queries per block of a chunk's attention (the longest stretch between two points)
+
+
+def _nothing() -> None:
+    pass
+
+
+def blocked_prefix_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, window: int | None = None,
+                             point: Callable[[], None] = _nothing) -> Tensor:
+    """`prefix_attention` in blocks of QUERY_BLOCK queries, each over the keys up to its last
+    query, with `point()` between two blocks, in the forward and before each block's backward
+    (train/preempt.py: a slice gives way there). A chunk of a long datum attends over up to the
+    whole datum: one block is the longest piece of its work between two points.
+
+    q [t, Hq, D], k/v [S, Hkv, D] with S = q_start + t -> [t, Hq, D].
+    """
+    outs = []
+    for b in range(0, q.shape[0], QUERY_BLOCK):
+        if b:
+            point()
+        e = min(b + QUERY_BLOCK, q.shape[0])
+        out = prefix_attention(q[b:e], k[:q_start + e], v[:q_start + e], q_start + b, window)
+        if out.requires_grad:
+            out.register_hook(lambda grad: point())
+        outs.append(out)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 def prefix_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, window: int | None = None) -> Tensor:
     """Causal attention of the queries at positions q_start.. over keys at positions 0..:
     out[i] = softmax(q[i] k[:q_start+i+1]^T / sqrt(D)) v (only the last `window` keys with a
@@ -92,6 +120,7 @@ class ChunkedDatum:
         self.elementwise = torch.empty(n, device=tokens.device)               # [T] float32
         self.grads: list[Tensor] | None = None
         self.forward_next, self.backward_next = 0, len(self.back_bounds) - 1
+        self.point: Callable[[], None] = _nothing  # the step in progress's preemption point
 
     @property
     def forward_done(self) -> bool:
@@ -101,9 +130,11 @@ class ChunkedDatum:
     def done(self) -> bool:
         return self.forward_done and (not self.backward or self.backward_next < 0)
 
-    def step(self) -> int:
+    def step(self, point: Callable[[], None] = _nothing) -> int:
         """Run the next chunk: forward chunks in order, then (with backward) backward chunks last
-        first; the chunk's token count."""
+        first; the chunk's token count. `point()` is called between its attention's query
+        blocks (`blocked_prefix_attention`)."""
+        self.point = point
         with torch.inference_mode(False), attached(self.model, self.factors):
             if not self.forward_done:
                 s, e = self.bounds[self.forward_next]
@@ -127,7 +158,7 @@ class ChunkedDatum:
                 self.keys.append(k.new_empty(self.tokens.numel(), *k.shape[1:]))
                 self.values.append(v.new_empty(self.tokens.numel(), *v.shape[1:]))
             self.keys[layer][s:e], self.values[layer][s:e] = k, v
-            return prefix_attention(q, self.keys[layer][:e], self.values[layer][:e], s, window)
+            return blocked_prefix_attention(q, self.keys[layer][:e], self.values[layer][:e], s, window, self.point)
 
         hidden = self.model(self.tokens[s:e], torch.arange(s, e, device=self.tokens.device), attn)
         lp, elementwise = self._loss(s, e, hidden)
@@ -146,7 +177,7 @@ class ChunkedDatum:
         def attn(layer: int, q: Tensor, k: Tensor, v: Tensor, *, window: int | None = None) -> Tensor:
             own[layer] = (k, v)
             pk, pv = prefix[layer]
-            return prefix_attention(q, torch.cat([pk, k]), torch.cat([pv, v]), s, window)
+            return blocked_prefix_attention(q, torch.cat([pk, k]), torch.cat([pv, v]), s, window, self.point)
 
         positions = torch.arange(s, e, device=self.tokens.device)
         hidden = _checkpointed_hidden(self.model, self.tokens[s:e], positions, attn)

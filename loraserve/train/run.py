@@ -18,7 +18,7 @@ and the gradients stay for a step with sane parameters.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -140,16 +140,17 @@ class Pass:
         passes, grouped.py) rather than a chunk of a datum longer than `max_tokens`."""
         return not self.done and self.chunked is None and self.data[self.done_datums].num_tokens <= max_tokens
 
-    def advance(self, max_tokens: int) -> bool:
+    def advance(self, max_tokens: int, point: Callable[[], None] | None = None) -> bool:
         """Run the datums that fit in `max_tokens` as one batch, or one chunk of a datum longer
-        than that (chunked.py); True once every datum ran. TrainingError if a loss or gradient
-        is not finite (the run is left untouched)."""
+        than that (chunked.py; `point`: its preemption point between attention blocks, for
+        train/preempt.py); True once every datum ran. TrainingError if a loss or gradient is not
+        finite (the run is left untouched)."""
         if self.groupable(max_tokens):
             failed = run_group(pick([self], max_tokens))
             if failed:
                 raise failed[self]
         elif not self.done:
-            self._chunk_step(max_tokens)
+            self._chunk_step(max_tokens, point)
         return self.done
 
     def ran(self, datum: Datum, target_lp: Tensor, elementwise: Tensor) -> None:
@@ -157,7 +158,7 @@ class Pass:
         self.work += datum.num_tokens * (1 + BACKWARD_COST * self.backward)
         self._finish_datum(target_lp, elementwise)
 
-    def _chunk_step(self, budget: int) -> None:
+    def _chunk_step(self, budget: int, point: Callable[[], None] | None) -> None:
         """One chunk of the current long datum (started here); the datum's outputs once its last ran."""
         if self.chunked is None:
             d, run = self.data[self.done_datums], self.run
@@ -166,7 +167,7 @@ class Pass:
                                         backward_budget=max(1, budget // (1 + BACKWARD_COST)))
         c = self.chunked
         backward = c.forward_done
-        self.work += c.step() * (1 + BACKWARD_COST if backward else 1)  # a backward chunk runs its forward again
+        self.work += (c.step(point) if point else c.step()) * (1 + BACKWARD_COST if backward else 1)  # a backward chunk runs its forward again
         if c.forward_done and c.backward_next == len(c.back_bounds) - 1:  # forward just ended: check before any backward
             self._check_finite(c.elementwise.sum())
         if c.done:

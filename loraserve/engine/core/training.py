@@ -288,7 +288,7 @@ class TrainerCore:
 
         def job() -> dict[Pass, BaseException]:
             with preemption_points(model, self.handoff.point):
-                return self._compute(group, whole, budget)
+                return self._compute(group, whole, budget, self.handoff.point)
 
         if self.handoff.run(job, has_input):
             self._land()
@@ -407,12 +407,14 @@ class TrainerCore:
             self.engine.runner.lora.set_slots([])
 
     @staticmethod
-    def _compute(group: list[Pass], whole: bool, max_tokens: int) -> dict[Pass, BaseException]:
-        """The slice's forward (and backward): the passes that failed, with why."""
+    def _compute(group: list[Pass], whole: bool, max_tokens: int,
+                 point: Callable[[], None] | None = None) -> dict[Pass, BaseException]:
+        """The slice's forward (and backward): the passes that failed, with why. `point`: the
+        preemption point a chunk also calls between its attention's query blocks."""
         try:
             if whole:
                 return run_group(pick(group, max_tokens))
-            group[0].advance(max_tokens)
+            group[0].advance(max_tokens, point)
             return {}
         except BaseException as exc:  # beyond a loss of one run (or abandoned): every pass of it fails
             return {q: exc for q in group}
