@@ -122,11 +122,11 @@ def resolve_base(path: str | Path) -> Path:
     key = _cache_key(path)
     final = cache_dir() / key
     if _complete(final):
-        return final
+        return _repoint(final, path)
     final.parent.mkdir(parents=True, exist_ok=True)
     with _locked(final.parent / f".{key}.lock"):
         if _complete(final):  # another process finished it while we waited
-            return final
+            return _repoint(final, path)
         tmp = final.parent / f".{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         log.info("converting %s into %s (once: later starts reuse it)", path, final)
         started = time.monotonic()
@@ -154,6 +154,22 @@ def _cache_key(path: Path) -> str:
 
 def _complete(folder: Path) -> bool:
     return (folder / MARKER).is_file()
+
+
+def _repoint(folder: Path, path: Path) -> Path:
+    """`folder` (a converted file's cache entry, found by the bytes' hash), its MARKER's source
+    made `path` when it names another file: the same bytes, reached by another path (a copy, a
+    move, another checkout's), whose blocks the quantized base is repacked from
+    (quant_gguf.source_file), not a file that may since have gone."""
+    marker_file = folder / MARKER
+    marker = json.loads(marker_file.read_text())
+    source = str(path.resolve())
+    if marker.get("source") != source:
+        marker["source"] = source
+        tmp = folder / f".{MARKER}.{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, marker_file)  # atomic: a reader sees the old marker or the new one
+    return folder
 
 
 @contextmanager

@@ -62,7 +62,12 @@ def source_file(model_dir: str | Path) -> Path | None:
     if not marker.is_file():
         return None
     source = Path(json.loads(marker.read_text()).get("source", ""))
-    return source if source.is_file() else None
+    if source.is_file():
+        return source
+    log.warning("%s: the GGUF file it was converted from, %s, is gone: its linears are served as "
+                "the directory's dequantized float weights (serve the .gguf file itself to serve it "
+                "quantized)", model_dir, source)
+    return None
 
 
 def linear_types(path: Path) -> set[str]:

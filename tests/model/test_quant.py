@@ -333,3 +333,29 @@ def test_gradients_flow_to_the_input_not_to_the_quantized_weight():
     layer(x).square().sum().backward()
     w = layer.dequantized()
     torch.testing.assert_close(x.grad, 2 * (x.detach() @ w.t()) @ w, rtol=1e-4, atol=1e-4)
+
+
+def test_the_same_bytes_at_another_path_serve_quantized_after_the_first_is_gone(tmp_path, make_hf):
+    """The converted directory is found by the file's bytes; its marker then names the path this
+    start was given, so a copy (or a moved file) is still repacked from, never silently served
+    dequantized because the file first converted has gone."""
+    first = gguf_of(make_hf("qwen3", **TINY), tmp_path / "a" / "m.gguf", GG.Q4_1)
+    assert source_file(resolve_base(first)) == first.resolve()
+    copy_path = tmp_path / "b" / "m.gguf"
+    copy_path.parent.mkdir()
+    copy_path.write_bytes(first.read_bytes())
+    first.unlink()
+    base = resolve_base(copy_path)
+    assert source_file(base) == copy_path.resolve()
+    engine = LLMEngine(EngineConfig(model_dir=str(base), device="cpu", max_model_len=64))
+    assert engine.quantization == "gguf-Q4_1"
+
+
+def test_a_directory_whose_gguf_is_gone_says_so_and_serves_float(tmp_path, make_hf, caplog):
+    file = gguf_of(make_hf("qwen3", **TINY), tmp_path / "m.gguf", GG.Q4_1)
+    base = resolve_base(file)
+    file.unlink()
+    with caplog.at_level("WARNING"):
+        engine = LLMEngine(EngineConfig(model_dir=str(base), device="cpu", max_model_len=64))
+    assert engine.quantization is None
+    assert "is gone" in caplog.text and str(file.resolve()) in caplog.text

@@ -12,6 +12,12 @@ from loraserve.model.quant import QuantError, QuantLinear, Scheme
 from loraserve.model.quant_moe import QuantExpertLinear
 
 
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    """Converted GGUF files in this test's own cache."""
+    monkeypatch.setenv("LORASERVE_CACHE", str(tmp_path / "cache"))
+
+
 def _experts(e: int = 3, out: int = 48, k: int = 128, seed: int = 0) -> ExpertLinear:
     torch.manual_seed(seed)
     lin = ExpertLinear(e, k, out)
