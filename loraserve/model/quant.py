@@ -151,7 +151,7 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group={self.group}, bias={self.bias is not None}, kernel="
-                + ("vnni" if self.native else "dequantize"))
+                + ("table" if self.native else "dequantize"))  # cpu_quant's served kernel, or torch ops
 
     @classmethod
     def cat(cls, parts: list["QuantLinear"]) -> "QuantLinear":
