@@ -5,9 +5,11 @@
 process). A forward or forward_backward is one call (`run`) that queues the pass in the core and
 answers when it is done: the engine loop runs it in slices of at most `max_tokens` tokens, at
 most one slice of all queued training between two serving steps and only in training's turn of
-the tenants' fair share (engine/core/training.py), so training never holds serving back by more
-than one slice (`--train-max-tokens`), however many runs train. Passes of different runs share
-slices: the core batches their waiting datums into one pass over the base.
+the tenants' fair share (engine/core/training.py), so a decode step waits for one slice
+(`--train-max-tokens`) at most, however many runs train; and a slice gives way part way when a
+request arrives (at its next decoder layer's attention or MLP, train/preempt.py), so a new
+request waits for that piece of it, not for its rest. Passes of different runs share slices: the
+core batches their waiting datums into one pass over the base.
 
 A hosting that cannot train has `trainer = None` (engine/interface.py), and the server refuses
 training routes there with a 400 that says so.

@@ -35,7 +35,6 @@ RUN = {"rank": 4, "seed": 0, "train_attn": True, "train_mlp": True, "train_unemb
 ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
         "grad_clip_norm": 0.0}
 ADAPTER = "default/served@s1"
-SERVING = ("prefill", "decode")
 
 
 def _datum(n: int, salt: int = 0, weight: float = 1.0) -> list:
@@ -118,6 +117,18 @@ def _deliver_at(engine, driver: Driver, layer: int, req: GenerateRequest):
             fired.append(True)
             driver.inbox.append(req)
     return engine.model.model.layers[layer].mlp.register_forward_pre_hook(hook)
+
+
+def _parked_for(core, d: Driver, layer: int, rid: str, call: list):
+    """Queue the pass `call` (a `run`'s arguments) with request `rid` delivered in `layer`; its
+    answer, once the slice parked for the request and the request is admitted."""
+    handle = _deliver_at(core.engine, d, layer, _chat(rid))
+    try:
+        answer = core.handle("run", call)
+        d.until(lambda: core.inflight is not None and rid in d.seqs)
+    finally:
+        handle.remove()
+    return answer
 
 
 @pytest.fixture()
@@ -260,24 +271,16 @@ def test_a_run_dropped_or_a_caller_gone_while_parked_ends_the_slice(clean):
     for run_id in ("dropped", "gone", "next"):
         core.create(run_id, RUN)
     d = Driver(engine)
-    handle = _deliver_at(engine, d, 1, _chat("chat1"))
-    try:
-        dropped = core.handle("run", ["dropped", "d#0", [_datum(200, 7)], "cross_entropy", None, True, "a", 1.0, 256])
-        d.until(lambda: core.inflight is not None and "chat1" in d.seqs)
-    finally:
-        handle.remove()
+    dropped = _parked_for(core, d, 1, "chat1", ["dropped", "d#0", [_datum(200, 7)], "cross_entropy", None, True,
+                                                 "a", 1.0, 256])
     core.handle("drop", ["dropped"])
     assert dropped.exception().status == 404
     assert core.inflight is None and not core.handoff.parked
     d.until(d.idle)
     assert d.seqs["chat1"].finish_reason == "length" and engine.scheduler.vtime("a") == 0
 
-    handle = _deliver_at(engine, d, 1, _chat("chat2"))
-    try:
-        gone = core.handle("run", ["gone", "g#0", [_datum(200, 8)], "cross_entropy", None, True, "a", 1.0, 64])
-        d.until(lambda: core.inflight is not None and "chat2" in d.seqs)
-    finally:
-        handle.remove()
+    gone = _parked_for(core, d, 1, "chat2", ["gone", "g#0", [_datum(200, 8)], "cross_entropy", None, True,
+                                             "a", 1.0, 64])
     assert gone.cancel()
     d.until(d.idle)
     assert core.inflight is None and core.runs["gone"].grads is None
@@ -294,12 +297,8 @@ def test_an_optim_step_of_a_run_in_the_parked_slice_lets_it_finish_first(clean):
     core = trainer_of(engine)
     core.create("r", RUN)
     d = Driver(engine)
-    handle = _deliver_at(engine, d, 1, _chat("chat"))
-    try:
-        answer = core.handle("run", ["r", "r#0", [_datum(120, 10)], "cross_entropy", None, True, "a", 1.0, 256])
-        d.until(lambda: core.inflight is not None and "chat" in d.seqs)
-    finally:
-        handle.remove()
+    answer = _parked_for(core, d, 1, "chat", ["r", "r#0", [_datum(120, 10)], "cross_entropy", None, True,
+                                              "a", 1.0, 256])
     assert core.handle("optim_step", ["r", ADAM])["steps"] == 1
     assert answer.result()["metrics"]["loss:sum"] > 0 and core.inflight is None
     d.until(d.idle)
