@@ -238,7 +238,7 @@ def _serve(args: argparse.Namespace) -> int:
     elif connections != type(connections)():
         logging.getLogger("loraserve").warning(
             "the connection-bound flags do not apply with --replicas: Ray Serve's proxy answers "
-            "HTTP (see README, Connection bounds)")
+            "HTTP (see docs/OPERATIONS.md, Connection bounds)")
     if args.keys:
         from .keys import load_keys
         load_keys(args.keys)  # a bad keys file stops here, before the model loads

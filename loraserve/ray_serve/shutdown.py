@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 
 log = logging.getLogger(__name__)
 
-# exit statuses of `serve --replicas` (README, Scaling out)
+# exit statuses of `serve --replicas` (docs/DEPLOY.md, Scaling out)
 EXIT_STOPPED = 0      # stopped on SIGTERM/SIGINT: drained (or hurried by a second signal), Ray stopped
 EXIT_FAILED = 1       # the Ray head was lost, a stop step overran its bound, or a third signal
 
