@@ -146,7 +146,7 @@ def qbase(request) -> nn.Module:
     return _quantized(random_model(tiny_config(**BASES[request.param]), seed=0))
 
 
-def _data(lengths=(5, 20, 12)) -> list[Datum]:
+def _data(lengths=(5, KERNELS["int4"] + 4, 12)) -> list[Datum]:
     g = torch.Generator().manual_seed(1)
     out = []
     for n in lengths:
@@ -171,14 +171,14 @@ def _grads(model: nn.Module, budget: int) -> tuple[list[torch.Tensor], float]:
 
 
 def test_factor_gradients_equal_the_dequantized_twins_on_every_path(qbase):
-    """Budgets: everything in one batch (37 rows, the GEMM), one datum a slice (5 and 12 rows
-    through the kernel, 20 through the GEMM), and chunks of 9 (the long datums' chunked
+    """Budgets: everything in one batch (53 rows, the GEMM), one datum a slice (5 and 12 rows
+    through the kernel, 36 through the GEMM), and chunks of 9 (the long datums' chunked
     forward and checkpointed backward). MoE: the MoE block holds quantized layers (the
     router, or the experts: whatever `--quantize` quantizes there) and trains through them."""
     if qbase.config.num_experts:
         assert any(isinstance(m, QuantLinear) for m in qbase.model.layers[0].mlp.modules())
     want, want_loss = _grads(_dequantized_twin(qbase), 10_000)
-    for budget in (10_000, 20, 9):
+    for budget in (10_000, KERNELS["int4"] + 4, 9):
         got, loss = _grads(qbase, budget)
         assert loss == pytest.approx(want_loss, rel=1e-5)
         for a, b in zip(got, want):
@@ -228,7 +228,7 @@ def base_dir(request, demo_dense, tmp_path):
 def test_the_adapter_serves_on_the_quantized_base_with_the_logits_training_saw(base_dir, tmp_path):
     """Trained through the engine core on `--quantize int4`; saved, it carries the quantized
     base's fingerprint, serves there without --allow-quantized-base-adapters, and scores each
-    datum's tokens as the run's forward did (a 10-token datum through the kernel, a 24-token
+    datum's tokens as the run's forward did (a 10-token datum through the kernel, a 40-token
     one through the GEMM, on both sides); the float base refuses it (409)."""
     Catalog.create(tmp_path / "catalog", shards=1).close()
     engine = build_engine(EngineConfig(model_dir=str(base_dir), catalog_dir=str(tmp_path / "catalog"),
@@ -237,7 +237,7 @@ def test_the_adapter_serves_on_the_quantized_base_with_the_logits_training_saw(b
     core = trainer_of(engine)
     core.create("q", RUN)
     data = []
-    for i, n in enumerate((10, 24)):
+    for i, n in enumerate((10, KERNELS["int4"] + 8)):
         toks = [(7 * j + 3 * i) % 250 + 1 for j in range(n + 1)]
         data.append([toks[:-1], {"target_tokens": toks[1:], "weights": [1.0] * n}])
     losses = []
