@@ -119,3 +119,36 @@ def test_a_quantized_moe_gguf_serves_its_experts_repacked(qtype, tmp_path, make_
     for name, layer in experts.items():
         torch.testing.assert_close(layer.weight, plain[name].weight, rtol=0, atol=0, msg=name)
     _assert_close_to(engine.model, ref)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_non_finite_scale_in_any_expert_plane_is_refused_naming_the_tensor(seed, tmp_path, make_hf) -> None:
+    """A damaged block anywhere in a packed expert tensor (a seeded draw of tensor, expert and
+    block, the last plane included) refuses the file at load, naming the tensor and the file,
+    as for a dense tensor (test_quant)."""
+    import random
+    import re
+
+    import gguf
+    import numpy as np
+
+    from loraserve.model import load_model
+    from loraserve.model.gguf import GGUFError, resolve_base
+    from loraserve.model.quant_gguf import repack_gguf, source_file
+    from test_gguf import TINY, gguf_of
+
+    file = gguf_of(make_hf("qwen3_moe", **TINY, moe_intermediate_size=64), tmp_path / "moe.gguf",
+                   gguf.GGMLQuantizationType.Q4_1)
+    base = resolve_base(file)  # converted while the file was sound
+    rng = random.Random(seed)
+    tensors = [t for t in gguf.GGUFReader(str(file)).tensors if t.name.endswith("_exps.weight")]
+    tensor = rng.choice(tensors)
+    experts, blocks = int(tensor.shape[-1]), int(tensor.n_bytes) // 20  # Q4_1: 20 bytes a block
+    expert = experts - 1 if seed == 0 else rng.randrange(experts)
+    block = expert * (blocks // experts) + rng.randrange(blocks // experts)
+    with open(file, "r+b") as f:
+        f.seek(int(tensor.data_offset) + 20 * block + rng.choice([0, 2]))  # its scale or its min
+        f.write(np.array([rng.choice([np.inf, -np.inf, np.nan])], dtype=np.float16).tobytes())
+    with pytest.raises(GGUFError, match=re.escape(tensor.name) + " has non-finite") as err:
+        repack_gguf(load_model(base), source_file(base), "qwen3_moe")
+    assert str(file) in str(err.value)
