@@ -5,8 +5,9 @@ before any key check) sees a byte of a request.
 protocol made per server by `protocol_class(limits, plan)`. Per connection it enforces:
 
 - the head (request line and header fields, and a chunked body's trailers) at most
-  `max_header_bytes` bytes and `max_headers` fields: else 431. Bytes are counted as they arrive,
-  so the parser never holds more than the limit plus one socket read of an unfinished head;
+  `max_header_bytes` bytes and `max_headers` fields: else 431. A read is handed to uvicorn only
+  as far as the head under way may still go, so an unfinished head holds at most the limit (one
+  that begins in a read after the end of another request's body: at most that one read);
 - a header deadline: the head must be complete `header_timeout` seconds after its first byte
   (a fresh connection: after the connect) - else 408 (nothing is sent to a connection that never
   sent a byte);
@@ -14,8 +15,16 @@ protocol made per server by `protocol_class(limits, plan)`. Per connection it en
   408 (time the server itself keeps the body waiting, reading paused while the app has not taken
   what came, does not count). It holds whether or not the app answered early (a 401 before the
   body ended: the rest is still read, and bounded the same way);
-- keep-alive: an idle connection is closed `keep_alive_timeout` seconds after its last response,
-  and the `keep_alive_requests`-th request on one connection is answered with `Connection: close`.
+- keep-alive: an idle connection is closed `keep_alive_timeout` seconds after its last response
+  (by uvicorn's own keep-alive timer, set to this limit), and the `keep_alive_requests`-th
+  request on one connection is answered with `Connection: close`.
+
+Every uvicorn method GuardedHttpTools overrides calls uvicorn's own (super()) and adds the bounds
+around it; nothing of uvicorn's is copied, so no uvicorn release is pinned for it. A bound found
+broken inside a parser callback (one field too many, a complete head over the size) is not raised
+there (uvicorn's data_received would answer any error from the parser with its own 400): the
+request is marked (`_refused`), what is left of it is withheld from the app (a head: no request
+cycle is made for it), and it is answered once uvicorn's data_received has returned.
 
 Over all connections: at most `max_connections` are open. A new one past the cap first closes up
 to RECLAIM_BATCH of the oldest connections that hold no request (idle keep-alive, or silent or
@@ -25,19 +34,23 @@ the listen backlog under RLIMIT_NOFILE (raising the soft limit toward the hard o
 is what it takes), so the process never runs out of descriptors: /health and the engine's own
 files keep working.
 
-Deadlines are not timers: each connection keeps one `_deadline` (a loop.time() value), and one
-sweep per server (a call_later chain, every `limits.tick` seconds while connections are open)
-closes the ones past it, at most a tick late (a sweep that itself runs late, the loop stalled,
-lets reads catch up first, once). A head or body deadline is armed only when a read ends with
-the head or body unfinished, so a request that arrives in one read (the usual case) arms none;
-the per-request cost is a few attribute writes and one loop.time() for the keep-alive deadline,
-where uvicorn armed and cancelled a timer per response (bench/RESULTS.md, "Connection bounds").
+The head and body deadlines are not timers: each connection keeps one `_deadline` (a
+loop.time() value), and one sweep per server (a call_later chain, every `limits.tick` seconds
+while connections are open) closes the ones past it, at most a tick late (a sweep that itself
+runs late, the loop stalled, lets reads catch up first, once). A head or body deadline is armed
+only when a read ends with the head or body unfinished, so a request that arrives in one read
+(the usual case) arms none. Keep-alive is uvicorn's timer, armed per response and cancelled by
+the next read as in plain uvicorn; the sweep backs it up with the same deadline, and is alone
+after an answer sent before the body ended (the next read cancelled uvicorn's timer). The
+per-request cost over plain uvicorn is the wrappers' calls and a few attribute writes
+(bench/RESULTS.md, "Connection bounds").
 
 A 431/408 is written, then the connection lingers: its write side is shut and what the client
 still sends is read and dropped (LINGER_BYTES at most, LINGER_S at most), so that a client still
 sending reads the answer instead of a reset. Invalid requests (uvicorn's 400) and Upgrades (no
 WebSocket here: draining_server sets ws="none", the request is answered as plain HTTP) are
-counted and logged at most every LOG_EVERY_S seconds, not once each.
+counted and logged at most every LOG_EVERY_S seconds, not once each (uvicorn's own line for each
+is dropped: `_UvicornLog`).
 
 `ConnectionCollector` exports the open connections, the cap and the closings by reason on
 /metrics. Ray Serve (`--replicas`) answers HTTP from Ray's own proxy, which none of this runs in.
@@ -55,10 +68,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-import httptools
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from loraserve.server.errors import APIError
@@ -215,14 +226,6 @@ def _response(status: int, message: str, code: str, retry_after: int | None = No
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
-class _Refused(Exception):
-    """Raised in a parser callback to stop parsing; `reason` says which bound."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
 class Guard:
     """One server's connection bookkeeping: the sweep, the cap, counts by reason."""
 
@@ -324,19 +327,36 @@ class Guard:
         return True
 
 
-# uvicorn's methods GuardedHttpTools replaces with edited copies, by the SHA-256 (first 16 hex
-# digits) of their source in the uvicorn they were copied from (0.55.0): a test fails when an
-# upgrade changes one, so that the copy is looked at again
-SHADOWED = {"data_received": "010a7ae59a5d3b1a", "on_header": "1e86ebb6cea0458c",
-            "on_body": "dba9c32aeba35b6a", "on_message_complete": "1fbad42dc31fc01f",
-            "on_response_complete": "64e254f28e389e76"}
+# uvicorn's warning for each request httptools cannot parse (uvicorn answers it 400 and closes):
+# GuardedHttpTools counts these and logs them at most every LOG_EVERY_S instead
+_INVALID_WARNING = "Invalid HTTP request received."
+
+
+class _UvicornLog:
+    """uvicorn's logger ("uvicorn.error") as one connection uses it, less uvicorn's warning per
+    invalid request: the Guard counts those and logs them at most every LOG_EVERY_S, so a client
+    sending garbage in a loop does not write a line per request."""
+
+    __slots__ = ("_logger",)
+
+    def __init__(self, logger: Any):
+        self._logger = logger
+
+    def warning(self, msg: Any, *args: Any, **kwargs: Any) -> None:
+        if msg != _INVALID_WARNING:
+            self._logger.warning(msg, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
 
 
 class GuardedHttpTools(HttpToolsProtocol):
     """uvicorn's httptools protocol with the bounds of `guard.limits` (see the module's doc).
 
-    Made per server by `protocol_class`; uvicorn constructs one per connection. The methods in
-    SHADOWED are uvicorn's own with the bounds added (no super() call on the per-request path).
+    Made per server by `protocol_class`; uvicorn constructs one per connection. Each uvicorn
+    method overridden here calls uvicorn's own (super()) for what uvicorn does and adds the
+    bounds around it; a request over a bound is marked in the parser callbacks (`_refused`),
+    withheld from the app, and answered once uvicorn's data_received has returned.
     """
 
     guard: ClassVar[Guard]
@@ -354,12 +374,17 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._state = FRESH
         self._deadline = _INF
         self._since = 0.0
+        self._refused: str | None = None  # the bound the request being parsed broke
         self._head_bytes = 0   # bytes read before this one while the head was unfinished
-        self._read = 0         # the length of the read being parsed
+        self._read = 0         # the length of what uvicorn is parsing
         self._wire = 0         # bytes read while a body was unfinished
         self._body_bytes = 0   # body bytes parsed
         self._chunks = 0       # chunks of a chunked body
-        self._requests = 0
+        self._requests = 0     # heads handed to uvicorn whole
+        self.logger = _UvicornLog(self.logger)
+        # uvicorn's keep-alive timer (armed when a response completes, cancelled by the next
+        # read) runs our limit, not Config's whole seconds; its handler is ours (below)
+        self.timeout_keep_alive = self._idle_timeout
 
     # -- connections -------------------------------------------------------------------------------
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
@@ -384,25 +409,17 @@ class GuardedHttpTools(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._state >= LINGER:
+        state = self._state
+        if state >= LINGER:
             self._drop(data)
             return
-        self._read = len(data)
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            if isinstance(exc.__context__, _Refused):
-                self._answer(exc.__context__.reason)
-                return
-            self.guard.note(INVALID, self.loop.time())  # uvicorn logs each one: a log flood
-            self.send_400_response("Invalid HTTP request received.")
-            self._state = SHED
-            return
-        except httptools.HttpParserUpgrade:
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            else:
-                self._unsupported_upgrade_warning()
+        if state != BODY and len(data) > self._max_head - self._head_bytes:
+            self._feed_head(data)
+        else:
+            self._read = len(data)
+            super().data_received(data)  # uvicorn parses: 400 for garbage, Upgrades
+        if self._refused is not None:
+            self._answer(self._refused)
             return
         # a head or body that did not end in this read: count it, and arm its deadline (a
         # request read whole in one read, the usual case, never gets here)
@@ -420,79 +437,101 @@ class GuardedHttpTools(HttpToolsProtocol):
             elif self._deadline == _INF:
                 self._arm(self._body_timeout)
 
+    def _feed_head(self, data: bytes) -> None:
+        """Hand uvicorn a read that the head under way (or beginning with it) might not end
+        within its limit: first what the head may still take; the rest only if a head ended in
+        that. A head still unfinished there is over the limit, and the rest is never parsed."""
+        room = self._max_head - self._head_bytes
+        heads = self._requests
+        self._read = room
+        super().data_received(data[:room])
+        if self._refused is not None or self._state >= LINGER:
+            return
+        if self._state == HEAD and self._requests == heads:
+            self._refused = HEADER_BYTES
+            return
+        self._read = len(data)  # a head that began in the part before is inside this read too
+        super().data_received(data[room:])
+
     def _arm(self, timeout: float) -> None:
         now = self.loop.time()
         self._since = now
         self._deadline = now + timeout
 
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's answer to what httptools cannot parse; it closes the connection. Counted and
+        # logged here, at most every LOG_EVERY_S (_UvicornLog drops uvicorn's line for each)
+        self.guard.note(INVALID, self.loop.time())
+        super().send_400_response(msg)
+        self._state = SHED
+        self._deadline = _INF
+
     # -- parser callbacks --------------------------------------------------------------------------
     def on_message_begin(self) -> None:
+        if self._refused is not None:  # one pipelined after a refused request, in the same read
+            return
         super().on_message_begin()
         if self._state != FRESH:  # a first request's head is due from the connect
             self._deadline = _INF  # armed in data_received if the head does not end in this read
         self._state = HEAD
-        self._head_bytes = 0
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        headers = self.headers
-        if len(headers) >= self._max_headers:
-            raise _Refused(HEADER_COUNT)
-        name = name.lower()
-        value = value.rstrip(b" \t")  # uvicorn 0.55: llhttp keeps trailing whitespace, RFC 9110 5.5 drops it
-        if name == b"expect" and value.lower() == b"100-continue":
-            self.expect_100_continue = True
-        headers.append((name, value))
+        # a chunked body's trailers come here too (uvicorn adds them to the request's headers)
+        if len(self.headers) < self._max_headers:
+            super().on_header(name, value)
+        elif self._refused is None:
+            self._refused = HEADER_COUNT
 
     def on_headers_complete(self) -> None:
+        if self._refused is not None:  # no request for the app: answered after the read
+            return
         # the head's exact size, when what was read while it lasted could be over the limit
         if self._head_bytes + self._read > self._max_head and (
                 len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
                 > self._max_head):
-            raise _Refused(HEADER_BYTES)
+            self._refused = HEADER_BYTES
+            return
         super().on_headers_complete()
         self._state = BODY
         self._deadline = _INF  # armed in data_received if the body does not end in this read
-        self._wire = self._body_bytes = self._chunks = 0
+        self._head_bytes = self._wire = self._body_bytes = self._chunks = 0
         self._requests += 1
         if self._requests >= self._max_requests and self.cycle is not None:
             self.cycle.keep_alive = False
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
-        cycle = self.cycle
-        if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
-            return
-        cycle.body += body
-        if len(cycle.body) > HIGH_WATER_LIMIT:
-            self.flow.pause_reading()
-        cycle.message_event.set()
+        if self._refused is None:
+            super().on_body(body)
 
     def on_chunk_header(self) -> None:
         self._chunks += 1
 
     def on_message_complete(self) -> None:
+        if self._refused is not None:
+            return
         cycle = self.cycle
+        super().on_message_complete()
+        if cycle is None:
+            return
         if cycle.response_complete:  # answered before the body ended (a 401, a 413)
             self._idle()
-            return
-        if self.parser.should_upgrade() and self._should_upgrade():
-            return
-        self._state = ACTIVE
-        self._deadline = _INF
-        cycle.more_body = False
-        cycle.message_event.set()
+        elif not cycle.more_body:  # the body's end handed to the app: it answers now
+            self._state = ACTIVE
+            self._deadline = _INF
 
     def on_response_complete(self) -> None:
-        # uvicorn's, with the keep-alive deadline instead of a timer per response
-        self.server_state.total_requests += 1
-        if self.transport.is_closing():
-            return
-        self.flow.resume_reading()
-        if self.pipeline:
-            cycle, app = self.pipeline.pop()
-            self._start_asgi_task(cycle, app)
-        elif self._state == ACTIVE:
+        pipelined = bool(self.pipeline)
+        super().on_response_complete()  # starts a pipelined request, else arms the keep-alive timer
+        if self._state == ACTIVE and not pipelined and not self.transport.is_closing():
             self._idle()
+
+    def timeout_keep_alive_handler(self) -> None:
+        # uvicorn's keep-alive timer: it closes a connection still idle (a head or a body begun
+        # since is under its own deadline), without waiting for what the client does not read
+        if self._state == IDLE:
+            self.guard.note(IDLE_TIMEOUT, self.loop.time())
+            self._close()
 
     def _unsupported_upgrade_warning(self) -> None:
         # an Upgrade the server does not speak (draining_server serves no WebSocket): the
@@ -500,6 +539,8 @@ class GuardedHttpTools(HttpToolsProtocol):
         self.guard.note(UPGRADE, self.loop.time())
 
     def _idle(self) -> None:
+        # the keep-alive deadline: uvicorn's timer closes the connection at it after a response
+        # (timeout_keep_alive_handler); the sweep does after an early answer (no timer then)
         now = self.loop.time()
         self._state = IDLE
         self._since = now
@@ -543,10 +584,10 @@ class GuardedHttpTools(HttpToolsProtocol):
         cycle = self.cycle
         if self._state == HEAD and cycle is not None and not cycle.response_complete:
             # the head of a pipelined request; the one before it is still being answered: let
-            # it finish, then close
+            # it finish, then close (what the client still sends is not parsed)
             cycle.keep_alive = False
             self.flow.pause_reading()
-            self._state = ACTIVE
+            self._state = SHED
             self._deadline = _INF
             return
         answered = False  # the request being read was answered already (a 401 before its body)
