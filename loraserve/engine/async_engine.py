@@ -7,13 +7,12 @@ everything the HTTP side reads about the engine comes from the `EngineSnapshot` 
 This is the single-process hosting (tests, debugging, `loraserve serve --single-process`);
 `CoreClient` runs the same core in its own process.
 
-Its loop stamps PROGRESS at the start of each turn (LOOP_WAITING while it waits), as the core
-process's does (`heartbeat`), and `ready` reads it: an engine thread stuck in one turn for
+Its loop stamps PROGRESS as the core process's does (`EngineCore.run`), and `ready` reads it
+(ALIVE is this very process, always alive while it answers): an engine thread stuck in one turn for
 `engine_timeout_s` is not ready (/ready 503), as a stalled core is not, and a watch on the event
 loop (`_watch`) ends the requests and calls in flight then with one clean 503 each, as the
 process hosting's supervisor does when it replaces a stalled core (a thread cannot be killed:
 once it moves again, its deltas for them are dropped and their aborts free what they hold).
-ALIVE is this very process, always alive while it answers.
 """
 from __future__ import annotations
 
@@ -30,8 +29,8 @@ from .config import EngineConfig
 from .core.build import build_engine
 from .core.engine_core import EngineCore
 from .core.llm_engine import LLMEngine
-from .heartbeat import ENGINE_TIMEOUT_S, HEARTBEAT_S, LOOP_WAITING, PROGRESS, Heartbeat
-from .messages import Message, Return
+from .heartbeat import ENGINE_TIMEOUT_S, HEARTBEAT_S, LOOP_WAITING, Heartbeat
+from .messages import Abort, Message, Return
 from .snapshot import EngineSnapshot
 from .types import EngineError
 
@@ -123,10 +122,9 @@ class AsyncEngine(EngineFrontend):
                                         "serving this request; retry it")
                 log.error("engine thread stalled for %.1f s: ending what is in flight", stuck)
                 ended = list(self._queues)
-                self._fail_in_flight(err)
-                self._fail_calls(err)
+                self._fail_all(err)
                 for request_id in ended:  # freed once the thread moves again
-                    self._abort(request_id)
+                    self._send(Abort(request_id))
             stalled = stuck > self._progress.timeout_s
 
     # -- the transport --------------------------------------------------------------------------
@@ -135,22 +133,7 @@ class AsyncEngine(EngineFrontend):
 
     def _run(self) -> None:
         """The engine thread: the core's turns, each with the messages that are here."""
-        core, beat = self.core, self.heartbeat
-        while not self._stop.is_set() and core.running:
-            wait_s = core.wait_s()
-            if wait_s != 0:  # waiting for a message or a wake-up is not being stuck
-                beat[PROGRESS] = LOOP_WAITING
-                messages = self._take(wait_s)
-                beat[PROGRESS] = time.monotonic()
-            else:
-                beat[PROGRESS] = time.monotonic()
-                messages = self._take(0)
-            outs = core.turn(messages)
-            if outs:  # before the slice: a token never waits for it
-                self._loop.call_soon_threadsafe(self._deliver, outs)
-            self._hand_back(core.replies())
-            if core.train():
-                self._hand_back(core.replies())  # passes that ended in the slice
+        self.core.run(self._take, self._hand_over, lambda: not self._stop.is_set(), self.heartbeat)
 
     def _take(self, wait_s: float | None) -> list[Message]:
         """The messages queued now; with none, wait for one at most `wait_s` (None: until one
@@ -165,7 +148,9 @@ class AsyncEngine(EngineFrontend):
         except queue.Empty:
             return messages
 
-    def _hand_back(self, replies: list) -> None:
+    def _hand_over(self, outs: list, replies: list) -> None:
+        if outs:
+            self._loop.call_soon_threadsafe(self._deliver, outs)
         for ret in replies:
             if isinstance(ret, Return):
                 self._loop.call_soon_threadsafe(self._returned, ret)

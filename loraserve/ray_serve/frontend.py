@@ -49,10 +49,6 @@ CONTROL_TIMEOUT_S = 120.0   # warm / residency / unload calls to replicas
 served_by: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("served_by", default=None)
 
 
-def replica_lost() -> EngineError:
-    return unavailable_error("the engine replica serving this request stopped; retry it")
-
-
 class RayEngineFrontend(EngineFrontend):
     trainer = None  # training runs beside one resident base; not across replicas (yet)
 
@@ -112,12 +108,6 @@ class RayEngineFrontend(EngineFrontend):
         self._loop = asyncio.get_running_loop()
         self._started = True
 
-    async def shutdown(self) -> None:
-        if self.sourcing is not None:
-            self.sourcing.close()
-        if self.adapter_manager is not None:
-            self.adapter_manager.close()
-
     def report(self, replica_id: str, snapshot: dict, seen: int, results: dict) -> list:
         """A replica's periodic report (board.ReplicaBoard.report); snapshot in wire form."""
         snap = snapshot_from_wire(snapshot, PoolStats, CacheStats, PagerStats)
@@ -158,18 +148,14 @@ class RayEngineFrontend(EngineFrontend):
                 except RayActorError as exc:
                     if started or attempt == RETRIES:
                         log.warning("request %s: engine replica lost (%s)", rid, exc)
-                        raise replica_lost() from None
+                        raise unavailable_error("the engine replica serving this request "
+                                                "stopped; retry it") from None
                     log.info("request %s: engine replica lost before its first output; retrying", rid)
         except Exception as exc:  # raised to the reader as it was raised here
             self._put(RequestOutput.failed(rid, exc))
         finally:
             if self._streams.get(rid) is asyncio.current_task():
                 del self._streams[rid]
-
-    def _put(self, out: RequestOutput) -> None:
-        q = self._queues.get(out.request_id)
-        if q is not None:
-            q.put_nowait(out)
 
     async def _stream(self, wire: dict, adapter_id: str | None) -> AsyncIterator[RequestOutput]:
         """One try: the replica's output deltas; its errors raised as they were raised there.

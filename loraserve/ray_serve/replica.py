@@ -1,10 +1,8 @@
 """An engine replica: one engine-core process over the server's EngineConfig, catalog read-only,
 as a Ray Serve deployment.
 
-The replica hosts the process transport (`CoreClient`), as `loraserve serve` does: its engine
-runs in an engine-core process that the replica supervises through its heartbeat, so a replica
-inherits stall detection and restart. A core whose loop makes no progress for the engine
-timeout ends its requests with one clean 503 and is replaced; while no core is ready the replica
+The replica hosts the process transport (`CoreClient`), as `loraserve serve` does, so it
+inherits its stall detection and restart; while no core is ready the replica
 stops reporting to the ingress (`_report_loop`), so the ingress's board drops it after
 `stale_after_s` and /ready reads the engines' progress, not the replica's event loop. A
 supervisor that gave up fails Serve's health check (`check_health`), and Serve replaces the

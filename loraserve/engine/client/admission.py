@@ -28,7 +28,7 @@ No Ray import and no engine: tests drive it with plain asyncio. Event loop only.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -54,9 +54,8 @@ class Admission:
 
     slots: Callable[[], int]
     queue_tokens: Callable[[], int]
-    full: str = "the server is at capacity"  # the 429's opening words (the hosting's)
     running: int = 0  # sequences past the gate
-    held: dict[str, int] = field(default_factory=dict)  # tenant -> tokens admitted or waiting
+    held: Counter[str] = field(default_factory=Counter)  # tenant -> tokens admitted or waiting
     waiting: dict[str, deque[_Waiter]] = field(default_factory=dict)
     queued_tokens: int = 0
     passes: dict[str, float] = field(default_factory=dict)  # tenant -> its virtual time (tokens)
@@ -83,17 +82,17 @@ class Admission:
     # -- inside --------------------------------------------------------------------------------
     async def _acquire(self, tenant: str, weight: float, tokens: int) -> None:
         if self.running < self.slots() and not self.waiting:
-            self._hold(tenant, tokens)
+            self.held[tenant] += tokens
             self._admit(tenant, weight, tokens)
             return
         if self.queued_tokens + tokens > self.queue_tokens() and self._over_share(tenant):
-            raise EngineError(f"{self.full} ({self.running} sequences running, "
+            raise EngineError(f"the server is at capacity ({self.running} sequences running, "
                               f"{self.queued_tokens} tokens queued; your share of them is held); "
                               "retry later", status=429, code="rate_limit_exceeded")
         waiter = _Waiter(asyncio.get_running_loop().create_future(), weight, tokens)
         self.waiting.setdefault(tenant, deque()).append(waiter)
         self.queued_tokens += tokens
-        self._hold(tenant, tokens)
+        self.held[tenant] += tokens
         try:
             await waiter.granted
         except asyncio.CancelledError:
@@ -104,13 +103,9 @@ class Admission:
             raise
 
     def _over_share(self, tenant: str) -> bool:
-        """Whether `tenant` holds at least the mean of the tokens held here per tenant."""
-        if not self.held:
-            return True
-        return self.held.get(tenant, 0) * len(self.held) >= sum(self.held.values())
-
-    def _hold(self, tenant: str, tokens: int) -> None:
-        self.held[tenant] = self.held.get(tenant, 0) + tokens
+        """Whether `tenant` holds at least the mean of the tokens held here per tenant (any
+        tenant does while none holds any)."""
+        return self.held[tenant] * len(self.held) >= sum(self.held.values())
 
     def _admit(self, tenant: str, weight: float, tokens: int) -> None:
         start = max(self.passes.get(tenant, self.now), self.now)
@@ -124,10 +119,8 @@ class Admission:
         self._grant()
 
     def _unhold(self, tenant: str, tokens: int) -> None:
-        left = self.held[tenant] - tokens
-        if left:
-            self.held[tenant] = left
-        else:
+        self.held[tenant] -= tokens
+        if not self.held[tenant]:  # `held` names the tenants holding any
             del self.held[tenant]
 
     def _grant(self) -> None:

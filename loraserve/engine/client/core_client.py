@@ -1,16 +1,11 @@
 """The API server's side of an engine-core process (`loraserve.engine.core.process`).
 
-`CoreClient` is an `EngineFrontend`: the server uses it exactly as it uses `AsyncEngine`. It
-starts the core process, speaks to it over a Unix socket pair (msgpack, see `wire`), and
-keeps what the server reads locally: the tokenizer, the model's sizes, the catalog (listings,
-imports, resolving a request's adapter) and the latest snapshot the core published. The core
-sends token-id deltas; their text and stop strings are worked out here (`EngineFrontend`'s
-`OutputProcessor`), and a request a stop string ends is aborted in the core.
-
-The core gets one end of a Unix socket pair; this end is an asyncio transport on the server's
-event loop, carrying `engine.messages` records (msgpack-encoded: `encode`, `decode`) (no I/O thread in between: see `core`), and the commands one turn of the loop queues
-(requests, aborts, calls) leave as one message at the end of that turn, so under load one write
-carries many requests.
+`CoreClient` is the `EngineFrontend` over an engine-core process: it starts the process and
+keeps what the server reads locally (the tokenizer, the model's sizes, the catalog, the latest
+snapshot the core published). The core gets one end of a Unix socket pair; this end is an
+asyncio transport on the server's event loop (no I/O thread in between: see `core.process`),
+and the messages one turn of the loop queues (requests, aborts, calls) leave as one write at the
+end of that turn, so under load one write carries many requests.
 
 A supervisor task on the event loop owns the core's life (`_supervise`). It starts a core,
 waits for its handshake (at most `start_timeout_s`; a core whose beat stops for
@@ -41,9 +36,9 @@ from ..core.boot import boot_core
 from .frontend import RETRY_AFTER_MAX_S, EngineFrontend, unavailable_error
 from ..heartbeat import ENGINE_TIMEOUT_S, HEARTBEAT_S, Heartbeat, heartbeat_slots
 from ..snapshot import EngineSnapshot
-from ..messages import (Batch, CoreInfo, Hello, Malformed, Message, Ready, Return, Step, Stop,
+from ..messages import (Abort, Batch, CoreInfo, Hello, Malformed, Message, Ready, Return, Step, Stop,
                         decode_batch, encode)
-from ..types import EngineError, GenerateRequest
+from ..types import EngineError
 from ..wire import unpacker
 
 log = logging.getLogger(__name__)
@@ -190,10 +185,10 @@ class CoreClient(EngineFrontend):
         """Start the supervisor (once) and wait until its first core is ready. Once a core has
         been up, a request that finds none ready gets a 503 at once (with Retry-After) instead
         of waiting: the supervisor starts the next one whether requests come or not."""
-        if self.state == "up" and self._beat.beating(time.monotonic()):
+        if self.ready:
             return  # running: no await, which under load would cost a turn of the event loop
         if self._closing:
-            raise unavailable_error("the server is shutting down", RETRY_AFTER_MAX_S)
+            raise self.unavailable()
         if self._supervisor is None:
             self._loop = asyncio.get_running_loop()
             self._first_up = self._loop.create_future()
@@ -211,10 +206,7 @@ class CoreClient(EngineFrontend):
             if not self._stopping.done():
                 self._stopping.set_result(None)
             await asyncio.gather(supervisor, return_exceptions=True)
-        if self.sourcing is not None:
-            self.sourcing.close()
-        if self.adapter_manager is not None:
-            self.adapter_manager.close()
+        await super().shutdown()
 
     def _set_state(self, state: str) -> None:
         self.state, self._state_since = state, time.monotonic()
@@ -255,69 +247,57 @@ class CoreClient(EngineFrontend):
         """One core's life: start it, serve until it dies or stalls (or shutdown), end it.
         Returns how long it was up, what ended it (for the log) and which of CAUSES."""
         self._set_state("starting")
-        started = time.monotonic()
         proc = None
-        ended: tuple[str, str] | None = None  # (cause, kind); None: shutdown, a graceful stop
+        ended = ("failed", "start_failed")  # (cause, kind); None: shutdown, a graceful stop
         try:
             proc = await self._spawn()
-            ended = await self._handshake_within(proc, started + self.start_timeout_s)
-            if ended is not None or self._stopping.done():
-                return 0.0, *(ended or ("stopped", "exited"))
-            up_at = time.monotonic()
-            self._start_s = up_at - started
-            self._ever_up = True
-            self._set_state("up")
-            if not self._first_up.done():
-                self._first_up.set_result(None)
-            log.info("engine core %d ready", proc.pid)
-            ended = await self._watch(proc)
-            return time.monotonic() - up_at, *(ended or ("stopped", "exited"))
-        except BaseException:
-            ended = ended or ("failed", "start_failed")
-            raise
+            ended = await self._watch(proc, self._state_since + self.start_timeout_s)
+            up_for = time.monotonic() - self._state_since if self.state == "up" else 0.0
+            return up_for, *(ended or ("stopped", "exited"))
         finally:
-            await self._end_core(proc, None if ended is None else ended[0],
-                                 graceful=self.state == "up")
+            await self._end_core(proc, None if ended is None else ended[0])
 
-    async def _handshake_within(self, proc, deadline: float) -> tuple[str, str] | None:
-        """Event loop: wait for the new core's handshake; None once it answered (or shutdown),
-        else (cause, kind): it died, its beat stopped for the engine timeout, or the deadline
-        passed."""
-        hello, lost = self._hello, self._lost
-        tick = self.heartbeat_s / 2
+    async def _watch(self, proc, deadline: float) -> tuple[str, str] | None:
+        """Event loop, every half beat: while the core starts, for its handshake (it is up then)
+        or its loss (it died, its beat stopped for the engine timeout, or `deadline` passed);
+        while it is up, for its loss (it died, or its loop made no progress for the engine
+        timeout). Returns (cause, kind) once it is lost; None at shutdown."""
+        timeout = self.engine_timeout_s
         while True:
-            await asyncio.wait((hello, lost, self._stopping), timeout=tick,
+            starting = self.state == "starting"
+            await asyncio.wait((self._hello, self._lost, self._stopping) if starting else
+                               (self._lost, self._stopping), timeout=self.heartbeat_s / 2,
                                return_when=asyncio.FIRST_COMPLETED)
+            now = time.monotonic()
             if self._stopping.done():
                 return None
-            if hello.done():
-                self._handshake(hello.result())
-                return None
-            if lost.done():
+            if not starting:
+                if self._lost.done():
+                    return f"{proc.pid} died", "exited"
+                if (stalled := self._beat.stalled_for(now)) > timeout:
+                    return (f"{proc.pid} stalled (no progress for {stalled:.1f} s, engine timeout "
+                            f"{timeout:g} s)", "stalled")
+            elif self._hello.done():
+                self._up(proc, self._hello.result())
+            elif self._lost.done():
                 return f"{proc.pid} exited while starting", "start_failed"
-            now = time.monotonic()
-            silent = self._beat.silent_for(now)
-            if silent > self.engine_timeout_s:
+            elif (silent := self._beat.silent_for(now)) > timeout:
                 return (f"{proc.pid} stalled while starting (no heartbeat for {silent:.1f} s, "
-                        f"engine timeout {self.engine_timeout_s:g} s)", "stalled")
-            if now > deadline:
+                        f"engine timeout {timeout:g} s)", "stalled")
+            elif now > deadline:
                 return f"{proc.pid} did not start within {self.start_timeout_s:g} s", "start_failed"
 
-    async def _watch(self, proc) -> tuple[str, str] | None:
-        """Event loop, while the core is up: (cause, kind) once it died or stalled; None at
-        shutdown. Looks at the heartbeat every half beat."""
-        tick = self.heartbeat_s / 2
-        lost = self._lost
-        while True:
-            await asyncio.wait((lost, self._stopping), timeout=tick)
-            if self._stopping.done():
-                return None
-            if lost.done():
-                return f"{proc.pid} died", "exited"
-            stalled = self._beat.stalled_for(time.monotonic())
-            if stalled > self.engine_timeout_s:
-                return (f"{proc.pid} stalled (no progress for {stalled:.1f} s, engine timeout "
-                        f"{self.engine_timeout_s:g} s)", "stalled")
+    def _up(self, proc, info: CoreInfo) -> None:
+        """Event loop: the new core answered its handshake (`info`): it is up."""
+        self.core_info = info
+        if self.adapter_manager is not None:
+            self.adapter_manager.learn(info.base_fingerprint, PoolLimits(info.max_rank, info.kinds))
+        self._start_s = time.monotonic() - self._state_since
+        self._ever_up = True
+        self._set_state("up")
+        if not self._first_up.done():
+            self._first_up.set_result(None)
+        log.info("engine core %d ready", proc.pid)
 
     async def _spawn(self) -> multiprocessing.Process:
         """Start a core process on one end of a new socket pair, with new heartbeat slots, and
@@ -345,22 +325,17 @@ class CoreClient(EngineFrontend):
         self._write(Hello())
         return proc
 
-    def _handshake(self, info: CoreInfo) -> None:
-        self.core_info = info
-        if self.adapter_manager is not None:
-            self.adapter_manager.learn(info.base_fingerprint,
-                                       PoolLimits(info.max_rank, info.kinds))
-
     def _core_died(self, proc) -> None:
         """Event loop: the core process ended (its sentinel)."""
         self._loop.remove_reader(proc.sentinel)
         if proc is self._proc and not self._lost.done():
             self._lost.set_result(None)
 
-    async def _end_core(self, proc, cause: str | None, graceful: bool) -> None:
+    async def _end_core(self, proc, cause: str | None) -> None:
         """The current core is lost (`cause`) or shutting down (None): fail what is in flight
         with one clean 503 each, stop the process (gracefully at shutdown when it is up and
         beats; else SIGKILL, which ends a stopped process too) and reap it."""
+        graceful = self.state == "up"
         self._set_state("stopped" if self._closing else "down")
         if cause is None:
             err = unavailable_error("the server is shutting down", RETRY_AFTER_MAX_S)
@@ -368,15 +343,14 @@ class CoreClient(EngineFrontend):
             what = "stalled" if "stalled" in cause else "stopped"
             err = unavailable_error(f"the engine core {what} while serving this request; retry it",
                                self.backoff.delay + self._start_s)
-        self._fail_in_flight(err)
-        self._fail_calls(err)
-        if proc is None:
-            self._close_transport()
-            return
-        if cause is None and graceful and self._transport is not None:
+        self._fail_all(err)
+        if proc is not None and cause is None and graceful and self._transport is not None \
+                and not self._transport.is_closing():  # (a core that hung up is not asked)
             await self._stop_gracefully(proc)
-        self._loop.remove_reader(proc.sentinel)
         self._close_transport()
+        if proc is None:
+            return
+        self._loop.remove_reader(proc.sentinel)
         if proc.is_alive():
             if cause is not None:
                 log.error("engine core %s: killing it", cause)
@@ -410,7 +384,6 @@ class CoreClient(EngineFrontend):
             self._transport.abort()
         self._transport = None
 
-
     # -- messages -------------------------------------------------------------------------------
     def _dispatch(self, msg: Message | Malformed) -> None:
         """Event loop: one message from the core."""
@@ -431,7 +404,13 @@ class CoreClient(EngineFrontend):
 
     def _send(self, msg: Message) -> None:
         """Event loop: queue a message for the core. What one turn of the loop queues leaves as
-        one Batch (in order) when the turn ends: under load, many requests per send."""
+        one Batch (in order) when the turn ends: under load, many requests per send. While no
+        core is up (or it was lost while the adapter was resolved) a request or call gets the
+        503; an abort has nothing left to end (what was in flight failed with the core)."""
+        if self.state != "up" or self._transport is None:
+            if isinstance(msg, Abort):
+                return
+            raise self.unavailable()
         if not self._outbox:
             self._loop.call_soon(self._flush)
         self._outbox.append(msg)
@@ -445,13 +424,3 @@ class CoreClient(EngineFrontend):
 
     def _write(self, msg: Message) -> None:
         self._transport.write(encode(msg))  # buffered by the transport if the socket is full
-
-    # -- EngineFrontend -------------------------------------------------------------------------
-    def _submit(self, req: GenerateRequest, record) -> None:
-        if self.state != "up" or self._transport is None:  # lost while the adapter was resolved
-            raise self.unavailable()
-        super()._submit(req, record)
-
-    def _abort(self, request_id: str) -> None:
-        if self._transport is not None:
-            super()._abort(request_id)

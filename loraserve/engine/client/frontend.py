@@ -100,9 +100,13 @@ class EngineFrontend(ABC):
     async def start(self) -> None:
         """Start hosting the engine (idempotent)."""
 
-    @abstractmethod
     async def shutdown(self) -> None:
-        """Stop hosting the engine."""
+        """Stop hosting the engine (a subclass stops its transport first), then the catalog
+        side here: the miss path and the catalog view."""
+        if self.sourcing is not None:
+            self.sourcing.close()
+        if self.adapter_manager is not None:
+            self.adapter_manager.close()
 
     @abstractmethod
     def _send(self, msg: Message) -> None:
@@ -112,11 +116,6 @@ class EngineFrontend(ABC):
     def _submit(self, req: GenerateRequest, record) -> None:
         """Hand req (on revision `record`, None = base) to the engine."""
         self._send(Add(req, record))
-
-    def _abort(self, request_id: str) -> None:
-        """Tell the engine to end request_id: nobody waits for it any more, or a stop string
-        ended it here."""
-        self._send(Abort(request_id))
 
     # -- calls ----------------------------------------------------------------------------------
     async def call(self, make: Callable[[int], Call]) -> Any:
@@ -141,13 +140,6 @@ class EngineFrontend(ABC):
                 fut.set_result(ret.value)
             else:
                 fut.set_exception(ret.error)
-
-    def _fail_calls(self, err: Exception) -> None:
-        """Event loop: fail every call waiting for the core (it is gone)."""
-        calls, self._calls = self._calls, {}
-        for fut in calls.values():
-            if not fut.done():
-                fut.set_exception(err)
 
     def residency(self, key: tuple[str, str]) -> str:
         """Blocking (a worker thread): where revision `key` is, the core's answer (gpu, cpu,
@@ -240,7 +232,7 @@ class EngineFrontend(ABC):
         finally:
             self._outputs.remove(req.request_id)
             if self._queues.pop(req.request_id, None) is not None and not done:
-                self._abort(req.request_id)
+                self._send(Abort(req.request_id))  # nobody waits for it any more
 
     async def resolve(self, model: str, principal: Viewer) -> ResolvedModel:
         """`directory.resolve(model, principal)`, a name the catalog lacks fetched from the
@@ -253,16 +245,24 @@ class EngineFrontend(ABC):
         aborted in the engine, which frees what they hold there."""
         ready, ended = self._outputs.process(outs)
         for out in ready:
-            q = self._queues.get(out.request_id)
-            if q is not None:
-                q.put_nowait(out)
+            self._put(out)
         for request_id in ended:
-            self._abort(request_id)
+            self._send(Abort(request_id))
 
-    def _fail_in_flight(self, err: EngineError) -> None:
-        """Event loop: end every request in flight with err (one clean error each)."""
+    def _put(self, out: RequestOutput) -> None:
+        q = self._queues.get(out.request_id)
+        if q is not None:
+            q.put_nowait(out)
+
+    def _fail_all(self, err: EngineError) -> None:
+        """Event loop: end every request in flight and every call waiting for the core with err
+        (one clean error each): the core is gone, or stalled."""
         for rid in list(self._queues):
-            self._queues[rid].put_nowait(RequestOutput.failed(rid, err))
+            self._put(RequestOutput.failed(rid, err))
+        calls, self._calls = self._calls, {}
+        for fut in calls.values():
+            if not fut.done():
+                fut.set_exception(err)
 
     def _slots(self) -> int:
         """Sequences past admission at once: the engine's batch and its queue (its scheduler

@@ -12,13 +12,14 @@ decides only how to wait between turns:
                                                client.core_client.CoreClient, which Ray
                                                replicas host too (ray_serve/replica.py)
 
-One turn of a transport: `turn(messages)` (the messages that arrived, then the requests whose
-grammar compiled, then the serving step: its deltas), hand the deltas over, `replies()` (call
-returns, the handshake), then `train()` (at most one training slice) and `replies()` again. Between
-turns it waits at most `wait_s()` for a message or a `wake` (a page-in landed, a grammar
-compiled, a warm or a training pass finished on another thread). A transport also says whether
-either waits now (`has_input`): a training slice in `train` gives way to it part way, ending the
-turn, and goes on in a later one (train/preempt.py).
+A transport runs the core's loop (`run`) on the owner thread with three functions of its own:
+how to take the messages that arrived (waiting at most `wait_s()` for one or a `wake`: a page-in
+landed, a grammar compiled, a warm or a training pass finished on another thread), how to hand a
+turn's deltas and replies (call returns, the handshake) over, and whether to go on. One turn:
+the messages, then the requests whose grammar compiled, then the serving step; its deltas and
+replies go over before the training slice (at most one), whose replies follow. A transport also
+says whether a message or a wake waits now (`has_input`): a training slice gives way to it part
+way, ending the turn, and goes on in a later one (train/preempt.py).
 
 Grammar-compile admission: a request whose grammar is still compiling waits in `compiling`,
 off the engine, and each turn admits those whose compile is done and fails those past the
@@ -35,6 +36,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
+from ..heartbeat import LOOP_WAITING, PROGRESS
 from ..messages import (Abort, Add, Batch, CoreInfo, Hello, Malformed, Message, Ready, Residency,
                         Return, Stop, Train, Unload, Warm)
 from ..types import RequestOutput
@@ -46,20 +48,12 @@ log = logging.getLogger(__name__)
 WAITING_S = 0.05  # queued work that could not run, or a grammar compiling: look again this often
 
 
-def _nothing() -> None:
-    pass
-
-
-def _no_input() -> bool:
-    return False
-
-
 class EngineCore:
-    def __init__(self, engine: LLMEngine, wake: Callable[[], None] = _nothing,
-                 has_input: Callable[[], bool] = _no_input):
+    def __init__(self, engine: LLMEngine, wake: Callable[[], None] = lambda: None,
+                 has_input: Callable[[], bool] = lambda: False):
         """`wake`: any thread, make the transport's wait return (it runs a turn). `has_input`:
-        any thread, whether a message or a wake-up waits on the transport (a training slice in
-        `train` gives way to it part way)."""
+        any thread, whether a message or a wake-up waits on the transport (a training slice
+        gives way to it part way)."""
         self.engine = engine
         self.loop = EngineLoop(engine)
         self.loop.has_input = has_input
@@ -73,15 +67,29 @@ class EngineCore:
         # requests whose grammar compiles on the grammar workers: (the Add, its compile, since)
         self.compiling: dict[str, tuple[Add, Future, float]] = {}
         self._replies: queue.SimpleQueue[Ready | Return] = queue.SimpleQueue()  # any thread puts
-        self._handlers: dict[type, Callable[[Message], list[RequestOutput]]] = {
-            Add: self._add, Abort: self._abort, Batch: self._batch, Hello: self._hello,
-            Stop: self._stop, Malformed: self._malformed, Unload: self._call, Residency: self._call,
-            Warm: self._call, Train: self._call}
 
-    # -- a turn ---------------------------------------------------------------------------------
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self, take: Callable[[float | None], Iterable[Message | Malformed]],
+            hand_over: Callable[[list[RequestOutput], list[Ready | Return]], None],
+            go_on: Callable[[], bool], beat: list) -> None:
+        """The owner thread's turns until a Stop, or until `go_on()` is False: `take(wait_s())`
+        the messages (0: those there; None: wait until one or a wake comes), `turn` them,
+        `hand_over` the deltas and replies, run at most one training slice and hand over the
+        replies it made (a token never waits for a slice). Stamps `beat[PROGRESS]` at the start
+        of each turn, LOOP_WAITING while it waits: waiting for a message is not being stuck."""
+        while self.running and go_on():
+            wait_s = self.wait_s()
+            if wait_s != 0:
+                beat[PROGRESS] = LOOP_WAITING
+            messages = take(wait_s)
+            beat[PROGRESS] = time.monotonic()
+            hand_over(self.turn(messages), self.replies())
+            if self.loop.train():  # passes that ended in the slice
+                hand_over([], self.replies())
+
     def turn(self, messages: Iterable[Message | Malformed] = ()) -> list[RequestOutput]:
         """Apply `messages` in order, admit what compiled, run the serving step: the deltas to
-        hand over (before `train`: a token never waits for a slice)."""
+        hand over (before the training slice)."""
         outs: list[RequestOutput] = []
         for msg in messages:
             outs.extend(self.handle(msg))
@@ -89,10 +97,6 @@ class EngineCore:
             outs.extend(self.admit_compiled())
         outs.extend(self.loop.serve())
         return outs
-
-    def train(self) -> bool:
-        """At most one training slice, in training's turn of the fair share; whether one ran."""
-        return self.loop.train()
 
     def replies(self) -> list[Ready | Return]:
         """The handshake answer and the call returns that are ready, in order."""
@@ -114,7 +118,24 @@ class EngineCore:
         return None
 
     def handle(self, msg: Message | Malformed) -> list[RequestOutput]:
-        return self._handlers[type(msg)](msg)
+        """Apply one message: the deltas it made at once (a request that failed)."""
+        match msg:
+            case Add():
+                return self._add(msg)
+            case Abort(request_id=rid):
+                if self.compiling.pop(rid, None) is None:  # not in the engine yet: never will be
+                    self.loop.abort(rid)
+            case Batch():
+                return [out for m in msg.messages for out in self.handle(m)]
+            case Hello():
+                self._replies.put(Ready(self.info()))
+            case Stop():
+                self.running = False
+            case Malformed():
+                return self._malformed(msg)
+            case Unload() | Residency() | Warm() | Train():
+                self._call(msg)
+        return []
 
     # -- requests -------------------------------------------------------------------------------
     def _add(self, msg: Add) -> list[RequestOutput]:
@@ -153,22 +174,6 @@ class EngineCore:
                 outs.append(RequestOutput.failed(request_id, error, len(req.prompt_token_ids)))
         return outs
 
-    def _abort(self, msg: Abort) -> list[RequestOutput]:
-        if self.compiling.pop(msg.request_id, None) is None:  # not in the engine yet: never will be
-            self.loop.abort(msg.request_id)
-        return []
-
-    def _batch(self, msg: Batch) -> list[RequestOutput]:
-        return [out for m in msg.messages for out in self.handle(m)]
-
-    def _hello(self, msg: Hello) -> list[RequestOutput]:
-        self._replies.put(Ready(self.info()))
-        return []
-
-    def _stop(self, msg: Stop) -> list[RequestOutput]:
-        self.running = False
-        return []
-
     def _malformed(self, msg: Malformed) -> list[RequestOutput]:
         """A frame that did not decode fails what it names, and nothing else."""
         err = msg.error
@@ -180,13 +185,13 @@ class EngineCore:
         return []
 
     # -- calls ----------------------------------------------------------------------------------
-    def _call(self, msg: Unload | Residency | Warm | Train) -> list[RequestOutput]:
+    def _call(self, msg: Unload | Residency | Warm | Train) -> None:
         """The one dispatch of engine calls; each is answered by one Return (an error its own)."""
         try:
             if isinstance(msg, Unload):
-                self._return(msg.call_id, self.engine.unload_adapter(msg.adapter_id))
+                self._replies.put(Return(msg.call_id, self.engine.unload_adapter(msg.adapter_id)))
             elif isinstance(msg, Residency):
-                self._return(msg.call_id, [self.residency(k) for k in msg.keys])
+                self._replies.put(Return(msg.call_id, [self.residency(k) for k in msg.keys]))
             elif isinstance(msg, Warm):  # page into the CPU tier without blocking the loop
                 fut = self.engine.adapters.pager.fetch(msg.record)
                 fut.add_done_callback(lambda f: self._finish(msg.call_id, f, value=False))
@@ -195,19 +200,15 @@ class EngineCore:
                 if isinstance(value, Future):  # a queued pass: answered after its last slice
                     value.add_done_callback(lambda f: self._finish(msg.call_id, f))
                 else:
-                    self._return(msg.call_id, value)
+                    self._replies.put(Return(msg.call_id, value))
         except Exception as exc:
             self._replies.put(Return(msg.call_id, None, exc))
-        return []
 
     def _finish(self, call_id: int, fut: Future, value: bool = True) -> None:
         """Any thread: the Return of a call that finished off the loop (a warm, a pass)."""
         err = fut.exception()
         self._replies.put(Return(call_id, fut.result() if value and err is None else None, err))
         self.wake()
-
-    def _return(self, call_id: int, value) -> None:
-        self._replies.put(Return(call_id, value))
 
     def residency(self, key: tuple[str, str]) -> str:
         """Where a revision is, read live on the owner thread: quarantined (its numbers went

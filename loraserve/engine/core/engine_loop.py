@@ -1,9 +1,8 @@
 """What the engine's owner thread does between steps, wherever that thread lives.
 
-`EngineLoop` applies commands (add, abort, call) and runs steps, returning the token-id deltas to
-hand over. `AsyncEngine` runs it on a thread of the API process; the engine-core process
-(`loraserve.engine.core.process`) runs it on its main thread behind a Unix socket. Either way it is
-the only code that touches the `LLMEngine`.
+`EngineLoop` applies commands (add, abort) and runs steps, returning the token-id deltas to
+hand over. `EngineCore` (`core.engine_core`) owns it on its transport's thread; it is the only
+code that touches the `LLMEngine`.
 
 A non-streamed request without stop strings is *quiet*: its first delta goes out at once (errors
 and time to first token surface as early as ever), the rest are merged here and go out when it
@@ -34,10 +33,6 @@ from ..types import FIRST, RequestOutput, coalesce
 log = logging.getLogger(__name__)
 
 
-def _never() -> bool:
-    return False
-
-
 class EngineLoop:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -49,7 +44,7 @@ class EngineLoop:
         self.trace: list[str] | None = None
         # whether the hosting has a message or a wake-up waiting (any thread may ask; a slice
         # gives way to it); none without a transport
-        self.has_input: Callable[[], bool] = _never
+        self.has_input: Callable[[], bool] = lambda: False
 
     def add(self, seq: Sequence, stream: bool = True) -> list[RequestOutput]:
         try:
@@ -63,9 +58,6 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._quiet.pop(request_id, None)
         self.engine.abort(request_id)  # nobody listens any more: its final delta is dropped
-
-    def call(self, fn: Callable[[LLMEngine], object]) -> object:
-        return fn(self.engine)
 
     @property
     def busy(self) -> bool:

@@ -38,7 +38,7 @@ from ...logs import configure_process_logging
 from .build import build_engine
 from ..config import EngineConfig
 from .engine_core import EngineCore
-from ..heartbeat import ALIVE, HEARTBEAT_S, LOOP_WAITING, PROGRESS, Beat
+from ..heartbeat import ALIVE, HEARTBEAT_S, PROGRESS, Beat
 from .llm_engine import LLMEngine
 from ..messages import Malformed, Message, Ready, Return, Step, decode_batch, encode
 from ..types import RequestOutput
@@ -100,9 +100,7 @@ class EngineCoreProc:
         """Any thread: make the next poll return."""
         try:
             os.write(self._wake_w, b"x")
-        except BlockingIOError:  # the pipe is full: a wake-up is pending anyway
-            pass
-        except OSError:  # closed: a compile that ended after the core stopped has no one to wake
+        except OSError:  # full: a wake-up is pending anyway; closed: the core stopped, none to wake
             pass
 
     def _has_input(self) -> bool:
@@ -112,35 +110,25 @@ class EngineCoreProc:
 
     # -- the loop -------------------------------------------------------------------------------
     def serve(self) -> None:
-        beat, core = self.heartbeat, self.core
-        while self._open and core.running and self._parent_alive():
-            wait_s = core.wait_s()
-            if wait_s != 0:  # waiting for a message or a wake-up is not being stuck
-                beat[PROGRESS] = LOOP_WAITING
-                ready = self._poll.poll(_IDLE_POLL_MS if wait_s is None else wait_s * 1000)
-                beat[PROGRESS] = time.monotonic()
-            else:  # busy: this turn started now (the last one's step is done)
-                beat[PROGRESS] = time.monotonic()
-                ready = self._poll.poll(0)
-            for fd, events in ready:
-                if fd == self._wake_r:
-                    self._drain_wakes()
-                elif events & select.POLLOUT:
-                    self._write(b"")
-            outs = core.turn(self._receive())
-            self._send_replies(outs)  # before the slice: a token never waits for it
-            if core.train():
-                self._send_replies([])  # passes that ended in the slice
+        self.core.run(self._take, self._send_replies, self._serving, self.heartbeat)
 
-    def _parent_alive(self) -> bool:
-        return self.parent_pid is None or os.getppid() == self.parent_pid
+    def _serving(self) -> bool:
+        """The API server is there: the socket is open and (with parent_pid) it is the parent."""
+        return self._open and (self.parent_pid is None or os.getppid() == self.parent_pid)
 
-    def _drain_wakes(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
+    def _take(self, wait_s: float | None) -> list[Message | Malformed]:
+        """Poll the socket and the wake pipe (at most `wait_s`; None: a second, to check on the
+        parent), send what waited for the socket to be writable, and receive."""
+        for fd, events in self._poll.poll(_IDLE_POLL_MS if wait_s is None else wait_s * 1000):
+            if fd == self._wake_r:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            elif events & select.POLLOUT:
+                self._write(b"")
+        return self._receive()
 
     def _receive(self) -> list[Message | Malformed]:
         """The messages the socket holds now (none when it is empty; a frame that does not
@@ -174,9 +162,6 @@ class EngineCoreProc:
         os.close(self._wake_w)
 
     # -- messages out ---------------------------------------------------------------------------
-    def _send(self, msg: Message) -> None:
-        self._write(encode(msg))
-
     def _write(self, data: bytes) -> None:
         """Send data after anything still unsent; what the socket does not take now waits for it
         to be writable (the poll then watches for that)."""
@@ -197,17 +182,16 @@ class EngineCoreProc:
         if bool(self._unsent) != waited:
             self._poll.modify(self.conn, select.POLLIN | (select.POLLOUT if self._unsent else 0))
 
-    def _send_replies(self, outs: list[RequestOutput]) -> None:
+    def _send_replies(self, outs: list[RequestOutput], replies: list[Ready | Return]) -> None:
         """One Step, when there are deltas or the snapshot is due (`_due_snapshot`), then the
         core's replies (call returns, the handshake's Ready)."""
-        replies = self.core.replies()
         if any(isinstance(r, Ready) for r in replies):
             self._snapshot = None  # a new peer: the next snapshot goes out whatever it is
         snap = self._due_snapshot(returning=bool(replies))
         if outs or snap is not None:
-            self._send(Step(tuple(outs), snap))
+            self._write(encode(Step(tuple(outs), snap)))
         for reply in replies:
-            self._send(reply)
+            self._write(encode(reply))
 
     def _due_snapshot(self, returning: bool):
         """The engine's snapshot if it changed since the last one sent and is due: at once when
