@@ -101,11 +101,9 @@ class EngineCore:
     def replies(self) -> list[Ready | Return]:
         """The handshake answer and the call returns that are ready, in order."""
         out = []
-        while True:
-            try:
-                out.append(self._replies.get_nowait())
-            except queue.Empty:
-                return out
+        while not self._replies.empty():  # (one reader: this thread)
+            out.append(self._replies.get_nowait())
+        return out
 
     def wait_s(self) -> float | None:
         """How long the transport may wait for a message before the next turn: 0 while the
