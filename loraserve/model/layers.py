@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from loraserve.kernels import cpu_fused
 from loraserve.model.config import ModelConfig
 from loraserve.model.quant import QuantLinear
 from loraserve.model.quant import fusable as quant_fusable
@@ -53,7 +54,10 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None)
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """weight * x / sqrt(mean(x^2) + eps) over the last axis, normalised in float32 and cast back
     before the scale. A float32 x skips the two casts: at one token a norm is ~5 us kernels, and
-    a 0.6B-shaped decode step runs 113 of them (each cast is a dispatch, even when a no-op)."""
+    a 0.6B-shaped decode step runs 113 of them (each cast is a dispatch, even when a no-op).
+    Serving on the CPU (no autograd, eager) runs it as one fused op (kernels.cpu_fused)."""
+    if x.dim() in (2, 3) and weight.dtype == x.dtype and cpu_fused.usable(x):
+        return cpu_fused.rms_norm(x, weight, eps)
     if x.dtype == torch.float32:
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     xf = x.float()
@@ -122,10 +126,8 @@ class Attention(nn.Module):
         if self.qkv_proj is not None and _in_place(q, k, qkv):
             q, k = self._qk_together(qkv, rope)
         else:
-            q = self.q_norm(q.view(t, self.num_heads, self.head_dim))      # [T, Hq, D]
-            k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))   # [T, Hkv, D]
-            cos, sin = rope
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q = self._rotate(q.view(t, self.num_heads, self.head_dim), self.q_norm, rope)     # [T, Hq, D]
+            k = self._rotate(k.view(t, self.num_kv_heads, self.head_dim), self.k_norm, rope)  # [T, Hkv, D]
         if attn is None:
             out = causal_attention(q, k, v, self.window)
         elif self.window is None:  # full-context layers call attn as every AttentionFn accepts
@@ -134,6 +136,15 @@ class Attention(nn.Module):
             out = attn(self.layer_idx, q, k, v, window=self.window)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
+    @staticmethod
+    def _rotate(x: Tensor, norm: nn.Module, rope: tuple[Tensor, Tensor]) -> Tensor:
+        """x [T, heads, D] normalised (Qwen3's q/k norm; an Identity elsewhere) and rotated:
+        one fused op when serving on the CPU, the same arithmetic `_qk_together` does there."""
+        w = norm.weight if isinstance(norm, RMSNorm) else None
+        if cpu_fused.usable(x) and rope[0].dtype == x.dtype and (w is None or w.dtype == x.dtype):
+            return cpu_fused.rope(x, rope[0], rope[1], w, norm.eps if w is not None else 0.0)
+        return apply_rotary(norm(x), *rope)
+
     def _qk_together(self, qkv: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         """q [T, Hq, D] and k [T, Hkv, D] from the fused output's q and k columns, normalised
         (`qk_norm_weight`) and rotated as one [T, Hq + Hkv, D] tensor: the same per-head
@@ -141,6 +152,12 @@ class Attention(nn.Module):
         per byte: 28 layers x 6 fewer at 0.6B shapes)."""
         t, heads = qkv.shape[0], self.num_heads + self.num_kv_heads
         qk = qkv[:, :heads * self.head_dim].view(t, heads, self.head_dim)
+        if cpu_fused.usable(qk) and rope[0].dtype == qk.dtype and (
+                self.qk_norm_weight is None or self.qk_norm_weight.dtype == qk.dtype):
+            # serving on the CPU: norm and rotation of every q/k head in one op (kernels.cpu_fused)
+            eps = self.q_norm.eps if self.qk_norm_weight is not None else 0.0
+            qk = cpu_fused.rope(qk, rope[0], rope[1], self.qk_norm_weight, eps)
+            return qk[:, :self.num_heads], qk[:, self.num_heads:]
         if self.qk_norm_weight is not None:
             qk = rms_norm(qk, self.qk_norm_weight, self.q_norm.eps)
         qk = apply_rotary(qk, *rope)
@@ -179,7 +196,10 @@ class MLP(nn.Module):
         if self.gate_up_proj is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         both = self.gate_up_proj(x)
-        return self.down_proj(F.silu(self.gate_proj(x, both)) * self.up_proj(x, both))
+        gate, up = self.gate_proj(x, both), self.up_proj(x, both)
+        if gate.dim() == 2 and gate.dtype == up.dtype and cpu_fused.usable(gate):
+            return self.down_proj(cpu_fused.silu_mul(gate, up))  # one op (kernels.cpu_fused)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class FusedSlice(nn.Module):

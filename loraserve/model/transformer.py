@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from loraserve.kernels import cpu_fused
 from loraserve.model.config import ModelConfig
 from loraserve.model.layers import MLP, Attention, AttentionFn, RMSNorm
 from loraserve.model.moe import SparseMoeBlock
@@ -50,9 +51,30 @@ class DecoderModel(nn.Module):
         """input_ids [T], positions [T] -> hidden [T, H] after the final norm."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, x.dtype)
+        if self._fused_residuals(x):
+            return self._forward_fused(x, rope, attn)
         for layer in self.layers:
             x = layer(x, rope, attn)
         return self.norm(x)
+
+    def _fused_residuals(self, x: Tensor) -> bool:
+        """Whether `_forward_fused` may run: serving on the CPU (kernels.cpu_fused.usable), the
+        norms in x's dtype, and no hook on a decoder layer (its forward is not called there)."""
+        return (x.dim() == 2 and cpu_fused.usable(x) and self.norm.weight.dtype == x.dtype
+                and not any(layer._forward_hooks or layer._forward_pre_hooks for layer in self.layers))
+
+    def _forward_fused(self, x: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionFn | None) -> Tensor:
+        """The layers' arithmetic with each residual add fused into the norm after it (vLLM's
+        fused add + RMSNorm): x += attn(norm(x)); x += mlp(norm(x)) as DecoderLayer.forward,
+        in one op per add and norm instead of seven."""
+        first = self.layers[0].input_layernorm
+        h = cpu_fused.rms_norm(x, first.weight, first.eps)
+        for i, layer in enumerate(self.layers):
+            post = layer.post_attention_layernorm
+            x, h = cpu_fused.add_rms_norm(x, layer.self_attn(h, rope, attn), post.weight, post.eps)
+            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, h = cpu_fused.add_rms_norm(x, layer.mlp(h), after.weight, after.eps)
+        return h
 
 
 class CausalLM(nn.Module):

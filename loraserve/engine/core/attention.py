@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from loraserve.kernels import cpu_fused
+
 
 class KVCache:
     """k, v: [L, (num_blocks + 1) * block_size, Hkv, D] each (blocks flattened into token slots).
@@ -71,6 +73,7 @@ class PagedAttention:
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask, on first use
     full: bool = False           # the mask is all True (decode, no sequence shorter than C): SDPA takes none
     kv_run: tuple[int, int] | None = None  # one sequence whose context is cache slots [lo, hi): read as a view
+    lens: torch.Tensor | None = None  # [B] int64: context length of each sequence (its end), for the fused decode op
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  window: int | None = None) -> torch.Tensor:
@@ -79,6 +82,13 @@ class PagedAttention:
         # a compiled graph reads no per-step Python field (`full`, `kv_run`): each is a guard,
         # and a real step that differs from the warm-up's would recompile while serving
         compiling = torch.compiler.is_compiling()
+        if self.single_query and self.lens is not None and not compiling and cpu_fused.usable(q) \
+                and k.dtype == q.dtype == cache.k.dtype:
+            # eager decode on the CPU: the cache write, each sequence's own context read through
+            # kv_index, GQA and the softmax in one op (cpu_fused), not ~14 dispatches a layer
+            return cpu_fused.decode_attention(q, k, v, cache.k_layers[layer], cache.v_layers[layer],
+                                              self.slot_mapping, self.kv_index, self.lens, window or 0,
+                                              q.shape[-1] ** -0.5)
         if compiling:
             # the write as an index_put_ on the whole cache (layer and slot indices): inductor
             # scatters the rows in place inside a fused kernel. Written through a layer view
@@ -163,7 +173,7 @@ class PagedAttention:
         to = lambda x: x.to(device, non_blocking=True)
         return cls(cache, to(slot_mapping), to(q_index.flatten()), to(valid_pos), to(kv_index.flatten()),
                    to(mask[:, None]), (len(starts), Q, C), Q == 1, full=Q == 1 and min(ends) == C,
-                   kv_run=_one_run(block_tables, ends, C, bs))
+                   kv_run=_one_run(block_tables, ends, C, bs), lens=to(end_t))
 
 
 def _one_run(block_tables: list[list[int]], ends: list[int], context: int, bs: int) -> tuple[int, int] | None:

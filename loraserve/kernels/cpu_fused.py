@@ -1,0 +1,89 @@
+"""The small ops of an eager decode step, fused in C++ (`cpu_fused.cpp`), built on first use.
+
+At one token a step's time is its weight reads plus a fixed cost per op: SmolLM2-135M's eager
+batch-1 step dispatched ~1,500 aten ops (norms as pow/mean/rsqrt/mul, rotary as roll/mul/addcmul,
+attention as index_copy_, views, a gather and SDPA), most of them parallel regions that wake
+every thread for a few KB of work. These ops do each group in one call, on the calling thread
+while the work is small:
+
+- `rms_norm(x, w, eps)`: `model.layers.rms_norm` (x [T, n] or [T, R, n], w [n] or [R, n]);
+- `add_rms_norm(x, d, w, eps)`: (x + d, rms_norm(x + d)), a residual add and the next norm;
+- `rope(x, cos, sin, norm_w, eps)`: `model.rope.apply_rotary`, after Qwen3's per-head norm when given;
+- `silu_mul(g, u)`: SwiGLU's silu(g) * u;
+- `decode_attention(...)`: one query per sequence over the paged K/V cache, the cache write
+  included (`engine.core.attention.PagedAttention`).
+
+Callers use them only where `usable(x)` holds: a CPU tensor of float32 or bfloat16 outside
+autograd (serving: inference mode or no_grad) and outside a compiled graph (inductor fuses the
+same ops itself), with the library built. Otherwise they run torch's ops, so the library is a
+speed-up, never a requirement: no compiler, a failed build, or `LORASERVE_CPU_FUSED=0` leave
+torch's path. Built and cached like `cpu_gemv` (kernels.cpp_build: per source, torch version
+and CPU flags, in a directory only this user can change).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+from . import cpp_build
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_fused.cpp")
+DTYPES = (torch.float32, torch.bfloat16)
+_state: dict[str, bool] = {}
+
+
+def available() -> bool:
+    """Whether the fused ops are loaded (builds the library on the first call)."""
+    if "ok" not in _state:
+        _state["ok"] = False
+        if os.environ.get("LORASERVE_CPU_FUSED", "1") != "0":
+            try:
+                torch.ops.load_library(str(cpp_build.library("cpu_fused", SOURCE, ("-fopenmp", "-ffp-contract=off"))))
+                _state["ok"] = True
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                log.warning("fused CPU decode ops unavailable, torch's are used: %s", e)
+    return _state["ok"]
+
+
+def set_enabled(on: bool) -> None:
+    """Turn the fused ops on or off in this process (benchmarks compare both in one run)."""
+    if on:
+        _state.pop("ok", None)
+        available()
+    else:
+        _state["ok"] = False
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether a step on `x` may take the fused ops: CPU, float32/bfloat16, no autograd, eager."""
+    return (x.device.type == "cpu" and x.dtype in DTYPES and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and available())
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.ops.loraserve_fused.rms_norm(x, w, eps)
+
+
+def add_rms_norm(x: torch.Tensor, d: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.loraserve_fused.add_rms_norm(x, d, w, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_w: torch.Tensor | None = None,
+         eps: float = 0.0) -> torch.Tensor:
+    return torch.ops.loraserve_fused.rope(x, cos, sin, norm_w, eps)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return torch.ops.loraserve_fused.silu_mul(g, u)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                     slots: torch.Tensor, kv_index: torch.Tensor, lens: torch.Tensor, window: int,
+                     scale: float) -> torch.Tensor:
+    return torch.ops.loraserve_fused.decode_attention(q, k, v, kc, vc, slots, kv_index, lens, window, scale)

@@ -1,0 +1,172 @@
+"""The fused CPU decode ops (loraserve.kernels.cpu_fused) against the torch formulas they replace.
+
+Each op is drawn over shapes (every tail of a row, GQA groups, strided row views as the fused
+q/k/v and gate/up outputs hand them over), dtypes (float32, bfloat16), thread counts 1 and 2
+and, for attention, scattered cache slots, windows and ragged context lengths, and compared
+with the model's own torch path: float32 to rounding, bfloat16 within a few ulps (the sums run
+in another order). Where the library cannot build (no compiler) `available` is False and the
+model keeps torch's ops; that fallback is what every other model test runs through then.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loraserve.kernels import cpu_fused
+from loraserve.model.layers import rms_norm
+from loraserve.model.rope import apply_rotary
+
+pytestmark = pytest.mark.skipif(not shutil.which("c++") and not shutil.which("g++"),
+                                reason="no C++ compiler: the fused ops cannot build here")
+
+TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
+
+
+def test_the_library_builds_with_a_compiler():
+    assert cpu_fused.available()
+
+
+def _rows(gen: torch.Generator, t: int, width: int, lo: int, n: int, dtype) -> torch.Tensor:
+    """A [t, n] view of columns lo..lo+n of a wider [t, width] tensor (a fused output's slice)."""
+    return torch.randn(t, width, generator=gen).to(dtype)[:, lo:lo + n]
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(t=st.integers(1, 9), n=st.integers(1, 70), heads=st.integers(0, 4), extra=st.integers(0, 5),
+       dtype=DTYPES, threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_rms_norm_equals_the_model_norm(t, n, heads, extra, dtype, threads, seed):
+    gen = torch.Generator().manual_seed(seed)
+    torch.set_num_threads(threads)
+    if heads:  # [T, R, n] heads of a fused row (Qwen3's q/k norm), weight per head
+        x = _rows(gen, t, heads * n + extra, extra, heads * n, dtype).unflatten(1, (heads, n))
+        w = torch.randn(heads, n, generator=gen).to(dtype)
+    else:
+        x = _rows(gen, t, n + extra, extra, n, dtype)
+        w = torch.randn(n, generator=gen).to(dtype)
+    with torch.inference_mode():
+        got, want = cpu_fused.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6)
+    assert got.shape == want.shape and got.dtype == want.dtype and got.is_contiguous()
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(t=st.integers(1, 9), n=st.integers(1, 70), dtype=DTYPES, seed=st.integers(0, 2**16))
+def test_add_rms_norm_equals_an_add_then_the_norm(t, n, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x, d = (torch.randn(t, n, generator=gen).to(dtype) for _ in range(2))
+    w = torch.randn(n, generator=gen).to(dtype)
+    with torch.inference_mode():
+        total, normed = cpu_fused.add_rms_norm(x, d, w, 1e-5)
+        want = x + d
+        torch.testing.assert_close(total, want, rtol=0, atol=0)
+        torch.testing.assert_close(normed, rms_norm(want, w, 1e-5), **TOL[dtype])
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(t=st.integers(1, 6), heads=st.integers(1, 5), half=st.integers(1, 40), extra=st.integers(0, 3),
+       normed=st.booleans(), dtype=DTYPES, threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_rope_equals_apply_rotary(t, heads, half, extra, normed, dtype, threads, seed):
+    from loraserve.model.rope import RotaryEmbedding
+    gen = torch.Generator().manual_seed(seed)
+    torch.set_num_threads(threads)
+    d = 2 * half
+    wide = torch.randn(t, (heads + extra) * d, generator=gen).to(dtype)
+    x = wide[:, :heads * d].unflatten(1, (heads, d))
+    cos, sin = RotaryEmbedding(d, 10000.0, None)(torch.randint(0, 4000, (t,), generator=gen), dtype)
+    w = torch.randn(heads, d, generator=gen).to(dtype) if normed else None
+    with torch.inference_mode():
+        got = cpu_fused.rope(x, cos, sin, w, 1e-6)
+        want = apply_rotary(rms_norm(x, w, 1e-6) if normed else x, cos, sin)
+    assert got.shape == want.shape and got.dtype == dtype
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(t=st.integers(1, 9), n=st.integers(1, 100), dtype=DTYPES, seed=st.integers(0, 2**16))
+def test_silu_mul_equals_swiglu_on_a_fused_output(t, n, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    both = (4 * torch.randn(t, 2 * n, generator=gen)).to(dtype)
+    g, u = both[:, :n], both[:, n:]
+    with torch.inference_mode():
+        torch.testing.assert_close(cpu_fused.silu_mul(g, u), F.silu(g) * u, **TOL[dtype])
+
+
+def _attention_case(gen, b, kv_heads, rep, d, block, blocks, window, dtype):
+    """A paged cache with scattered blocks, B sequences of ragged lengths, and what torch's
+    `PagedAttention` computes for their new tokens."""
+    from loraserve.engine.core.attention import KVCache, PagedAttention
+    cache = KVCache(1, blocks, block, kv_heads, d, dtype, torch.device("cpu"))
+    cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
+    perm = torch.randperm(blocks, generator=gen).tolist()
+    ends = [int(torch.randint(1, 2 * block + 1, (1,), generator=gen)) for _ in range(b)]
+    tables, used = [], 0
+    for e in ends:
+        need = -(-e // block)
+        tables.append(perm[used:used + need])
+        used += need
+    q = torch.randn(b, (kv_heads * rep + 1) * d, generator=gen).to(dtype)[:, d:].unflatten(1, (kv_heads * rep, d))
+    k, v = (torch.randn(b, kv_heads, d, generator=gen).to(dtype) for _ in range(2))
+    attn = PagedAttention.build(cache, tables, [e - 1 for e in ends], ends, torch.device("cpu"))
+    return cache, attn, q, k, v
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(b=st.integers(1, 4), kv_heads=st.integers(1, 3), rep=st.integers(1, 3), d=st.sampled_from([2, 8, 16, 24]),
+       window=st.sampled_from([None, 1, 3, 7]), dtype=DTYPES, threads=st.sampled_from([1, 2]),
+       seed=st.integers(0, 2**16))
+def test_decode_attention_equals_the_paged_sdpa_path(b, kv_heads, rep, d, window, dtype, threads, seed):
+    """The fused op (through `PagedAttention`) against the same step through torch's SDPA path,
+    cache writes included: every sequence attends to its own slots only, within its window."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.set_num_threads(threads)
+    cache, attn, q, k, v = _attention_case(gen, b, kv_heads, rep, d, 4, 8, window, dtype)
+    twin, twin_attn = _clone(cache, attn)
+    with torch.inference_mode():
+        got = attn(0, q, k, v, window=window)
+        cpu_fused.set_enabled(False)
+        try:
+            want = twin_attn(0, q, k, v, window=window)
+        finally:
+            cpu_fused.set_enabled(True)
+    torch.testing.assert_close(cache.k, twin.k, rtol=0, atol=0)
+    torch.testing.assert_close(cache.v, twin.v, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def _clone(cache, attn):
+    import copy
+    twin = copy.copy(cache)
+    twin.k, twin.v = cache.k.clone(), cache.v.clone()
+    twin.k_layers, twin.v_layers = twin.k.unbind(0), twin.v.unbind(0)
+    twin_attn = copy.copy(attn)
+    twin_attn.cache, twin_attn.window_masks = twin, {}
+    return twin, twin_attn
+
+
+def test_decode_attention_keeps_a_poisoned_sequence_to_itself():
+    """A sequence whose K/V hold Inf (an adapter with huge factors) gets NaN; its batch
+    neighbour, reading only its own slots, does not."""
+    gen = torch.Generator().manual_seed(3)
+    cache, attn, q, k, v = _attention_case(gen, 2, 2, 2, 8, 4, 8, None, torch.float32)
+    k[0] = float("inf")
+    with torch.inference_mode():
+        out = attn(0, q, k, v)
+    assert not torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all()
+
+
+@pytest.mark.parametrize("bad", ["slot", "length", "index"])
+def test_decode_attention_refuses_indices_outside_the_cache(bad):
+    gen = torch.Generator().manual_seed(5)
+    cache, attn, q, k, v = _attention_case(gen, 1, 1, 1, 8, 4, 4, None, torch.float32)
+    kc, vc = cache.k_layers[0], cache.v_layers[0]
+    slots, kv_index, lens = attn.slot_mapping.clone(), attn.kv_index.clone(), attn.lens.clone()
+    {"slot": slots, "length": lens, "index": kv_index}[bad][0] = 10**6
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_fused.decode_attention(q, k, v, kc, vc, slots, kv_index, lens, 0, 1.0)
