@@ -16,11 +16,16 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -46,13 +51,62 @@ void check_cpu(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.dim() == 0 || t.stride(-1) == 1, what, ": the last axis must be contiguous");
 }
 
+// sum of a[i] * b[i] in float32 (`omp simd`: vector lanes, so summed in another order than a
+// plain loop, as torch's reductions are)
+template <typename A, typename B>
+inline float dot(const A* a, const B* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += f(a[i]) * f(b[i]);
+  return s;
+}
+
+// a[i] += w * v[i]
+template <typename T>
+inline void axpy(float* a, float w, const T* v, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) a[i] += w * f(v[i]);
+}
+
 // 1/sqrt(mean(x^2) + eps) of n values
 template <typename T>
 inline float inv_rms(const T* x, int64_t n, float eps) {
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += f(x[i]) * f(x[i]);
-  return 1.f / std::sqrt(s / static_cast<float>(n) + eps);
+  return 1.f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
 }
+
+#if defined(__AVX512F__)
+// e^x on 16 lanes: x = n ln2 + r, |r| <= ln2/2, e^r by Cephes' expf polynomial (~1 ulp), scaled by
+// 2^n. The clamps take the constant first, so a NaN lane stays NaN (MINPS/MAXPS return their
+// second operand when either is NaN); past the clamps e^x is 0 or ~2.4e38, as for silu alike.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(88.37626f), x);
+  x = _mm512_max_ps(_mm512_set1_ps(-103.97f), x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m) {
+  for (int i = 0; i < 16; ++i) {  // round to nearest even, as c10::BFloat16 does
+    if (m >> i & 1) p[i] = static_cast<c10::BFloat16>(reinterpret_cast<const float*>(&v)[i]);
+  }
+}
+#endif
 
 // out[i] = w[i] * (x[i] * r), as `rms_norm` in model/layers.py: float32 multiplies in float32;
 // bfloat16 normalises in float32, rounds, then multiplies by the weight and rounds again.
@@ -154,6 +208,129 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return out;
 }
 
+// o = silu(g) * u over n values: bfloat16 rounds silu before the product, as torch does
+template <typename T>
+void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) {
+    const float x = f(g[k]);
+    o[k] = static_cast<T>(round_to<T>(x / (1.f + std::exp(-x))) * f(u[k]));
+  }
+}
+
+#if defined(__AVX512F__)
+template <>
+void silu_mul_row<float>(const float* g, const float* u, float* o, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t k = 0; k < n; k += 16) {
+    const __mmask16 m = n - k >= 16 ? 0xFFFF : (__mmask16)((1u << (n - k)) - 1);
+    const __m512 x = load16(g + k, m);
+    const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+    store16(o + k, _mm512_mul_ps(silu, load16(u + k, m)), m);
+  }
+}
+#endif
+
+// p[r * n + j] = sc * q_r . k_j for the rep query rows q [rep, dim] and the n cache rows
+// k_j = kc[idx[j] * row + off ...][:dim]
+template <typename T>
+void scores(const float* q, const T* kc, const int64_t* idx, int64_t row, int64_t off, int64_t dim,
+            int64_t rep, int64_t n, float sc, float* p) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T* kr = kc + idx[j] * row + off;
+    for (int64_t r = 0; r < rep; ++r) p[r * n + j] = dot(q + r * dim, kr, dim) * sc;
+  }
+}
+
+#if defined(__AVX512F__)
+// float32 heads of 16k lanes (64 and 128, every supported model): each k row is loaded once
+// into registers and dotted with every query row of the group
+template <>
+void scores<float>(const float* q, const float* kc, const int64_t* idx, int64_t row, int64_t off,
+                   int64_t dim, int64_t rep, int64_t n, float sc, float* p) {
+  if (dim % 16 != 0 || dim > 256) {
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kr = kc + idx[j] * row + off;
+      for (int64_t r = 0; r < rep; ++r) p[r * n + j] = dot(q + r * dim, kr, dim) * sc;
+    }
+    return;
+  }
+  const int64_t lanes = dim / 16;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kr = kc + idx[j] * row + off;
+    __m512 k[16];
+    for (int64_t l = 0; l < lanes; ++l) k[l] = _mm512_loadu_ps(kr + 16 * l);
+    for (int64_t r = 0; r < rep; ++r) {
+      const float* qr = q + r * dim;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qr), k[0]);
+      for (int64_t l = 1; l < lanes; ++l) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * l), k[l], acc);
+      p[r * n + j] = _mm512_reduce_add_ps(acc) * sc;
+    }
+  }
+}
+#endif
+
+// acc[r] += sum over j of p[r * n + j] * v_j, v_j = vc[idx[j] * row + off ...][:dim]
+template <typename T>
+void weighted_sum(const float* p, const T* vc, const int64_t* idx, int64_t row, int64_t off, int64_t dim,
+                  int64_t rep, int64_t n, float* acc) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vr = vc + idx[j] * row + off;
+    for (int64_t r = 0; r < rep; ++r) axpy(acc + r * dim, p[r * n + j], vr, dim);
+  }
+}
+
+#if defined(__AVX512F__)
+// float32, heads of 16k lanes: one query row at a time, its sum held in registers over all j
+template <>
+void weighted_sum<float>(const float* p, const float* vc, const int64_t* idx, int64_t row, int64_t off,
+                         int64_t dim, int64_t rep, int64_t n, float* acc) {
+  if (dim != 64 && dim != 128) {
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vr = vc + idx[j] * row + off;
+      for (int64_t r = 0; r < rep; ++r) axpy(acc + r * dim, p[r * n + j], vr, dim);
+    }
+    return;
+  }
+  for (int64_t r = 0; r < rep; ++r) {
+    for (int64_t half = 0; half < dim; half += 64) {  // 4 registers of sums per pass
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vr = vc + idx[j] * row + off + half;
+        const __m512 w = _mm512_set1_ps(p[r * n + j]);
+        a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr), a0);
+        a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16), a1);
+        a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 32), a2);
+        a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 48), a3);
+      }
+      float* o = acc + r * dim + half;
+      _mm512_storeu_ps(o, a0);
+      _mm512_storeu_ps(o + 16, a1);
+      _mm512_storeu_ps(o + 32, a2);
+      _mm512_storeu_ps(o + 48, a3);
+    }
+  }
+}
+#endif
+
+// p = softmax(p) over n values, in place
+inline void softmax(float* p, int64_t n) {
+  const float mx = *std::max_element(p, p + n);
+  float total = 0.f;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  __m512 sum = _mm512_setzero_ps();
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), _mm512_set1_ps(mx)));
+    _mm512_storeu_ps(p + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  total = _mm512_reduce_add_ps(sum);
+#endif
+  for (; j < n; ++j) total += (p[j] = std::exp(p[j] - mx));
+  const float inv = 1.f / total;
+  for (j = 0; j < n; ++j) p[j] *= inv;
+}
+
 // silu(g) * u: g, u [T, I] (rows of any stride: the halves of a fused gate/up output).
 at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
   check_cpu(g, "silu_mul");
@@ -168,10 +345,7 @@ at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
     rows_for(t, n, [&](int64_t i) {
       const scalar_t *gr = gp + i * g.stride(0), *ur = up + i * u.stride(0);
       scalar_t* o = op + i * n;
-      for (int64_t k = 0; k < n; ++k) {
-        const float x = f(gr[k]);
-        o[k] = static_cast<scalar_t>(round_to<scalar_t>(x / (1.f + std::exp(-x))) * f(ur[k]));
-      }
+      silu_mul_row(gr, ur, o, n);
     });
   });
   return out;
@@ -230,29 +404,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
         for (int64_t d = 0; d < dim; ++d) qf[r * dim + d] = f(qr[d]);
       }
       const int64_t* idx = kvi + i * ctx + lo;
-      for (int64_t j = 0; j < n; ++j) {
-        const scalar_t* kr = kcp + idx[j] * row + g * dim;
-        for (int64_t r = 0; r < rep; ++r) {
-          float s = 0.f;
-          for (int64_t d = 0; d < dim; ++d) s += qf[r * dim + d] * f(kr[d]);
-          p[r * n + j] = s * sc;
-        }
-      }
-      for (int64_t r = 0; r < rep; ++r) {
-        float* pr = p.data() + r * n;
-        const float mx = *std::max_element(pr, pr + n);
-        float total = 0.f;
-        for (int64_t j = 0; j < n; ++j) total += (pr[j] = std::exp(pr[j] - mx));
-        for (int64_t j = 0; j < n; ++j) pr[j] /= total;
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const scalar_t* vr = vcp + idx[j] * row + g * dim;
-        for (int64_t r = 0; r < rep; ++r) {
-          const float w = p[r * n + j];
-          float* a = acc.data() + r * dim;
-          for (int64_t d = 0; d < dim; ++d) a[d] += w * f(vr[d]);
-        }
-      }
+      scores(qf.data(), kcp, idx, row, g * dim, dim, rep, n, sc, p.data());
+      for (int64_t r = 0; r < rep; ++r) softmax(p.data() + r * n, n);
+      weighted_sum(p.data(), vcp, idx, row, g * dim, dim, rep, n, acc.data());
       for (int64_t r = 0; r < rep; ++r) {
         scalar_t* o = op + (i * heads + g * rep + r) * dim;
         for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<scalar_t>(acc[r * dim + d]);

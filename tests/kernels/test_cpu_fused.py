@@ -90,6 +90,7 @@ def test_rope_equals_apply_rotary(t, heads, half, extra, normed, dtype, threads,
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(t=st.integers(1, 9), n=st.integers(1, 100), dtype=DTYPES, seed=st.integers(0, 2**16))
 def test_silu_mul_equals_swiglu_on_a_fused_output(t, n, dtype, seed):
+    """Every tail of the 16-lane vector loop (float32), large |x| (exp past its range) included."""
     gen = torch.Generator().manual_seed(seed)
     both = (4 * torch.randn(t, 2 * n, generator=gen)).to(dtype)
     g, u = both[:, :n], both[:, n:]
@@ -118,7 +119,7 @@ def _attention_case(gen, b, kv_heads, rep, d, block, blocks, window, dtype):
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
-@given(b=st.integers(1, 4), kv_heads=st.integers(1, 3), rep=st.integers(1, 3), d=st.sampled_from([2, 8, 16, 24]),
+@given(b=st.integers(1, 4), kv_heads=st.integers(1, 3), rep=st.integers(1, 3), d=st.sampled_from([2, 8, 24, 64, 128]),
        window=st.sampled_from([None, 1, 3, 7]), dtype=DTYPES, threads=st.sampled_from([1, 2]),
        seed=st.integers(0, 2**16))
 def test_decode_attention_equals_the_paged_sdpa_path(b, kv_heads, rep, d, window, dtype, threads, seed):
