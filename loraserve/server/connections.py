@@ -19,8 +19,8 @@ protocol made per server by `protocol_class(limits, plan)`. Per connection it en
   (by uvicorn's own keep-alive timer, set to this limit), and the `keep_alive_requests`-th
   request on one connection is answered with `Connection: close`.
 
-Every uvicorn method GuardedHttpTools overrides calls uvicorn's own (super()) and adds the bounds
-around it; nothing of uvicorn's is copied, so no uvicorn release is pinned for it. A bound found
+Every uvicorn method GuardedHttpTools overrides calls uvicorn's own and adds the bounds around
+it; nothing of uvicorn's is copied, so no uvicorn release is pinned for it. A bound found
 broken inside a parser callback (one field too many, a complete head over the size) is not raised
 there (uvicorn's data_received would answer any error from the parser with its own 400): the
 request is marked (`_refused`), what is left of it is withheld from the app (a head: no request
@@ -354,9 +354,12 @@ class GuardedHttpTools(HttpToolsProtocol):
     """uvicorn's httptools protocol with the bounds of `guard.limits` (see the module's doc).
 
     Made per server by `protocol_class`; uvicorn constructs one per connection. Each uvicorn
-    method overridden here calls uvicorn's own (super()) for what uvicorn does and adds the
-    bounds around it; a request over a bound is marked in the parser callbacks (`_refused`),
-    withheld from the app, and answered once uvicorn's data_received has returned.
+    method overridden here calls uvicorn's own for what uvicorn does and adds the bounds around
+    it; a request over a bound is marked in the parser callbacks (`_refused`), withheld from the
+    app, and answered once uvicorn's data_received has returned. The methods run per request
+    call uvicorn's as `HttpToolsProtocol.<name>(self, ...)`: on Python 3.11 a zero-argument
+    super() builds a super object per call, which at a dozen calls per request (one per header
+    field) shows in the protocol's cost (bench/connection_bounds.py --count).
     """
 
     guard: ClassVar[Guard]
@@ -417,7 +420,7 @@ class GuardedHttpTools(HttpToolsProtocol):
             self._feed_head(data)
         else:
             self._read = len(data)
-            super().data_received(data)  # uvicorn parses: 400 for garbage, Upgrades
+            HttpToolsProtocol.data_received(self, data)  # uvicorn parses: 400 for garbage, Upgrades
         if self._refused is not None:
             self._answer(self._refused)
             return
@@ -470,7 +473,7 @@ class GuardedHttpTools(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         if self._refused is not None:  # one pipelined after a refused request, in the same read
             return
-        super().on_message_begin()
+        HttpToolsProtocol.on_message_begin(self)
         if self._state != FRESH:  # a first request's head is due from the connect
             self._deadline = _INF  # armed in data_received if the head does not end in this read
         self._state = HEAD
@@ -478,7 +481,7 @@ class GuardedHttpTools(HttpToolsProtocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         # a chunked body's trailers come here too (uvicorn adds them to the request's headers)
         if len(self.headers) < self._max_headers:
-            super().on_header(name, value)
+            HttpToolsProtocol.on_header(self, name, value)
         elif self._refused is None:
             self._refused = HEADER_COUNT
 
@@ -491,7 +494,7 @@ class GuardedHttpTools(HttpToolsProtocol):
                 > self._max_head):
             self._refused = HEADER_BYTES
             return
-        super().on_headers_complete()
+        HttpToolsProtocol.on_headers_complete(self)
         self._state = BODY
         self._deadline = _INF  # armed in data_received if the body does not end in this read
         self._head_bytes = self._wire = self._body_bytes = self._chunks = 0
@@ -502,7 +505,7 @@ class GuardedHttpTools(HttpToolsProtocol):
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
         if self._refused is None:
-            super().on_body(body)
+            HttpToolsProtocol.on_body(self, body)
 
     def on_chunk_header(self) -> None:
         self._chunks += 1
@@ -511,7 +514,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         if self._refused is not None:
             return
         cycle = self.cycle
-        super().on_message_complete()
+        HttpToolsProtocol.on_message_complete(self)
         if cycle is None:
             return
         if cycle.response_complete:  # answered before the body ended (a 401, a 413)
@@ -521,10 +524,14 @@ class GuardedHttpTools(HttpToolsProtocol):
             self._deadline = _INF
 
     def on_response_complete(self) -> None:
-        pipelined = bool(self.pipeline)
-        super().on_response_complete()  # starts a pipelined request, else arms the keep-alive timer
-        if self._state == ACTIVE and not pipelined and not self.transport.is_closing():
-            self._idle()
+        # uvicorn's starts a pipelined request, else (the connection kept) arms its keep-alive
+        # timer: then the connection is idle
+        HttpToolsProtocol.on_response_complete(self)
+        if self._state == ACTIVE and self.timeout_keep_alive_task is not None:
+            now = self.loop.time()
+            self._state = IDLE
+            self._since = now
+            self._deadline = now + self._idle_timeout
 
     def timeout_keep_alive_handler(self) -> None:
         # uvicorn's keep-alive timer: it closes a connection still idle (a head or a body begun
@@ -539,8 +546,8 @@ class GuardedHttpTools(HttpToolsProtocol):
         self.guard.note(UPGRADE, self.loop.time())
 
     def _idle(self) -> None:
-        # the keep-alive deadline: uvicorn's timer closes the connection at it after a response
-        # (timeout_keep_alive_handler); the sweep does after an early answer (no timer then)
+        # after an answer sent before the body ended, once the body did: uvicorn's keep-alive
+        # timer, armed then, was cancelled by a read since, so the sweep closes it at this deadline
         now = self.loop.time()
         self._state = IDLE
         self._since = now
