@@ -416,9 +416,39 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+// y += (x @ a^T) @ b for a few rows: one adapter's LoRA delta on a decode step. x [n, in] and
+// y [n, out] (rows of any stride: y may be a column slice of a fused q/k/v output), a [r, in],
+// b [r, out] contiguous, one dtype. The rank-r middle and each output's sum in float32; y is
+// rounded once (bfloat16: as the widened float32 GEMMs of `torch_backend` round it).
+void lora_addmm_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b) {
+  check_cpu(y, "lora_addmm_");
+  check_cpu(x, "lora_addmm_");
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && a.dim() == 2 && b.dim() == 2 && a.is_contiguous() &&
+                  b.is_contiguous() && x.size(0) == y.size(0) && a.size(1) == x.size(1) &&
+                  b.size(0) == a.size(0) && b.size(1) == y.size(1),
+              "lora_addmm_: x [n, in], y [n, out], a [r, in], b [r, out] (a, b contiguous)");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(y.scalar_type() == dt && a.scalar_type() == dt && b.scalar_type() == dt, "lora_addmm_: one dtype");
+  const int64_t n = x.size(0), in = x.size(1), out = y.size(1), r = a.size(0);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dt, "lora_addmm_", [&] {
+    const scalar_t *xp = x.data_ptr<scalar_t>(), *ap = a.data_ptr<scalar_t>(), *bp = b.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    std::vector<float> h(r), acc(out);
+    for (int64_t i = 0; i < n; ++i) {
+      const scalar_t* xr = xp + i * x.stride(0);
+      for (int64_t k = 0; k < r; ++k) h[k] = dot(xr, ap + k * in, in);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t k = 0; k < r; ++k) axpy(acc.data(), h[k], bp + k * out, out);
+      scalar_t* yr = yp + i * y.stride(0);
+      for (int64_t o = 0; o < out; ++o) yr[o] = static_cast<scalar_t>(f(yr[o]) + acc[o]);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(loraserve_fused, m) {
+  m.def("lora_addmm_(Tensor(a!) y, Tensor x, Tensor a, Tensor b) -> ()");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor d, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor? norm_w, float eps) -> Tensor");
@@ -433,4 +463,5 @@ TORCH_LIBRARY_IMPL(loraserve_fused, CPU, m) {
   m.impl("rope", &rope);
   m.impl("silu_mul", &silu_mul);
   m.impl("decode_attention", &decode_attention);
+  m.impl("lora_addmm_", &lora_addmm_);
 }

@@ -11,7 +11,9 @@ while the work is small:
 - `rope(x, cos, sin, norm_w, eps)`: `model.rope.apply_rotary`, after Qwen3's per-head norm when given;
 - `silu_mul(g, u)`: SwiGLU's silu(g) * u;
 - `decode_attention(...)`: one query per sequence over the paged K/V cache, the cache write
-  included (`engine.core.attention.PagedAttention`).
+  included (`engine.core.attention.PagedAttention`);
+- `lora_addmm_(y, x, a, b)`: y += (x @ a.T) @ b, one adapter's delta on a few rows
+  (`torch_backend`'s one-adapter decode step: two tiny GEMMs and three views before).
 
 Callers use them only where `usable(x)` holds: a CPU tensor of float32 or bfloat16 outside
 autograd (serving: inference mode or no_grad) and outside a compiled graph (inductor fuses the
@@ -87,3 +89,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torc
                      slots: torch.Tensor, kv_index: torch.Tensor, lens: torch.Tensor, window: int,
                      scale: float) -> torch.Tensor:
     return torch.ops.loraserve_fused.decode_attention(q, k, v, kc, vc, slots, kv_index, lens, window, scale)
+
+
+LORA_MAX_ROWS = 8  # rows up to which `lora_addmm_` beats two GEMM calls (a decode step's few)
+
+
+def lora_addmm_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.ops.loraserve_fused.lora_addmm_(y, x, a, b)

@@ -29,6 +29,7 @@ from typing import ClassVar
 
 import torch
 
+from . import cpu_fused
 from ._checks import check_expand, check_pool, check_rows, check_shrink, check_tables
 from .meta import LoRAMeta
 
@@ -201,6 +202,11 @@ class _Padded:
         if s == 1 and self.vtok is None and A_rows.dtype == x.dtype and B_rows.dtype == y.dtype:
             # one adapter (the common decode step): two plain GEMMs cost ~5 us less than the bmm pair
             a, b = self.pick_one(A_rows), self.pick_one(B_rows)
+            if length <= cpu_fused.LORA_MAX_ROWS and cpu_fused.usable(x):
+                # serving a few rows on the CPU: both products in one op, y rounded once
+                whole = x.shape[0] == length == y.shape[0]  # every row the adapter's: no slicing
+                cpu_fused.lora_addmm_(y if whole else y[:length], x if whole else x[:length], a, b)
+                return
             if x.dtype in _WIDEN_ON_CPU and x.is_cpu and length <= _WIDEN_MAX_ROWS:
                 # a few rows in bfloat16/float16 on the CPU: oneDNN's reduced-precision GEMM costs
                 # 40-50 us a call at these shapes, widening the rank rows and GEMMing in float32

@@ -171,3 +171,25 @@ def test_decode_attention_refuses_indices_outside_the_cache(bad):
     {"slot": slots, "length": lens, "index": kv_index}[bad][0] = 10**6
     with pytest.raises(RuntimeError, match="out of range"):
         cpu_fused.decode_attention(q, k, v, kc, vc, slots, kv_index, lens, 0, 1.0)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(n=st.integers(1, 8), inp=st.integers(1, 80), out=st.integers(1, 80), rank=st.integers(1, 20),
+       lo=st.integers(0, 7), dtype=DTYPES, seed=st.integers(0, 2**16))
+def test_lora_addmm_equals_the_two_products(n, inp, out, rank, lo, dtype, seed):
+    """y += (x @ a.T) @ b on a column slice of a wider output (a fused projection's), in float32
+    and rounded once into y: equal to the float64 products to rounding."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(n, out + lo + 3, generator=gen).to(dtype)
+    y = wide[:, lo:lo + out]
+    x = torch.randn(n, inp + 2, generator=gen).to(dtype)[:, 1:inp + 1]
+    a, b = torch.randn(rank, inp, generator=gen).to(dtype), torch.randn(rank, out, generator=gen).to(dtype)
+    want = (y.double() + (x.double() @ a.double().T) @ b.double())
+    before = wide.clone()
+    with torch.inference_mode():
+        cpu_fused.lora_addmm_(y, x, a, b)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=0.1)
+    torch.testing.assert_close(y.double(), want, **tol)
+    outside = torch.ones_like(wide, dtype=torch.bool)
+    outside[:, lo:lo + out] = False
+    assert torch.equal(wide[outside], before[outside])  # the other columns untouched
