@@ -290,7 +290,7 @@ CORE_CATEGORIES = [
     ("scheduler + block manager", ("scheduler.py", "block_manager.py")),
     ("adapter tiers (pool, pager)", ("adapters/",)),
     ("engine IPC + msgpack (socket or ZeroMQ, core side)", ("zmq/", "wire.py", "msgpack", "core.py")),
-    ("engine loop + outputs", ("engine_loop.py", "llm_engine.py", "output.py", "sequence.py")),
+    ("engine loop + outputs", ("engine_core.py", "llm_engine.py", "output.py", "sequence.py")),
 ]
 
 

@@ -6,7 +6,7 @@ Starts `loraserve serve` (demo base and catalog; engine core in its own process)
 sitecustomize hook that timestamps (time.perf_counter: CLOCK_MONOTONIC, one clock for both
 processes) the entry and exit of the functions a request passes through: the HTTP handler
 (`_answer`), the endpoint (`serve`), `CoreClient._submit` (queued for the core), `CoreClient._flush` (sent), `EngineCore._add`,
-`EngineLoop.serve` (the model), `EngineCoreProc._send_replies` and `CoreClient._deliver`. Then it sends
+`EngineCore.serve` (the model), `EngineCoreProc._send_replies` and `CoreClient._deliver`. Then it sends
 non-streamed 1-token completions one at a time, first on the base model, then on a resident
 adapter, and prints the median time of each mark from the request's arrival in the handler.
 `--source DIR` serves the loraserve found in DIR instead (e.g. `git archive HEAD` unpacked, with
@@ -41,9 +41,8 @@ TARGETS = {
     "loraserve.server.endpoint": [(None, "serve")],
     "loraserve.engine.client.core_client": [("CoreClient", "_submit"), ("CoreClient", "_flush"),
                                      ("CoreClient", "_deliver")],
-    "loraserve.engine.core.engine_core": [("EngineCore", "_add")],
+    "loraserve.engine.core.engine_core": [("EngineCore", "_add"), ("EngineCore", "serve")],
     "loraserve.engine.core.process": [("EngineCoreProc", "_send_replies")],
-    "loraserve.engine.core.engine_loop": [("EngineLoop", "serve")],
 }
 def _wrap(mod, cls, name):
     owner = getattr(mod, cls) if cls else mod
@@ -89,8 +88,8 @@ MARKS = [("serve>", "endpoint starts (body parsed, validated)"),
          ("CoreClient._submit>", "queued for the engine core (tokenized, adapter resolved)"),
          ("CoreClient._flush<", "sent to the engine core (end of the event-loop turn)"),
          ("EngineCore._add>", "the core has it"),
-         ("EngineLoop.serve>", "engine step starts"),
-         ("EngineLoop.serve<", "engine step ends (the model ran)"),
+         ("EngineCore.serve>", "engine step starts"),
+         ("EngineCore.serve<", "engine step ends (the model ran)"),
          ("CoreClient._deliver>", "output back in the API process"),
          ("serve<", "answer built"),
          ("_answer<", "handler returns (response goes out)")]

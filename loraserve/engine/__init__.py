@@ -1,9 +1,8 @@
 """The engine, in two halves that run in different processes, and what they share.
 
 - `engine.core`: where the model is. The scheduler, KV block books, model runner, sampler and the
-  step loop (`core.llm_engine.LLMEngine`, driven by `core.engine_loop.EngineLoop`), the
-  transport-free `core.engine_core.EngineCore` that owns them (admission, call dispatch,
-  residency), the structured-output matchers, and the engine-core process's transport
+  step loop (`core.llm_engine.LLMEngine`), the transport-free `core.engine_core.EngineCore`
+  that owns and drives it (turns, training slices, admission, call dispatch, residency), the structured-output matchers, and the engine-core process's transport
   (`core.process.EngineCoreProc`, entered via `core.boot`).
   Build an engine with `core.build.build_engine`.
 - `engine.client`: the API process's side. `client.frontend.EngineFrontend` (detokenize, stop

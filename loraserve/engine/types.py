@@ -195,7 +195,7 @@ class GenerateRequest:
     adapter: str | None = None  # catalog model ref "tenant/name[@rev]"; None = base only
     # False: the caller reads the answer whole (a non-streamed HTTP request): it gets the first
     # delta (errors and TTFT surface as early as ever), then one merged delta at the end, not one
-    # per step, so the event loop is not woken per token per request (EngineLoop merges in the
+    # per step, so the event loop is not woken per token per request (EngineCore merges in the
     # core when the request has no stop strings, the OutputProcessor otherwise).
     stream: bool = True
     # Fair share: the scheduler admits waiting sequences round-robin across tenants, `weight`
@@ -304,7 +304,7 @@ FIRST = object()  # a non-streamed request whose first delta is not out yet (`co
 
 
 def coalesce(held: object, out: RequestOutput, last: bool) -> tuple[object, RequestOutput | None]:
-    """The non-streamed merge rule, one copy for the engine core (`EngineLoop`) and the API side
+    """The non-streamed merge rule, one copy for the engine core (`EngineCore`) and the API side
     (`OutputProcessor`): the first delta goes out as it is, then nothing until the last, which
     carries every delta since the first merged. `held` is FIRST (the first is not out yet), None
     (nothing held) or the deltas merged since the first; returns (what to hold now, what to hand

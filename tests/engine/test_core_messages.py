@@ -29,7 +29,7 @@ WAIT_S = 30
 
 
 class StubEngine:
-    """What EngineCore and EngineLoop use of an LLMEngine: every added request finishes in the
+    """What EngineCore uses of an LLMEngine: every added request finishes in the
     next step with one token; `busy_steps` more steps run a batch of nothing in particular, each
     publishing a new snapshot (`preemptions` counts the steps, so the last one is recognizable)."""
 

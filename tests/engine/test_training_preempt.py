@@ -3,7 +3,7 @@ the ORDER of the engine's work and what each side computes, never timings.
 
 The slice computes on the trainer thread while the engine's owner thread waits; at each
 preemption point (each decoder layer's attention and MLP, forward, recomputation and backward)
-it parks when the hosting says input waits (`EngineLoop.has_input`). Here the hosting is a list
+it parks when the hosting says input waits (`EngineCore.has_input`). Here the hosting is a list
 the test fills: a forward hook on one layer "delivers" a request while the slice runs, the
 driver's next turn admits it. What holds: the request's first token comes before the slice ends;
 what the pass computes (outputs, gradients, factors after optim_step) is bitwise what it computes
@@ -25,7 +25,7 @@ from loraserve.catalog.store import Catalog
 from loraserve.engine.async_engine import AsyncEngine
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.core.build import build_engine
-from loraserve.engine.core.engine_loop import EngineLoop
+from loraserve.engine.core.engine_core import EngineCore
 from loraserve.engine.core.process import EngineCoreProc
 from loraserve.engine.core.training import trainer_of
 from loraserve.engine.messages import encode, Stop
@@ -78,13 +78,13 @@ def _alone(engine, rid: str):
 
 
 class Driver:
-    """An EngineLoop over the engine with a hosting of the test's own: `inbox` holds requests
+    """An EngineCore over the engine with a hosting of the test's own: `inbox` holds requests
     delivered (from any thread), each turn admits them, then steps; `has_input` is whether any
     wait (or, with `always`, every point)."""
 
     def __init__(self, engine, always: bool = False):
         self.engine, self.core = engine, trainer_of(engine)
-        self.loop = EngineLoop(engine)
+        self.loop = EngineCore(engine)
         self.loop.trace = []
         self.inbox: list[GenerateRequest] = []
         self.seqs: dict[str, object] = {}
@@ -310,7 +310,7 @@ def test_in_process_a_chat_is_answered_before_the_pass_it_arrived_during(demo_de
     its first token before the pass is answered."""
     eng = AsyncEngine.from_config(EngineConfig(model_dir=str(demo_dense), device="cpu", dtype="float32",
                                                max_model_len=512, torch_threads=1, train_max_tokens=512))
-    eng.core.loop.trace = trace = []
+    eng.core.trace = trace = []
     events: list[str] = []
 
     async def main():
@@ -363,13 +363,13 @@ def test_the_core_process_sees_a_frame_or_a_wake_up_waiting(demo_dense):
     ours, theirs = socket.socketpair()
     proc = EngineCoreProc(engine, ours)
     try:
-        assert not proc.loop.has_input()
+        assert not proc.core.has_input()
         theirs.sendall(encode(Stop()))
-        assert proc.loop.has_input()
+        assert proc.core.has_input()
         proc._receive()
-        assert not proc.loop.has_input()
+        assert not proc.core.has_input()
         proc._wake()
-        assert proc.loop.has_input()
+        assert proc.core.has_input()
     finally:
         proc.close()
         theirs.close()

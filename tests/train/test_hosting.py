@@ -47,11 +47,11 @@ async def _train_steps(trainer, steps: int = 2) -> list[float]:
 
 
 def test_in_process_slices_interleave_with_decoding(demo_dense):
-    """The engine thread's own order of events (EngineLoop.trace): with a generation in flight
+    """The engine thread's own order of events (EngineCore.trace): with a generation in flight
     it runs a decode step between two training slices (one tenant: its serving and its
     training alternate step for slice)."""
     eng = AsyncEngine.from_config(_cfg(demo_dense, train_max_tokens=12))
-    eng.core.loop.trace = events = []  # appended on the engine thread only
+    eng.core.trace = events = []  # appended on the engine thread only
 
     async def main():
         await eng.start()

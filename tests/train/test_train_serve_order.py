@@ -2,7 +2,7 @@
 
 The engine loop runs one serving step, then at most one training slice of all the training
 queued, and that slice only in training's turn of the tenants' fair share (training charged in
-tokens, engine/core/training.py, Scheduler.training_turn). `EngineLoop.trace` records each turn's
+tokens, engine/core/training.py, Scheduler.training_turn). `EngineCore.trace` records each turn's
 work: "prefill" / "decode" for a serving step that ran a batch, "train" for a slice.
 
 What these hold: however many runs have passes queued, a serving step waits for one slice at most
@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from loraserve.engine.config import EngineConfig
-from loraserve.engine.core.engine_loop import EngineLoop
+from loraserve.engine.core.engine_core import EngineCore
 from loraserve.engine.core.llm_engine import LLMEngine
 from loraserve.engine.core.process import EngineCoreProc
 from loraserve.engine.core.scheduler import Scheduler
@@ -55,8 +55,8 @@ def engine(demo_dense) -> LLMEngine:
 
 @pytest.fixture()
 def loop(engine):
-    """A fresh EngineLoop over the shared engine, tracing; the engine is left idle after."""
-    loop = EngineLoop(engine)
+    """A fresh EngineCore over the shared engine, tracing; the engine is left idle after."""
+    loop = EngineCore(engine)
     loop.trace = []
     yield loop
     core = trainer_of(engine)
@@ -80,7 +80,7 @@ def _between(trace: list[str]) -> list[int]:
     return counts
 
 
-def _drive(loop: EngineLoop, answers: list, limit: int = 5000) -> list[bool]:
+def _drive(loop: EngineCore, answers: list, limit: int = 5000) -> list[bool]:
     """Turns until the engine has nothing left (requests done, passes answered); each turn's
     check that a serving step could run and did: [had serving work at its start]."""
     eng, core = loop.engine, trainer_of(loop.engine)
@@ -173,7 +173,7 @@ def test_the_core_process_drains_every_message_yet_runs_one_slice_per_turn(demo_
                                     torch_threads=1, max_batch_size=8, max_batched_tokens=64))
     ours, theirs = socket.socketpair()
     core = EngineCoreProc(engine, ours)
-    core.loop.trace = trace = []
+    core.core.trace = trace = []
     thread = threading.Thread(target=core.serve, daemon=True)
     thread.start()
     try:
@@ -261,7 +261,7 @@ def test_any_mix_of_training_and_serving_keeps_the_bound(engine, jobs, requests,
     forward_backward) and requests arriving at random turns: every turn runs a serving step
     when there is serving work, at most one slice per turn, so at most one slice between two
     serving steps; every request and every pass ends."""
-    loop = EngineLoop(engine)
+    loop = EngineCore(engine)
     loop.trace = []
     core = trainer_of(engine)
     answers = []

@@ -1,10 +1,10 @@
 """The engine core, transport-free: what the engine's owner thread does with each message.
 
-`EngineCore` owns the `LLMEngine` and its `EngineLoop` (steps, quiet requests, training
-slices), and is the one place that admits a request (after its grammar compiled, or failed, or
-ran past its bound), dispatches a call (unload, residency, warm, train) and answers where a
-revision is. It speaks `engine.messages` and nothing else; a transport moves those records and
-decides only how to wait between turns:
+`EngineCore` is the only code that touches the `LLMEngine`: it runs its steps and training
+slices, merges quiet requests' deltas, and is the one place that admits a request (after its
+grammar compiled, or failed, or ran past its bound), dispatches a call (unload, residency, warm,
+train) and answers where a revision is. It speaks `engine.messages` and nothing else; a
+transport moves those records and decides only how to wait between turns:
 
     in-thread   async_engine.AsyncEngine       a thread of the API process, a queue of records
     process     core.process.EngineCoreProc    the engine-core process, a Unix socket (msgpack),
@@ -17,9 +17,23 @@ how to take the messages that arrived (waiting at most `wait_s()` for one or a `
 landed, a grammar compiled, a warm or a training pass finished on another thread), how to hand a
 turn's deltas and replies (call returns, the handshake) over, and whether to go on. One turn:
 the messages, then the requests whose grammar compiled, then the serving step; its deltas and
-replies go over before the training slice (at most one), whose replies follow. A transport also
-says whether a message or a wake waits now (`has_input`): a training slice gives way to it part
-way, ending the turn, and goes on in a later one (train/preempt.py).
+replies go over before the training slice (at most one), whose replies follow: a token never
+waits for the slice after the step that made it.
+
+A non-streamed request without stop strings is *quiet*: its first delta goes out at once (errors
+and time to first token surface as early as ever), the rest are merged here and go out when it
+ends. Nothing on the API side needs them sooner, and a delta per step per request would wake the
+API process every step, taking CPU from the engine's intra-op threads on a small machine. A
+request with stop strings sends every step's delta: the API side's `OutputProcessor` must see
+its text to end it.
+
+Training shares the turns: after its serving step (`serve`), a turn runs at most one slice of
+the queued training (`train`, `TrainerCore.slice_turn`), and only in training's turn of the fair
+share, so a serving step never waits for more than one slice, however many runs train. A slice
+gives way part way when `has_input()` (the transport's: a message or a wake-up waits on it) says
+so, at its next preemption point (train/preempt.py): the turn ends there, and a later turn
+resumes the slice, so a request that arrives while a slice runs is admitted and prefilled after
+one layer's attention or MLP of it.
 
 Grammar-compile admission: a request whose grammar is still compiling waits in `compiling`,
 off the engine, and each turn admits those whose compile is done and fails those past the
@@ -39,10 +53,10 @@ from concurrent.futures import Future
 from ..heartbeat import LOOP_WAITING, PROGRESS
 from ..messages import (Abort, Add, Batch, CoreInfo, Hello, Malformed, Message, Ready, Residency,
                         Return, Stop, Train, Unload, Warm)
-from ..types import RequestOutput
-from .engine_loop import EngineLoop
+from ..types import FIRST, RequestOutput, coalesce
 from .llm_engine import LLMEngine
-from .training import close_trainer, trainer_of
+from .sequence import Sequence
+from .training import close_trainer, trainer_if_any, trainer_of
 
 log = logging.getLogger(__name__)
 WAITING_S = 0.05  # queued work that could not run, or a grammar compiling: look again this often
@@ -55,8 +69,7 @@ class EngineCore:
         any thread, whether a message or a wake-up waits on the transport (a training slice
         gives way to it part way)."""
         self.engine = engine
-        self.loop = EngineLoop(engine)
-        self.loop.has_input = has_input
+        self.has_input = has_input
         self.wake = wake
         engine.set_notify(wake)  # page-ins landed, a decode bucket's compile moved on
         # what changed before this wake was installed (the background compile starts with the
@@ -67,6 +80,12 @@ class EngineCore:
         # requests whose grammar compiles on the grammar workers: (the Add, its compile, since)
         self.compiling: dict[str, tuple[Add, Future, float]] = {}
         self._replies: queue.SimpleQueue[Ready | Return] = queue.SimpleQueue()  # any thread puts
+        # quiet requests -> FIRST, None (nothing held) or the merged deltas since the first (`coalesce`)
+        self._quiet: dict[str, object] = {}
+        # when a list: each turn's work in order, "prefill" / "decode" (a serving step that ran a
+        # batch), "train" (a training slice, or the parked one going on) and "parked" after it
+        # when it gave way before its end; tests read the interleaving from it
+        self.trace: list[str] | None = None
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self, take: Callable[[float | None], Iterable[Message | Malformed]],
@@ -84,7 +103,7 @@ class EngineCore:
             messages = take(wait_s)
             beat[PROGRESS] = time.monotonic()
             hand_over(self.turn(messages), self.replies())
-            if self.loop.train():  # passes that ended in the slice
+            if self.train():  # passes that ended in the slice
                 hand_over([], self.replies())
 
     def turn(self, messages: Iterable[Message | Malformed] = ()) -> list[RequestOutput]:
@@ -95,7 +114,7 @@ class EngineCore:
             outs.extend(self.handle(msg))
         if self.compiling:
             outs.extend(self.admit_compiled())
-        outs.extend(self.loop.serve())
+        outs.extend(self.serve())
         return outs
 
     def replies(self) -> list[Ready | Return]:
@@ -109,7 +128,7 @@ class EngineCore:
         """How long the transport may wait for a message before the next turn: 0 while the
         engine is busy, WAITING_S with work that could not run or a grammar compiling, None
         (until woken) when idle."""
-        if self.loop.busy:
+        if self.busy:
             return 0.0
         if self.engine.scheduler.has_work or self.compiling:
             return WAITING_S
@@ -122,7 +141,7 @@ class EngineCore:
                 return self._add(msg)
             case Abort(request_id=rid):
                 if self.compiling.pop(rid, None) is None:  # not in the engine yet: never will be
-                    self.loop.abort(rid)
+                    self.abort(rid)
             case Batch():
                 return [out for m in msg.messages for out in self.handle(m)]
             case Hello():
@@ -134,6 +153,84 @@ class EngineCore:
             case Unload() | Residency() | Warm() | Train():
                 self._call(msg)
         return []
+
+    # -- steps ----------------------------------------------------------------------------------
+    def add(self, seq: Sequence, stream: bool = True) -> list[RequestOutput]:
+        try:
+            self.engine.add_sequence(seq)
+        except Exception as exc:  # e.g. a duplicate request id: that request alone fails
+            return [self.engine.output.error(seq, exc)]
+        if not stream and not seq.params.stop:
+            self._quiet[seq.request_id] = FIRST
+        return []
+
+    def abort(self, request_id: str) -> None:
+        self._quiet.pop(request_id, None)
+        self.engine.abort(request_id)  # nobody listens any more: its final delta is dropped
+
+    @property
+    def busy(self) -> bool:
+        """The last step ran a batch, or training waits for slices: step again without waiting
+        for a command."""
+        if self.engine.last_batch_size > 0:
+            return True
+        trainer = trainer_if_any(self.engine)
+        return trainer is not None and trainer.has_queued
+
+    def step(self) -> list[RequestOutput]:
+        """The serving step, then at most one training slice (tests, drivers that hand the
+        deltas over after both; `run` hands them over between)."""
+        outs = self.serve()
+        self.train()
+        return outs
+
+    def serve(self) -> list[RequestOutput]:
+        """The turn's serving step: its deltas, to hand over before `train`."""
+        eng = self.engine
+        try:
+            outs = eng.step()
+        except Exception as exc:  # a bug outside any one sequence: fail what is running, go on
+            log.exception("engine step failed")
+            outs = eng.fail_all(exc)
+        if self.trace is not None and eng.last_batch_size > 0:
+            self.trace.append(eng.scheduler.last_kind or "serve")
+        return self._coalesce(outs) if self._quiet else outs
+
+    def train(self) -> bool:
+        """The turn's training slice, if training waits and it is its turn (after a serving step
+        that ran a batch, `TrainerCore.slice_turn` asks the fair share), until it ends or gives
+        way to input (`has_input`); whether one ran."""
+        trainer = trainer_if_any(self.engine)
+        if trainer is None or not trainer.has_queued:
+            return False
+        try:
+            sliced = trainer.slice_turn(self.engine.last_batch_size > 0, self.has_input)
+        except Exception:  # a bug outside any one pass (each pass's own faults answer it)
+            log.exception("training slice failed")
+            sliced = False
+        if sliced and self.trace is not None:
+            self.trace.append("train")
+            if trainer.inflight is not None:
+                self.trace.append("parked")
+        return sliced
+
+    def _coalesce(self, outs: list[RequestOutput]) -> list[RequestOutput]:
+        """Quiet requests: pass the first delta, hold and merge the rest until the last."""
+        sent = []
+        for out in outs:
+            rid = out.request_id
+            if rid not in self._quiet:
+                sent.append(out)
+                continue
+            last = out.finish_reason is not None or out.error is not None
+            held, send = coalesce(self._quiet[rid], out, last)
+            if send is not None:
+                sent.append(send)
+            if last:
+                del self._quiet[rid]
+            else:
+                self._quiet[rid] = held
+        return sent
 
     # -- requests -------------------------------------------------------------------------------
     def _add(self, msg: Add) -> list[RequestOutput]:
@@ -152,7 +249,7 @@ class EngineCore:
             seq = self.engine.make_sequence(req, msg.record)
         except Exception as exc:
             return [RequestOutput.failed(req.request_id, exc, len(req.prompt_token_ids))]
-        return self.loop.add(seq, req.stream)
+        return self.add(seq, req.stream)
 
     def admit_compiled(self) -> list[RequestOutput]:
         """Admit the requests whose grammar is now compiled; fail those whose grammar did not

@@ -75,7 +75,7 @@ class EngineCoreProc:
     def __init__(self, engine: LLMEngine, conn: socket.socket, parent_pid: int | None = None,
                  heartbeat=None, heartbeat_s: float = HEARTBEAT_S, beat: Beat | None = None):
         self.core = EngineCore(engine, self._wake, self._has_input)
-        self.engine, self.loop = engine, self.core.loop
+        self.engine = engine
         self.parent_pid = parent_pid
         self.conn = conn
         conn.setblocking(False)
@@ -202,7 +202,7 @@ class EngineCoreProc:
         if snap is self._snapshot:
             return None
         now = time.monotonic()
-        if self.loop.busy and not returning and now - self._snapshot_sent_at < SNAPSHOT_EVERY_S:
+        if self.core.busy and not returning and now - self._snapshot_sent_at < SNAPSHOT_EVERY_S:
             return None
         self._snapshot, self._snapshot_sent_at = snap, now
         return snap

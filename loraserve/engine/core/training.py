@@ -5,7 +5,7 @@
 slice and a decode step never run at once and the model needs no lock.
 
 A forward or forward_backward is queued (`run`, answered through a Future when its last slice
-ran) and the engine loop drives it (`EngineLoop.step`): after each serving step it runs at most
+ran) and the engine loop drives it (`EngineCore.train`): after each serving step it runs at most
 ONE slice of all the queued training (`slice_turn`), of at most `train_max_tokens` tokens: the
 next datums of the pass whose tenant is furthest behind in the scheduler's fair share, batched
 with those of other runs' passes waiting too (train/grouped.py), or one chunk of a datum longer
