@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from .tracing import compiling
 from . import cpp_build
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def set_enabled(on: bool) -> None:
 def usable(x: torch.Tensor) -> bool:
     """Whether a step on `x` may take the fused ops: CPU, float32/bfloat16, no autograd, eager."""
     return (x.device.type == "cpu" and x.dtype in DTYPES and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling() and available())
+            and not compiling() and available())
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from .tracing import compiling
 from ._checks import check_expand, check_shrink
 from .backend import BACKENDS, resolve_backend
 from .expand import expand_triton
@@ -138,7 +139,7 @@ def _op_tokens(meta: LoRAMeta, x: torch.Tensor) -> int:
 def _through_op() -> bool:
     """Call the registered custom op (not the implementation directly): while torch.compile /
     export traces the caller, or under a TorchDispatchMode (FakeTensorMode, make_fx, ...)."""
-    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+    return compiling() or _get_current_dispatch_mode() is not None
 
 
 # -- implementations (the custom ops' bodies): `backend` is a resolved name -------------------

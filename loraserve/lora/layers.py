@@ -14,6 +14,7 @@ from torch import nn
 
 from loraserve import kernels
 from loraserve.catalog.targets import EXPERT_KINDS, LAYER_KINDS, LM_HEAD
+from loraserve.kernels.tracing import compiling
 from loraserve.kernels import LoRAMeta
 from loraserve.kernels.torch_backend import PlanCache
 
@@ -96,10 +97,10 @@ class LoRAState:
         """y += LoRA(x) for one target module. On the torch backend the plan is built by the
         first layer of each kind (`plan_key`: kind, or (kind, layer) for MoE) and reused."""
         A, B, table, ranks = weights
-        if self.backend == "torch" and not meta.moe and torch.compiler.is_compiling():
+        if self.backend == "torch" and not meta.moe and compiling():
             add_lora_traced(y, x, A, B, table, ranks, self.token_slots)
             return
-        if self.backend != "torch" or torch.compiler.is_compiling():
+        if self.backend != "torch" or compiling():
             # a compiled step calls the registered op, which plans for itself on the torch
             # backend: the plan cache is host-side Python state a graph cannot hold
             self.ops.add_lora(y, x, A, B, table, ranks, meta)

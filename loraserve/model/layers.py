@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from loraserve.kernels.tracing import compiling
 from loraserve.kernels import cpu_fused
 from loraserve.model.config import ModelConfig
 from loraserve.model.quant import QuantLinear
@@ -169,7 +170,7 @@ def _in_place(q: Tensor, k: Tensor, fused: Tensor) -> bool:
     inference mode records no view bases), so that whatever changed them (a serving LoRA wrapper
     adds its delta in place) is in `fused`. A training hook returns a new tensor (slice + delta);
     a compiled graph takes the separate path (inductor fuses those kernels itself)."""
-    if torch.compiler.is_compiling():
+    if compiling():
         return False
     base = fused.data_ptr()
     return q.data_ptr() == base and k.data_ptr() == base + q.shape[-1] * fused.element_size()

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..kernels.tracing import compiling
 from ..kernels import cpu_gemv
 from . import light_ops
 from .quant import QuantLinear
@@ -156,7 +157,7 @@ class PackedLinear(nn.Module):
         return self.packed.to_dense()
 
     def forward(self, x: Tensor) -> Tensor:
-        if torch.compiler.is_compiling():  # the graph calls the packed weight by its handle
+        if compiling():  # the graph calls the packed weight by its handle
             return torch.ops.loraserve.packed_linear(x, self.handle, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from loraserve.kernels import cpu_fused
+from loraserve.kernels.tracing import compiling
 
 
 class KVCache:
@@ -81,15 +82,15 @@ class PagedAttention:
         cache = self.cache
         # a compiled graph reads no per-step Python field (`full`, `kv_run`): each is a guard,
         # and a real step that differs from the warm-up's would recompile while serving
-        compiling = torch.compiler.is_compiling()
-        if self.single_query and self.lens is not None and not compiling and cpu_fused.usable(q) \
+        traced = compiling()
+        if self.single_query and self.lens is not None and not traced and cpu_fused.usable(q) \
                 and k.dtype == q.dtype == cache.k.dtype:
             # eager decode on the CPU: the cache write, each sequence's own context read through
             # kv_index, GQA and the softmax in one op (cpu_fused), not ~14 dispatches a layer
             return cpu_fused.decode_attention(q, k, v, cache.k_layers[layer], cache.v_layers[layer],
                                               self.slot_mapping, self.kv_index, self.lens, window or 0,
                                               q.shape[-1] ** -0.5)
-        if compiling:
+        if traced:
             # the write as an index_put_ on the whole cache (layer and slot indices): inductor
             # scatters the rows in place inside a fused kernel. Written through a layer view
             # (`cache.k[layer]`) it would be a functional update of a graph input, which copies
@@ -104,7 +105,7 @@ class PagedAttention:
             vc.index_copy_(0, self.slot_mapping, _as(v, vc.dtype))
         b, _, nq, c = self.mask.shape  # from a tensor, not `shape`: symbolic under torch.compile
         heads, d = q.shape[1], q.shape[2]
-        if not compiling and self.kv_run is not None:
+        if not traced and self.kv_run is not None:
             # one sequence in consecutive blocks (`BlockManager` hands out the lowest free ones):
             # its context is a slice of the cache, no gather (a copy of every context row)
             kc, vc = kc[self.kv_run[0]:self.kv_run[1]], vc[self.kv_run[0]:self.kv_run[1]]
@@ -122,8 +123,8 @@ class PagedAttention:
         if window is not None:
             mask = self.window_mask(window)
         else:  # a mask of all True is none: SDPA skips building an additive mask from it
-            mask = None if not compiling and self.full else self.mask
-        if compiling and self.single_query and q.device.type == "cpu":
+            mask = None if not traced and self.full else self.mask
+        if traced and self.single_query and q.device.type == "cpu":
             out = _decode_attention(qb, kb, vb, mask)
         else:
             out = F.scaled_dot_product_attention(qb, _as(kb, qb.dtype), _as(vb, qb.dtype), attn_mask=mask,
