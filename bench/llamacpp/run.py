@@ -399,6 +399,14 @@ def main() -> None:
     ap.add_argument("--wait-compiled", type=int, default=None, metavar="N",
                     help="time once the decode buckets up to batch N are compiled (default: all "
                          "of them); the rest compile on in the background at the lowest priority")
+    ap.add_argument("--no-wait-compiled", action="store_true",
+                    help="time at once, as a fresh default server runs (its background compile, "
+                         "if any, going on); pair with --freeze-other")
+    ap.add_argument("--freeze-other", action="store_true",
+                    help="SIGSTOP the other server's process group while one is timed (SIGCONT "
+                         "after): an idle server's background work (loraserve's decode-step "
+                         "compile runs when its engine is idle) then cannot steal the cores the "
+                         "timed one runs on; each server's own background work still counts")
     ap.add_argument("--loraserve-model", type=Path, default=None,
                     help="the model loraserve serves instead of MODEL_DIR/hf, e.g. the original "
                          "quantized GGUF (served quantized, its default; pair with --llama-base)")
@@ -451,8 +459,9 @@ def main() -> None:
             ls, lc = servers
             # timed as it runs once its background compile is done (of every bucket, or with
             # --wait-compiled N of the buckets up to batch N)
-            compiled = ls.wait_compiled(args.wait_compiled)
-            print(f"[threads {threads}] loraserve decode buckets compiled: {', '.join(compiled) or 'none'}")
+            if not args.no_wait_compiled:
+                compiled = ls.wait_compiled(args.wait_compiled)
+                print(f"[threads {threads}] loraserve decode buckets compiled: {', '.join(compiled) or 'none'}")
             lc_ids = llamacpp_tokenize(lc, texts)
             same_tok = sum(a == b for a, b in zip(lc_ids, prompt_ids))
             print(f"[threads {threads}] prompt tokenization equal in both: {same_tok}/{len(texts)}")
@@ -497,10 +506,17 @@ def main() -> None:
                     adapters = [adapter_of(mix, i) for i in range(args.batch)]
                     order = servers if (rep + k) % 2 == 0 else servers[::-1]
                     for s in order:
-                        cpu0, busy0 = tree_cpu_seconds(s.proc.pid), machine_busy_seconds()
-                        dt, outs = asyncio.run(run_batch(s, texts[:args.batch], adapters, args.tokens,
-                                                         check=False))
-                        cpu, busy = tree_cpu_seconds(s.proc.pid) - cpu0, machine_busy_seconds() - busy0
+                        other = servers[1] if s is servers[0] else servers[0]
+                        if args.freeze_other:
+                            os.killpg(other.proc.pid, signal.SIGSTOP)
+                        try:
+                            cpu0, busy0 = tree_cpu_seconds(s.proc.pid), machine_busy_seconds()
+                            dt, outs = asyncio.run(run_batch(s, texts[:args.batch], adapters, args.tokens,
+                                                             check=False))
+                            cpu, busy = tree_cpu_seconds(s.proc.pid) - cpu0, machine_busy_seconds() - busy0
+                        finally:
+                            if args.freeze_other:
+                                os.killpg(other.proc.pid, signal.SIGCONT)
                         n = sum(o[1] for o in outs)
                         text_mismatch[s.name] += sum(o[0] != e for o, e in zip(outs, expected[mix][s.name]))
                         r = results[f"t{threads}"][mix]
