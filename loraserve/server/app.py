@@ -307,8 +307,8 @@ def draining_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *,
     collector.guard = protocol.guard
     config.setdefault("http", protocol)
     config.setdefault("ws", "none")  # no WebSocket routes: an Upgrade stays plain HTTP, guarded
-    # the keep-alive deadline is the protocol's (limits.keep_alive_timeout); uvicorn's own timer
-    # is not armed by it
+    # the keep-alive deadline is limits.keep_alive_timeout: the protocol sets uvicorn's own
+    # timer to it per connection (GuardedHttpTools), whatever this config value says
     config.setdefault("timeout_keep_alive", max(1, math.ceil(limits.keep_alive_timeout)))
     return DrainingServer(uvicorn.Config(app, host=host, port=port, backlog=plan.backlog,
                                          timeout_graceful_shutdown=ctx.shutdown_timeout
