@@ -15,6 +15,7 @@ import time
 import torch
 
 from ...adapters.manager import RevisionQuarantined
+from ...kernels import cpu_fused
 from ...model.config import ModelConfig
 from ...model import quant_load
 from ...model.loader import load_model, resolve_dtype
@@ -101,6 +102,9 @@ class LLMEngine:
                 prepack_linears(self.model, batch_hint=cfg.max_batch_size)  # before LoRA wraps them
             elif big:
                 vector_linears(self.model)  # one-row steps as matrix-vector products
+            # the fused decode ops' library, built (~16 s, once per machine) or loaded here at
+            # start-up, not inside the first step, which the stall watch times
+            cpu_fused.available()
             log.info("CPU engine: %d intra-op threads, base weights %s", torch.get_num_threads(),
                      "packed for oneDNN" if layout == "packed" else "plain")
         self.tokenizer = Tokenizer.from_dir(cfg.model_dir)
