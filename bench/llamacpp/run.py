@@ -406,10 +406,9 @@ def main() -> None:
                     help="SIGSTOP the other server's process group while one is timed (SIGCONT "
                          "after): an idle server's background work (loraserve's decode-step "
                          "compile runs when its engine is idle) then cannot steal the cores the "
-                         "timed one runs on; each server's own background work still counts. "
-                         "A frozen turn longer than loraserve's --engine-timeout (30 s) reads as a "
-                         "stalled core once it resumes (its supervisor is frozen too): keep the "
-                         "other server's turns shorter, e.g. one request at a time")
+                         "timed one runs on; each server's own background work still counts "
+                         "(loraserve's supervisor, frozen with its core, judges the core only "
+                         "after a wake of its own following the pause)")
     ap.add_argument("--loraserve-model", type=Path, default=None,
                     help="the model loraserve serves instead of MODEL_DIR/hf, e.g. the original "
                          "quantized GGUF (served quantized, its default; pair with --llama-base)")

@@ -127,3 +127,31 @@ def test_a_wedged_engine_loop_is_not_ready_past_the_timeout_then_ready_again(hos
 
 async def _drain(gen) -> list[int]:
     return [t async for out in gen for t in out.token_ids]
+
+
+def test_a_supervisor_stopped_with_its_core_does_not_call_the_core_stalled(demo_dense):
+    """The whole server stopped and resumed (SIGSTOP of its process group, a paused VM): the core
+    and its supervisor resume together, and the core's beat is as old as the pause. The supervisor
+    knows its own watch did not run meanwhile and judges at its next wake, once the core had a
+    turn: the core is kept (same pid, no restart) and serves; a core stopped alone is still
+    replaced (the test above)."""
+    host = ProcessWedge(demo_dense)
+    eng = host.engine
+    req = GenerateRequest("long", [1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True))
+
+    async def main() -> None:
+        await eng.start()
+        try:
+            task = asyncio.create_task(_drain(eng.generate(req)))
+            await host.wedge()                 # the core stopped mid-request ...
+            time.sleep(TIMEOUT_S * 1.5)        # ... and this event loop (the supervisor) with it
+            host.unwedge()                     # both resume together
+            await asyncio.sleep(TIMEOUT_S)     # the watch's next wakes judge a moving core
+            assert eng.core_pid == host.pid and eng.restarts == 0
+            assert len(await task) == 30
+            assert eng.ready
+        finally:
+            host.unwedge()
+            await eng.shutdown()
+
+    asyncio.run(main())

@@ -263,25 +263,30 @@ class CoreClient(EngineFrontend):
         while it is up, for its loss (it died, or its loop made no progress for the engine
         timeout). Returns (cause, kind) once it is lost; None at shutdown."""
         timeout = self.engine_timeout_s
+        woke = time.monotonic()
         while True:
             starting = self.state == "starting"
             await asyncio.wait((self._hello, self._lost, self._stopping) if starting else
                                (self._lost, self._stopping), timeout=self.heartbeat_s / 2,
                                return_when=asyncio.FIRST_COMPLETED)
+            # this watch itself did not run for half the timeout (the process stopped with the
+            # core, a paused VM, a blocked loop): the core's beat is as old, through no fault of
+            # its own. Judge at the next wake, once the resumed core had a turn to stamp
             now = time.monotonic()
+            was_away, woke = now - woke > timeout / 2, now
             if self._stopping.done():
                 return None
             if not starting:
                 if self._lost.done():
                     return f"{proc.pid} died", "exited"
-                if (stalled := self._beat.stalled_for(now)) > timeout:
+                if not was_away and (stalled := self._beat.stalled_for(now)) > timeout:
                     return (f"{proc.pid} stalled (no progress for {stalled:.1f} s, engine timeout "
                             f"{timeout:g} s)", "stalled")
             elif self._hello.done():
                 self._up(proc, self._hello.result())
             elif self._lost.done():
                 return f"{proc.pid} exited while starting", "start_failed"
-            elif (silent := self._beat.silent_for(now)) > timeout:
+            elif not was_away and (silent := self._beat.silent_for(now)) > timeout:
                 return (f"{proc.pid} stalled while starting (no heartbeat for {silent:.1f} s, "
                         f"engine timeout {timeout:g} s)", "stalled")
             elif now > deadline:
