@@ -233,12 +233,18 @@ void silu_mul_row<float>(const float* g, const float* u, float* o, int64_t n) {
 // p[r * n + j] = sc * q_r . k_j for the rep query rows q [rep, dim] and the n cache rows
 // k_j = kc[idx[j] * row + off ...][:dim]
 template <typename T>
-void scores(const float* q, const T* kc, const int64_t* idx, int64_t row, int64_t off, int64_t dim,
-            int64_t rep, int64_t n, float sc, float* p) {
+void scores_plain(const float* q, const T* kc, const int64_t* idx, int64_t row, int64_t off, int64_t dim,
+                  int64_t rep, int64_t n, float sc, float* p) {
   for (int64_t j = 0; j < n; ++j) {
     const T* kr = kc + idx[j] * row + off;
     for (int64_t r = 0; r < rep; ++r) p[r * n + j] = dot(q + r * dim, kr, dim) * sc;
   }
+}
+
+template <typename T>
+void scores(const float* q, const T* kc, const int64_t* idx, int64_t row, int64_t off, int64_t dim,
+            int64_t rep, int64_t n, float sc, float* p) {
+  scores_plain(q, kc, idx, row, off, dim, rep, n, sc, p);
 }
 
 #if defined(__AVX512F__)
@@ -248,10 +254,7 @@ template <>
 void scores<float>(const float* q, const float* kc, const int64_t* idx, int64_t row, int64_t off,
                    int64_t dim, int64_t rep, int64_t n, float sc, float* p) {
   if (dim % 16 != 0 || dim > 256) {
-    for (int64_t j = 0; j < n; ++j) {
-      const float* kr = kc + idx[j] * row + off;
-      for (int64_t r = 0; r < rep; ++r) p[r * n + j] = dot(q + r * dim, kr, dim) * sc;
-    }
+    scores_plain(q, kc, idx, row, off, dim, rep, n, sc, p);
     return;
   }
   const int64_t lanes = dim / 16;
@@ -271,12 +274,18 @@ void scores<float>(const float* q, const float* kc, const int64_t* idx, int64_t 
 
 // acc[r] += sum over j of p[r * n + j] * v_j, v_j = vc[idx[j] * row + off ...][:dim]
 template <typename T>
-void weighted_sum(const float* p, const T* vc, const int64_t* idx, int64_t row, int64_t off, int64_t dim,
-                  int64_t rep, int64_t n, float* acc) {
+void weighted_sum_plain(const float* p, const T* vc, const int64_t* idx, int64_t row, int64_t off,
+                        int64_t dim, int64_t rep, int64_t n, float* acc) {
   for (int64_t j = 0; j < n; ++j) {
     const T* vr = vc + idx[j] * row + off;
     for (int64_t r = 0; r < rep; ++r) axpy(acc + r * dim, p[r * n + j], vr, dim);
   }
+}
+
+template <typename T>
+void weighted_sum(const float* p, const T* vc, const int64_t* idx, int64_t row, int64_t off, int64_t dim,
+                  int64_t rep, int64_t n, float* acc) {
+  weighted_sum_plain(p, vc, idx, row, off, dim, rep, n, acc);
 }
 
 #if defined(__AVX512F__)
@@ -285,10 +294,7 @@ template <>
 void weighted_sum<float>(const float* p, const float* vc, const int64_t* idx, int64_t row, int64_t off,
                          int64_t dim, int64_t rep, int64_t n, float* acc) {
   if (dim != 64 && dim != 128) {
-    for (int64_t j = 0; j < n; ++j) {
-      const float* vr = vc + idx[j] * row + off;
-      for (int64_t r = 0; r < rep; ++r) axpy(acc + r * dim, p[r * n + j], vr, dim);
-    }
+    weighted_sum_plain(p, vc, idx, row, off, dim, rep, n, acc);
     return;
   }
   for (int64_t r = 0; r < rep; ++r) {
