@@ -288,6 +288,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.model:   # a .gguf file runs as `loraserve serve --model FILE.gguf` runs it
+        from loraserve.model.gguf import resolve_base
+        args.model = str(resolve_base(args.model))
     if args.what == "bandwidth":
         for name, gbs in bandwidth(args.reps).items():
             print(f"{name:>20}: {gbs:6.1f} GB/s")

@@ -1,10 +1,11 @@
 """Our C++ CPU kernels, compiled here for this CPU and cached where only this user can change them.
 
 `library(name, source, flags)` compiles `source` with the C++ compiler torch's own extensions
-use (`-march=native`: the CPU's own instructions) into `<cache root>/<name>/<name>-<key>.so`,
+use (`-march=native`: the CPU's own instructions; `-fopenmp`: ATen's thread pool) into `<cache root>/<name>/<name>-<key>.so`,
 the key a hash of the source, torch's version, the CPU's flags and the command, and returns the
 file to load. The first process builds (under a lock: the others wait for its file); later ones
-load the file. Used by `cpu_gemv` (one-row GEMV) and `cpu_quant` (quantized linears), so every
+load the file. Used by `cpu_gemv` (one-row GEMV), `cpu_quant` (quantized linears) and `cpu_fused`
+(decode ops), so every
 library the server loads goes through the one check below.
 """
 from __future__ import annotations
@@ -52,7 +53,10 @@ def library(name: str, source: Path, flags: tuple[str, ...] = ()) -> Path:
     from torch.utils import cpp_extension
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     lib_dir = Path(torch.__file__).parent / "lib"
-    cmd = [cxx, "-O3", "-march=native", *flags, "-std=c++17", "-shared", "-fPIC", "-w",
+    # -fopenmp always: ATen's at::parallel_for is an OpenMP pragma compiled into the caller, so a
+    # library built without it runs every "parallel" loop on one thread, silently (cpu_quant did,
+    # at half its speed on 2 cores, until tests/kernels/test_cpp_build.py checked it).
+    cmd = [cxx, "-O3", "-march=native", "-fopenmp", *(f for f in flags if f != "-fopenmp"), "-std=c++17", "-shared", "-fPIC", "-w",
            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in cpp_extension.include_paths()),
            f"-I{sysconfig.get_paths()['include']}", str(source), f"-L{lib_dir}", "-lc10", "-ltorch_cpu",
            f"-Wl,-rpath,{lib_dir}"]

@@ -47,7 +47,7 @@ def available() -> bool:
         _state["ok"] = False
         if os.environ.get("LORASERVE_CPU_FUSED", "1") != "0":
             try:
-                torch.ops.load_library(str(cpp_build.library("cpu_fused", SOURCE, ("-fopenmp", "-ffp-contract=off"))))
+                torch.ops.load_library(str(cpp_build.library("cpu_fused", SOURCE, ("-ffp-contract=off",))))
                 _state["ok"] = True
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 log.warning("fused CPU decode ops unavailable, torch's are used: %s", e)

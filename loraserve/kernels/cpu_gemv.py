@@ -91,4 +91,4 @@ trusted_file = cpp_build.trusted_file  # the check every cached library passes b
 
 def _build() -> Path:
     """The library for this source, torch and CPU (built now unless a trusted one is cached)."""
-    return cpp_build.library("cpu_gemv", SOURCE, ("-fopenmp",))
+    return cpp_build.library("cpu_gemv", SOURCE)
