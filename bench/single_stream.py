@@ -233,17 +233,20 @@ def step_split(model: str, fields: dict, tokens: int, rounds: int) -> None:
     import statistics
 
     from loraserve.engine.types import GenerateRequest, SamplingParams
-    from loraserve.model import prepack
+    from loraserve.model import prepack, quant
     spent = [0.0]
-    forward = prepack.VectorLinear.forward
+    plain = {cls: cls.forward for cls in (prepack.VectorLinear, quant.QuantLinear)}  # float, quantized
 
-    def timed(self, x):
-        t0 = time.perf_counter()
-        y = forward(self, x)
-        spent[0] += time.perf_counter() - t0
-        return y
+    def timed(forward):
+        def call(self, x):
+            t0 = time.perf_counter()
+            y = forward(self, x)
+            spent[0] += time.perf_counter() - t0
+            return y
+        return call
 
-    prepack.VectorLinear.forward = timed
+    for cls, forward in plain.items():
+        cls.forward = timed(forward)
     try:
         eng = _engine(model, 1, tokens, {"compile": "off", "max_batch_size": "1", **fields})
         steps, linears = [], []
@@ -260,7 +263,8 @@ def step_split(model: str, fields: dict, tokens: int, rounds: int) -> None:
                     steps.append(time.perf_counter() - t0)
                     linears.append(spent[0])
     finally:
-        prepack.VectorLinear.forward = forward
+        for cls, forward in plain.items():
+            cls.forward = forward
     rest = [s - g for s, g in zip(steps, linears)]
     print(f"{len(steps)} decode steps at batch 1 ({fields or 'defaults'})")
     for name, v in (("step", steps), ("linears", linears), ("rest", rest)):

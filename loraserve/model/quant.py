@@ -122,6 +122,11 @@ class QuantLinear(nn.Module):
         return self.dequantized()
 
     def forward(self, x: Tensor) -> Tensor:
+        if (self.native and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] <= self.max_rows
+                and self.bias is None and not (x.requires_grad and torch.is_grad_enabled())
+                and x.is_contiguous()):
+            # decode's few float rows: the kernel and nothing else (one dispatched op, not five)
+            return cpu_quant.quant_linear(x, self.codes, self.scales, self.mins, self.bits, self.group)
         rows = x.reshape(-1, self.in_features)
         if rows.requires_grad and torch.is_grad_enabled():
             y = _InputGrad.apply(rows, self)
