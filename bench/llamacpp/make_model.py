@@ -18,9 +18,16 @@ Writes, under --out (every step is skipped when its output is there):
 With --from-gguf FILE (a real model, e.g. SmolLM2-135M-Instruct's Q4_1 file from `make models`)
 hf/ is that file as loraserve reads it (`loraserve.model.gguf.resolve_base`: dequantized to float32,
 its own tokenizer and chat template, written by the project's .venv), and gguf/base-f32.gguf is
-the file with every tensor dequantized to F32 by the `gguf` package (`gguf_to_f32`; metadata and
+the file with every tensor dequantized to F32 by the `gguf` package (`gguf_to_float`; metadata and
 tokenizer as in the file): both servers then run the same float32 weights
-(run.py --llama-base FILE serves the original file on llama.cpp's side instead).
+(run.py --llama-base FILE serves the original file on llama.cpp's side instead). --outtypes
+f32,bf16 also writes gguf/base-bf16.gguf that way (2-D tensors rounded to BF16, norms F32: the
+weights loraserve --dtype bfloat16 casts hf/ to), not with llama.cpp's converter, which refuses
+hf/'s tokenizer; the adapters go through convert_lora_to_gguf.py as for a random base.
+Make SmolLM2's f32 and bf16 files (8 adapters):
+
+    .loraserve/llamacpp/venv/bin/python bench/llamacpp/make_model.py --out .loraserve/llamacpp/smollm2 \
+        --from-gguf .venv/models/SmolLM2-135M-Instruct.Q4_1.gguf --adapters 8 --outtypes f32,bf16
 
 Why this tokenizer: llama.cpp's converter recognises a byte-level BPE tokenizer only by a hash of
 its pre-tokenizer output on a fixed text, so a home-made BPE vocabulary is refused. A SentencePiece
@@ -138,15 +145,24 @@ def from_gguf(file: Path, hf: Path) -> None:
                     ignore=shutil.ignore_patterns("loraserve-gguf.json"))
 
 
-def gguf_to_f32(src: Path, dst: Path) -> None:
+def gguf_to_float(src: Path, dst: Path, outtype: str = "f32") -> None:
     """dst = src with every tensor dequantized to F32 by the `gguf` package (llama.cpp's own
     reader and reference dequantizers), metadata and tokenizer copied as they are: what llama.cpp
     serves as "the f32 GGUF" of a quantized file. The file's own tokenizer metadata is kept, so
     llama.cpp tokenizes as it does with the original (converting the hf/ directory back would
-    need llama.cpp's converter to know the tokenizer class loraserve wrote)."""
+    need llama.cpp's converter to know the tokenizer class loraserve wrote: the project's
+    transformers writes `TokenizersBackend`, which the converter venv's transformers refuses).
+
+    outtype bf16 or f16: then the F32 values are rounded as `convert_hf_to_gguf.py --outtype
+    bf16/f16` rounds the checkpoint it reads (gguf.quants.quantize: bf16 to nearest even, as
+    torch's `.to(bfloat16)`): tensors of 2 or more dimensions become BF16/F16, 1-D tensors and
+    `*_norm.weight` stay F32, and general.file_type says MOSTLY_BF16/MOSTLY_F16."""
     import gguf
     import numpy as np
 
+    qtype, ftype = {"f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
+                    "bf16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
+                    "f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16)}[outtype]
     reader = gguf.GGUFReader(src)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
     writer = gguf.GGUFWriter(str(dst), arch)
@@ -154,7 +170,7 @@ def gguf_to_f32(src: Path, dst: Path) -> None:
         if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
             continue
         if field.name == gguf.Keys.General.FILE_TYPE:
-            writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+            writer.add_file_type(ftype)
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
@@ -162,8 +178,13 @@ def gguf_to_f32(src: Path, dst: Path) -> None:
     tensors = []
     for t in reader.tensors:
         data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        tensors.append((t.name, np.ascontiguousarray(data)))
-        writer.add_tensor_info(t.name, data.shape, np.dtype(np.float32), data.nbytes, gguf.GGMLQuantizationType.F32)
+        data = np.ascontiguousarray(data)
+        kind = gguf.GGMLQuantizationType.F32
+        if data.ndim >= 2 and not t.name.endswith("_norm.weight"):
+            kind = qtype
+            data = gguf.quants.quantize(data, kind)   # F32: returned as it is
+        tensors.append((t.name, data))
+        writer.add_tensor_info(t.name, data.shape, data.dtype, data.nbytes, kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -204,13 +225,14 @@ def llamacpp_src(cache: Path) -> Path:
 def convert(out: Path, n: int, cache: Path, outtype: str = "f32", from_gguf: Path | None = None) -> None:
     """The base and n adapters as gguf/base-{outtype}.gguf and gguf/aNN-{outtype}.gguf. f32 keeps
     the checkpoint's weights exactly; bf16 and f16 round them (bf16 as torch's `.to(bfloat16)`
-    does: round to nearest even), and the converter keeps 1-D tensors (norms) in f32."""
+    does: round to nearest even), and the converter keeps 1-D tensors (norms) in f32. With
+    from_gguf the base is that file's tensors in outtype (`gguf_to_float`)."""
     src = llamacpp_src(cache)
     gg = out / "gguf"
     gg.mkdir(exist_ok=True)
     base = gg / f"base-{outtype}.gguf"
-    if not base.is_file() and from_gguf is not None and outtype == "f32":
-        gguf_to_f32(from_gguf, Path(str(base) + ".tmp"))
+    if not base.is_file() and from_gguf is not None:
+        gguf_to_float(from_gguf, Path(str(base) + ".tmp"), outtype)
         Path(str(base) + ".tmp").rename(base)
     if not base.is_file():
         subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(out / "hf"),
