@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -360,42 +361,99 @@ def fair_waiting(http: httpx.Client) -> dict[str, float]:
     return {s.labels["tenant"]: s.value for s in fams.get("loraserve_fair_share_waiting", [])}
 
 
+class _GatedStreams:
+    """Long streams, one thread each, that may wait at the ingress's fair-share gate: each is
+    read on from its first chunk (its slot granted) until `close` ends it, so a stream that
+    got a slot holds it, and what the gate granted is read off which streams have opened, not
+    off when the replicas answered."""
+
+    def __init__(self, http: httpx.Client, model: str):
+        self.http, self.model = http, model
+        self.tenants: list[str] = []      # stream i's tenant
+        self.opened: list[int] = []       # streams with their first chunk, as they came
+        self.ended: list[str] = []        # refused, failed, or ran out before closed
+        self._close: list[threading.Event] = []
+        self._threads: list[threading.Thread] = []
+
+    def open(self, tenant: str) -> None:
+        self.tenants.append(tenant)
+        self._close.append(threading.Event())
+        self._threads.append(threading.Thread(target=self._read, daemon=True,
+                                              args=(len(self.tenants) - 1, tenant)))
+        self._threads[-1].start()
+
+    def _read(self, i: int, tenant: str) -> None:
+        body = {"model": self.model, "messages": [{"role": "user", "content": PROMPT}],
+                "max_tokens": HELD_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True}
+        try:
+            with self.http.stream("POST", "/v1/chat/completions", json=body, timeout=120,
+                                  headers={"Authorization": f"Bearer {tenant}"}) as r:
+                lines = (line for line in r.iter_lines() if line.startswith("data: "))
+                if r.status_code != 200 or next(lines, None) is None:
+                    self.ended.append(f"{tenant} #{i}: status {r.status_code}, no first chunk")
+                    return
+                self.opened.append(i)
+                for _ in lines:
+                    if self._close[i].is_set():
+                        return
+                self.ended.append(f"{tenant} #{i}: ran to its end")
+        except Exception as exc:  # reported by the test's asserts, not lost in a thread
+            self.ended.append(f"{tenant} #{i}: {exc!r}")
+
+    def granted(self, count: int, timeout_s: float = 60) -> Counter:
+        """The tenants of the streams opened, once `count` have."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.opened) < count:
+            assert not self.ended, self.ended
+            assert time.monotonic() < deadline, (count, self.opened, self.ended)
+            time.sleep(0.1)
+        assert len(self.opened) == count and not self.ended, (count, self.opened, self.ended)
+        return Counter(self.tenants[i] for i in self.opened)
+
+    def close(self, streams: list[int]) -> None:
+        for i in streams:
+            self._close[i].set()
+
+    def close_all(self) -> None:
+        self.close(list(range(len(self.tenants))))
+        for t in self._threads:
+            t.join(120)
+
+
 def test_tenants_share_a_saturated_cluster_by_weight(http) -> None:
-    """Both replicas' batches full (8 streams), then 12 requests of tenant light (weight 1)
-    and, after them, 12 of heavy (weight 3), all waiting at the ingress. As the streams end,
-    the ingress grants the freed slots by weighted fair share across the cluster: heavy's
-    requests finish ahead of light's, though they came later (FIFO would finish all of
-    light's first). Counted by order of completion: of the first 12, heavy has ~9 by the
-    weights, at least 7 allowing for requests finishing out of the order they were granted."""
+    """Both replicas' batches full (8 streams), then 12 streams of tenant light (weight 1)
+    and, after them, 12 of heavy (weight 3), all waiting at the ingress's fair-share gate.
+    The 8 streams end together, and the gate hands their slots on; each stream given one holds
+    it (it is read on), so exactly 8 are granted: by the weights heavy gets 3 of every 4, 6 of
+    them. Those 8 end together: 8 more granted, heavy's 12 all among the first 16. FIFO would
+    grant light's 12 first, equal shares 4 and 8 of heavy's.
+
+    Counted by which streams have their slot, not by order of completion: requests the gate
+    granted in one order finish on two replicas in another (each answered within a second, the
+    client's threads reading them on two busy cores), and the gate's grants are the decision."""
     model = base_model(http)
-    done: list[str] = []
-    lock = threading.Lock()
-
-    def ask(tenant: str) -> None:
-        r = http.post("/v1/chat/completions", headers={"Authorization": f"Bearer {tenant}"},
-                      json={"model": model, "messages": [{"role": "user", "content": PROMPT}],
-                            "max_tokens": 2}, timeout=120)
-        with lock:
-            done.append(tenant if r.status_code == 200 else f"{tenant}: {r.status_code} {r.text}")
-
-    threads: list[threading.Thread] = []
+    gated = _GatedStreams(http, model)
     try:
         with _streams_running(http, [model] * 8, ADMIN):
             for tenant in WEIGHTS:
                 for _ in range(12):
-                    threads.append(threading.Thread(target=ask, args=(tenant,), daemon=True))
-                    threads[-1].start()
+                    gated.open(tenant)
                 deadline = time.monotonic() + 60
                 while fair_waiting(http).get(tenant) != 12:
-                    assert time.monotonic() < deadline, (tenant, fair_waiting(http), done)
+                    assert time.monotonic() < deadline, (tenant, fair_waiting(http), gated.ended)
                     time.sleep(0.2)
-            assert not done, done  # all 24 wait: the cluster's 8 slots are the streams'
+            assert not gated.opened and not gated.ended  # all 24 wait: the 8 slots are the streams'
+        first = gated.granted(8)
+        assert first == {"heavy": 6, "light": 2}, [gated.tenants[i] for i in gated.opened]
+        assert fair_waiting(http) == {"heavy": 6, "light": 10}  # the gate's own count agrees
+        gated.close(list(gated.opened))
+        both = gated.granted(16)
+        print("tenants by first chunk:", " ".join(gated.tenants[i][0] for i in gated.opened))
+        assert both == {"heavy": 12, "light": 4}, [gated.tenants[i] for i in gated.opened]
+        assert fair_waiting(http) == {"light": 8}
     finally:
-        for t in threads:
-            t.join(120)
-    assert sorted(done) == ["heavy"] * 12 + ["light"] * 12, done
-    print("tenants in order of completion:", " ".join(t[0] for t in done))
-    assert done[:12].count("heavy") >= 7, done
+        gated.close_all()
+    assert len(gated.opened) == 24 and not gated.ended, (gated.opened, gated.ended)
 
 
 def router_in_flight(http: httpx.Client) -> dict[str, float]:
