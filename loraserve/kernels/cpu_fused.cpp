@@ -422,6 +422,35 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+// Attention from a fused q/k/v projection's output, qkv [B, (Hq + 2 Hkv) D] (rows of any stride):
+// its q and k heads normalised (norm_w, Qwen3) and rotated as `rope` does, then `decode_attention`
+// with v its last Hkv heads; returns [B, Hq * D], the o projection's input. One call where the
+// model made seven (slices and views of qkv, rope, the attention, the reshape). qkv is not changed.
+at::Tensor qkv_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Tensor& cos,
+                         const at::Tensor& sin, const c10::optional<at::Tensor>& norm_w, double eps,
+                         const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& slots,
+                         const at::Tensor& kv_index, const at::Tensor& lens, int64_t window, double scale) {
+  check_cpu(qkv, "qkv_attention");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && heads > 0 && kv_heads > 0 && kc.dim() == 3,
+              "qkv_attention: qkv must be [B, (Hq + 2 Hkv) * D] with unit column stride");
+  const int64_t b = qkv.size(0), dim = kc.size(2);
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * dim, "qkv_attention: qkv's width is not (Hq + 2 Hkv) * D");
+  const int64_t row = qkv.stride(0);
+  const at::Tensor qk = qkv.as_strided({b, heads + kv_heads, dim}, {row, dim, 1});
+  const at::Tensor v = qkv.as_strided({b, kv_heads, dim}, {row, dim, 1}, qkv.storage_offset() + (heads + kv_heads) * dim);
+  const at::Tensor turned = rope(qk, cos, sin, norm_w, eps);  // [B, Hq + Hkv, D], contiguous
+  const at::Tensor out = decode_attention(turned.narrow(1, 0, heads), turned.narrow(1, heads, kv_heads), v, kc, vc,
+                                          slots, kv_index, lens, window, scale);
+  return out.view({b, heads * dim});
+}
+
+// silu(g) * u from a fused gate/up output gu [T, 2I]: g its first I columns, u the rest.
+at::Tensor silu_mul_halves(const at::Tensor& gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "silu_mul_halves: gu must be [T, 2I]");
+  const int64_t n = gu.size(1) / 2;
+  return silu_mul(gu.narrow(1, 0, n), gu.narrow(1, n, n));
+}
+
 // y += (x @ a^T) @ b for a few rows: one adapter's LoRA delta on a decode step. x [n, in] and
 // y [n, out] (rows of any stride: y may be a column slice of a fused q/k/v output), a [r, in],
 // b [r, out] contiguous, one dtype. The rank-r middle and each output's sum in float32; y is
@@ -461,6 +490,9 @@ TORCH_LIBRARY(loraserve_fused, m) {
   m.def("silu_mul(Tensor g, Tensor u) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kc, Tensor(b!) vc, Tensor slots, "
         "Tensor kv_index, Tensor lens, int window, float scale) -> Tensor");
+  m.def("qkv_attention(Tensor qkv, int heads, int kv_heads, Tensor cos, Tensor sin, Tensor? norm_w, float eps, "
+        "Tensor(a!) kc, Tensor(b!) vc, Tensor slots, Tensor kv_index, Tensor lens, int window, float scale) -> Tensor");
+  m.def("silu_mul_halves(Tensor gu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(loraserve_fused, CPU, m) {
@@ -470,4 +502,6 @@ TORCH_LIBRARY_IMPL(loraserve_fused, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("decode_attention", &decode_attention);
   m.impl("lora_addmm_", &lora_addmm_);
+  m.impl("qkv_attention", &qkv_attention);
+  m.impl("silu_mul_halves", &silu_mul_halves);
 }

@@ -12,6 +12,9 @@ while the work is small:
 - `silu_mul(g, u)`: SwiGLU's silu(g) * u;
 - `decode_attention(...)`: one query per sequence over the paged K/V cache, the cache write
   included (`engine.core.attention.PagedAttention`);
+- `qkv_attention(...)`: `rope` of the q and k heads of a fused q/k/v output and
+  `decode_attention` with its v heads, in one call (no slices or views of it in Python);
+- `silu_mul_halves(gu)`: `silu_mul` of a fused gate/up output's two halves;
 - `lora_addmm_(y, x, a, b)`: y += (x @ a.T) @ b, one adapter's delta on a few rows
   (`torch_backend`'s one-adapter decode step: two tiny GEMMs and three views before).
 
@@ -90,6 +93,19 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torc
                      slots: torch.Tensor, kv_index: torch.Tensor, lens: torch.Tensor, window: int,
                      scale: float) -> torch.Tensor:
     return torch.ops.loraserve_fused.decode_attention(q, k, v, kc, vc, slots, kv_index, lens, window, scale)
+
+
+def qkv_attention(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                  norm_w: torch.Tensor | None, eps: float, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor,
+                  kv_index: torch.Tensor, lens: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    """qkv [B, (heads + 2 kv_heads) D] -> [B, heads D]: `rope` then `decode_attention` (cpu_fused.cpp)."""
+    return torch.ops.loraserve_fused.qkv_attention(qkv, heads, kv_heads, cos, sin, norm_w, eps, kc, vc, slots,
+                                                   kv_index, lens, window, scale)
+
+
+def silu_mul_halves(gu: torch.Tensor) -> torch.Tensor:
+    """gu [T, 2I] -> silu(gu[:, :I]) * gu[:, I:]."""
+    return torch.ops.loraserve_fused.silu_mul_halves(gu)
 
 
 LORA_MAX_ROWS = 8  # rows up to which `lora_addmm_` beats two GEMM calls (a decode step's few)

@@ -32,6 +32,11 @@ class AttentionFn(Protocol):
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, *,
                  window: int | None = None) -> Tensor: ...
 
+    # Optional (the engine's PagedAttention has it): fused_qkv(layer_idx, qkv, heads, kv_heads,
+    # rope, norm_w, eps, window) -> [T, Hq * D] or None. The same arithmetic from a fused q/k/v
+    # output [T, (Hq + 2 Hkv) D] before norm and rotary (norm_w [Hq + Hkv, D] or None), in one
+    # call; None where it does not apply this step (the model then slices and calls as above).
+
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
     """Softmax(q k^T / sqrt(D)) v over one causal sequence, GQA by head groups; with `window`,
@@ -122,7 +127,21 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
             qkv = self.qkv_proj(x)
-            q, k, v = self.q_proj(x, qkv), self.k_proj(x, qkv), self.v_proj(x, qkv)
+            projections = (self.q_proj, self.k_proj, self.v_proj)
+            fused = getattr(attn, "fused_qkv", None)
+            if fused is not None and cpu_fused.usable(qkv):
+                # one op from qkv (`AttentionFn.fused_qkv`) once any LoRA wrapper added its delta there
+                kv = self.num_kv_heads * self.head_dim
+                q, k, v = _project(x, qkv, projections, (self.num_heads * self.head_dim, kv, kv))
+                if q is None and k is None and v is None:
+                    eps = self.q_norm.eps if self.qk_norm_weight is not None else 0.0
+                    out = fused(self.layer_idx, qkv, self.num_heads, self.num_kv_heads, rope, self.qk_norm_weight,
+                                eps, self.window)
+                    if out is not None:
+                        return self.o_proj(out)
+                q, k, v = _columns(qkv, (q, k, v), (self.num_heads * self.head_dim, kv, kv))
+            else:
+                q, k, v = (p(x, qkv) for p in projections)
         v = v.view(t, self.num_kv_heads, self.head_dim)                # [T, Hkv, D]
         if self.qkv_proj is not None and _in_place(q, k, qkv):
             q, k = self._qk_together(qkv, rope)
@@ -165,6 +184,38 @@ class Attention(nn.Module):
         return qk[:, :self.num_heads], qk[:, self.num_heads:]
 
 
+def _project(x: Tensor, fused: Tensor, projections: tuple[nn.Module, ...],
+             widths: tuple[int, ...]) -> list[Tensor | None]:
+    """Each projection's columns (`widths`, in order) of a fused GEMM's output, for a caller that
+    reads `fused` as a whole: None for a plain `FusedSlice` (not called: its columns are in `fused`
+    as they are) and for a wrapper that returned its columns in place (a serving LoRA wrapper,
+    whose delta is now in `fused`); the tensor it returned otherwise (a hook's slice + delta),
+    which the caller must use instead of `fused`'s columns (`_columns`). Each projection that is
+    not a plain slice is called exactly once: the caller must not call it again."""
+    out: list[Tensor | None] = []
+    base, size, lo = fused.data_ptr(), fused.element_size(), 0
+    for p, width in zip(projections, widths):
+        if type(p) is FusedSlice and not (p._forward_hooks or p._forward_pre_hooks):
+            out.append(None)
+        else:
+            y = p(x, fused)
+            same = (y.data_ptr() == base + lo * size and tuple(y.shape) == (fused.shape[0], width)
+                    and y.stride() == fused.stride())
+            out.append(None if same else y)
+        lo += width
+    return out
+
+
+def _columns(fused: Tensor, outs: list[Tensor | None], widths: tuple[int, ...]) -> list[Tensor]:
+    """`_project`'s results made whole: its None entries become their columns of `fused` (a
+    view; the projection is not called again, so a delta it added in place is not added twice)."""
+    cols, lo = [], 0
+    for y, width in zip(outs, widths):
+        cols.append(fused[:, lo:lo + width] if y is None else y)
+        lo += width
+    return cols
+
+
 def _in_place(q: Tensor, k: Tensor, fused: Tensor) -> bool:
     """Whether q and k are still the fused q/k/v output's first columns (addresses, since
     inference mode records no view bases), so that whatever changed them (a serving LoRA wrapper
@@ -197,7 +248,14 @@ class MLP(nn.Module):
         if self.gate_up_proj is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         both = self.gate_up_proj(x)
-        gate, up = self.gate_proj(x, both), self.up_proj(x, both)
+        if both.dim() == 2 and cpu_fused.usable(both):
+            half = both.shape[1] // 2
+            gate, up = _project(x, both, (self.gate_proj, self.up_proj), (half, half))
+            if gate is None and up is None:
+                return self.down_proj(cpu_fused.silu_mul_halves(both))  # the halves read in place, one op
+            gate, up = _columns(both, (gate, up), (half, half))
+        else:
+            gate, up = self.gate_proj(x, both), self.up_proj(x, both)
         if gate.dim() == 2 and gate.dtype == up.dtype and cpu_fused.usable(gate):
             return self.down_proj(cpu_fused.silu_mul(gate, up))  # one op (kernels.cpu_fused)
         return self.down_proj(F.silu(gate) * up)

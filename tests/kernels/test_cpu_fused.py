@@ -141,6 +141,79 @@ def test_decode_attention_equals_the_paged_sdpa_path(b, kv_heads, rep, d, window
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(b=st.integers(1, 4), kv_heads=st.integers(1, 3), rep=st.integers(1, 3), d=st.sampled_from([2, 8, 24, 64]),
+       window=st.sampled_from([None, 1, 3, 7]), normed=st.booleans(), pad=st.integers(0, 3), dtype=DTYPES,
+       seed=st.integers(0, 2**16))
+def test_qkv_attention_equals_slices_rope_and_the_paged_sdpa_path(b, kv_heads, rep, d, window, normed, pad, dtype,
+                                                                   seed):
+    """`PagedAttention.fused_qkv` from a fused q/k/v output (rows padded: a view of a wider
+    tensor) against what the model does without it: slice q, k, v, norm and rotate q and k
+    (`rms_norm`, `apply_rotary`), then the torch SDPA path; the cache written alike, qkv unchanged."""
+    gen = torch.Generator().manual_seed(seed)
+    cache, attn, _, _, _ = _attention_case(gen, b, kv_heads, rep, d, 4, 8, window, dtype)
+    heads = kv_heads * rep
+    wide = torch.randn(b, (heads + 2 * kv_heads) * d + pad, generator=gen).to(dtype)
+    qkv = wide[:, pad:]
+    before = qkv.clone()
+    ang = torch.randn(b, 1, d // 2 if d > 1 else 1, generator=gen)
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dtype)
+    sin = torch.cat([-ang.sin(), ang.sin()], -1).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(heads + kv_heads, d, generator=gen)).to(dtype) if normed else None
+    twin, twin_attn = _clone(cache, attn)
+    with torch.inference_mode():
+        got = attn.fused_qkv(0, qkv, heads, kv_heads, (cos, sin), norm_w, 1e-6, window)
+        cpu_fused.set_enabled(False)
+        try:
+            qk = qkv[:, :(heads + kv_heads) * d].reshape(b, heads + kv_heads, d)
+            if normed:
+                qk = rms_norm(qk, norm_w, 1e-6)
+            qk = apply_rotary(qk, cos, sin)
+            v = qkv[:, (heads + kv_heads) * d:].reshape(b, kv_heads, d)
+            want = twin_attn(0, qk[:, :heads], qk[:, heads:], v, window=window).reshape(b, heads * d)
+        finally:
+            cpu_fused.set_enabled(True)
+    assert got is not None and got.shape == (b, heads * d)
+    torch.testing.assert_close(qkv, before, rtol=0, atol=0)
+    torch.testing.assert_close(cache.k, twin.k, **TOL[dtype])
+    torch.testing.assert_close(cache.v, twin.v, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_qkv_attention_declines_where_the_fused_decode_op_would():
+    """Not a decode step (or autograd on): None, and the model takes its sliced path."""
+    gen = torch.Generator().manual_seed(5)
+    cache, attn, _, _, _ = _attention_case(gen, 2, 1, 2, 8, 4, 8, None, torch.float32)
+    qkv, rope = torch.randn(2, 4 * 8), (torch.ones(2, 1, 8), torch.zeros(2, 1, 8))
+    with torch.inference_mode():
+        assert attn.fused_qkv(0, qkv, 2, 1, rope, None, 0.0, None) is not None
+        prefill = copy_with(attn, single_query=False)
+        assert prefill.fused_qkv(0, qkv, 2, 1, rope, None, 0.0, None) is None
+        assert attn.fused_qkv(0, qkv.double(), 2, 1, rope, None, 0.0, None) is None  # not the cache's dtype
+    with torch.enable_grad():
+        assert attn.fused_qkv(0, qkv, 2, 1, rope, None, 0.0, None) is None
+
+
+def copy_with(obj, **fields):
+    import copy
+    twin = copy.copy(obj)
+    for k, v in fields.items():
+        setattr(twin, k, v)
+    return twin
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(t=st.integers(1, 9), n=st.integers(1, 100), pad=st.integers(0, 3), dtype=DTYPES, seed=st.integers(0, 2**16))
+def test_silu_mul_halves_equals_silu_mul_of_the_two_halves(t, n, pad, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    wide = (4 * torch.randn(t, 2 * n + pad, generator=gen)).to(dtype)
+    both = wide[:, pad:]
+    with torch.inference_mode():
+        got = cpu_fused.silu_mul_halves(both)
+        torch.testing.assert_close(got, cpu_fused.silu_mul(both[:, :n], both[:, n:]), rtol=0, atol=0)
+        torch.testing.assert_close(got, F.silu(both[:, :n]) * both[:, n:], **TOL[dtype])
+
+
 def _clone(cache, attn):
     import copy
     twin = copy.copy(cache)

@@ -97,3 +97,69 @@ def test_q_and_k_rotated_together_equal_apart(hf_dense_dir, monkeypatch):
         assert len(calls) == len(model.model.layers)  # the first run only
         assert torch.equal(together, apart)
         calls.clear()
+
+
+def test_decode_fast_paths_equal_the_sliced_path_and_honour_hooks(hf_llama, monkeypatch):
+    """An eager CPU decode step reads the fused q/k/v and gate/up outputs whole
+    (`PagedAttention.fused_qkv`, `cpu_fused.silu_mul_halves`): the hidden states equal the
+    sliced path's (q, k, v and gate, up taken apart, then rope, attention, silu_mul), and a hook
+    that returns a new tensor at `k_proj` / `up_proj` (not the fused output's columns in place)
+    is honoured on both."""
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.core.attention import PagedAttention
+    from loraserve.engine.core.build import build_engine
+    from loraserve.engine.types import GenerateRequest, SamplingParams
+    from loraserve.kernels import cpu_fused
+
+    eng = build_engine(EngineConfig(model_dir=str(hf_llama), max_model_len=64, compile="off",
+                                    prefix_caching=False, max_batch_size=4))
+    model = eng.runner.model
+    assert model.model.layers[0].self_attn.qkv_proj is not None and model.model.layers[0].mlp.gate_up_proj is not None
+    hidden: list[torch.Tensor] = []
+    real_logits = type(model).compute_logits
+    monkeypatch.setattr(type(model), "compute_logits", lambda self, h: hidden.append(h.clone()) or real_logits(self, h))
+    fused_calls: list[int] = []
+    real_fused = cpu_fused.qkv_attention
+    monkeypatch.setattr(cpu_fused, "qkv_attention", lambda *a: fused_calls.append(1) or real_fused(*a))
+
+    def run(tag: str) -> list[torch.Tensor]:
+        hidden.clear()
+        eng.add_request(GenerateRequest(tag, [3, 14, 15, 9, 2, 6], SamplingParams(
+            max_tokens=5, temperature=0.0, ignore_eos=True)))
+        while eng.has_work():
+            eng.step()
+        return list(hidden)
+
+    def both_paths(tag: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        fused_calls.clear()
+        fast = run(tag + "-fast")
+        assert fused_calls, "the decode steps did not take the fused q/k/v path"
+        with monkeypatch.context() as m:
+            m.setattr(PagedAttention, "fused_qkv", None)
+            fused_calls.clear()
+            sliced = run(tag + "-sliced")
+            assert not fused_calls
+        for a, b in zip(fast, sliced, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        return fast, sliced
+
+    plain, _ = both_paths("plain")
+    layer = model.model.layers[1]
+    handles = [p.register_forward_hook(lambda mod, args, out: out + 0.25)
+               for p in (layer.self_attn.k_proj, layer.mlp.up_proj)]
+    try:
+        hooked, _ = both_paths("hooked")
+    finally:
+        for h in handles:
+            h.remove()
+    assert not torch.allclose(hooked[-1], plain[-1], atol=1e-3)  # the hooks changed the decode steps
+    # A hook that adds in place to the fused output's columns (as the serving LoRA wrapper does),
+    # on q/v and gate: called once on every path, its delta counted once (prefill included).
+    handles = [p.register_forward_hook(lambda mod, args, out: out.add_(0.25))
+               for p in (layer.self_attn.q_proj, layer.self_attn.v_proj, layer.mlp.gate_proj)]
+    try:
+        in_place, _ = both_paths("in-place")
+    finally:
+        for h in handles:
+            h.remove()
+    assert not torch.allclose(in_place[0], plain[0], atol=1e-3)

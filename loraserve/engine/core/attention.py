@@ -132,6 +132,21 @@ class PagedAttention:
         out = out.transpose(1, 2).reshape(b * nq, heads, d)                          # [B * Q, Hq, D]
         return out if self.single_query else out.index_select(0, self.q_valid_pos)
 
+    def fused_qkv(self, layer: int, qkv: torch.Tensor, heads: int, kv_heads: int, rope: tuple[torch.Tensor, torch.Tensor],
+                  norm_w: torch.Tensor | None, eps: float, window: int | None) -> torch.Tensor | None:
+        """The model's optional fast path (`model.layers.AttentionFn.fused_qkv`): q/k norm, rotary
+        and attention straight from a fused q/k/v output [N, (Hq + 2 Hkv) D] -> [N, Hq D], in one op
+        (cpu_fused.qkv_attention) where `__call__` would take the fused decode op; None elsewhere
+        (the model then slices q, k and v and calls this object as usual)."""
+        cache = self.cache
+        if not (self.single_query and self.lens is not None and qkv.dtype == cache.k.dtype == rope[0].dtype
+                and (norm_w is None or norm_w.dtype == qkv.dtype) and cpu_fused.usable(qkv)):
+            return None
+        d = cache.k.shape[-1]
+        return cpu_fused.qkv_attention(qkv, heads, kv_heads, rope[0], rope[1], norm_w, eps, cache.k_layers[layer],
+                                       cache.v_layers[layer], self.slot_mapping, self.kv_index, self.lens,
+                                       window or 0, d ** -0.5)
+
     def window_mask(self, window: int) -> torch.Tensor:
         """`mask` without keys `window` or more positions behind their query (sliding-window
         layers), built once per step and window. A query's position is its count of visible keys - 1."""
