@@ -56,6 +56,9 @@ SHUTDOWN_TIMEOUT_S = 30
 ENGINE_TIMEOUT_S = 10  # each replica's engine core: no progress this long and it is replaced
 LONG_TOKENS = 900   # a stream long enough to act on while it runs
 HELD_TOKENS = 4000  # streams read while checks run beside them (max_model_len 4096)
+# requests reaching the ingress's fair-share gate, or their slots, while it relays 8 streams'
+# tokens (with both cores busy elsewhere, 8 of 12 had not reached it after 60 s once)
+GATE_WAIT_S = 120
 ADMIN_KEY, ACME_KEY = "ray-admin-key", "ray-acme-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 ACME = {"Authorization": f"Bearer {ACME_KEY}"}
@@ -386,7 +389,7 @@ class _GatedStreams:
         body = {"model": self.model, "messages": [{"role": "user", "content": PROMPT}],
                 "max_tokens": HELD_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True}
         try:
-            with self.http.stream("POST", "/v1/chat/completions", json=body, timeout=120,
+            with self.http.stream("POST", "/v1/chat/completions", json=body, timeout=3 * GATE_WAIT_S,
                                   headers={"Authorization": f"Bearer {tenant}"}) as r:
                 lines = (line for line in r.iter_lines() if line.startswith("data: "))
                 if r.status_code != 200 or next(lines, None) is None:
@@ -400,7 +403,7 @@ class _GatedStreams:
         except Exception as exc:  # reported by the test's asserts, not lost in a thread
             self.ended.append(f"{tenant} #{i}: {exc!r}")
 
-    def granted(self, count: int, timeout_s: float = 60) -> Counter:
+    def granted(self, count: int, timeout_s: float = GATE_WAIT_S) -> Counter:
         """The tenants of the streams opened, once `count` have."""
         deadline = time.monotonic() + timeout_s
         while len(self.opened) < count:
@@ -438,7 +441,7 @@ def test_tenants_share_a_saturated_cluster_by_weight(http) -> None:
             for tenant in WEIGHTS:
                 for _ in range(12):
                     gated.open(tenant)
-                deadline = time.monotonic() + 60
+                deadline = time.monotonic() + GATE_WAIT_S
                 while fair_waiting(http).get(tenant) != 12:
                     assert time.monotonic() < deadline, (tenant, fair_waiting(http), gated.ended)
                     time.sleep(0.2)
