@@ -30,7 +30,7 @@ from .core.build import build_engine
 from .core.engine_core import EngineCore
 from .core.llm_engine import LLMEngine
 from .heartbeat import ENGINE_TIMEOUT_S, HEARTBEAT_S, LOOP_WAITING, Heartbeat
-from .messages import Abort, Message, Return
+from .messages import Message, Stop
 from .snapshot import EngineSnapshot
 from .types import EngineError
 
@@ -40,20 +40,16 @@ _WAKE = object()  # on the queue: run a turn (a page-in landed, a grammar compil
 
 class AsyncEngine(EngineFrontend):
     def __init__(self, engine: LLMEngine, engine_timeout_s: float = ENGINE_TIMEOUT_S):
-        super().__init__(engine.tokenizer)
+        super().__init__(engine.tokenizer, engine.cfg)  # (the sizes read as the engine read them)
         self.engine = engine
-        self.cfg = engine.cfg
-        self.model_name = engine.model_name
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.vocab_size
         self.directory = engine.directory  # the engine's catalog, in this process
+        self.adapter_manager = engine.adapters  # (None without a catalog) its catalog and reads only
         self.sourcing = Sourcing.open(engine.cfg, engine.adapters, self.directory)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.core = EngineCore(engine, lambda: self._inbox.put(_WAKE),  # engine thread only
                                lambda: not self._inbox.empty())
         self._thread: threading.Thread | None = None
         self._watcher: asyncio.Task | None = None
-        self._stop = threading.Event()
         self.heartbeat = [math.inf, LOOP_WAITING]  # ALIVE: this process; PROGRESS: the loop's
         self._progress = Heartbeat(self.heartbeat, HEARTBEAT_S, engine_timeout_s)
         self.trainer = self._trainer()
@@ -67,11 +63,6 @@ class AsyncEngine(EngineFrontend):
         return cls.from_config(EngineConfig(model_dir=str(model_dir), **kw))
 
     # -- what the server reads -------------------------------------------------------------------
-    @property
-    def adapter_manager(self):
-        """The AdapterManager (None without a catalog): its catalog and catalog reads only."""
-        return self.engine.adapters
-
     @property
     def snapshot(self) -> EngineSnapshot:
         return self.engine.snapshot
@@ -92,8 +83,9 @@ class AsyncEngine(EngineFrontend):
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="loraserve-engine", daemon=True)
+        self.core.running = True  # (again, after a shutdown)
+        self._thread = threading.Thread(target=self.core.run, name="loraserve-engine", daemon=True,
+                                        args=(self._take, self._hand_over, self.heartbeat))
         self._thread.start()
         self._watcher = asyncio.ensure_future(self._watch())
 
@@ -101,8 +93,7 @@ class AsyncEngine(EngineFrontend):
         if self._thread is None:
             return
         self._watcher.cancel()
-        self._stop.set()
-        self._inbox.put(_WAKE)
+        self._send(Stop())
         await asyncio.to_thread(self._thread.join, 10)
         self._thread = None
         self.core.close()
@@ -110,9 +101,7 @@ class AsyncEngine(EngineFrontend):
             self.sourcing.close()
 
     async def _watch(self) -> None:
-        """Event loop: every half beat, whether the engine thread is stuck in one turn past the
-        engine timeout; at the start of each such stall, every request and call in flight ends
-        with one clean 503."""
+        """Event loop, every half beat: at the start of each stall (above), what is in flight ends."""
         stalled = False
         while True:
             await asyncio.sleep(self._progress.suspect_s / 2)
@@ -121,19 +110,12 @@ class AsyncEngine(EngineFrontend):
                 err = unavailable_error(f"the engine made no progress for {stuck:.1f} s while "
                                         "serving this request; retry it")
                 log.error("engine thread stalled for %.1f s: ending what is in flight", stuck)
-                ended = list(self._queues)
-                self._fail_all(err)
-                for request_id in ended:  # freed once the thread moves again
-                    self._send(Abort(request_id))
+                self._fail_all(err)  # (their aborts free what they hold once the thread moves again)
             stalled = stuck > self._progress.timeout_s
 
     # -- the transport --------------------------------------------------------------------------
     def _send(self, msg: Message) -> None:
         self._inbox.put(msg)
-
-    def _run(self) -> None:
-        """The engine thread: the core's turns, each with the messages that are here."""
-        self.core.run(self._take, self._hand_over, lambda: not self._stop.is_set(), self.heartbeat)
 
     def _take(self, wait_s: float | None) -> list[Message]:
         """The messages queued now; with none, wait for one at most `wait_s` (None: until one
@@ -151,6 +133,5 @@ class AsyncEngine(EngineFrontend):
     def _hand_over(self, outs: list, replies: list) -> None:
         if outs:
             self._loop.call_soon_threadsafe(self._deliver, outs)
-        for ret in replies:
-            if isinstance(ret, Return):
-                self._loop.call_soon_threadsafe(self._returned, ret)
+        for ret in replies:  # call returns (no Hello is sent here: no Ready comes back)
+            self._loop.call_soon_threadsafe(self._returned, ret)

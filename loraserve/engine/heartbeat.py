@@ -10,7 +10,7 @@ server's loop was busy.
   the process runs (`core_boot.boot_core`, before it imports torch and builds the engine). It goes stale
   when the process stops running: SIGSTOP, a freeze, a C call that holds the GIL.
 - `PROGRESS` is written by the core's loop itself at the start of each turn (`EngineCoreProc.serve`;
-  the in-thread transport, `AsyncEngine._run`, stamps its own the same way),
+  the in-thread transport, `AsyncEngine`'s thread, stamps its own the same way),
   and is `LOOP_WAITING` while the loop blocks waiting for a command: waiting is not being stuck,
   however long it lasts. It goes stale when the loop is stuck in one turn (a step that never
   ends), while ALIVE goes on.

@@ -17,7 +17,7 @@ import pytest
 
 from loraserve.engine.core.process import EngineCoreProc
 from loraserve.engine.client.core_client import Backoff
-from loraserve.engine.heartbeat import LOOP_WAITING, PROGRESS, Heartbeat
+from loraserve.engine.heartbeat import LOOP_WAITING, PROGRESS, Beat, Heartbeat
 from loraserve.engine.snapshot import EngineSnapshot
 from loraserve.engine.types import GenerateRequest, RequestOutput, SamplingParams
 from loraserve.engine.messages import Add, Hello, Step, decode, encode
@@ -76,7 +76,7 @@ def beating():
     engine = SlowEngine()
     mine, theirs = socket.socketpair()
     slots = [0.0, 0.0]
-    core = EngineCoreProc(engine, theirs, heartbeat=slots, heartbeat_s=BEAT_S)
+    core = EngineCoreProc(engine, theirs, beat=Beat(slots, BEAT_S))
     thread = threading.Thread(target=core.serve, daemon=True)
     thread.start()
     mine.sendall(encode(Hello()))

@@ -131,7 +131,7 @@ def test_engine_core_admits_a_request_once_its_grammar_is_compiled(core: EngineC
     gate = _gate(core.engine.grammars)
     assert _add(core, "c", SamplingParams(max_tokens=4, structured=DIGITS)) == []
     _add(core, "f", SamplingParams(max_tokens=4, ignore_eos=True))
-    core.step()  # steps the free request; the constrained one is not in the engine yet
+    core.serve()  # steps the free request; the constrained one is not in the engine yet
     assert "f" in core.engine.seqs and "c" not in core.engine.seqs
     assert core.admit_compiled() == []  # still compiling
     gate.set()

@@ -94,7 +94,8 @@ class Driver:
         while self.inbox:
             req = self.inbox.pop(0)
             self.seqs[req.request_id] = self.engine.add_request(req)
-        self.loop.step()
+        self.loop.serve()
+        self.loop.train()
 
     def until(self, done, limit: int = 20000) -> None:
         for _ in range(limit):

@@ -14,11 +14,11 @@ is lost: the process's sentinel (it died) and its heartbeat (`heartbeat`: two ti
 writes into shared memory, ALIVE from a beat thread, PROGRESS from its loop). A core whose ALIVE
 is a few beats old is not `ready` (/ready 503, new requests 503 with Retry-After); one that shows
 no progress for `engine_timeout_s` (its loop stuck in one turn, or the process stopped) is
-stalled. Either loss ends every request in flight with one clean 503
-(a streamed response gets its error event; nothing is torn), kills the process if it still runs
-(SIGKILL: a stopped process too), reaps it (no zombie) and starts a new core after a backoff
-(`Backoff`: 0.5 s doubling to 30 s, back to 0.5 s after a core that was up for a minute),
-whether requests arrive or not. While no core is up, requests get a 503 at once.
+stalled. Either loss ends every request in flight with one clean 503 (a streamed response gets
+its error event; nothing is torn), kills the process if it still runs (SIGKILL: a stopped
+process too), reaps it (no zombie) and starts a new core after a backoff (`Backoff`: 0.5 s
+doubling to 30 s, back to 0.5 s after a core that was up for a minute), whether requests arrive
+or not. While no core is up, requests get a 503 at once.
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ import multiprocessing
 import os
 import socket
 import time
-from dataclasses import dataclass, field
 
 from ...adapters.pool import PoolLimits
 from ..config import EngineConfig
@@ -43,38 +42,16 @@ from ..wire import unpacker
 
 log = logging.getLogger(__name__)
 
-CAUSES = ("exited", "stalled", "start_failed")  # why a core was replaced (the restart counter's label)
 
-
-class _CoreConnection(asyncio.Protocol):
-    """This process's end of the socket pair: every complete message to `on_message` (a frame
-    that does not decode as a `Malformed`)."""
-
-    def __init__(self, on_message):
-        self.on_message = on_message
-        self._frames = unpacker()
-
-    def data_received(self, data: bytes) -> None:
-        self._frames.feed(data)
-        for frame in self._frames:
-            for msg in decode_batch(frame):
-                self.on_message(msg)
-
-
-@dataclass
 class Backoff:
     """The waits between core starts: `initial`, doubling up to `cap`; back to `initial` after
     a core that was up (serving) for at least `healthy_s`."""
 
-    initial: float = 0.5
-    cap: float = 30.0
-    healthy_s: float = 60.0
-    delay: float = field(default=0.0, init=False)  # the next wait
-
-    def __post_init__(self) -> None:
-        if not 0 < self.initial <= self.cap:
+    def __init__(self, initial: float = 0.5, cap: float = 30.0, healthy_s: float = 60.0):
+        if not 0 < initial <= cap:
             raise ValueError("backoff needs 0 < initial <= cap")
-        self.delay = self.initial
+        self.initial, self.cap, self.healthy_s = initial, cap, healthy_s
+        self.delay = initial  # the next wait
 
     def next(self, up_for: float) -> float:
         """The wait before the next start, after a core that was up for `up_for` seconds (0: it
@@ -85,24 +62,15 @@ class Backoff:
         return wait
 
 
-def _retrieved(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()  # nobody may be waiting: no "exception was never retrieved"
-
-
+# How long a new core may take to be ready (the default `start_timeout_s`): longer where it may
+# compile its decode step (`--compile on|auto`), which took 2.5-4 minutes at 0.6B shapes on 2
+# cores, and up to 22 on a loaded machine (bench/RESULTS.md). A core that stops beating is
+# caught by the engine timeout whatever this is.
 START_TIMEOUT_S = 300.0  # a core's start-up: loading the base, warming adapters
 COMPILE_START_TIMEOUT_S = 1800.0  # ... and compiling its decode step (minutes on a small CPU)
 
 
-def default_start_timeout(cfg: EngineConfig) -> float:
-    """How long a new core may take to be ready: longer where it may compile its decode step
-    (`--compile on|auto`), which took 2.5-4 minutes at 0.6B shapes on 2 cores, and up to 22 on a
-    loaded machine (bench/RESULTS.md). A core that stops beating is caught by the engine
-    timeout whatever this is."""
-    return START_TIMEOUT_S if cfg.compile == "off" else COMPILE_START_TIMEOUT_S
-
-
-class CoreClient(EngineFrontend):
+class CoreClient(EngineFrontend, asyncio.Protocol):  # the protocol of its end of the core's socket
     def __init__(self, cfg: EngineConfig, *, start_timeout_s: float | None = None,
                  engine_timeout_s: float = ENGINE_TIMEOUT_S, heartbeat_s: float | None = None,
                  backoff: Backoff | None = None):
@@ -110,25 +78,25 @@ class CoreClient(EngineFrontend):
         if engine_timeout_s <= 0:
             raise ValueError("engine_timeout_s must be > 0")
         self._open_catalog()
-        self.start_timeout_s = start_timeout_s if start_timeout_s is not None else default_start_timeout(cfg)
+        self.start_timeout_s = start_timeout_s if start_timeout_s is not None else \
+            START_TIMEOUT_S if cfg.compile == "off" else COMPILE_START_TIMEOUT_S
         self.engine_timeout_s = engine_timeout_s
-        self.heartbeat_s = heartbeat_s if heartbeat_s is not None else min(HEARTBEAT_S,
-                                                                           engine_timeout_s / 4)
+        self.heartbeat_s = heartbeat_s or min(HEARTBEAT_S, engine_timeout_s / 4)
         self.backoff = backoff or Backoff()
         # training runs live in the core, beside the model: a restarted core has none, and the
         # Tinker routes put each back from the state they kept after its last step
         self.trainer = self._trainer()
-        self.restarts = 0
-        self.restart_causes = dict.fromkeys(CAUSES, 0)
-        self.state = "stopped"  # starting | up | down (a backoff before the next start) | stopped
-        self._state_since = time.monotonic()
+        # why each core was replaced: the restart counter's label
+        self.restart_causes = dict.fromkeys(("exited", "stalled", "start_failed"), 0)
+        self.state: str  # starting | up | down (a backoff before the next start) | stopped
+        self._set_state("stopped")
         self._snapshot = EngineSnapshot()
         self.core_info: CoreInfo | None = None  # the current core's handshake
         # the current core
         self._proc: multiprocessing.Process | None = None
         self._transport: asyncio.Transport | None = None  # None: no core to write to
         self._outbox: list[Message] = []       # commands queued this loop turn (see _send)
-        self._hello: asyncio.Future | None = None  # the core's handshake answer
+        self._frames = unpacker()  # what the core sent (`data_received`)
         self._beat: Heartbeat | None = None
         self._lost: asyncio.Future | None = None   # set when the core's process ends
         # the supervisor
@@ -152,8 +120,7 @@ class CoreClient(EngineFrontend):
 
     @property
     def core_pid(self) -> int | None:
-        proc = self._proc
-        return proc.pid if proc is not None else None
+        return None if self._proc is None else self._proc.pid
 
     def supervision(self) -> dict:
         """The supervisor's state for /metrics (`server.engine_metrics`)."""
@@ -187,16 +154,15 @@ class CoreClient(EngineFrontend):
         of waiting: the supervisor starts the next one whether requests come or not."""
         if self.ready:
             return  # running: no await, which under load would cost a turn of the event loop
-        if self._closing:
+        if self._closing or self._ever_up:  # (a supervisor runs after a core was up)
             raise self.unavailable()
         if self._supervisor is None:
             self._loop = asyncio.get_running_loop()
             self._first_up = self._loop.create_future()
-            self._first_up.add_done_callback(_retrieved)
+            # nobody may be waiting: no "exception was never retrieved"
+            self._first_up.add_done_callback(lambda f: f.cancelled() or f.exception())
             self._stopping = self._loop.create_future()
             self._supervisor = asyncio.ensure_future(self._supervise())
-        if self._ever_up:
-            raise self.unavailable()
         await asyncio.shield(self._first_up)
 
     async def shutdown(self) -> None:
@@ -212,18 +178,25 @@ class CoreClient(EngineFrontend):
         self.state, self._state_since = state, time.monotonic()
 
     async def _supervise(self) -> None:
-        """Start a core, serve with it until it is lost, reap it, wait out the backoff, again;
-        until shutdown. The first core failing to come up ends the supervisor instead (start()
-        reports it; the next start() tries again)."""
+        """Start a core, serve with it until it is lost (`_watch`) or shutdown, end it
+        (`_end_core`), wait out the backoff, again; until shutdown. The first core failing to
+        come up ends the supervisor instead (start() reports it; the next start() tries again)."""
         try:
             while not self._closing:
+                self._set_state("starting")
+                proc, ended = None, ("failed", "start_failed")  # (cause, kind); None: shutdown
                 try:
-                    up_for, cause, kind = await self._serve_one()
+                    proc = await self._spawn()
+                    ended = await self._watch(proc, self._state_since + self.start_timeout_s)
                 except Exception as exc:  # e.g. no file descriptors left to spawn with
                     log.exception("starting the engine core failed")
-                    up_for, cause, kind = 0.0, f"failed to start ({exc})", "start_failed"
-                if self._closing:
+                    ended = f"failed to start ({exc})", "start_failed"
+                finally:
+                    up_for = time.monotonic() - self._state_since if self.state == "up" else 0.0
+                    await self._end_core(proc, None if ended is None else ended[0])
+                if self._closing:  # (`_watch` returns None only then)
                     break
+                cause, kind = ended
                 if not self._ever_up:
                     raise unavailable_error(f"the engine core {cause} (see the server log)", self._start_s)
                 self.restarts += 1
@@ -243,31 +216,15 @@ class CoreClient(EngineFrontend):
             if self._closing or self._supervisor is None:
                 self._set_state("stopped")
 
-    async def _serve_one(self) -> tuple[float, str, str]:
-        """One core's life: start it, serve until it dies or stalls (or shutdown), end it.
-        Returns how long it was up, what ended it (for the log) and which of CAUSES."""
-        self._set_state("starting")
-        proc = None
-        ended = ("failed", "start_failed")  # (cause, kind); None: shutdown, a graceful stop
-        try:
-            proc = await self._spawn()
-            ended = await self._watch(proc, self._state_since + self.start_timeout_s)
-            up_for = time.monotonic() - self._state_since if self.state == "up" else 0.0
-            return up_for, *(ended or ("stopped", "exited"))
-        finally:
-            await self._end_core(proc, None if ended is None else ended[0])
-
     async def _watch(self, proc, deadline: float) -> tuple[str, str] | None:
-        """Event loop, every half beat: while the core starts, for its handshake (it is up then)
-        or its loss (it died, its beat stopped for the engine timeout, or `deadline` passed);
-        while it is up, for its loss (it died, or its loop made no progress for the engine
-        timeout). Returns (cause, kind) once it is lost; None at shutdown."""
+        """Event loop, every half beat: while the core starts (until its handshake, `_up`), for
+        its loss (it died, its beat stopped for the engine timeout, or `deadline` passed); while
+        it is up, for its loss (it died, or its loop made no progress for the engine timeout).
+        Returns (cause, kind) once it is lost; None at shutdown."""
         timeout = self.engine_timeout_s
         woke = time.monotonic()
         while True:
-            starting = self.state == "starting"
-            await asyncio.wait((self._hello, self._lost, self._stopping) if starting else
-                               (self._lost, self._stopping), timeout=self.heartbeat_s / 2,
+            await asyncio.wait((self._lost, self._stopping), timeout=self.heartbeat_s / 2,
                                return_when=asyncio.FIRST_COMPLETED)
             # this watch itself did not run for half the timeout (the process stopped with the
             # core, a paused VM, a blocked loop): the core's beat is as old, through no fault of
@@ -276,14 +233,12 @@ class CoreClient(EngineFrontend):
             was_away, woke = now - woke > timeout / 2, now
             if self._stopping.done():
                 return None
-            if not starting:
+            if self.state == "up":
                 if self._lost.done():
                     return f"{proc.pid} died", "exited"
                 if not was_away and (stalled := self._beat.stalled_for(now)) > timeout:
                     return (f"{proc.pid} stalled (no progress for {stalled:.1f} s, engine timeout "
                             f"{timeout:g} s)", "stalled")
-            elif self._hello.done():
-                self._up(proc, self._hello.result())
             elif self._lost.done():
                 return f"{proc.pid} exited while starting", "start_failed"
             elif not was_away and (silent := self._beat.silent_for(now)) > timeout:
@@ -292,8 +247,8 @@ class CoreClient(EngineFrontend):
             elif now > deadline:
                 return f"{proc.pid} did not start within {self.start_timeout_s:g} s", "start_failed"
 
-    def _up(self, proc, info: CoreInfo) -> None:
-        """Event loop: the new core answered its handshake (`info`): it is up."""
+    def _up(self, info: CoreInfo) -> None:
+        """Event loop: the new core answered its handshake (`info`, `data_received`): it is up."""
         self.core_info = info
         if self.adapter_manager is not None:
             self.adapter_manager.learn(info.base_fingerprint, PoolLimits(info.max_rank, info.kinds))
@@ -302,17 +257,17 @@ class CoreClient(EngineFrontend):
         self._set_state("up")
         if not self._first_up.done():
             self._first_up.set_result(None)
-        log.info("engine core %d ready", proc.pid)
+        log.info("engine core %d ready", self._proc.pid)
 
     async def _spawn(self) -> multiprocessing.Process:
         """Start a core process on one end of a new socket pair, with new heartbeat slots, and
-        send it the handshake; its messages are handled as they arrive (`_dispatch`)."""
+        send it the handshake; its messages are handled as they arrive (`data_received`)."""
         ctx = multiprocessing.get_context("spawn")
         slots = heartbeat_slots(ctx)
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._transport, _ = await self._loop.create_unix_connection(
-                lambda: _CoreConnection(self._dispatch), sock=mine)
+            self._frames = unpacker()
+            self._transport, _ = await self._loop.create_unix_connection(lambda: self, sock=mine)
             proc = ctx.Process(target=boot_core, name="loraserve-core", daemon=True,
                                args=(self.cfg, theirs, os.getpid(), slots, self.heartbeat_s))
             proc.start()  # the child inherits `theirs`
@@ -326,7 +281,6 @@ class CoreClient(EngineFrontend):
         self._beat = Heartbeat(slots, self.heartbeat_s, self.engine_timeout_s)
         self._lost = self._loop.create_future()
         self._loop.add_reader(proc.sentinel, self._core_died, proc)
-        self._hello = self._loop.create_future()
         self._write(Hello())
         return proc
 
@@ -342,14 +296,11 @@ class CoreClient(EngineFrontend):
         beats; else SIGKILL, which ends a stopped process too) and reap it."""
         graceful = self.state == "up"
         self._set_state("stopped" if self._closing else "down")
-        if cause is None:
-            err = unavailable_error("the server is shutting down", RETRY_AFTER_MAX_S)
-        else:
-            what = "stalled" if "stalled" in cause else "stopped"
-            err = unavailable_error(f"the engine core {what} while serving this request; retry it",
-                               self.backoff.delay + self._start_s)
-        self._fail_all(err)
-        if proc is not None and cause is None and graceful and self._transport is not None \
+        what = "stalled" if "stalled" in (cause or "") else "stopped"
+        self._fail_all(self.unavailable() if cause is None else unavailable_error(  # (shutting down)
+            f"the engine core {what} while serving this request; retry it",
+            self.backoff.delay + self._start_s))
+        if cause is None and graceful and self._transport is not None \
                 and not self._transport.is_closing():  # (a core that hung up is not asked)
             await self._stop_gracefully(proc)
         self._close_transport()
@@ -390,22 +341,25 @@ class CoreClient(EngineFrontend):
         self._transport = None
 
     # -- messages -------------------------------------------------------------------------------
-    def _dispatch(self, msg: Message | Malformed) -> None:
-        """Event loop: one message from the core."""
-        if isinstance(msg, Step):  # one engine step: this server's deltas, and the snapshot if sent
-            if msg.snapshot is not None:
-                self._snapshot = msg.snapshot
-            if msg.outputs:
-                self._deliver(list(msg.outputs))
-        elif isinstance(msg, Return):
-            self._returned(msg)
-        elif isinstance(msg, Ready):
-            if self._hello is not None and not self._hello.done():
-                self._hello.set_result(msg.info)
-        elif isinstance(msg, Malformed):  # what it names fails; the rest goes on
-            log.error("%s", msg.error)
-            if msg.error.call_id is not None:
-                self._returned(Return(msg.error.call_id, None, msg.error))
+    def data_received(self, data: bytes) -> None:
+        """Event loop: bytes from the core; each message they complete handled in turn (a frame
+        that does not decode is a `Malformed`: what it names fails, the rest goes on)."""
+        self._frames.feed(data)
+        for msg in (m for frame in self._frames for m in decode_batch(frame)):
+            match msg:
+                case Step():  # one engine step: this server's deltas, and the snapshot if sent
+                    if msg.snapshot is not None:
+                        self._snapshot = msg.snapshot
+                    if msg.outputs:
+                        self._deliver(list(msg.outputs))
+                case Return():
+                    self._returned(msg)
+                case Ready() if self.state == "starting" and not self._closing:
+                    self._up(msg.info)
+                case Malformed():
+                    log.error("%s", msg.error)
+                    if msg.error.call_id is not None:
+                        self._returned(Return(msg.error.call_id, None, msg.error))
 
     def _send(self, msg: Message) -> None:
         """Event loop: queue a message for the core. What one turn of the loop queues leaves as

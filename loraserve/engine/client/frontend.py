@@ -23,7 +23,6 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-
 from ...model.config import ModelConfig
 from ...tokenizer import Tokenizer
 from ..config import EngineConfig
@@ -123,8 +122,7 @@ class EngineFrontend(ABC):
         its error raised."""
         await self.start()
         call_id = next(self._call_ids)
-        fut = self._loop.create_future()
-        self._calls[call_id] = fut
+        self._calls[call_id] = fut = self._loop.create_future()
         self._send(make(call_id))
         return await fut
 
@@ -141,15 +139,11 @@ class EngineFrontend(ABC):
             else:
                 fut.set_exception(ret.error)
 
-    def residency(self, key: tuple[str, str]) -> str:
-        """Blocking (a worker thread): where revision `key` is, the core's answer (gpu, cpu,
-        disk or quarantined)."""
-        return self.call_from_thread(lambda cid: Residency(cid, (tuple(key),)))[0]
-
     def describe_adapter(self, adapter_id: str) -> dict:
         """Blocking (a worker thread): policy record, revisions (catalog reads here) and each
-        revision's residency (from the core)."""
-        return self.adapter_manager.describe(adapter_id, self.residency)
+        revision's residency (the core's answer: gpu, cpu, disk or quarantined)."""
+        return self.adapter_manager.describe(adapter_id, lambda key: self.call_from_thread(
+            lambda cid: Residency(cid, (tuple(key),)))[0])
 
     async def unload_adapter(self, adapter_id: str) -> int:
         """Evict adapter_id's idle revisions from the device pool and the CPU tier (catalog
@@ -200,39 +194,33 @@ class EngineFrontend(ABC):
 
     # -- requests -------------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """One request: checked, admitted, resolved if the edge did not, handed to the engine;
+        its deltas."""
         await self.start()
         req.check(self.vocab_size, self.max_model_len)
         if req.request_id in self._queues:
             raise EngineError(f"duplicate request id {req.request_id!r}")
-        async with self.admission.hold(req.tenant, req.tenant_weight, cost(req)):
-            async for out in self._admitted(req):
-                yield out
-
-    async def _admitted(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """An admitted request: resolved if the edge did not, handed to the engine, its deltas."""
         done = False
-        try:
-            if req.resolved is not None:  # decided at the edge: never resolved again
-                record = req.resolved.record
-            else:  # an in-process caller that names the adapter only (tests, bench)
-                record = (await self.resolve(req.adapter, EVERYONE)).record if req.adapter else None
-            q: asyncio.Queue = asyncio.Queue()
-            self._queues[req.request_id] = q
-            self._outputs.add(req)
-            self._submit(req, record)
-            while True:
-                out = await q.get()
-                if out.error is not None:
-                    done = True
-                    raise out.error
-                done = out.finish_reason is not None
-                yield out
-                if done:
-                    return
-        finally:
-            self._outputs.remove(req.request_id)
-            if self._queues.pop(req.request_id, None) is not None and not done:
-                self._send(Abort(req.request_id))  # nobody waits for it any more
+        async with self.admission.hold(req.tenant, req.tenant_weight, cost(req)):
+            try:
+                if req.resolved is not None:  # decided at the edge: never resolved again
+                    record = req.resolved.record
+                else:  # an in-process caller that names the adapter only (tests, bench)
+                    record = (await self.resolve(req.adapter, EVERYONE)).record if req.adapter else None
+                q = self._queues[req.request_id] = asyncio.Queue()
+                self._outputs.add(req)
+                self._submit(req, record)
+                while not done:
+                    out = await q.get()
+                    if out.error is not None:
+                        done = True
+                        raise out.error
+                    done = out.finish_reason is not None
+                    yield out
+            finally:
+                self._outputs.remove(req.request_id)
+                if self._queues.pop(req.request_id, None) is not None and not done:
+                    self._send(Abort(req.request_id))  # nobody waits for it any more
 
     async def resolve(self, model: str, principal: Viewer) -> ResolvedModel:
         """`directory.resolve(model, principal)`, a name the catalog lacks fetched from the
@@ -256,13 +244,13 @@ class EngineFrontend(ABC):
 
     def _fail_all(self, err: EngineError) -> None:
         """Event loop: end every request in flight and every call waiting for the core with err
-        (one clean error each): the core is gone, or stalled."""
+        (one clean error each), and abort the requests (a core that is gone takes none): the
+        core is gone, or stalled."""
         for rid in list(self._queues):
             self._put(RequestOutput.failed(rid, err))
-        calls, self._calls = self._calls, {}
-        for fut in calls.values():
-            if not fut.done():
-                fut.set_exception(err)
+            self._send(Abort(rid))
+        for call_id in list(self._calls):
+            self._returned(Return(call_id, None, err))
 
     def _slots(self) -> int:
         """Sequences past admission at once: the engine's batch and its queue (its scheduler

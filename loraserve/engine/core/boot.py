@@ -19,7 +19,7 @@ def boot_core(cfg, conn, parent_pid: int, slots, heartbeat_s: float = HEARTBEAT_
     beat = Beat(slots, heartbeat_s)
     try:
         from .process import run_core
-        run_core(cfg, conn, parent_pid, slots, beat)
+        run_core(cfg, conn, parent_pid, beat)
     finally:
         beat.stop()
     logging.shutdown()

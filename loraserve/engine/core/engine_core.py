@@ -4,13 +4,10 @@
 slices, merges quiet requests' deltas, and is the one place that admits a request (after its
 grammar compiled, or failed, or ran past its bound), dispatches a call (unload, residency, warm,
 train) and answers where a revision is. It speaks `engine.messages` and nothing else; a
-transport moves those records and decides only how to wait between turns:
-
-    in-thread   async_engine.AsyncEngine       a thread of the API process, a queue of records
-    process     core.process.EngineCoreProc    the engine-core process, a Unix socket (msgpack),
-                                               heartbeat and parent watch; supervised by
-                                               client.core_client.CoreClient, which Ray
-                                               replicas host too (ray_serve/replica.py)
+transport moves those records and decides only how to wait between turns: in-thread
+(`async_engine.AsyncEngine`: a queue of records) or in the engine-core process
+(`core.process.EngineCoreProc`: a Unix socket, msgpack; supervised by `CoreClient`, which Ray
+replicas host too).
 
 A transport runs the core's loop (`run`) on the owner thread with three functions of its own:
 how to take the messages that arrived (waiting at most `wait_s()` for one or a `wake`: a page-in
@@ -55,7 +52,6 @@ from ..messages import (Abort, Add, Batch, CoreInfo, Hello, Malformed, Message, 
                         Return, Stop, Train, Unload, Warm)
 from ..types import FIRST, RequestOutput, coalesce
 from .llm_engine import LLMEngine
-from .sequence import Sequence
 from .training import close_trainer, trainer_if_any, trainer_of
 
 log = logging.getLogger(__name__)
@@ -89,33 +85,24 @@ class EngineCore:
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self, take: Callable[[float | None], Iterable[Message | Malformed]],
-            hand_over: Callable[[list[RequestOutput], list[Ready | Return]], None],
-            go_on: Callable[[], bool], beat: list) -> None:
-        """The owner thread's turns until a Stop, or until `go_on()` is False: `take(wait_s())`
-        the messages (0: those there; None: wait until one or a wake comes), `turn` them,
-        `hand_over` the deltas and replies, run at most one training slice and hand over the
-        replies it made (a token never waits for a slice). Stamps `beat[PROGRESS]` at the start
-        of each turn, LOOP_WAITING while it waits: waiting for a message is not being stuck."""
+            hand_over: Callable[[list[RequestOutput], list[Ready | Return]], None], beat: list,
+            go_on: Callable[[], bool] = lambda: True) -> None:
+        """The owner thread's turns (above) until a Stop, or until `go_on()` is False. `take(wait_s)`:
+        the messages (0: those there; None: wait until one or a wake comes). Stamps
+        `beat[PROGRESS]` at the start of each turn, LOOP_WAITING while it waits: waiting for a
+        message is not being stuck."""
         while self.running and go_on():
             wait_s = self.wait_s()
             if wait_s != 0:
                 beat[PROGRESS] = LOOP_WAITING
             messages = take(wait_s)
             beat[PROGRESS] = time.monotonic()
-            hand_over(self.turn(messages), self.replies())
+            outs = [out for msg in messages for out in self.handle(msg)]
+            if self.compiling:
+                outs.extend(self.admit_compiled())
+            hand_over(outs + self.serve(), self.replies())
             if self.train():  # passes that ended in the slice
                 hand_over([], self.replies())
-
-    def turn(self, messages: Iterable[Message | Malformed] = ()) -> list[RequestOutput]:
-        """Apply `messages` in order, admit what compiled, run the serving step: the deltas to
-        hand over (before the training slice)."""
-        outs: list[RequestOutput] = []
-        for msg in messages:
-            outs.extend(self.handle(msg))
-        if self.compiling:
-            outs.extend(self.admit_compiled())
-        outs.extend(self.serve())
-        return outs
 
     def replies(self) -> list[Ready | Return]:
         """The handshake answer and the call returns that are ready, in order."""
@@ -141,7 +128,8 @@ class EngineCore:
                 return self._add(msg)
             case Abort(request_id=rid):
                 if self.compiling.pop(rid, None) is None:  # not in the engine yet: never will be
-                    self.abort(rid)
+                    self._quiet.pop(rid, None)
+                    self.engine.abort(rid)  # nobody listens any more: its final delta is dropped
             case Batch():
                 return [out for m in msg.messages for out in self.handle(m)]
             case Hello():
@@ -155,19 +143,6 @@ class EngineCore:
         return []
 
     # -- steps ----------------------------------------------------------------------------------
-    def add(self, seq: Sequence, stream: bool = True) -> list[RequestOutput]:
-        try:
-            self.engine.add_sequence(seq)
-        except Exception as exc:  # e.g. a duplicate request id: that request alone fails
-            return [self.engine.output.error(seq, exc)]
-        if not stream and not seq.params.stop:
-            self._quiet[seq.request_id] = FIRST
-        return []
-
-    def abort(self, request_id: str) -> None:
-        self._quiet.pop(request_id, None)
-        self.engine.abort(request_id)  # nobody listens any more: its final delta is dropped
-
     @property
     def busy(self) -> bool:
         """The last step ran a batch, or training waits for slices: step again without waiting
@@ -176,13 +151,6 @@ class EngineCore:
             return True
         trainer = trainer_if_any(self.engine)
         return trainer is not None and trainer.has_queued
-
-    def step(self) -> list[RequestOutput]:
-        """The serving step, then at most one training slice (tests, drivers that hand the
-        deltas over after both; `run` hands them over between)."""
-        outs = self.serve()
-        self.train()
-        return outs
 
     def serve(self) -> list[RequestOutput]:
         """The turn's serving step: its deltas, to hand over before `train`."""
@@ -197,9 +165,8 @@ class EngineCore:
         return self._coalesce(outs) if self._quiet else outs
 
     def train(self) -> bool:
-        """The turn's training slice, if training waits and it is its turn (after a serving step
-        that ran a batch, `TrainerCore.slice_turn` asks the fair share), until it ends or gives
-        way to input (`has_input`); whether one ran."""
+        """The turn's training slice, if training waits and it is its turn (above:
+        `TrainerCore.slice_turn`); whether one ran."""
         trainer = trainer_if_any(self.engine)
         if trainer is None or not trainer.has_queued:
             return False
@@ -245,11 +212,13 @@ class EngineCore:
 
     def _admit(self, msg: Add) -> list[RequestOutput]:
         req = msg.request
-        try:  # a grammar that does not compile, a quarantined revision: that request alone fails
-            seq = self.engine.make_sequence(req, msg.record)
-        except Exception as exc:
+        try:  # a grammar that does not compile, a quarantined revision, a duplicate request id:
+            self.engine.add_sequence(self.engine.make_sequence(req, msg.record))
+        except Exception as exc:  # that request alone fails
             return [RequestOutput.failed(req.request_id, exc, len(req.prompt_token_ids))]
-        return self.add(seq, req.stream)
+        if not req.stream and not req.params.stop:
+            self._quiet[req.request_id] = FIRST
+        return []
 
     def admit_compiled(self) -> list[RequestOutput]:
         """Admit the requests whose grammar is now compiled; fail those whose grammar did not

@@ -5,10 +5,10 @@
 socket pair and talks to it in `engine.messages` records, msgpack-encoded: batches of requests,
 aborts and calls in; one Step per engine step out, carrying the step's token-id deltas and,
 when it changed, the engine snapshot. The process's main thread runs the core's turns between
-polls of the socket; other threads (pager, grammar workers, training) wake it through a pipe. The HTTP event loop,
-tokenization, detokenization and stop strings stay in the API server's process, so the two no
-longer share one GIL, and a crash of the core is survivable: the API server answers what was in
-flight with a clean error and starts a new core.
+polls of the socket; other threads (pager, grammar workers, training) wake it through a pipe.
+The HTTP event loop, tokenization, detokenization and stop strings stay in the API server's
+process, so the two no longer share one GIL, and a crash of the core is survivable: the API
+server answers what was in flight with a clean error and starts a new core.
 
 Crossings are few and cheap on purpose. A plain socket read and written by the two loops
 themselves has no I/O thread in between (ZeroMQ, used before, woke an I/O thread on each side
@@ -18,14 +18,13 @@ travel together, and while the engine steps without a pause the snapshot goes ou
 every `SNAPSHOT_EVERY_S` (at once when the engine idles or an operator call returns, so what a
 caller reads after a call or a finished request is current).
 
-The core beats (`heartbeat`): a thread writes ALIVE every `heartbeat_s` from the moment the
-process runs (`core_boot.boot_core`), and the loop writes PROGRESS at the start of each turn
-(LOOP_WAITING while it blocks in poll). The API server's supervisor reads them: a stopped core
-stops ALIVE, a loop stuck in a step stops PROGRESS while ALIVE goes on, and a long step that
-runs stops neither for longer than it lasts.
+The core beats (`heartbeat` says what the API server reads in each slot): ALIVE from a thread
+started as the process boots (`core.boot`), PROGRESS from the loop at the start of each turn
+(LOOP_WAITING while it blocks in poll).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -38,7 +37,7 @@ from ...logs import configure_process_logging
 from .build import build_engine
 from ..config import EngineConfig
 from .engine_core import EngineCore
-from ..heartbeat import ALIVE, HEARTBEAT_S, PROGRESS, Beat
+from ..heartbeat import PROGRESS, Beat
 from .llm_engine import LLMEngine
 from ..messages import Malformed, Message, Ready, Return, Step, decode_batch, encode
 from ..types import RequestOutput
@@ -50,14 +49,13 @@ _RECV_BYTES = 1 << 16
 SNAPSHOT_EVERY_S = 0.02  # while stepping without a pause, publish the snapshot at most this often
 
 
-def run_core(cfg: EngineConfig, conn: socket.socket, parent_pid: int, heartbeat=None,
-             beat: Beat | None = None) -> None:
+def run_core(cfg: EngineConfig, conn: socket.socket, parent_pid: int, beat: Beat) -> None:
     """Build the engine, serve `conn` until the parent goes away (in the core process, started
-    by `core_boot.boot_core`). `heartbeat`: the slots shared with the API server, `beat` the
-    thread already beating into them."""
+    by `core_boot.boot_core`); `beat`: the thread already beating into the slots shared with the
+    API server."""
     configure_process_logging("core", logging.INFO, "%(asctime)s core %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server decides when the core stops
-    proc = EngineCoreProc(build_engine(cfg), conn, parent_pid, heartbeat, beat=beat)
+    proc = EngineCoreProc(build_engine(cfg), conn, parent_pid, beat)
     settle_heap()  # the engine is built: freeze its heap, collect less often (loraserve.heap)
     try:
         proc.serve()
@@ -67,15 +65,13 @@ def run_core(cfg: EngineConfig, conn: socket.socket, parent_pid: int, heartbeat=
 
 class EngineCoreProc:
     """Serves one API server over `conn` (a connected stream socket) until it says stop, closes
-    the socket, or (with parent_pid) stops being this process's parent. With `heartbeat` (two
-    writable float slots: ALIVE, PROGRESS) it beats into them until `close`: its loop writes
-    PROGRESS, `beat` (a `heartbeat.Beat` already running; else one started here, every
-    `heartbeat_s`) ALIVE."""
+    the socket, or (with parent_pid) stops being this process's parent. With `beat` (a
+    `heartbeat.Beat` writing ALIVE into its slots, stopped by `close`) its loop writes PROGRESS
+    into the same slots."""
 
     def __init__(self, engine: LLMEngine, conn: socket.socket, parent_pid: int | None = None,
-                 heartbeat=None, heartbeat_s: float = HEARTBEAT_S, beat: Beat | None = None):
+                 beat: Beat | None = None):
         self.core = EngineCore(engine, self._wake, self._has_input)
-        self.engine = engine
         self.parent_pid = parent_pid
         self.conn = conn
         conn.setblocking(False)
@@ -90,11 +86,9 @@ class EngineCoreProc:
         self._snapshot = None  # the last snapshot sent (None: send the next one whatever it is)
         self._snapshot_sent_at = float("-inf")
         self._open = True  # the socket's peer is there
-        self.heartbeat = heartbeat if heartbeat is not None else [0.0, 0.0]  # (unread: no beats)
-        self.heartbeat[PROGRESS] = self.heartbeat[ALIVE] = time.monotonic()
-        if heartbeat is not None and beat is None:
-            beat = Beat(heartbeat, heartbeat_s)
         self._beat = beat
+        self.heartbeat = beat.slots if beat is not None else [0.0, 0.0]  # (unread: no beats)
+        self.heartbeat[PROGRESS] = time.monotonic()
 
     def _wake(self) -> None:
         """Any thread: make the next poll return."""
@@ -110,22 +104,18 @@ class EngineCoreProc:
 
     # -- the loop -------------------------------------------------------------------------------
     def serve(self) -> None:
-        self.core.run(self._take, self._send_replies, self._serving, self.heartbeat)
-
-    def _serving(self) -> bool:
-        """The API server is there: the socket is open and (with parent_pid) it is the parent."""
-        return self._open and (self.parent_pid is None or os.getppid() == self.parent_pid)
+        # while the API server is there: the socket is open and (with parent_pid) it is the parent
+        self.core.run(self._take, self._send_replies, self.heartbeat, lambda: self._open and (
+            self.parent_pid is None or os.getppid() == self.parent_pid))
 
     def _take(self, wait_s: float | None) -> list[Message | Malformed]:
         """Poll the socket and the wake pipe (at most `wait_s`; None: a second, to check on the
         parent), send what waited for the socket to be writable, and receive."""
         for fd, events in self._poll.poll(_IDLE_POLL_MS if wait_s is None else wait_s * 1000):
             if fd == self._wake_r:
-                try:
+                with contextlib.suppress(BlockingIOError):
                     while os.read(self._wake_r, 4096):
                         pass
-                except BlockingIOError:
-                    pass
             elif events & select.POLLOUT:
                 self._write(b"")
         return self._receive()
@@ -183,26 +173,20 @@ class EngineCoreProc:
             self._poll.modify(self.conn, select.POLLIN | (select.POLLOUT if self._unsent else 0))
 
     def _send_replies(self, outs: list[RequestOutput], replies: list[Ready | Return]) -> None:
-        """One Step, when there are deltas or the snapshot is due (`_due_snapshot`), then the
-        core's replies (call returns, the handshake's Ready)."""
+        """One Step, when there are deltas or the snapshot is due, then the core's replies (call
+        returns, the handshake's Ready). The engine's snapshot is due when it changed since the
+        last one sent (a new peer gets the next one whatever it is), at once when the engine
+        idles or a reply is about to go out (it follows this message, so a caller reads a
+        snapshot taken after its call), else when the last one sent is SNAPSHOT_EVERY_S old."""
         if any(isinstance(r, Ready) for r in replies):
-            self._snapshot = None  # a new peer: the next snapshot goes out whatever it is
-        snap = self._due_snapshot(returning=bool(replies))
+            self._snapshot = None  # a new peer
+        snap, now = self.core.engine.snapshot, time.monotonic()
+        if snap is self._snapshot or (self.core.busy and not replies
+                                      and now - self._snapshot_sent_at < SNAPSHOT_EVERY_S):
+            snap = None  # unchanged, or not due yet
+        else:
+            self._snapshot, self._snapshot_sent_at = snap, now
         if outs or snap is not None:
             self._write(encode(Step(tuple(outs), snap)))
         for reply in replies:
             self._write(encode(reply))
-
-    def _due_snapshot(self, returning: bool):
-        """The engine's snapshot if it changed since the last one sent and is due: at once when
-        the engine idles or a reply is about to go out (it follows this message, so a caller
-        reads a snapshot taken after its call), else when the last one is SNAPSHOT_EVERY_S old;
-        None otherwise."""
-        snap = self.engine.snapshot
-        if snap is self._snapshot:
-            return None
-        now = time.monotonic()
-        if self.core.busy and not returning and now - self._snapshot_sent_at < SNAPSHOT_EVERY_S:
-            return None
-        self._snapshot, self._snapshot_sent_at = snap, now
-        return snap
