@@ -196,6 +196,17 @@ class _Padded:
             return pool.index_select(0, self.rows)
         return _cached_view(self.views, pool, lambda: pool[self.row_range[0]:self.row_range[1]], 2)
 
+    def fused_one(self, y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor,
+                  B_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The adapter's (A, B) rank rows when `run` adds this step's delta as one
+        `cpu_fused.lora_addmm_` over the whole of x and y (one adapter, a few rows, serving on the
+        CPU), else None: a caller holding them may make that call itself for the rest of the step."""
+        s, length, _ = self.shape
+        if (s == 1 and self.vtok is None and A_rows.dtype == x.dtype and B_rows.dtype == y.dtype
+                and length <= cpu_fused.LORA_MAX_ROWS and x.shape[0] == length == y.shape[0] and cpu_fused.usable(x)):
+            return self.pick_one(A_rows), self.pick_one(B_rows)
+        return None
+
     def run(self, y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor) -> None:
         """Per segment: y[its tokens] += (x[its tokens] @ A^T) @ B, all segments in one bmm pair."""
         s, length, _ = self.shape
@@ -520,6 +531,14 @@ class PlanCache:
 
     def reset(self) -> None:
         self._scopes = [_Scope(), _Scope()]
+
+    def fused_one(self, key, meta: LoRAMeta, y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor,
+                  B_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """After `add(key, ...)` with `meta`: the adapter's (A, B) rank rows when its plan adds the
+        delta as one `lora_addmm_` of the whole rows (`_Padded.fused_one`), else None."""
+        scope = self._scopes[meta.moe]
+        plan = scope.plans.get(key) if scope.meta is meta else None
+        return plan.fused_one(y, x, A_rows, B_rows) if isinstance(plan, _Padded) else None
 
     def add(self, key, y: torch.Tensor, x: torch.Tensor, A_rows: torch.Tensor, B_rows: torch.Tensor,
             row_table: torch.Tensor, ranks: torch.Tensor, meta: LoRAMeta) -> None:

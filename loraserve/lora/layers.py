@@ -15,7 +15,7 @@ from torch import nn
 from loraserve import kernels
 from loraserve.catalog.targets import EXPERT_KINDS, LAYER_KINDS, LM_HEAD
 from loraserve.kernels.tracing import compiling
-from loraserve.kernels import LoRAMeta
+from loraserve.kernels import LoRAMeta, cpu_fused
 from loraserve.kernels.torch_backend import PlanCache
 
 HOST_META_MAX_TOKENS = 512  # CPU steps up to this many tokens group them in Python (LoRAMeta.from_host)
@@ -138,16 +138,29 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base, self.kind, self.layer, self.state = base, kind, layer, state
         self.weights = state.tensors(kind, layer)
+        # (meta, A, B): while the state's metadata is `meta` (a steady decode step keeps it), this
+        # target's delta is one `lora_addmm_` of the adapter's rank rows A, B (the plan's own call,
+        # made here without the plan lookup: 7 targets x 30 layers a step at SmolLM2's shapes)
+        self._one: tuple | None = None
 
     def forward(self, x: torch.Tensor, *fused: torch.Tensor) -> torch.Tensor:
         base = self.base  # a plain nn.Linear is called as F.linear: two Python frames fewer
         y = F.linear(x, base.weight, base.bias) if type(base) is nn.Linear else base(x, *fused)
         st = self.state
-        if st.meta is None:
+        meta = st.meta
+        if meta is None:
             return y
+        if not compiling():  # (read before _one: a traced graph never guards on it)
+            one = self._one
+            if one is not None and one[0] is meta and cpu_fused.usable(x):
+                cpu_fused.lora_addmm_(y, x, one[1], one[2])
+                return y
         # the engine's rows are 2-D already: no view/reshape dispatch (196 targets a step at 0.6B shapes)
-        st.add(y if y.dim() == 2 else y.view(-1, y.shape[-1]),
-               x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), self.weights, st.meta, self.kind)
+        y2, x2 = y if y.dim() == 2 else y.view(-1, y.shape[-1]), x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        st.add(y2, x2, self.weights, meta, self.kind)
+        if st.backend == "torch" and not meta.moe and y2 is y and x2 is x and not compiling():
+            pair = st.plans.fused_one(self.kind, meta, y, x, self.weights[0], self.weights[1])
+            self._one = None if pair is None else (meta, *pair)
         return y
 
 

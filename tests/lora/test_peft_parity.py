@@ -85,7 +85,12 @@ def test_packed_base_weights_mixed_batch_match_peft(base, request):
 
 @pytest.mark.parametrize("adapter", ["t/qv-r4", "t/all-r8-rslora", "t/o-head-r2"])
 def test_each_dense_adapter_alone_matches_peft(dense_set, adapter):
-    _check(dense_set, _engine(dense_set, "torch"), [adapter], seed=2)
+    """Alone, every decode step after the first takes each target's one-op path (`LoRALinear._one`,
+    the plan's own `lora_addmm_` without the plan lookup): its answers are PEFT's too."""
+    from loraserve.lora.layers import LoRALinear
+    eng = _engine(dense_set, "torch")
+    _check(dense_set, eng, [adapter], seed=2)
+    assert any(isinstance(m, LoRALinear) and m._one is not None for m in eng.runner.model.modules())
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
