@@ -80,6 +80,13 @@ def _between(trace: list[str]) -> list[int]:
     return counts
 
 
+def _turn(loop: EngineCore) -> None:
+    """One turn of `EngineCore.run` without its transport: the serving step, then at most one
+    training slice."""
+    loop.serve()
+    loop.train()
+
+
 def _drive(loop: EngineCore, answers: list, limit: int = 5000) -> list[bool]:
     """Turns until the engine has nothing left (requests done, passes answered); each turn's
     check that a serving step could run and did: [had serving work at its start]."""
@@ -90,7 +97,7 @@ def _drive(loop: EngineCore, answers: list, limit: int = 5000) -> list[bool]:
             return worked
         had = eng.scheduler.has_work
         before = len(loop.trace)
-        loop.step()
+        _turn(loop)
         turn = loop.trace[before:]
         worked.append(had)
         assert turn.count("train") <= 1, turn
@@ -108,7 +115,7 @@ def test_many_runs_queued_a_decode_step_waits_one_slice_at_most(engine, loop):
         answers.append(core.handle("run", [f"r{r}", f"r{r}#0", [_datum(40, r)], "cross_entropy", None, True,
                                            "lab", 1.0, 10]))
     for _ in range(3):  # training under way, no serving
-        loop.step()
+        _turn(loop)
     assert loop.trace == ["train"] * 3
     engine.add_request(_request("chat", "lab", tokens=16))
     _drive(loop, answers)
@@ -131,7 +138,7 @@ def test_a_light_tenant_runs_before_the_next_slice(engine, loop):
         answers.append(core.handle("run", [f"r{r}", f"r{r}#0", [_datum(60, r)] * 2, "cross_entropy", None, True,
                                            "ab"[r % 2], 1.0, 32]))
     for _ in range(4):
-        loop.step()
+        _turn(loop)
     engine.add_request(_request("chat", "c", prompt=6, tokens=16))
     _drive(loop, answers)
     trace = loop.trace
@@ -280,7 +287,7 @@ def test_any_mix_of_training_and_serving_keeps_the_bound(engine, jobs, requests,
                 break
             had = engine.scheduler.has_work
             before = len(loop.trace)
-            loop.step()
+            _turn(loop)
             got = loop.trace[before:]
             assert got.count("train") <= 1
             assert not had or (got and got[0] in SERVING), (had, got)
@@ -307,7 +314,7 @@ def test_a_pass_whose_caller_went_away_or_whose_run_was_dropped_ends(engine, loo
     core.create("dropped", RUN)
     cancelled = core.handle("run", ["gone", "gone#0", [_datum(40)], "cross_entropy", None, True, "a", 1.0, 10])
     dropped = core.handle("run", ["dropped", "dropped#0", [_datum(40)], "cross_entropy", None, True, "a", 1.0, 10])
-    loop.step()
+    _turn(loop)
     assert cancelled.cancel()
     core.drop("dropped")
     assert dropped.exception().status == 404
@@ -334,9 +341,9 @@ def test_a_create_waiting_for_the_optimizer_import_does_not_stop_serving(engine,
     assert started and not answer.done() and not core.has_queued  # nothing for the loop yet
     engine.add_request(_request("chat", "c", tokens=4))
     for _ in range(4):
-        loop.step()
+        _turn(loop)
     assert loop.trace == ["prefill", "decode", "decode", "decode"] and not answer.done()
     ready.set()
     assert core.has_queued and loop.busy
-    loop.step()
+    _turn(loop)
     assert answer.result()["trainable"] > 0 and "late" in core.runs and not core.waiting
