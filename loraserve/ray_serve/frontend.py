@@ -128,8 +128,7 @@ class RayEngineFrontend(EngineFrontend):
             asyncio.ensure_future(self._answer(msg))
 
     async def _serve(self, msg: Add) -> None:
-        """One request's deltas to its queue, its error as the last one; on another replica once
-        when its replica dies before the first output, else one clean 503."""
+        """One request's deltas to its queue, its error as the last one (a lost replica: above)."""
         req, rid = msg.request, msg.request.request_id
         if req.resolved is None and msg.record is not None:  # an in-process caller's adapter
             rec = msg.record
@@ -162,8 +161,7 @@ class RayEngineFrontend(EngineFrontend):
         The replica is named in served_by once it answers (a lost one never is)."""
         handle = self.replicas.options(stream=True, multiplexed_model_id=adapter_id or "")
         gen = handle.generate.remote(wire)
-        finished = False
-        replica, answered = None, served_by.get()
+        replica, answered, error = None, served_by.get(), None
         try:
             async for kind, value in gen:
                 if kind == "replica":
@@ -171,23 +169,22 @@ class RayEngineFrontend(EngineFrontend):
                     continue
                 if answered is not None:
                     answered.add(replica)
-                if kind == "error":
-                    finished = True
-                    raise error_from_wire(value)
+                if kind == "error":  # (its last item)
+                    error = error_from_wire(value)
+                    break
                 yield output_from_wire(value)
-            finished = True
         except BackPressureError:
-            finished = True
             raise EngineError("the server is at capacity (every engine replica's queue is full); "
                               "retry later", status=429, code="rate_limit_exceeded") from None
         except RayTaskError as exc:
-            finished = True
             log.error("engine replica failed: %s", exc)
             raise EngineError("internal error in an engine replica", status=500,
                               code="internal_error") from None
-        finally:
-            if not finished:  # closed early (client gone) or failed: the replica aborts it
-                gen.cancel()
+        except BaseException:  # closed early (client gone) or the replica lost: it aborts the request
+            gen.cancel()
+            raise
+        if error is not None:
+            raise error
 
     # -- calls ----------------------------------------------------------------------------------
     async def _answer(self, msg: Call) -> None:

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import NoReturn
 
 import psutil  # Ray's dependency (ray.thirdparty_files, on sys.path once ray is imported)
@@ -38,7 +38,7 @@ from ..server.app import DRAIN_FLUSH_S
 from ..server.config import ServerConfig
 from .config import INGRESS_DEPLOYMENT, REPLICA_DEPLOYMENT, ScaleOutConfig
 from .ingress import Ingress
-from .replica import engine_config_dict, replica_class
+from .replica import replica_class
 from .router import ROUTER_PATH
 from .shutdown import (EXIT_FAILED, EXIT_STOPPED, HeadWatch, StopSignals, become_subreaper, bounded,
                        exit_now, kill_descendants, reap_adopted)
@@ -66,7 +66,7 @@ def application(cfg: EngineConfig, scale: ScaleOutConfig, options: ServerConfig)
     router.AffinityRouter (`--replica-routing affinity`) or Serve's default (`multiplex`). The
     ingress runs on this machine (it opens the catalog read-write and reads the model's
     tokenizer here)."""
-    config = engine_config_dict(cfg)
+    config = asdict(cfg)  # plain values: what travels to the replicas
     routing = {} if scale.routing == "multiplex" else {"request_router_config": RequestRouterConfig(
         request_router_class=ROUTER_PATH,
         request_router_kwargs={"c": scale.load_bound_c, "slots": cfg.max_gpu_adapters})}

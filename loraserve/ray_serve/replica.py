@@ -2,11 +2,10 @@
 as a Ray Serve deployment.
 
 The replica hosts the process transport (`CoreClient`), as `loraserve serve` does, so it
-inherits its stall detection and restart; while no core is ready the replica
-stops reporting to the ingress (`_report_loop`), so the ingress's board drops it after
-`stale_after_s` and /ready reads the engines' progress, not the replica's event loop. A
-supervisor that gave up fails Serve's health check (`check_health`), and Serve replaces the
-replica.
+inherits its stall detection and restart; while no core is ready the replica stops reporting
+to the ingress (`_report_loop`), so the ingress's board drops it after `stale_after_s` and
+/ready reads the engines' progress, not the replica's event loop. A supervisor that gave up
+fails Serve's health check (`check_health`), and Serve replaces the replica.
 
 Requests arrive through the ingress's deployment handle with the adapter id as Serve's
 multiplexed model id. `load_adapter` (`@serve.multiplexed`, its capacity the engine's device
@@ -21,7 +20,6 @@ x-loraserve-replica header), then ["out", delta] per output delta (engine.wire's
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
@@ -72,19 +70,17 @@ class EngineReplica:
         try:
             async for out in self.engine.generate(request_from_wire(request)):
                 yield ["out", output_to_wire(out)]
-        except (EngineError, CatalogError) as exc:
-            yield ["error", error_to_wire(exc)]
-        except Exception as exc:  # a bug: logged here, a 500 there
-            log.exception("request %s failed", request.get("id"))
+        except Exception as exc:
+            if not isinstance(exc, (EngineError, CatalogError)):  # a bug: logged here, a 500 there
+                log.exception("request %s failed", request.get("id"))
             yield ["error", error_to_wire(exc)]
 
     # -- control calls from the ingress ----------------------------------------------------------
     async def info(self) -> dict:
-        """What the ingress checks adapters against (the pool's rank and target kinds, from the
-        core's handshake)."""
+        """What the ingress checks adapters against: the pool's rank and target kinds, from the
+        handshake of the core (up once `__init__` returned)."""
         info = self.engine.core_info
-        return {"replica": self.replica_id, "max_rank": info.max_rank if info else 0,
-                "kinds": list(info.kinds) if info else []}
+        return {"max_rank": info.max_rank, "kinds": list(info.kinds)}
 
     async def core_pid(self) -> int | None:
         """The engine-core process serving here now (tests stop it to wedge this replica)."""
@@ -108,23 +104,17 @@ class EngineReplica:
     # -- reports to the ingress -----------------------------------------------------------------
     async def _report_loop(self) -> None:
         """Every report interval while the engine core is ready (up, beating and making
-        progress): the snapshot and command results to the ingress; run the commands it hands
-        back. Errors (the ingress restarting, say) are retried next time. No report while no
-        core is ready: the ingress counts this replica out after `stale_after_s`."""
+        progress; else none, see above): the snapshot and command results to the ingress; run
+        the commands it hands back. Errors (the ingress restarting, say) are retried next time."""
         while True:
             try:
-                if not self.engine.ready:
-                    await asyncio.sleep(self.scale.report_interval_s)
-                    continue
-                sent = self._results
-                self._results = {}
-                commands = await self._ingress.report.remote(
-                    self.replica_id, snapshot_to_wire(self.engine.snapshot), self._seen, sent)
-                for seq, name, args in commands:
-                    await self._run_command(seq, name, args)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
+                if self.engine.ready:
+                    sent, self._results = self._results, {}
+                    commands = await self._ingress.report.remote(
+                        self.replica_id, snapshot_to_wire(self.engine.snapshot), self._seen, sent)
+                    for seq, name, args in commands:
+                        await self._run_command(seq, name, args)
+            except Exception as exc:  # (a cancel is no Exception: it ends the loop)
                 log.debug("report to the ingress failed: %s", exc)
             await asyncio.sleep(self.scale.report_interval_s)
 
@@ -149,8 +139,3 @@ def replica_class(max_adapters: int) -> type:
     (Serve's decorator takes its capacity at class definition; the engine's comes from config)."""
     load = serve.multiplexed(max_num_models_per_replica=max_adapters)(load_adapter)
     return type("EngineReplica", (EngineReplica,), {"load_adapter": load})
-
-
-def engine_config_dict(cfg: EngineConfig) -> dict:
-    """The EngineConfig as plain values (what travels to the replicas)."""
-    return dataclasses.asdict(cfg)
