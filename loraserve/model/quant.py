@@ -41,12 +41,12 @@ log = logging.getLogger(__name__)
 GROUPS = (32, 64, 128)
 # Rows per call up to which the kernel (kernels/cpu_quant, float activations) serves, per scheme;
 # above, a float GEMM over the weight dequantized per call. From bench/quant_kernels.py on the
-# 2-core AVX-512 dev machine (bench/RESULTS.md, "Quantized bases"): the kernel beat
-# "dequantize + F.linear" at 1 and 4 rows on every shape and at 16 on most; the table kernel
-# (session 11) at 32 rows too, 1.55-1.66x at SmolLM2's gate_up and down (interleaved, int4-g64),
-# so a decode batch of 32 stays on it; at 64 the dequantized GEMM won on some shapes, so
-# prefill's many rows take it.
-KERNELS = {"int4": 32, "int8": 32}
+# 2-core AVX-512 dev machine (bench/RESULTS.md, "Quantized bases" and session 13): once the kernel
+# library was built with OpenMP (both cores; it had run on one), the table kernel beat
+# "dequantize + F.linear" at every row count measured, 1.9-2.1x at 16-64 rows, 1.45-1.5x at 128
+# and 1.15-1.35x at 256 (SmolLM2 gate_up/down, Qwen3-0.6B down; int4-g32 and int8), so decode
+# batches and short prefills stay on it; longer prefills (not measured past 256) dequantize.
+KERNELS = {"int4": 256, "int8": 256}
 CHUNK = 64  # inputs per packed chunk (the kernel's step)
 # Float bytes of the weight one step of the input gradient dequantizes (`QuantLinear.input_grad`):
 # a slice of output rows, so a backward never holds a layer's whole float weight.
