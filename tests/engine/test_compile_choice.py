@@ -10,6 +10,7 @@ import torch
 
 from loraserve.engine.config import EngineConfig
 from loraserve.engine.core import build
+from loraserve.engine.core import decode_graphs
 from loraserve.engine.core.decode_graphs import choice_key, read_choice, write_choice
 from loraserve.model.tiny import tiny_config
 
@@ -20,7 +21,7 @@ class _Measured:
     timings = {1: (0.010, 0.012), 2: (0.011, 0.013), 4: (0.02, 0.015)}
 
 
-def test_choice_round_trips_and_is_keyed_by_what_it_depends_on(tmp_path):
+def test_choice_round_trips_and_is_keyed_by_what_it_depends_on(tmp_path, monkeypatch):
     path = tmp_path / "sub" / "choices.json"
     cfg = tiny_config()
     key = choice_key(cfg, torch.float32, (1, 2, 4), packed=True)
@@ -33,6 +34,9 @@ def test_choice_round_trips_and_is_keyed_by_what_it_depends_on(tmp_path):
               choice_key(cfg, torch.float32, (1, 2, 4), packed=False),
               choice_key(dataclasses.replace(cfg, hidden_size=256), torch.float32, (1, 2, 4), packed=True)]
     assert len({key, *others}) == 5 and all(read_choice(path, k) is None for k in others)
+    # another release of the step's code (model, kernels, LoRA, attention): measured again
+    monkeypatch.setattr(decode_graphs, "_SIGNATURE", ["another release"])
+    assert read_choice(path, choice_key(cfg, torch.float32, (1, 2, 4), packed=True)) is None
     path.write_text("not json")
     assert read_choice(path, key) is None  # a damaged file means measuring again
 

@@ -323,12 +323,34 @@ def choice_cache_path() -> Path:
 
 def choice_key(model_config, dtype: torch.dtype, batch_sizes: tuple[int, ...], packed: bool) -> str:
     """What a measured choice depends on: the base's shapes, dtype and weight layout, the batch
-    buckets, the threads, this CPU (model name and flags) and torch's version."""
+    buckets, the threads, this CPU (model name and flags), torch's version and the code of both
+    sides (`code_signature`: a release that makes the eager step faster measures again)."""
     shapes = {k: v for k, v in model_config.to_hf_dict().items() if k not in ("eos_token_id",)}
     cpu = _cpu_signature()
     blob = json.dumps([shapes, str(dtype), list(batch_sizes), packed, torch.get_num_threads(), cpu,
-                       torch.__version__], sort_keys=True, default=str)
+                       torch.__version__, code_signature()], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+_SIGNATURE: list[str] = []
+
+
+def code_signature() -> str:
+    """A hash of the sources an eager or compiled step runs: the model, the kernels (Python and
+    C++) and this package's step code (attention, model runner, these graphs); read once."""
+    if not _SIGNATURE:
+        root = Path(__file__).resolve().parents[2]  # the loraserve package
+        files = sorted([*(root / "model").glob("*.py"), *(root / "kernels").glob("*.py"),
+                        *(root / "kernels").glob("*.cpp"), *(root / "lora").glob("*.py"),
+                        *(Path(__file__).parent / n for n in ("attention.py", "model_runner.py", "decode_graphs.py"))])
+        digest = hashlib.sha256()
+        for f in files:
+            try:
+                digest.update(f.name.encode() + b"\0" + f.read_bytes())
+            except OSError:
+                digest.update(f.name.encode() + b"\0missing")
+        _SIGNATURE.append(digest.hexdigest()[:16])
+    return _SIGNATURE[0]
 
 
 def _cpu_signature() -> str:
