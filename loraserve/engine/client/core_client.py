@@ -71,6 +71,8 @@ COMPILE_START_TIMEOUT_S = 1800.0  # ... and compiling its decode step (minutes o
 
 
 class CoreClient(EngineFrontend, asyncio.Protocol):  # the protocol of its end of the core's socket
+    snapshot = EngineSnapshot()  # the latest a core published (a Step that carries one)
+
     def __init__(self, cfg: EngineConfig, *, start_timeout_s: float | None = None,
                  engine_timeout_s: float = ENGINE_TIMEOUT_S, heartbeat_s: float | None = None,
                  backoff: Backoff | None = None):
@@ -90,7 +92,6 @@ class CoreClient(EngineFrontend, asyncio.Protocol):  # the protocol of its end o
         self.restart_causes = dict.fromkeys(("exited", "stalled", "start_failed"), 0)
         self.state: str  # starting | up | down (a backoff before the next start) | stopped
         self._set_state("stopped")
-        self._snapshot = EngineSnapshot()
         self.core_info: CoreInfo | None = None  # the current core's handshake
         # the current core
         self._proc: multiprocessing.Process | None = None
@@ -109,10 +110,6 @@ class CoreClient(EngineFrontend, asyncio.Protocol):  # the protocol of its end o
         self._closing = False
 
     # -- what the server reads -------------------------------------------------------------------
-    @property
-    def snapshot(self) -> EngineSnapshot:
-        return self._snapshot
-
     @property
     def ready(self) -> bool:
         """A core is up, has answered its handshake and beats."""
@@ -178,9 +175,8 @@ class CoreClient(EngineFrontend, asyncio.Protocol):  # the protocol of its end o
         self.state, self._state_since = state, time.monotonic()
 
     async def _supervise(self) -> None:
-        """Start a core, serve with it until it is lost (`_watch`) or shutdown, end it
-        (`_end_core`), wait out the backoff, again; until shutdown. The first core failing to
-        come up ends the supervisor instead (start() reports it; the next start() tries again)."""
+        """The supervisor (above), until shutdown: the first core failing to come up ends it
+        instead (start() reports it; the next start() tries again)."""
         try:
             while not self._closing:
                 self._set_state("starting")
@@ -349,7 +345,7 @@ class CoreClient(EngineFrontend, asyncio.Protocol):  # the protocol of its end o
             match msg:
                 case Step():  # one engine step: this server's deltas, and the snapshot if sent
                     if msg.snapshot is not None:
-                        self._snapshot = msg.snapshot
+                        self.snapshot = msg.snapshot
                     if msg.outputs:
                         self._deliver(list(msg.outputs))
                 case Return():

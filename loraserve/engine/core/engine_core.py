@@ -105,11 +105,9 @@ class EngineCore:
                 hand_over([], self.replies())
 
     def replies(self) -> list[Ready | Return]:
-        """The handshake answer and the call returns that are ready, in order."""
-        out = []
-        while not self._replies.empty():  # (one reader: this thread)
-            out.append(self._replies.get_nowait())
-        return out
+        """The handshake answer and the call returns that are ready, in order (one reader: this
+        thread, so as many as there are now can be taken)."""
+        return [self._replies.get_nowait() for _ in range(self._replies.qsize())]
 
     def wait_s(self) -> float | None:
         """How long the transport may wait for a message before the next turn: 0 while the
