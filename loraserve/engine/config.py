@@ -98,12 +98,13 @@ class EngineConfig:
     seed: int = field(default=0, metadata={"help": "seed of the sampler for unseeded requests"})
     compile: str = field(default="auto", metadata={
         "help": "compile the decode step over batch and context buckets: auto (CUDA graphs on "
-                "CUDA, captured at start-up; on CPU torch.compile for a base whose weights "
-                "outgrow the last-level cache) | on (also torch.compile for any CPU base) | off. "
+                "CUDA, captured at start-up; on CPU eager, unless an earlier `on` start measured "
+                "compiled graphs faster for this base, machine and release: then those buckets) | "
+                "on (torch.compile on CPU, measured every start) | off. "
                 "On CPU the server is ready at once and serves eagerly while one low-priority "
                 "thread compiles bucket by bucket when the engine is idle (/ready lists what is "
                 "still compiling); each batch bucket is used once measured faster than eager "
-                "(auto remembers that per base shape and machine), and the compiled code is "
+                "(recorded per base shape, machine and release), and the compiled code is "
                 "cached on disk, so a second start compiles nothing. Steps without LoRA tokens "
                 "(and with them, at batch <= 4); prefill, MoE bases and batches past the largest "
                 "bucket run eagerly"})

@@ -75,9 +75,10 @@ def build_engine(cfg: EngineConfig) -> LLMEngine:
 def _compile_decode(engine: LLMEngine, cfg: EngineConfig) -> DecodeGraphs | None:
     """The decode step's graphs: CUDA graphs captured now; on the CPU, graphs a background
     thread makes over a twin of the model (`BackgroundCompile`, started here), each batch bucket
-    admitted once measured faster than eager. `auto` keeps that measurement per base shape and
-    machine (`choice_cache_path`) and, when it said eager everywhere, compiles nothing on later
-    starts; `on` measures every start. None when nothing is to be compiled."""
+    admitted once measured faster than eager. `on` measures every start and records the
+    measurement per base shape, machine and code (`choice_cache_path`); `auto` compiles only the
+    buckets such a measurement found faster compiled, and nothing without one. None when nothing
+    is to be compiled."""
     sizes = tuple(sorted(set(cfg.compile_batch_sizes or batch_buckets(cfg.max_batch_size))))
     contexts = context_buckets(engine.max_model_len, cfg.block_size)
     if engine.device.type != "cpu":
@@ -88,6 +89,13 @@ def _compile_decode(engine: LLMEngine, cfg: EngineConfig) -> DecodeGraphs | None
     packed = any(isinstance(m, PackedLinear) for m in engine.model.modules())
     cache, key = choice_cache_path(), choice_key(engine.model_config, engine.dtype, sizes, packed)
     remembered = read_choice(cache, key) if cfg.compile == "auto" else None
+    if cfg.compile == "auto" and remembered is None:
+        # eager unless measured otherwise: on the CPU the eager step (fused C++ ops, no Python
+        # slices) beat the compiled graphs at every bucket measured (SmolLM2-135M f32/Q4_1,
+        # 0.6B shapes: bench/RESULTS.md), and a background compile takes the GIL and the cores
+        # from the requests served meanwhile. `--compile on` measures, and records what it found
+        log.info("decode step eager (--compile on measures compiled graphs on this machine)")
+        return None
     if remembered is not None and remembered >= set(sizes):
         log.info("decode step eager: compiled was slower at every batch bucket here (%s)", cache)
         return None
