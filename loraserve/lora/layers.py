@@ -143,6 +143,12 @@ class LoRALinear(nn.Module):
         # made here without the plan lookup: 7 targets x 30 layers a step at SmolLM2's shapes)
         self._one: tuple | None = None
 
+    @property
+    def idle(self) -> bool:
+        """No LoRA token in this step: a call returns its base's output unchanged (a caller that
+        reads a fused output whole may skip it: `model.layers._project`)."""
+        return self.state.meta is None
+
     def forward(self, x: torch.Tensor, *fused: torch.Tensor) -> torch.Tensor:
         base = self.base  # a plain nn.Linear is called as F.linear: two Python frames fewer
         y = F.linear(x, base.weight, base.bias) if type(base) is nn.Linear else base(x, *fused)

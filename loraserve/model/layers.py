@@ -188,13 +188,16 @@ def _project(x: Tensor, fused: Tensor, projections: tuple[nn.Module, ...],
              widths: tuple[int, ...]) -> list[Tensor | None]:
     """Each projection's columns (`widths`, in order) of a fused GEMM's output, for a caller that
     reads `fused` as a whole: None for a plain `FusedSlice` (not called: its columns are in `fused`
-    as they are) and for a wrapper that returned its columns in place (a serving LoRA wrapper,
+    as they are), for a wrapper that is `idle` this step over one (not called either), and for a
+    wrapper that returned its columns in place (a serving LoRA wrapper,
     whose delta is now in `fused`); the tensor it returned otherwise (a hook's slice + delta),
     which the caller must use instead of `fused`'s columns (`_columns`). Each projection that is
     not a plain slice is called exactly once: the caller must not call it again."""
     out: list[Tensor | None] = []
     base, size, lo = fused.data_ptr(), fused.element_size(), 0
     for p, width in zip(projections, widths):
+        if type(p) is not FusedSlice and getattr(p, "idle", False) and not (p._forward_hooks or p._forward_pre_hooks):
+            p = p.base  # a wrapper with nothing to add this step (a serving LoRA wrapper, no LoRA token)
         if type(p) is FusedSlice and not (p._forward_hooks or p._forward_pre_hooks):
             out.append(None)
         else:
