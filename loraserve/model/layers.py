@@ -132,14 +132,15 @@ class Attention(nn.Module):
             if fused is not None and cpu_fused.usable(qkv):
                 # one op from qkv (`AttentionFn.fused_qkv`) once any LoRA wrapper added its delta there
                 kv = self.num_kv_heads * self.head_dim
-                q, k, v = _project(x, qkv, projections, (self.num_heads * self.head_dim, kv, kv))
+                widths = (self.num_heads * self.head_dim, kv, kv)
+                q, k, v = _project(x, qkv, projections, widths)
                 if q is None and k is None and v is None:
                     eps = self.q_norm.eps if self.qk_norm_weight is not None else 0.0
                     out = fused(self.layer_idx, qkv, self.num_heads, self.num_kv_heads, rope, self.qk_norm_weight,
                                 eps, self.window)
                     if out is not None:
                         return self.o_proj(out)
-                q, k, v = _columns(qkv, (q, k, v), (self.num_heads * self.head_dim, kv, kv))
+                q, k, v = _columns(qkv, (q, k, v), widths)
             else:
                 q, k, v = (p(x, qkv) for p in projections)
         v = v.view(t, self.num_kv_heads, self.head_dim)                # [T, Hkv, D]

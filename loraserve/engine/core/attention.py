@@ -83,8 +83,7 @@ class PagedAttention:
         # a compiled graph reads no per-step Python field (`full`, `kv_run`): each is a guard,
         # and a real step that differs from the warm-up's would recompile while serving
         traced = compiling()
-        if self.single_query and self.lens is not None and not traced and cpu_fused.usable(q) \
-                and k.dtype == q.dtype == cache.k.dtype:
+        if k.dtype == q.dtype and self._decodes_fused(q):
             # eager decode on the CPU: the cache write, each sequence's own context read through
             # kv_index, GQA and the softmax in one op (cpu_fused), not ~14 dispatches a layer
             return cpu_fused.decode_attention(q, k, v, cache.k_layers[layer], cache.v_layers[layer],
@@ -139,13 +138,19 @@ class PagedAttention:
         (cpu_fused.qkv_attention) where `__call__` would take the fused decode op; None elsewhere
         (the model then slices q, k and v and calls this object as usual)."""
         cache = self.cache
-        if not (self.single_query and self.lens is not None and qkv.dtype == cache.k.dtype == rope[0].dtype
-                and (norm_w is None or norm_w.dtype == qkv.dtype) and cpu_fused.usable(qkv)):
+        if not (rope[0].dtype == qkv.dtype and (norm_w is None or norm_w.dtype == qkv.dtype)
+                and self._decodes_fused(qkv)):
             return None
         d = cache.k.shape[-1]
         return cpu_fused.qkv_attention(qkv, heads, kv_heads, rope[0], rope[1], norm_w, eps, cache.k_layers[layer],
                                        cache.v_layers[layer], self.slot_mapping, self.kv_index, self.lens,
                                        window or 0, d ** -0.5)
+
+    def _decodes_fused(self, x: torch.Tensor) -> bool:
+        """Whether this step's attention on `x` (q or the fused q/k/v output) takes the fused
+        decode op: one query per sequence, lengths known, x in the cache's dtype, and
+        `cpu_fused.usable` (CPU, serving, eager)."""
+        return self.single_query and self.lens is not None and x.dtype == self.cache.k.dtype and cpu_fused.usable(x)
 
     def window_mask(self, window: int) -> torch.Tensor:
         """`mask` without keys `window` or more positions behind their query (sliding-window
