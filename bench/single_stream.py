@@ -7,6 +7,7 @@ bandwidth, each weight layout's GEMM time at a few rows, and the engine's decode
     python bench/single_stream.py step --model DIR --variants 'packed:weight_prepack=on;plain:weight_prepack=off'
     python bench/single_stream.py ops --model DIR [--engine-args max_batch_size=1]   # ops a step dispatches
     python bench/single_stream.py split --model DIR [--engine-args dtype=bfloat16]    # GEMVs vs the rest
+    python bench/single_stream.py plan --model DIR [--engine-args catalog_dir=CAT]    # decode plan on/off
 
 `layouts` times every linear of one decode step at Qwen3-0.6B shapes (28 layers: q/k/v, o,
 gate/up, down; each layer its own weights, so they stream from memory as a model's do) in each
@@ -271,9 +272,43 @@ def step_split(model: str, fields: dict, tokens: int, rounds: int) -> None:
         print(f"{name:>8}: median {statistics.median(v) * 1e3:7.2f} ms, best {min(v) * 1e3:7.2f} ms")
 
 
+def step_plan(model: str, fields: dict, tokens: int, rounds: int) -> None:
+    """A batch-1 decode step with the layers run as a decode plan (model/decode_plan.py) and
+    through the modules (the attention function's `qkv_decoder` taken away), one engine,
+    interleaved request by request: median and best ms a step, and whether the tokens agree."""
+    import statistics
+
+    from loraserve.engine.core.attention import PagedAttention
+    from loraserve.engine.types import GenerateRequest, SamplingParams
+    eng = _engine(model, 1, tokens, {"compile": "off", **fields})
+    decoder = PagedAttention.qkv_decoder
+    steps: dict[str, list[float]] = {"modules": [], "plan": []}
+    ids: dict[str, list[int]] = {}
+    try:
+        for r in range(rounds + 1):   # round 0 warms up
+            for name in steps:
+                PagedAttention.qkv_decoder = decoder if name == "plan" else None
+                seq = eng.add_request(GenerateRequest(f"{name}-{r}", list(range(5, 37)), SamplingParams(
+                    max_tokens=tokens, temperature=0.0, ignore_eos=True)))
+                while eng.scheduler.waiting or eng.scheduler.parked:
+                    eng.step()
+                while eng.has_work():
+                    t0 = time.perf_counter()
+                    eng.step()
+                    if r:
+                        steps[name].append(time.perf_counter() - t0)
+                ids.setdefault(name, seq.output_ids)
+    finally:
+        PagedAttention.qkv_decoder = decoder
+    print(f"{len(steps['plan'])} decode steps each at batch 1 ({fields or 'defaults'}); "
+          f"tokens equal: {ids['modules'] == ids['plan']}")
+    for name, v in steps.items():
+        print(f"{name:>8}: median {statistics.median(v) * 1e3:7.2f} ms, best {min(v) * 1e3:7.2f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["bandwidth", "layouts", "step", "ops", "split"])
+    ap.add_argument("what", choices=["bandwidth", "layouts", "step", "ops", "split", "plan"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--rows", default="1,4,32")
@@ -312,6 +347,9 @@ def main() -> None:
     elif args.what == "split":
         fields = dict(kv.split("=", 1) for kv in args.engine_args.split(",") if kv)
         step_split(args.model, fields, args.tokens, args.rounds)
+    elif args.what == "plan":
+        fields = dict(kv.split("=", 1) for kv in args.engine_args.split(",") if kv)
+        step_plan(args.model, fields, args.tokens, args.rounds)
     elif args.what == "ops":
         fields = dict(kv.split("=", 1) for kv in args.engine_args.split(",") if kv)
         step_ops(args.model, {"compile": "off", "max_batch_size": "1", **fields}, 30)

@@ -72,6 +72,7 @@ def kv_cache_mb(fraction: float, options: dict[str, Any], model_dir: str,
     `memory` (free, total) is read from the device unless given. ValueError when the share is
     not free or leaves no room for the cache."""
     from loraserve.catalog.checkpoint import read_tensor_index
+    from loraserve.engine.config import GPU_PREFILL_TOKENS
     from loraserve.model.config import ModelConfig
 
     device = options.get("device") or "auto"
@@ -86,7 +87,7 @@ def kv_cache_mb(fraction: float, options: dict[str, Any], model_dir: str,
     size = serving_itemsize(options.get("dtype") or "auto", mc.torch_dtype)
     weights = sum(math.prod(e.shape) for e in read_tensor_index(model_dir).values()) * size
     pool = (options.get("gpu_adapter_mb") or POOL_MB_CAP) * MIB
-    tokens = options.get("max_batched_tokens") or 4096
+    tokens = options.get("max_batched_tokens") or GPU_PREFILL_TOKENS
     activations = tokens * (4 * mc.hidden_size + 3 * mc.intermediate_size) * size
     logits = 2 * (options.get("max_batch_size") or 64) * mc.vocab_size * 4
     left = budget - weights - pool - GIB - activations - logits

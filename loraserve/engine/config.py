@@ -26,8 +26,12 @@ class EngineConfig:
                 "with Retry-After"})
     max_model_len: int = field(default=2048, metadata={
         "help": "prompt + output tokens per sequence"})
-    max_batched_tokens: int = field(default=4096, metadata={
-        "help": "tokens one prefill step computes; longer prompts are prefilled in chunks"})
+    max_batched_tokens: int | None = field(default=None, metadata={
+        "help": "tokens one prefill step computes; longer prompts are prefilled in chunks (a step "
+                "is not preempted: on a CPU one of 4096 tokens held every other request for tens "
+                "of seconds)",
+        "default": "512 on a CPU (as train_max_tokens: a step and a training slice hold serving "
+                   "back alike), 4096 on a GPU"})
     grammar_compile_timeout_s: float = field(default=10.0, metadata={
         "help": "seconds a structured-output grammar may take to compile against the vocabulary "
                 "(counted once the tokenizer's grammar setup is done); past it that request gets "
@@ -168,7 +172,9 @@ class EngineConfig:
             raise ValueError("max_waiting must be >= 0")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
-        for name in ("max_batch_size", "max_model_len", "max_batched_tokens", "block_size",
+        if self.max_batched_tokens is not None and self.max_batched_tokens < 1:
+            raise ValueError("max_batched_tokens must be >= 1")
+        for name in ("max_batch_size", "max_model_len", "block_size",
                      "max_gpu_adapters", "max_lora_rank", "cpu_cache_mb", "max_adapter_mb", "pager_workers",
                      "pager_batch", "train_max_tokens"):
             if getattr(self, name) < 1:
@@ -185,3 +191,16 @@ class EngineConfig:
             Template(uri)  # CatalogError naming what is wrong with the template
         if self.catalog_store is not None and not self.catalog_store.startswith("s3://"):
             raise ValueError(f"catalog_store must be s3://bucket[/prefix], got {self.catalog_store!r}")
+
+
+def prefill_tokens(cfg: EngineConfig, device_type: str) -> int:
+    """`max_batched_tokens` as set, else its default for the device the engine runs on."""
+    if cfg.max_batched_tokens is not None:
+        return cfg.max_batched_tokens
+    return CPU_PREFILL_TOKENS if device_type == "cpu" else GPU_PREFILL_TOKENS
+
+
+# A prefill step runs whole. On the 2-core dev machine SmolLM2 prefills ~100-1,000 tokens/s, so a
+# 4096-token step (eight tenants' 16-prompt evals at once) held every stream for 20-45 s
+# (bench/RESULTS.md, training on the real base); 512 tokens is at most a few seconds there.
+CPU_PREFILL_TOKENS, GPU_PREFILL_TOKENS = 512, 4096

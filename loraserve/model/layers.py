@@ -36,6 +36,8 @@ class AttentionFn(Protocol):
     # rope, norm_w, eps, window) -> [T, Hq * D] or None. The same arithmetic from a fused q/k/v
     # output [T, (Hq + 2 Hkv) D] before norm and rotary (norm_w [Hq + Hkv, D] or None), in one
     # call; None where it does not apply this step (the model then slices and calls as above).
+    # Optional too: qkv_decoder(x, rope) -> attend(layer_idx, qkv, heads, kv_heads, norm_w, eps,
+    # window) or None: fused_qkv for a whole step, decided once (`model.decode_plan`).
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
@@ -139,7 +141,7 @@ class Attention(nn.Module):
                     out = fused(self.layer_idx, qkv, self.num_heads, self.num_kv_heads, rope, self.qk_norm_weight,
                                 eps, self.window)
                     if out is not None:
-                        return self.o_proj(out)
+                        return call_projection(self.o_proj, out)
                 q, k, v = _columns(qkv, (q, k, v), widths)
             else:
                 q, k, v = (p(x, qkv) for p in projections)
@@ -210,6 +212,16 @@ def _project(x: Tensor, fused: Tensor, projections: tuple[nn.Module, ...],
     return out
 
 
+def call_projection(p: nn.Module, x: Tensor) -> Tensor:
+    """p(x), or its base's p.base(x) when p is a wrapper `idle` this step with no hook of its own
+    (a serving LoRA wrapper, no LoRA token): the decode step's o and down projections then cost
+    one module call each, as without a catalog. The class is asked first, so a plain module never
+    falls into nn.Module's slow attribute lookup."""
+    if getattr(type(p), "idle", None) is not None and p.idle and not (p._forward_hooks or p._forward_pre_hooks):
+        p = p.base
+    return p(x)
+
+
 def _columns(fused: Tensor, outs: list[Tensor | None], widths: tuple[int, ...]) -> list[Tensor]:
     """`_project`'s results made whole: its None entries become their columns of `fused` (a
     view; the projection is not called again, so a delta it added in place is not added twice)."""
@@ -256,12 +268,12 @@ class MLP(nn.Module):
             half = both.shape[1] // 2
             gate, up = _project(x, both, (self.gate_proj, self.up_proj), (half, half))
             if gate is None and up is None:
-                return self.down_proj(cpu_fused.silu_mul_halves(both))  # the halves read in place, one op
+                return call_projection(self.down_proj, cpu_fused.silu_mul_halves(both))  # the halves read in place, one op
             gate, up = _columns(both, (gate, up), (half, half))
         else:
             gate, up = self.gate_proj(x, both), self.up_proj(x, both)
         if gate.dim() == 2 and gate.dtype == up.dtype and cpu_fused.usable(gate):
-            return self.down_proj(cpu_fused.silu_mul(gate, up))  # one op (kernels.cpu_fused)
+            return call_projection(self.down_proj, cpu_fused.silu_mul(gate, up))  # one op (kernels.cpu_fused)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -14,7 +14,8 @@ from torch import Tensor, nn
 
 from loraserve.kernels import cpu_fused
 from loraserve.model.config import ModelConfig
-from loraserve.model.layers import MLP, Attention, AttentionFn, RMSNorm
+from loraserve.model import decode_plan
+from loraserve.model.layers import MLP, Attention, AttentionFn, RMSNorm, call_projection
 from loraserve.model.moe import SparseMoeBlock
 from loraserve.model.rope import Device, RotaryEmbedding
 
@@ -63,10 +64,26 @@ class DecoderModel(nn.Module):
         return (x.dim() == 2 and cpu_fused.usable(x) and self.norm.weight.dtype == x.dtype
                 and not any(layer._forward_hooks or layer._forward_pre_hooks for layer in self.layers))
 
+    def _planned(self, x: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionFn | None):
+        """The step's attention closure when the layers may run as a `DecodePlan` (built on first
+        use, rebuilt after any registration; model.decode_plan), else None."""
+        decoder = getattr(attn, "qkv_decoder", None)
+        if decoder is None:
+            return None
+        built = self.__dict__.get("_plan")
+        if built is None or built[0] != decode_plan.registrations():
+            built = (decode_plan.registrations(), decode_plan.DecodePlan.build(self))
+            self.__dict__["_plan"] = built
+        plan = built[1]
+        return decoder(x, rope) if plan is not None and plan.applies(x) else None
+
     def _forward_fused(self, x: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionFn | None) -> Tensor:
         """The layers' arithmetic with each residual add fused into the norm after it (vLLM's
         fused add + RMSNorm): x += attn(norm(x)); x += mlp(norm(x)) as DecoderLayer.forward,
         in one op per add and norm instead of seven."""
+        attend = self._planned(x, rope, attn)
+        if attend is not None:
+            return self.__dict__["_plan"][1].run(x, attend)
         first = self.layers[0].input_layernorm
         h = cpu_fused.rms_norm(x, first.weight, first.eps)
         for i, layer in enumerate(self.layers):
@@ -118,4 +135,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [M, H] -> logits [M, V] float32, through self.lm_head (LoRA-wrappable)."""
-        return self.lm_head(hidden).float()
+        return call_projection(self.lm_head, hidden).float()

@@ -69,3 +69,26 @@ def test_chunked_prefill_with_preemption_and_prefix_cache(demo_dense):
     assert eng.generate(prompts, params) == want          # again, now partly from the prefix cache
     assert eng.scheduler.num_preemptions > 0 and eng.blocks.prefix_hit_tokens > 0
     eng.blocks.check_invariants([])
+
+
+def test_cpu_default_step_budget_is_the_training_slice(demo_dense):
+    """No flag: a CPU engine prefills at most 512 tokens a step (a step is not preempted; 4096
+    held every other stream for tens of seconds on 2 cores), and a 600-token prompt takes two
+    steps with the short one's decode between them; an explicit budget is kept as given."""
+    eng = _engine(demo_dense, max_model_len=700)
+    assert eng.cfg.max_batched_tokens is None
+    assert eng.scheduler.max_batched_tokens == 512 == eng.cfg.train_max_tokens
+    assert _engine(demo_dense, max_batched_tokens=4096).scheduler.max_batched_tokens == 4096
+    steps = []
+    run = eng.runner.run
+    eng.runner.run = lambda seqs, is_prefill: (
+        steps.append((is_prefill, sum(q.num_scheduled for q in seqs), [q.request_id for q in seqs])),
+        run(seqs, is_prefill))[1]
+    short_prompt, long_prompt = _prompts(eng.vocab_size, [5, 600], seed=13)
+    eng.add_request(GenerateRequest("short", short_prompt, GREEDY))
+    eng.step()
+    long = eng.add_request(GenerateRequest("long", long_prompt, GREEDY))
+    while not long.output_ids:
+        eng.step()
+    assert [(p, n) for p, n, ids in steps if ids == ["long"]] == [(True, 512), (True, 88)]
+    assert steps[2][0] is False and steps[2][2] == ["short"]  # a decode step between the chunks

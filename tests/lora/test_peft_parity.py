@@ -166,3 +166,18 @@ def test_chunked_prefill_mixed_adapters_match_peft(dense_set, backend):
     assert sum(steps) >= 5  # several prefill steps left a prompt half done
     for adapter, prompt, out in zip(adapters, prompts, outs):
         assert out == _peft_reference(dense_set, adapter, prompt)[1], adapter
+
+
+def test_base_batches_take_the_decode_plan_and_adapter_batches_do_not(dense_set, monkeypatch):
+    """The LoRA wrappers are bypassed only while idle (`model.decode_plan`): a base-only batch's
+    decode steps run the plan, an adapter's run the modules, and both still equal PEFT."""
+    from loraserve.model import decode_plan
+    planned: list[int] = []
+    real = decode_plan.DecodePlan.run
+    monkeypatch.setattr(decode_plan.DecodePlan, "run", lambda self, x, a: planned.append(1) or real(self, x, a))
+    eng = _engine(dense_set, "torch")
+    _check(dense_set, eng, [None, None], seed=4)
+    assert len(planned) == TOKENS - 1
+    planned.clear()
+    _check(dense_set, eng, ["t/all-r8-rslora", None], seed=4)
+    assert not planned

@@ -136,6 +136,7 @@ def test_decode_fast_paths_equal_the_sliced_path_and_honour_hooks(hf_llama, monk
         assert fused_calls, "the decode steps did not take the fused q/k/v path"
         with monkeypatch.context() as m:
             m.setattr(PagedAttention, "fused_qkv", None)
+            m.setattr(PagedAttention, "qkv_decoder", None)  # and the whole-step plan (model.decode_plan)
             fused_calls.clear()
             sliced = run(tag + "-sliced")
             assert not fused_calls

@@ -6,6 +6,7 @@ The per-step metadata (slot mapping, gather index, mask) is built once and share
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -145,6 +146,23 @@ class PagedAttention:
         return cpu_fused.qkv_attention(qkv, heads, kv_heads, rope[0], rope[1], norm_w, eps, cache.k_layers[layer],
                                        cache.v_layers[layer], self.slot_mapping, self.kv_index, self.lens,
                                        window or 0, d ** -0.5)
+
+    def qkv_decoder(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> Callable | None:
+        """`fused_qkv` for every layer of this step, checked once (`model.decode_plan`): a function
+        (layer, qkv, heads, kv_heads, norm_w, eps, window) -> [T, Hq * D] with the step's cache,
+        slots and rotary bound, or None where `fused_qkv` would decline x (norm_w the caller's to
+        match x's dtype)."""
+        if not (rope[0].dtype == x.dtype and self._decodes_fused(x)):
+            return None
+        cache, (cos, sin) = self.cache, rope
+        k_layers, v_layers, scale = cache.k_layers, cache.v_layers, cache.k.shape[-1] ** -0.5
+        slots, kv_index, lens = self.slot_mapping, self.kv_index, self.lens
+
+        def attend(layer: int, qkv: torch.Tensor, heads: int, kv_heads: int, norm_w: torch.Tensor | None, eps: float,
+                   window: int) -> torch.Tensor:
+            return cpu_fused.qkv_attention(qkv, heads, kv_heads, cos, sin, norm_w, eps, k_layers[layer],
+                                           v_layers[layer], slots, kv_index, lens, window, scale)
+        return attend
 
     def _decodes_fused(self, x: torch.Tensor) -> bool:
         """Whether this step's attention on `x` (q or the fused q/k/v output) takes the fused

@@ -23,7 +23,7 @@ from ...model.prepack import outgrows_last_level_cache, prepack_linears, vector_
 from ...tokenizer import Tokenizer
 from .attention import KVCache
 from .block_manager import BlockManager
-from ..config import EngineConfig
+from ..config import EngineConfig, prefill_tokens
 from ..directory import EVERYONE, AdapterDirectory
 from .model_runner import ModelRunner, StepResult
 from .output import TokenOutputs
@@ -121,7 +121,7 @@ class LLMEngine:
         self.adapters = None  # AdapterManager once enable_lora() ran
         self.directory = AdapterDirectory(self.model_name)  # the base only until enable_lora()
         self.scheduler = Scheduler(self.blocks, max_batch_size=cfg.max_batch_size,
-                                   max_batched_tokens=cfg.max_batched_tokens)
+                                   max_batched_tokens=prefill_tokens(cfg, self.device.type))
         self.runner = ModelRunner(self.model, self.cache, self.device)
         # token-level stop checks and deltas only: text and stop strings are the API side's
         self.output = TokenOutputs(mc.eos_token_ids or self.tokenizer.eos_token_ids, self.max_model_len)

@@ -1,0 +1,97 @@
+"""The decode plan (`model.decode_plan`): an eager CPU decode step runs the layers as a flat list
+of calls, gives the module path's tokens and hidden states on every dense family (Qwen3's q/k
+norm, Qwen2's q/k/v biases, Mistral's window, Llama) and on an int4 base, and steps aside for
+whatever the module path honours: a hook, a module replaced after it was built (an active
+adapter: tests/lora/test_peft_parity.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers  # noqa: F401 (whole before any engine: its grammar thread imports it too, and a
+# first `import transformers` here while that thread's is half done finds a partial module)
+
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.core.attention import PagedAttention
+from loraserve.engine.core.build import build_engine
+from loraserve.engine.types import GenerateRequest, SamplingParams
+from loraserve.model import decode_plan
+
+
+def _engine(model_dir, **kw):
+    return build_engine(EngineConfig(model_dir=str(model_dir), max_model_len=64, compile="off",
+                                     prefix_caching=False, max_batch_size=4, **kw))
+
+
+def _spy(eng, monkeypatch) -> tuple[list[torch.Tensor], list[int]]:
+    """(the hidden states each step hands to the logits, one entry per planned step)."""
+    model, hidden, planned = eng.runner.model, [], []
+    real_logits, real_run = type(model).compute_logits, decode_plan.DecodePlan.run
+    monkeypatch.setattr(type(model), "compute_logits", lambda self, h: hidden.append(h.clone()) or real_logits(self, h))
+    monkeypatch.setattr(decode_plan.DecodePlan, "run", lambda self, x, a: planned.append(1) or real_run(self, x, a))
+    return hidden, planned
+
+
+def _generate(eng, tag: str, adapter=None) -> list[list[int]]:
+    prompts = [[3, 14, 15, 9, 2, 6], [7, 1, 8, 2, 8], [5, 5, 4]]
+    seqs = [eng.add_request(GenerateRequest(f"{tag}-{i}", p, SamplingParams(max_tokens=6, temperature=0.0,
+                                                                            ignore_eos=True), adapter))
+            for i, p in enumerate(prompts)]
+    while eng.has_work():
+        eng.step()
+    return [s.output_ids for s in seqs]
+
+
+@pytest.mark.parametrize("fixture,extra", [("demo_dense", {}), ("hf_llama", {}), ("hf_qwen2", {}),
+                                           ("hf_mistral", {}), ("hf_llama", {"quantize": "int4"})],
+                         ids=["qwen3", "llama", "qwen2-bias", "mistral-window", "llama-int4"])
+def test_the_plan_gives_the_module_paths_numbers(fixture, extra, request, monkeypatch):
+    eng = _engine(request.getfixturevalue(fixture), **extra)
+    hidden, planned = _spy(eng, monkeypatch)
+    fast = _generate(eng, "plan"), list(hidden)
+    assert len(planned) == 5  # every decode step of the batch (6 tokens: 1 prefill + 5 decode steps)
+    hidden.clear(), planned.clear()
+    monkeypatch.setattr(PagedAttention, "qkv_decoder", None)  # the attention function has no decoder: modules
+    slow = _generate(eng, "modules"), list(hidden)
+    assert not planned
+    assert fast[0] == slow[0]
+    for a, b in zip(fast[1], slow[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_hook_an_adapter_or_a_replaced_module_is_never_bypassed(demo_dense, monkeypatch, tmp_path):
+    eng = _engine(demo_dense)
+    hidden, planned = _spy(eng, monkeypatch)
+    plain = _generate(eng, "plain")
+    assert planned
+    layer = eng.runner.model.model.layers[1]
+    calls: list[int] = []
+    handle = layer.self_attn.o_proj.register_forward_hook(lambda mod, args, out: calls.append(1) or out + 0.5)
+    planned.clear()
+    try:
+        hooked = _generate(eng, "hooked")
+    finally:
+        handle.remove()
+    assert not planned and len(calls) == 6  # the prefill step, then all 5 decode steps
+    assert hooked != plain
+    # a module put in after the plan was built is called (the registration count rebuilds the plan)
+    down = layer.mlp.down_proj
+
+    class Doubled(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base, self.in_features, self.out_features = base, base.in_features, base.out_features
+
+        def forward(self, x):
+            calls.append(2)
+            return 2 * self.base(x)
+
+    calls.clear(), planned.clear()
+    layer.mlp.down_proj = Doubled(down)
+    try:
+        doubled = _generate(eng, "doubled")
+    finally:
+        layer.mlp.down_proj = down
+    assert calls.count(2) == 6 and doubled != plain   # the prefill and all 5 decode steps called it
+    planned.clear()
+    assert _generate(eng, "again") == plain and planned  # the plan is back, rebuilt
+
