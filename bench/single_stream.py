@@ -7,7 +7,7 @@ bandwidth, each weight layout's GEMM time at a few rows, and the engine's decode
     python bench/single_stream.py step --model DIR --variants 'packed:weight_prepack=on;plain:weight_prepack=off'
     python bench/single_stream.py ops --model DIR [--engine-args max_batch_size=1]   # ops a step dispatches
     python bench/single_stream.py split --model DIR [--engine-args dtype=bfloat16]    # GEMVs vs the rest
-    python bench/single_stream.py plan --model DIR [--engine-args catalog_dir=CAT]    # decode plan on/off
+    python bench/single_stream.py plan --model DIR [--engine-args catalog_dir=CAT,adapter=ID]  # decode plan on/off
 
 `layouts` times every linear of one decode step at Qwen3-0.6B shapes (28 layers: q/k/v, o,
 gate/up, down; each layer its own weights, so they stream from memory as a model's do) in each
@@ -280,6 +280,8 @@ def step_plan(model: str, fields: dict, tokens: int, rounds: int) -> None:
 
     from loraserve.engine.core.attention import PagedAttention
     from loraserve.engine.types import GenerateRequest, SamplingParams
+    fields = dict(fields)
+    adapter = fields.pop("adapter", None)  # with catalog_dir: the requests' adapter
     eng = _engine(model, 1, tokens, {"compile": "off", **fields})
     decoder = PagedAttention.qkv_decoder
     steps: dict[str, list[float]] = {"modules": [], "plan": []}
@@ -289,7 +291,7 @@ def step_plan(model: str, fields: dict, tokens: int, rounds: int) -> None:
             for name in steps:
                 PagedAttention.qkv_decoder = decoder if name == "plan" else None
                 seq = eng.add_request(GenerateRequest(f"{name}-{r}", list(range(5, 37)), SamplingParams(
-                    max_tokens=tokens, temperature=0.0, ignore_eos=True)))
+                    max_tokens=tokens, temperature=0.0, ignore_eos=True), adapter))
                 while eng.scheduler.waiting or eng.scheduler.parked:
                     eng.step()
                 while eng.has_work():
@@ -300,7 +302,7 @@ def step_plan(model: str, fields: dict, tokens: int, rounds: int) -> None:
                 ids.setdefault(name, seq.output_ids)
     finally:
         PagedAttention.qkv_decoder = decoder
-    print(f"{len(steps['plan'])} decode steps each at batch 1 ({fields or 'defaults'}); "
+    print(f"{len(steps['plan'])} decode steps each at batch 1 ({fields or 'defaults'}, adapter {adapter}); "
           f"tokens equal: {ids['modules'] == ids['plan']}")
     for name, v in steps.items():
         print(f"{name:>8}: median {statistics.median(v) * 1e3:7.2f} ms, best {min(v) * 1e3:7.2f} ms")

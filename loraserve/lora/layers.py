@@ -149,6 +149,14 @@ class LoRALinear(nn.Module):
         reads a fused output whole may skip it: `model.layers._project`)."""
         return self.state.meta is None
 
+    def one_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A, B): this step's delta is `lora_addmm_(y, x, A, B)` and nothing else (the steady
+        decode of one adapter, after this wrapper's first call with the step's metadata made its
+        plan: `_one`), else None. For a caller that runs the layer without calling the wrapper
+        (`model.decode_plan`)."""
+        one = self._one
+        return None if one is None or one[0] is not self.state.meta else one[1:]
+
     def forward(self, x: torch.Tensor, *fused: torch.Tensor) -> torch.Tensor:
         base = self.base  # a plain nn.Linear is called as F.linear: two Python frames fewer
         y = F.linear(x, base.weight, base.bias) if type(base) is nn.Linear else base(x, *fused)

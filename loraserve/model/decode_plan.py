@@ -16,9 +16,11 @@ in the same order as `DecoderModel._forward_fused`'s decode path, so the same nu
 
 It applies only where that path would call nothing else: every layer a dense MLP with fused
 gate/up and an attention with fused q/k/v, every projection a plain slice or a plain GEMM, or a
-wrapper (a serving LoRA layer) `idle` this step over one; no hook on any module of the layers,
-and no global module hook. Anything else (an adapter's token in the batch, a training hook, MoE
-layers) runs the module path. A plan is rebuilt when any module, parameter or buffer is registered
+wrapper (a serving LoRA layer) over one that is `idle` this step (`run`) or whose delta this
+step is one `lora_addmm_` of known rank rows (`one_rows`: the steady decode of one adapter;
+`run_one` adds each where the wrapper would, in the same order); no hook on any module of the
+layers, and no global module hook. Anything else (a mixed batch, a training hook, MoE layers)
+runs the module path. A plan is rebuilt when any module, parameter or buffer is registered
 anywhere after it was built (torch's global registration hooks count them), so a wrapper installed
 or a weight replaced later is never bypassed.
 """
@@ -56,12 +58,11 @@ _GLOBAL_HOOKS = tuple(getattr(_module, name) for name in (
     "_global_backward_pre_hooks") if hasattr(_module, name))
 
 
-def _plain(p: nn.Module, wrappers: list[nn.Module]) -> nn.Module | None:
-    """p itself, or the base of a wrapper with an `idle` property (recorded in `wrappers`)."""
+def _unwrap(p: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """(the wrapper, its base) for a wrapper with an `idle` property, else (None, p)."""
     if getattr(type(p), "idle", None) is not None:
-        wrappers.append(p)
-        p = getattr(p, "base", None)
-    return p
+        return p, getattr(p, "base", None)
+    return None, p
 
 
 def _gemm(p: nn.Module | None, dtype: torch.dtype) -> tuple[Callable[[Tensor], Tensor], int] | None:
@@ -80,9 +81,10 @@ class DecodePlan:
     """The layers of one `DecoderModel` as per-layer call tuples (module doc). `build` returns
     None where the plan does not apply to the model as it stands."""
 
-    def __init__(self, layers: list[tuple], first: tuple[Tensor, float], wrappers: list[nn.Module],
-                 hook_dicts: list[dict], max_rows: int, dtype: torch.dtype):
-        self.layers, self.first, self.max_rows, self.dtype = layers, first, max_rows, dtype
+    def __init__(self, layers: list[tuple], deltas: list[tuple], first: tuple[Tensor, float],
+                 wrappers: list[nn.Module], hook_dicts: list[dict], max_rows: int, dtype: torch.dtype):
+        self.layers, self.deltas, self.first, self.max_rows, self.dtype = layers, deltas, first, max_rows, dtype
+        self.wrappers = wrappers
         # one wrapper per shared state: wrappers over one LoRA state are idle together
         self.idles = list({id(getattr(w, "state", w)): w for w in wrappers}.values())
         self.hook_dicts = hook_dicts
@@ -90,19 +92,27 @@ class DecodePlan:
     @classmethod
     def build(cls, model: nn.Module) -> DecodePlan | None:
         """For a `DecoderModel` (its `layers`, `norm`); None unless every layer fits (module doc)."""
-        layers, wrappers, max_rows = [], [], 1 << 30
+        layers, deltas, wrappers, max_rows = [], [], [], 1 << 30
         dtype = model.norm.weight.dtype
         hook_dicts = [d for m in model.layers.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             if getattr(attn, "qkv_proj", None) is None or getattr(mlp, "gate_up_proj", None) is None:
                 return None
-            slices = [_plain(p, wrappers) for p in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj,
-                                                      mlp.up_proj)]
-            if any(type(p) is not FusedSlice for p in slices):
-                return None
-            gemms = [_gemm(_plain(p, wrappers), dtype)
-                     for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            fused = []  # per fused GEMM: (wrapper, first column, last column + 1) of each wrapped slice
+            for parts in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+                cols = []
+                for p in parts:
+                    w, s = _unwrap(p)
+                    if type(s) is not FusedSlice:
+                        return None
+                    if w is not None:
+                        cols.append((w, s.lo, s.lo + s.out_features))
+                fused.append(tuple(cols))
+            unwrapped = [_unwrap(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if unwrapped[0][0] is not None or unwrapped[2][0] is not None:
+                return None  # the fused GEMMs themselves wrapped: not a layout the plan knows
+            gemms = [_gemm(base, dtype) for _, base in unwrapped]
             if any(g is None for g in gemms):
                 return None
             max_rows = min([max_rows, *(rows for _, rows in gemms)])
@@ -115,13 +125,21 @@ class DecodePlan:
             layers.append((i, qkv, o, gate_up, down, attn.num_heads, attn.num_kv_heads, norm_w,
                            attn.q_norm.eps if norm_w is not None else 0.0, attn.window or 0,
                            post.weight, post.eps, after.weight, after.eps))
+            deltas.append((fused[0], unwrapped[1][0], fused[1], unwrapped[3][0]))
+            wrappers += [w for cols in fused for w, _, _ in cols]
+            wrappers += [w for w, _ in (unwrapped[1], unwrapped[3]) if w is not None]
         first = model.layers[0].input_layernorm
-        return cls(layers, (first.weight, first.eps), wrappers, hook_dicts, max_rows, dtype)
+        return cls(layers, deltas, (first.weight, first.eps), wrappers, hook_dicts, max_rows, dtype)
 
-    def applies(self, x: Tensor) -> bool:
-        """This step may run the plan: x's rows and dtype, no hook anywhere, every wrapper idle."""
-        return (x.dtype == self.dtype and x.shape[0] <= self.max_rows and not any(self.hook_dicts)
-                and not any(_GLOBAL_HOOKS) and all(w.idle for w in self.idles))
+    def applies(self, x: Tensor) -> int:
+        """Whether this step may run the plan: 0 no; 1 every wrapper idle (`run`); 2 every wrapper
+        adds its adapter's delta as one `lora_addmm_` of known rank rows (`run_one`: the steady
+        decode of one adapter, `one_rows`). Also x's rows and dtype, and no hook anywhere."""
+        if x.dtype != self.dtype or x.shape[0] > self.max_rows or any(self.hook_dicts) or any(_GLOBAL_HOOKS):
+            return 0
+        if all(w.idle for w in self.idles):
+            return 1
+        return 2 if self.wrappers and all(w.one_rows() is not None for w in self.wrappers) else 0
 
     def run(self, x: Tensor, attend: Callable) -> Tensor:
         """x [T, H] (the embeddings) -> hidden [T, H] after the final norm; `attend(layer, qkv,
@@ -132,4 +150,30 @@ class DecodePlan:
              post_w, post_eps, after_w, after_eps) in self.layers:
             x, h = add_rms_norm(x, o(attend(i, qkv(h), heads, kv_heads, norm_w, eps, window)), post_w, post_eps)
             x, h = add_rms_norm(x, down(silu_mul_halves(gate_up(h))), after_w, after_eps)
+        return h
+
+    def run_one(self, x: Tensor, attend: Callable) -> Tensor:
+        """`run` with each wrapper's delta added where its module call would add it: in place into
+        its columns of the fused output (q, k, v; gate, up) or onto the GEMM's output (o, down),
+        one `lora_addmm_` of its `one_rows` each, in the module path's order."""
+        add_rms_norm, silu_mul_halves, addmm = cpu_fused.add_rms_norm, cpu_fused.silu_mul_halves, cpu_fused.lora_addmm_
+        h = cpu_fused.rms_norm(x, *self.first)
+        for (i, qkv, o, gate_up, down, heads, kv_heads, norm_w, eps, window, post_w, post_eps, after_w,
+             after_eps), (qkv_cols, o_w, gu_cols, down_w) in zip(self.layers, self.deltas):
+            y = qkv(h)
+            for w, lo, hi in qkv_cols:
+                addmm(y[:, lo:hi], h, *w.one_rows())
+            a = attend(i, y, heads, kv_heads, norm_w, eps, window)
+            y = o(a)
+            if o_w is not None:
+                addmm(y, a, *o_w.one_rows())
+            x, h = add_rms_norm(x, y, post_w, post_eps)
+            y = gate_up(h)
+            for w, lo, hi in gu_cols:
+                addmm(y[:, lo:hi], h, *w.one_rows())
+            m = silu_mul_halves(y)
+            y = down(m)
+            if down_w is not None:
+                addmm(y, m, *down_w.one_rows())
+            x, h = add_rms_norm(x, y, after_w, after_eps)
         return h

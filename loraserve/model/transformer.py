@@ -65,8 +65,8 @@ class DecoderModel(nn.Module):
                 and not any(layer._forward_hooks or layer._forward_pre_hooks for layer in self.layers))
 
     def _planned(self, x: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionFn | None):
-        """The step's attention closure when the layers may run as a `DecodePlan` (built on first
-        use, rebuilt after any registration; model.decode_plan), else None."""
+        """(plan, mode, the step's attention closure) when the layers may run as a `DecodePlan`
+        (built on first use, rebuilt after any registration; model.decode_plan), else None."""
         decoder = getattr(attn, "qkv_decoder", None)
         if decoder is None:
             return None
@@ -75,15 +75,18 @@ class DecoderModel(nn.Module):
             built = (decode_plan.registrations(), decode_plan.DecodePlan.build(self))
             self.__dict__["_plan"] = built
         plan = built[1]
-        return decoder(x, rope) if plan is not None and plan.applies(x) else None
+        attend = decoder(x, rope) if plan is not None else None  # None for a prefill step
+        mode = plan.applies(x) if attend is not None else 0
+        return (plan, mode, attend) if mode else None
 
     def _forward_fused(self, x: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionFn | None) -> Tensor:
         """The layers' arithmetic with each residual add fused into the norm after it (vLLM's
         fused add + RMSNorm): x += attn(norm(x)); x += mlp(norm(x)) as DecoderLayer.forward,
         in one op per add and norm instead of seven."""
-        attend = self._planned(x, rope, attn)
-        if attend is not None:
-            return self.__dict__["_plan"][1].run(x, attend)
+        planned = self._planned(x, rope, attn)
+        if planned is not None:
+            plan, mode, attend = planned
+            return plan.run(x, attend) if mode == 1 else plan.run_one(x, attend)
         first = self.layers[0].input_layernorm
         h = cpu_fused.rms_norm(x, first.weight, first.eps)
         for i, layer in enumerate(self.layers):

@@ -169,15 +169,22 @@ def test_chunked_prefill_mixed_adapters_match_peft(dense_set, backend):
 
 
 def test_base_batches_take_the_decode_plan_and_adapter_batches_do_not(dense_set, monkeypatch):
-    """The LoRA wrappers are bypassed only while idle (`model.decode_plan`): a base-only batch's
-    decode steps run the plan, an adapter's run the modules, and both still equal PEFT."""
+    """The LoRA wrappers are bypassed only while idle or while each adds one known delta
+    (`model.decode_plan`): a base-only batch's decode steps run the plan, a mixed batch's the
+    modules, a lone adapter's the plan with its deltas, and all equal PEFT."""
     from loraserve.model import decode_plan
     planned: list[int] = []
-    real = decode_plan.DecodePlan.run
-    monkeypatch.setattr(decode_plan.DecodePlan, "run", lambda self, x, a: planned.append(1) or real(self, x, a))
+    for name in ("run", "run_one"):  # idle wrappers; each wrapper's one known delta
+        real = getattr(decode_plan.DecodePlan, name)
+        monkeypatch.setattr(decode_plan.DecodePlan, name, lambda self, x, a, real=real, name=name:
+                            planned.append(name) or real(self, x, a))
     eng = _engine(dense_set, "torch")
     _check(dense_set, eng, [None, None], seed=4)
-    assert len(planned) == TOKENS - 1
+    assert planned == ["run"] * (TOKENS - 1)
     planned.clear()
     _check(dense_set, eng, ["t/all-r8-rslora", None], seed=4)
     assert not planned
+    # one adapter alone on every target: from the second decode step on, each wrapper's delta is
+    # one lora_addmm_ of known rank rows (`one_rows`), added by the plan where the wrapper would
+    _check(dense_set, eng, ["t/all-r8-rslora"], seed=5)
+    assert planned == ["run_one"] * (TOKENS - 2)
