@@ -46,7 +46,7 @@ from ..wire import unpacker
 log = logging.getLogger(__name__)
 _IDLE_POLL_MS = 1000    # idle: wake at least this often to check that the parent lives
 _RECV_BYTES = 1 << 16
-SNAPSHOT_EVERY_S = 0.1  # while stepping without a pause, publish the snapshot at most this often
+SNAPSHOT_EVERY_S = 0.02  # while stepping without a pause, publish the snapshot at most this often
 
 
 def run_core(cfg: EngineConfig, conn: socket.socket, parent_pid: int, beat: Beat) -> None:
