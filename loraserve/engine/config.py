@@ -193,14 +193,15 @@ class EngineConfig:
             raise ValueError(f"catalog_store must be s3://bucket[/prefix], got {self.catalog_store!r}")
 
 
+# A prefill step runs whole. On the 2-core dev machine SmolLM2 prefills ~100-1,000 tokens/s, so a
+# 4096-token step (eight tenants' 16-prompt evals at once) held every stream for 20-45 s
+# (bench/RESULTS.md, training on the real base); 512 tokens is at most a few seconds there.
+CPU_PREFILL_TOKENS, GPU_PREFILL_TOKENS = 512, 4096
+
+
 def prefill_tokens(cfg: EngineConfig, device_type: str) -> int:
     """`max_batched_tokens` as set, else its default for the device the engine runs on."""
     if cfg.max_batched_tokens is not None:
         return cfg.max_batched_tokens
     return CPU_PREFILL_TOKENS if device_type == "cpu" else GPU_PREFILL_TOKENS
 
-
-# A prefill step runs whole. On the 2-core dev machine SmolLM2 prefills ~100-1,000 tokens/s, so a
-# 4096-token step (eight tenants' 16-prompt evals at once) held every stream for 20-45 s
-# (bench/RESULTS.md, training on the real base); 512 tokens is at most a few seconds there.
-CPU_PREFILL_TOKENS, GPU_PREFILL_TOKENS = 512, 4096

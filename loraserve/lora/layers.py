@@ -165,9 +165,9 @@ class LoRALinear(nn.Module):
         if meta is None:
             return y
         if not compiling():  # (read before _one: a traced graph never guards on it)
-            one = self._one
-            if one is not None and one[0] is meta and cpu_fused.usable(x):
-                cpu_fused.lora_addmm_(y, x, one[1], one[2])
+            rows = self.one_rows()
+            if rows is not None and cpu_fused.usable(x):
+                cpu_fused.lora_addmm_(y, x, *rows)
                 return y
         # the engine's rows are 2-D already: no view/reshape dispatch (196 targets a step at 0.6B shapes)
         y2, x2 = y if y.dim() == 2 else y.view(-1, y.shape[-1]), x if x.dim() == 2 else x.reshape(-1, x.shape[-1])

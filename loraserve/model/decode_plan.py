@@ -18,7 +18,7 @@ It applies only where that path would call nothing else: every layer a dense MLP
 gate/up and an attention with fused q/k/v, every projection a plain slice or a plain GEMM, or a
 wrapper (a serving LoRA layer) over one that is `idle` this step (`run`) or whose delta this
 step is one `lora_addmm_` of known rank rows (`one_rows`: the steady decode of one adapter;
-`run_one` adds each where the wrapper would, in the same order); no hook on any module of the
+`run` then adds each where the wrapper would, in the same order); no hook on any module of the
 layers, and no global module hook. Anything else (a mixed batch, a training hook, MoE layers)
 runs the module path. A plan is rebuilt when any module, parameter or buffer is registered
 anywhere after it was built (torch's global registration hooks count them), so a wrapper installed
@@ -53,13 +53,14 @@ _module.register_module_module_registration_hook(_count)
 _module.register_module_parameter_registration_hook(_count)
 _module.register_module_buffer_registration_hook(_count)
 
-_GLOBAL_HOOKS = tuple(getattr(_module, name) for name in (
+GLOBAL_HOOKS = tuple(getattr(_module, name) for name in (
     "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
     "_global_backward_pre_hooks") if hasattr(_module, name))
 
 
 def _unwrap(p: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
-    """(the wrapper, its base) for a wrapper with an `idle` property, else (None, p)."""
+    """(the wrapper, its base) for a wrapper (a class with an `idle` property, as
+    `model.layers.idle_base` tells them), else (None, p)."""
     if getattr(type(p), "idle", None) is not None:
         return p, getattr(p, "base", None)
     return None, p
@@ -132,28 +133,19 @@ class DecodePlan:
         return cls(layers, deltas, (first.weight, first.eps), wrappers, hook_dicts, max_rows, dtype)
 
     def applies(self, x: Tensor) -> int:
-        """Whether this step may run the plan: 0 no; 1 every wrapper idle (`run`); 2 every wrapper
-        adds its adapter's delta as one `lora_addmm_` of known rank rows (`run_one`: the steady
-        decode of one adapter, `one_rows`). Also x's rows and dtype, and no hook anywhere."""
-        if x.dtype != self.dtype or x.shape[0] > self.max_rows or any(self.hook_dicts) or any(_GLOBAL_HOOKS):
+        """Whether this step may run the plan: 0 no; 1 every wrapper idle; 2 every wrapper adds its
+        adapter's delta as one `lora_addmm_` of known rank rows (the steady decode of one adapter,
+        `one_rows`): `run(..., deltas=True)`. Also x's rows and dtype, and no hook anywhere."""
+        if x.dtype != self.dtype or x.shape[0] > self.max_rows or any(self.hook_dicts) or any(GLOBAL_HOOKS):
             return 0
         if all(w.idle for w in self.idles):
             return 1
         return 2 if self.wrappers and all(w.one_rows() is not None for w in self.wrappers) else 0
 
-    def run(self, x: Tensor, attend: Callable) -> Tensor:
+    def run(self, x: Tensor, attend: Callable, deltas: bool = False) -> Tensor:
         """x [T, H] (the embeddings) -> hidden [T, H] after the final norm; `attend(layer, qkv,
-        heads, kv_heads, norm_w, eps, window)` is the step's `AttentionFn.qkv_decoder`."""
-        add_rms_norm, silu_mul_halves = cpu_fused.add_rms_norm, cpu_fused.silu_mul_halves
-        h = cpu_fused.rms_norm(x, *self.first)
-        for (i, qkv, o, gate_up, down, heads, kv_heads, norm_w, eps, window,
-             post_w, post_eps, after_w, after_eps) in self.layers:
-            x, h = add_rms_norm(x, o(attend(i, qkv(h), heads, kv_heads, norm_w, eps, window)), post_w, post_eps)
-            x, h = add_rms_norm(x, down(silu_mul_halves(gate_up(h))), after_w, after_eps)
-        return h
-
-    def run_one(self, x: Tensor, attend: Callable) -> Tensor:
-        """`run` with each wrapper's delta added where its module call would add it: in place into
+        heads, kv_heads, norm_w, eps, window)` is the step's `AttentionFn.qkv_decoder`. With
+        `deltas`, each wrapper's delta is added where its module call would add it: in place into
         its columns of the fused output (q, k, v; gate, up) or onto the GEMM's output (o, down),
         one `lora_addmm_` of its `one_rows` each, in the module path's order."""
         add_rms_norm, silu_mul_halves, addmm = cpu_fused.add_rms_norm, cpu_fused.silu_mul_halves, cpu_fused.lora_addmm_
@@ -161,19 +153,21 @@ class DecodePlan:
         for (i, qkv, o, gate_up, down, heads, kv_heads, norm_w, eps, window, post_w, post_eps, after_w,
              after_eps), (qkv_cols, o_w, gu_cols, down_w) in zip(self.layers, self.deltas):
             y = qkv(h)
-            for w, lo, hi in qkv_cols:
-                addmm(y[:, lo:hi], h, *w.one_rows())
+            if deltas:
+                for w, lo, hi in qkv_cols:
+                    addmm(y[:, lo:hi], h, *w.one_rows())
             a = attend(i, y, heads, kv_heads, norm_w, eps, window)
             y = o(a)
-            if o_w is not None:
+            if deltas and o_w is not None:
                 addmm(y, a, *o_w.one_rows())
             x, h = add_rms_norm(x, y, post_w, post_eps)
             y = gate_up(h)
-            for w, lo, hi in gu_cols:
-                addmm(y[:, lo:hi], h, *w.one_rows())
+            if deltas:
+                for w, lo, hi in gu_cols:
+                    addmm(y[:, lo:hi], h, *w.one_rows())
             m = silu_mul_halves(y)
             y = down(m)
-            if down_w is not None:
+            if deltas and down_w is not None:
                 addmm(y, m, *down_w.one_rows())
             x, h = add_rms_norm(x, y, after_w, after_eps)
         return h

@@ -199,8 +199,7 @@ def _project(x: Tensor, fused: Tensor, projections: tuple[nn.Module, ...],
     out: list[Tensor | None] = []
     base, size, lo = fused.data_ptr(), fused.element_size(), 0
     for p, width in zip(projections, widths):
-        if type(p) is not FusedSlice and getattr(p, "idle", False) and not (p._forward_hooks or p._forward_pre_hooks):
-            p = p.base  # a wrapper with nothing to add this step (a serving LoRA wrapper, no LoRA token)
+        p = idle_base(p)  # a wrapper with nothing to add this step (a serving LoRA wrapper, no LoRA token)
         if type(p) is FusedSlice and not (p._forward_hooks or p._forward_pre_hooks):
             out.append(None)
         else:
@@ -212,14 +211,20 @@ def _project(x: Tensor, fused: Tensor, projections: tuple[nn.Module, ...],
     return out
 
 
-def call_projection(p: nn.Module, x: Tensor) -> Tensor:
-    """p(x), or its base's p.base(x) when p is a wrapper `idle` this step with no hook of its own
-    (a serving LoRA wrapper, no LoRA token): the decode step's o and down projections then cost
-    one module call each, as without a catalog. The class is asked first, so a plain module never
-    falls into nn.Module's slow attribute lookup."""
+def idle_base(p: nn.Module) -> nn.Module:
+    """p.base when p is a wrapper (a class with an `idle` property: the serving LoRA wrapper) that
+    is idle this step and has no hook of its own, else p: calling the base is then the same as
+    calling p, one module call fewer. The class is asked first, so a plain module never falls into
+    nn.Module's slow attribute lookup."""
     if getattr(type(p), "idle", None) is not None and p.idle and not (p._forward_hooks or p._forward_pre_hooks):
-        p = p.base
-    return p(x)
+        return p.base
+    return p
+
+
+def call_projection(p: nn.Module, x: Tensor) -> Tensor:
+    """p(x) through `idle_base`: the decode step's o and down projections cost one module call
+    each on a server with a catalog, as without one."""
+    return idle_base(p)(x)
 
 
 def _columns(fused: Tensor, outs: list[Tensor | None], widths: tuple[int, ...]) -> list[Tensor]:

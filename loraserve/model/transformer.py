@@ -86,7 +86,7 @@ class DecoderModel(nn.Module):
         planned = self._planned(x, rope, attn)
         if planned is not None:
             plan, mode, attend = planned
-            return plan.run(x, attend) if mode == 1 else plan.run_one(x, attend)
+            return plan.run(x, attend, deltas=mode == 2)
         first = self.layers[0].input_layernorm
         h = cpu_fused.rms_norm(x, first.weight, first.eps)
         for i, layer in enumerate(self.layers):

@@ -174,17 +174,16 @@ def test_base_batches_take_the_decode_plan_and_adapter_batches_do_not(dense_set,
     modules, a lone adapter's the plan with its deltas, and all equal PEFT."""
     from loraserve.model import decode_plan
     planned: list[int] = []
-    for name in ("run", "run_one"):  # idle wrappers; each wrapper's one known delta
-        real = getattr(decode_plan.DecodePlan, name)
-        monkeypatch.setattr(decode_plan.DecodePlan, name, lambda self, x, a, real=real, name=name:
-                            planned.append(name) or real(self, x, a))
+    real = decode_plan.DecodePlan.run  # "idle": wrappers skipped; "deltas": each one's known delta added
+    monkeypatch.setattr(decode_plan.DecodePlan, "run", lambda self, x, a, deltas=False:
+                        planned.append("deltas" if deltas else "idle") or real(self, x, a, deltas))
     eng = _engine(dense_set, "torch")
     _check(dense_set, eng, [None, None], seed=4)
-    assert planned == ["run"] * (TOKENS - 1)
+    assert planned == ["idle"] * (TOKENS - 1)
     planned.clear()
     _check(dense_set, eng, ["t/all-r8-rslora", None], seed=4)
     assert not planned
     # one adapter alone on every target: from the second decode step on, each wrapper's delta is
     # one lora_addmm_ of known rank rows (`one_rows`), added by the plan where the wrapper would
     _check(dense_set, eng, ["t/all-r8-rslora"], seed=5)
-    assert planned == ["run_one"] * (TOKENS - 2)
+    assert planned == ["deltas"] * (TOKENS - 2)

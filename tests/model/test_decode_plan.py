@@ -27,7 +27,8 @@ def _spy(eng, monkeypatch) -> tuple[list[torch.Tensor], list[int]]:
     model, hidden, planned = eng.runner.model, [], []
     real_logits, real_run = type(model).compute_logits, decode_plan.DecodePlan.run
     monkeypatch.setattr(type(model), "compute_logits", lambda self, h: hidden.append(h.clone()) or real_logits(self, h))
-    monkeypatch.setattr(decode_plan.DecodePlan, "run", lambda self, x, a: planned.append(1) or real_run(self, x, a))
+    monkeypatch.setattr(decode_plan.DecodePlan, "run",
+                        lambda self, x, a, deltas=False: planned.append(1) or real_run(self, x, a, deltas))
     return hidden, planned
 
 
@@ -94,4 +95,5 @@ def test_a_hook_an_adapter_or_a_replaced_module_is_never_bypassed(demo_dense, mo
     assert calls.count(2) == 6 and doubled != plain   # the prefill and all 5 decode steps called it
     planned.clear()
     assert _generate(eng, "again") == plain and planned  # the plan is back, rebuilt
+
 

@@ -138,20 +138,18 @@ class PagedAttention:
         and attention straight from a fused q/k/v output [N, (Hq + 2 Hkv) D] -> [N, Hq D], in one op
         (cpu_fused.qkv_attention) where `__call__` would take the fused decode op; None elsewhere
         (the model then slices q, k and v and calls this object as usual)."""
-        cache = self.cache
-        if not (rope[0].dtype == qkv.dtype and (norm_w is None or norm_w.dtype == qkv.dtype)
-                and self._decodes_fused(qkv)):
-            return None
-        d = cache.k.shape[-1]
-        return cpu_fused.qkv_attention(qkv, heads, kv_heads, rope[0], rope[1], norm_w, eps, cache.k_layers[layer],
-                                       cache.v_layers[layer], self.slot_mapping, self.kv_index, self.lens,
-                                       window or 0, d ** -0.5)
+        attend = self._decoder(qkv, rope) if norm_w is None or norm_w.dtype == qkv.dtype else None
+        return None if attend is None else attend(layer, qkv, heads, kv_heads, norm_w, eps, window or 0)
 
     def qkv_decoder(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> Callable | None:
         """`fused_qkv` for every layer of this step, checked once (`model.decode_plan`): a function
         (layer, qkv, heads, kv_heads, norm_w, eps, window) -> [T, Hq * D] with the step's cache,
         slots and rotary bound, or None where `fused_qkv` would decline x (norm_w the caller's to
         match x's dtype)."""
+        return self._decoder(x, rope)
+
+    def _decoder(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> Callable | None:
+        """`qkv_decoder`'s closure (`fused_qkv` makes its one call through it too)."""
         if not (rope[0].dtype == x.dtype and self._decodes_fused(x)):
             return None
         cache, (cos, sin) = self.cache, rope
