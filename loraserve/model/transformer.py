@@ -60,9 +60,22 @@ class DecoderModel(nn.Module):
 
     def _fused_residuals(self, x: Tensor) -> bool:
         """Whether `_forward_fused` may run: serving on the CPU (kernels.cpu_fused.usable), the
-        norms in x's dtype, and no hook on a decoder layer (its forward is not called there)."""
+        norms in x's dtype, and no hook on a decoder layer or one of its norms, nor a global one
+        (their forwards are not called there: the norms' weights are read directly)."""
         return (x.dim() == 2 and cpu_fused.usable(x) and self.norm.weight.dtype == x.dtype
-                and not any(layer._forward_hooks or layer._forward_pre_hooks for layer in self.layers))
+                and not any(self._uncalled_hooks()) and not any(decode_plan.GLOBAL_HOOKS))
+
+    def _uncalled_hooks(self) -> list[dict]:
+        """The hook dicts of the modules `_forward_fused` does not call (the layers, their norms,
+        the final norm), listed once per registration count: a hook added later lands in a listed
+        dict, a module swapped in later makes a new list."""
+        listed = self.__dict__.get("_hook_dicts")
+        if listed is None or listed[0] != decode_plan.registrations():
+            mods = [*self.layers, *(m for layer in self.layers for m in (layer.input_layernorm,
+                                                                         layer.post_attention_layernorm)), self.norm]
+            listed = (decode_plan.registrations(), [d for m in mods for d in (m._forward_hooks, m._forward_pre_hooks)])
+            self.__dict__["_hook_dicts"] = listed
+        return listed[1]
 
     def _planned(self, x: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionFn | None):
         """(plan, mode, the step's attention closure) when the layers may run as a `DecodePlan`

@@ -97,3 +97,74 @@ def test_a_hook_an_adapter_or_a_replaced_module_is_never_bypassed(demo_dense, mo
     assert _generate(eng, "again") == plain and planned  # the plan is back, rebuilt
 
 
+
+def test_generated_interventions_are_never_bypassed(demo_dense, monkeypatch):
+    """A seeded generator of what the plan must step aside for: on random projections of random
+    layers, forward hooks that return a new tensor or add in place, pre-hooks that scale the
+    input, and modules swapped in after the plan was built (with or without a hook), one or two
+    at a time. Each trial's tokens and hidden states equal the module path's (the attention
+    function's decoder taken away), every intervention runs at every step, and with all removed
+    the plan is taken again and gives the untouched answer."""
+    import random
+
+    eng = _engine(demo_dense)
+    hidden, planned = _spy(eng, monkeypatch)
+    plain = _generate(eng, "plain")
+    assert planned
+    layers = eng.runner.model.model.layers
+    names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "self_attn", "mlp"]
+
+    class Scaled(torch.nn.Module):  # a module put in after the plan was built
+        def __init__(self, base, calls):
+            super().__init__()
+            self.base, self.calls = base, calls
+            for attr in ("in_features", "out_features", "lo"):
+                if hasattr(base, attr):
+                    setattr(self, attr, getattr(base, attr))
+
+        def forward(self, x, *rest):
+            self.calls.append(1)
+            return 1.5 * self.base(x, *rest)
+
+    rng = random.Random(20261205)
+    for trial in range(8):
+        calls: list[int] = []
+        undo = []
+        for _ in range(rng.choice([1, 2])):
+            layer = layers[rng.randrange(len(layers))]
+            parent_name, _, leaf = rng.choice(names).rpartition(".")
+            parent = layer.get_submodule(parent_name) if parent_name else layer
+            mod = getattr(parent, leaf)
+            kind = rng.choice(["new", "in-place", "pre", "swap"])
+            if kind == "swap" and leaf.endswith("proj") and leaf not in ("q_proj", "k_proj", "v_proj",
+                                                                         "gate_proj", "up_proj"):
+                setattr(parent, leaf, Scaled(mod, calls))
+                undo.append(lambda parent=parent, leaf=leaf, mod=mod: setattr(parent, leaf, mod))
+                continue
+            if kind == "pre":
+                h = mod.register_forward_pre_hook(lambda m, args: calls.append(1) or (args[0] * 1.25, *args[1:]))
+            elif kind == "in-place" and leaf.endswith("proj"):
+                h = mod.register_forward_hook(lambda m, args, out: calls.append(1) or out.add_(0.125))
+            else:
+                h = mod.register_forward_hook(lambda m, args, out: calls.append(1) or out * 0.75)
+            undo.append(h.remove)
+        try:
+            hidden.clear(), planned.clear()
+            got = _generate(eng, f"t{trial}"), list(hidden)
+            assert not planned, f"trial {trial}: the plan ran over an intervention"
+            per_run = len(calls)
+            assert per_run >= 6  # every step (1 prefill + 5 decode) called each intervention
+            hidden.clear()
+            with monkeypatch.context() as m:
+                m.setattr(PagedAttention, "qkv_decoder", None)
+                want = _generate(eng, f"m{trial}"), list(hidden)
+            assert len(calls) == 2 * per_run
+            assert got[0] == want[0]
+            for a, b in zip(got[1], want[1], strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        finally:
+            for u in reversed(undo):
+                u()
+        planned.clear()
+        assert _generate(eng, f"after{trial}") == plain and planned
