@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from loraserve.engine.config import EngineConfig
+from loraserve.engine.core import engine_core
 from loraserve.engine.core.engine_core import EngineCore
 from loraserve.engine.core.llm_engine import LLMEngine
 from loraserve.engine.core.process import EngineCoreProc
@@ -148,10 +149,12 @@ def test_a_light_tenant_runs_before_the_next_slice(engine, loop):
     assert trace[20:] == ["train"] * (len(trace) - 20) and all(a.exception() is None for a in answers)
 
 
-def test_training_is_charged_and_takes_its_turn(engine, loop):
+def test_training_is_charged_and_takes_its_turn(engine, loop, monkeypatch):
     """A long request of tenant c while tenant a trains: slices and c's decode steps alternate
     in the ratio of their tokens (a 10-token forward slice per ten decode tokens), the training
-    is not starved, and a's charge is in its virtual time."""
+    is not starved, and a's charge is in its virtual time. (Slices run whole here: the quantum
+    after which a slice gives way to served sequences is a time, see the test below.)"""
+    monkeypatch.setattr(engine_core, "GIVE_WAY_MIN_S", float("inf"))
     core = trainer_of(engine)
     core.create("r", RUN)
     answer = core.handle("run", ["r", "r#0", [_datum(100)], "cross_entropy", None, False, "a", 1.0, 10])
@@ -170,6 +173,40 @@ def test_training_is_charged_and_takes_its_turn(engine, loop):
         else:
             n += 1
     assert len(run_lengths) >= 5 and all(8 <= k <= 12 for k in run_lengths[1:5]), trace
+
+
+@pytest.mark.parametrize("quantum", [0.0, float("inf")])
+def test_a_slice_gives_way_to_served_sequences_after_its_quantum(engine, loop, monkeypatch, quantum):
+    """Tenant c's long request decodes; tenant a's pass is queued and its slice starts in a's
+    turn. With a quantum of 0 (EngineCore._give_way: a slice parks at a preemption point once it
+    has computed its quantum while sequences are served) the slice parks at every point, and
+    c's decode steps and the slice's pieces alternate, one piece between two steps, until the
+    slice ends; c's tokens are those it gets alone. With an endless quantum the slice runs whole,
+    as before the rule (and as a slice does with nothing being served)."""
+    monkeypatch.setattr(engine_core, "GIVE_WAY_MIN_S", quantum)
+    monkeypatch.setattr(engine_core, "GIVE_WAY_STEPS", 0.0)
+    alone = engine.add_request(_request("solo", "c", prompt=6, tokens=80))  # the same prompt as "chat"
+    while engine.has_work():
+        engine.step()
+    core = trainer_of(engine)
+    core.create("r", RUN)
+    chat = engine.add_request(_request("chat", "c", prompt=6, tokens=80))
+    while len(chat.output_ids) < 20:
+        _turn(loop)
+    answer = core.handle("run", ["r", "r#0", [_datum(8)], "cross_entropy", None, False, "a", 1.0, 32])
+    _drive(loop, [answer])
+    assert answer.result()["metrics"]["loss:sum"] > 0 and chat.output_ids == alone.output_ids
+    trace = loop.trace
+    first = trace.index("train")
+    end = next(i for i in range(first, len(trace)) if trace[i] == "train" and trace[i + 1:i + 2] != ["parked"])
+    pieces = trace[first:end + 1]
+    if quantum == 0.0:
+        layers = len(engine.model.model.layers)
+        assert pieces.count("parked") >= 2 * layers, pieces  # each layer's attention and MLP at least
+        # piece, parked, one serving step, piece, ...: the stream waits for one piece at a time
+        assert pieces == ["train", "parked", "decode"] * pieces.count("parked") + ["train"], pieces
+    else:
+        assert pieces == ["train"] and "parked" not in trace
 
 
 def test_the_core_process_drains_every_message_yet_runs_one_slice_per_turn(demo_dense):

@@ -27,10 +27,14 @@ its text to end it.
 Training shares the turns: after its serving step (`serve`), a turn runs at most one slice of
 the queued training (`train`, `TrainerCore.slice_turn`), and only in training's turn of the fair
 share, so a serving step never waits for more than one slice, however many runs train. A slice
-gives way part way when `has_input()` (the transport's: a message or a wake-up waits on it) says
-so, at its next preemption point (train/preempt.py): the turn ends there, and a later turn
-resumes the slice, so a request that arrives while a slice runs is admitted and prefilled after
-one layer's attention or MLP of it.
+gives way part way, at its next preemption point (train/preempt.py), when `has_input()` (the
+transport's: a message or a wake-up waits on it) says so, or when sequences are being served and
+the slice has computed for GIVE_WAY_STEPS of a decode step's time since it was handed the turn:
+the turn ends there, and a later turn resumes the slice (when the fair share says it is
+training's turn again). So a request that arrives while a slice runs is admitted and prefilled
+after one layer's attention or MLP of it, and a stream's next token waits for at most about that
+quantum of the slice, however long the slice (eight runs' datums batched into one took 10-20 s
+on two loaded cores, a stall of every stream before).
 
 Grammar-compile admission: a request whose grammar is still compiling waits in `compiling`,
 off the engine, and each turn admits those whose compile is done and fails those past the
@@ -56,6 +60,10 @@ from .training import close_trainer, trainer_if_any, trainer_of
 
 log = logging.getLogger(__name__)
 WAITING_S = 0.05  # queued work that could not run, or a grammar compiling: look again this often
+# a training slice computes this many decode steps' time (at least GIVE_WAY_MIN_S) while
+# sequences are served, then parks: a stream's inter-token gap stays under about twice a step
+GIVE_WAY_STEPS = 0.5
+GIVE_WAY_MIN_S = 0.002
 
 
 class EngineCore:
@@ -169,7 +177,7 @@ class EngineCore:
         if trainer is None or not trainer.has_queued:
             return False
         try:
-            sliced = trainer.slice_turn(self.engine.last_batch_size > 0, self.has_input)
+            sliced = trainer.slice_turn(self.engine.last_batch_size > 0, self._give_way())
         except Exception:  # a bug outside any one pass (each pass's own faults answer it)
             log.exception("training slice failed")
             sliced = False
@@ -178,6 +186,14 @@ class EngineCore:
             if trainer.inflight is not None:
                 self.trace.append("parked")
         return sliced
+
+    def _give_way(self) -> Callable[[], bool]:
+        """When the slice handed the turn now parks (asked at its preemption points, on the
+        trainer thread while this one waits): a message or a wake-up waits, or the scheduler
+        holds sequences and the slice has computed for its quantum since now."""
+        has_input, sched = self.has_input, self.engine.scheduler
+        until = time.monotonic() + max(GIVE_WAY_MIN_S, GIVE_WAY_STEPS * self.engine.decode_step_s)
+        return lambda: has_input() or (sched.has_work and time.monotonic() >= until)
 
     def _coalesce(self, outs: list[RequestOutput]) -> list[RequestOutput]:
         """Quiet requests: pass the first delta, hold and merge the rest until the last."""

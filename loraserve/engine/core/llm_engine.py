@@ -130,6 +130,7 @@ class LLMEngine:
         self._waiting_for: dict[AdapterKey, list[Sequence]] = {}  # parked sequences by adapter
         self._asked = False  # page-ins were asked for since the last step (`_drain_page_ins`)
         self.last_batch_size = 0
+        self.decode_step_s = 0.0  # a decode step's wall time, smoothed (a training slice's quantum)
         self._notify = lambda: None  # wakes the owner thread when a page-in completes
         # the CPU decode step's BackgroundCompile while it makes graphs (engine.core.build)
         self.compiler = None
@@ -238,6 +239,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step. A fault while handling one sequence fails that sequence (a 500 for
         its request alone, logged with its request id); the rest of the batch goes on."""
+        started = time.perf_counter()
         outs = self._drain_page_ins()
         seqs, is_prefill = self.scheduler.schedule()
         self.last_batch_size = len(seqs)
@@ -254,6 +256,9 @@ class LLMEngine:
                 self._advance(seqs, result, outs)
                 self._sample(seqs, result, outs)
                 outs.extend(self._postprocess(seqs))
+            if not is_prefill:
+                took = time.perf_counter() - started
+                self.decode_step_s = took if not self.decode_step_s else 0.8 * self.decode_step_s + 0.2 * took
         self.publish(force=not self.scheduler.has_work)
         return outs
 
