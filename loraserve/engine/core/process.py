@@ -24,6 +24,7 @@ started as the process boots (`core.boot`), PROGRESS from the loop at the start 
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -76,7 +77,10 @@ class EngineCoreProc:
         self.conn = conn
         conn.setblocking(False)
         self._frames = unpacker()
-        self._unsent = bytearray()  # what the socket did not take yet (sent when writable)
+        # what the socket did not take yet, in order, as views of the encoded messages (sent when
+        # writable; never copied: a revision's blob is tens of MB and a slow reader takes a
+        # socket buffer a turn)
+        self._unsent: collections.deque[memoryview] = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -153,22 +157,27 @@ class EngineCoreProc:
 
     # -- messages out ---------------------------------------------------------------------------
     def _write(self, data: bytes) -> None:
-        """Send data after anything still unsent; what the socket does not take now waits for it
-        to be writable (the poll then watches for that)."""
+        """Send data after anything still unsent, as much as the socket takes now; the rest waits
+        for it to be writable (the poll then watches for that). Nothing queued is copied: the
+        old buffer (joined and re-sliced each turn) cost a copy of everything queued per turn,
+        and eight 20 MB saves queued behind a slow reader held every stream for 10-20 s."""
         waited = bool(self._unsent)
-        if waited:
-            self._unsent += data
-            data, self._unsent = bytes(self._unsent), bytearray()
-        if not data:
-            return
-        try:
-            sent = self.conn.send(data)
-        except BlockingIOError:
-            sent = 0
-        except ConnectionError:  # the API server is gone: nobody to serve
-            self._open = False
-            return
-        self._unsent += data[sent:]
+        if data:
+            self._unsent.append(memoryview(data))
+        while self._unsent:
+            head = self._unsent[0]
+            try:
+                sent = self.conn.send(head)
+            except BlockingIOError:
+                break
+            except ConnectionError:  # the API server is gone: nobody to serve
+                self._open = False
+                self._unsent.clear()
+                return
+            if sent < len(head):
+                self._unsent[0] = head[sent:]
+                break
+            self._unsent.popleft()
         if bool(self._unsent) != waited:
             self._poll.modify(self.conn, select.POLLIN | (select.POLLOUT if self._unsent else 0))
 
