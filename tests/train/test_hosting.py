@@ -70,7 +70,9 @@ def test_in_process_slices_interleave_with_decoding(demo_dense):
 
     losses = asyncio.run(main())
     assert losses[1] < losses[0]
-    slices = [i for i, e in enumerate(events) if e == "train"]
+    # where each slice ended (a slice that gave way to the decoding part way, "parked", goes on
+    # in a later turn: EngineCore._give_way)
+    slices = [i for i, e in enumerate(events) if e == "train" and events[i + 1:i + 2] != ["parked"]]
     assert len(slices) == 8  # 4 datums of 12 tokens, one per 12-token slice, two passes
     for a, b in zip(slices, slices[1:]):
         assert "decode" in events[a:b], " ".join(events)
