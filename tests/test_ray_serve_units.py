@@ -12,10 +12,11 @@ import pytest
 
 from loraserve.cli import build_parser
 from loraserve.engine.config import EngineConfig
+from loraserve.engine.messages import Unload, decode
 from loraserve.engine.snapshot import EngineSnapshot
 from loraserve.engine.types import EngineError, GenerateRequest, RequestOutput, SamplingParams
 from loraserve.engine.wire import error_to_wire, output_to_wire
-from loraserve.ray_serve.board import ReplicaBoard, merged
+from loraserve.ray_serve.board import ReplicaBoard, merged, nearest
 from loraserve.ray_serve.config import ScaleOutConfig, from_args
 
 
@@ -76,10 +77,10 @@ def test_board_broadcast_waits_for_every_live_replica() -> None:
         board = ReplicaBoard(stale_after_s=5.0)
         board.report("a", EngineSnapshot(), 0, {})
         board.report("b", EngineSnapshot(), 0, {})
-        call = asyncio.ensure_future(board.broadcast("unload_adapter", ["t/x"], timeout_s=5))
+        call = asyncio.ensure_future(board.broadcast(Unload(0, "t/x"), timeout_s=5))
         await asyncio.sleep(0)
-        [[seq, name, args]] = board.report("a", EngineSnapshot(), 0, {})
-        assert (name, args) == ("unload_adapter", ["t/x"])
+        [[seq, wire]] = board.report("a", EngineSnapshot(), 0, {})
+        assert decode(wire) == Unload(0, "t/x")  # the call itself, for the replica's core
         assert board.report("a", EngineSnapshot(), seq, {seq: ["ok", 2]}) == []
         assert not call.done()
         board.report("b", EngineSnapshot(), 0, {seq: ["ok", 1]})
@@ -92,7 +93,7 @@ def test_board_broadcast_raises_a_replica_error() -> None:
     async def scenario():
         board = ReplicaBoard()
         board.report("a", EngineSnapshot(), 0, {})
-        call = asyncio.ensure_future(board.broadcast("unload_adapter", ["t/x"], timeout_s=5))
+        call = asyncio.ensure_future(board.broadcast(Unload(0, "t/x"), timeout_s=5))
         await asyncio.sleep(0)
         err = error_to_wire(EngineError("nope", status=404, code="not_found"))
         board.report("a", EngineSnapshot(), 1, {1: ["error", err]})
@@ -101,6 +102,13 @@ def test_board_broadcast_raises_a_replica_error() -> None:
     with pytest.raises(EngineError, match="nope") as info:
         asyncio.run(scenario())
     assert info.value.status == 404
+
+
+def test_residency_behind_ray_is_the_nearest_any_core_answers() -> None:
+    """Every replica's core answers a Residency call live; the ingress answers, per revision,
+    the one nearest the device: quarantined on any, else gpu, else cpu, else disk."""
+    assert nearest([["disk", "cpu", "gpu", "disk"],
+                    ["cpu", "gpu", "quarantined", "disk"]]) == ["cpu", "gpu", "quarantined", "disk"]
 
 
 def test_merged_snapshot_sums_and_unites() -> None:

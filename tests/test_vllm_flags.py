@@ -102,7 +102,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, hf_dense: Path) -> Iterator
         str(hf_dense), catalog_dir=str(root / "catalog"), device="cpu", dtype="float32",
         max_model_len=64, max_batch_size=4, max_lora_rank=8, adapter_root=str(root / "peft_root"),
         max_gpu_adapters=args.max_gpu_adapters, max_cpu_adapters=args.max_cpu_adapters)
-    assert engine.adapter_manager.cpu_cache.max_entries == 2
+    assert engine.engine.adapters.cpu_cache.max_entries == 2
     with LiveServer(build_app(engine, api_key="vllm-key")) as live:
         yield live.url
     shutil.rmtree(root, ignore_errors=True)
@@ -236,6 +236,56 @@ def test_tool_call_flags(capsys: pytest.CaptureFixture) -> None:
     assert plan_tools(tools, "auto", None, qwen_template).family is QWEN
     assert plan_tools(tools, "auto", None, qwen_template, MISTRAL).family is MISTRAL
     assert plan_tools(tools, "auto", None, "{{ tools }}", LLAMA3).family is LLAMA3
+
+
+# a template that renders tools but writes no tool-call marker loraserve knows: only
+# --tool-call-parser says how to read its calls
+UNMARKED_TOOLS = ("{% if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
+                  "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                  "{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+    "required": ["city"], "additionalProperties": False}}}
+
+
+def test_a_vllm_tool_calling_command_line_serves_parsed_calls(tmp_path: Path) -> None:
+    """`serve BASE --enable-auto-tool-choice --tool-call-parser hermes`, as vLLM is started:
+    `auto` is taken on a template with no markers of its own (refused without the flag), and a
+    named or required call comes back parsed as tool_calls, in the hermes format."""
+    import json
+
+    from loraserve.demo import build_demo_base
+    from loraserve.server.errors import APIError
+    from loraserve.server.tool_calls import plan_tools
+    from serve_process import ServeProcess
+
+    base = build_demo_base(tmp_path / "qwen3")
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config["chat_template"] = UNMARKED_TOOLS
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(APIError, match="tool_choice \"auto\" is not supported"):
+        plan_tools([WEATHER], "auto", None, UNMARKED_TOOLS)  # what the flag changes
+    server = ServeProcess(base, None, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                          "--max-model-len", "1024", positional=True)
+    try:
+        with httpx.Client(base_url=server.url, timeout=300) as http:
+            ask = {"model": "qwen3", "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+                   "tools": [WEATHER], "max_tokens": 400, "temperature": 0}
+            auto = http.post("/v1/chat/completions", json={**ask, "tool_choice": "auto"})
+            assert auto.status_code == 200, auto.text
+            for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+                r = http.post("/v1/chat/completions", json={**ask, "tool_choice": choice})
+                assert r.status_code == 200, r.text
+                answer = r.json()["choices"][0]
+                assert answer["finish_reason"] == "tool_calls", answer
+                [call] = answer["message"]["tool_calls"]
+                assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+                assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Oslo")
+                assert "<tool_call>" not in (answer["message"]["content"] or "")
+    finally:
+        rc = server.stop()
+    assert rc in (0, 130), server.output()  # 130: ended by SIGINT, as a shell reports Ctrl-C
 
 
 # --- vLLM flags without an option of that name (loraserve/cli_vllm.py) ---

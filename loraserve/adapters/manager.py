@@ -31,7 +31,8 @@ from typing import Callable
 from loraserve.catalog.records import RevisionRecord
 
 from .pager import resolve_record
-from .pool import AdapterPool, PoolFull, PoolLimits
+from .limits import PoolLimits
+from .pool import AdapterPool, PoolFull
 from .weights import AdapterKey
 
 log = logging.getLogger(__name__)

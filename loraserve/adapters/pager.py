@@ -41,10 +41,11 @@ from loraserve.catalog.ids import parse_model_ref
 from loraserve.catalog.layout import checked_region, load_revision
 from loraserve.catalog.records import RevisionRecord
 from loraserve.adapters.cpu_cache import CpuCache
+from loraserve.adapters.limits import check_base
 from loraserve.adapters.stats import PagerStats, page_in_histogram
 from loraserve.adapters.weights import AdapterKey
 
-__all__ = ["Pager", "check_base", "record_key", "resolve_record"]
+__all__ = ["Pager", "record_key", "resolve_record"]
 
 
 def record_key(record: RevisionRecord) -> AdapterKey:
@@ -327,17 +328,6 @@ class Pager:
 
     def _check_base(self, ref: str, fingerprint: str) -> None:
         check_base(ref, fingerprint, self.base_fingerprint)
-
-
-def check_base(ref: str, fingerprint: str, served: str) -> None:
-    """BaseMismatch (409) unless revision `ref`, exported for `fingerprint`, fits the served base."""
-    if fingerprint != served and not (hasattr(served, "accepts") and served.accepts(fingerprint)):
-        hint = ""
-        if fingerprint == getattr(served, "float_fingerprint", None):
-            hint = (" (its float weights; this base is quantized differently: "
-                    "--allow-quantized-base-adapters serves such adapters)")
-        raise BaseMismatch(f"adapter {ref} was exported for base {fingerprint}, "
-                           f"but the served base is {served}{hint}")
 
 
 def resolve_record(catalog, base_fingerprint: str, model_ref: str) -> RevisionRecord:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from loraserve.adapters.invariants import check_pool
+from loraserve.adapters.limits import PoolLimits
 from loraserve.adapters.slabs import SlabWeights
 from loraserve.adapters.stats import PoolStats
 from loraserve.adapters.targets import TargetSpec, TensorSlot, tensor_index, tensor_names
@@ -59,25 +60,6 @@ class PoolConfig:
             raise ValueError(f"max_bytes must be >= 1 when given, got {self.max_bytes}")
         if not self.dtype.is_floating_point:
             raise ValueError(f"pool dtype must be a floating dtype, got {self.dtype}")
-
-
-@dataclass(slots=True, frozen=True)
-class PoolLimits:
-    """What a pool can ever hold: ranks 1..max_rank on these target kinds. Plain data, so a
-    process without the pool (an API server fronting an engine core) can check requests too."""
-
-    max_rank: int
-    kinds: tuple[str, ...]
-
-    def check_admissible(self, rank: int, targets: list[str]) -> None:
-        """ValueError unless an adapter of `rank` on `targets` (e.g. a RevisionRecord's) can ever
-        be loaded: the quick check at request time, before any bytes are read."""
-        if not 1 <= rank <= self.max_rank:
-            raise ValueError(f"adapter rank {rank} is outside this server's LoRA ranks 1..{self.max_rank}")
-        missing = [k for k in targets if k not in self.kinds]
-        if missing:
-            raise ValueError(f"adapter targets {', '.join(missing)}, which this server's base/pool "
-                             f"has no LoRA for (pool kinds: {', '.join(self.kinds)})")
 
 
 @dataclass(slots=True, frozen=True)

@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 
+from .client.catalog_view import CatalogView
 from .client.frontend import EngineFrontend, unavailable_error
 from .client.sourcing import Sourcing
 from .config import EngineConfig
@@ -43,8 +44,11 @@ class AsyncEngine(EngineFrontend):
         super().__init__(engine.tokenizer, engine.cfg)  # (the sizes read as the engine read them)
         self.engine = engine
         self.directory = engine.directory  # the engine's catalog, in this process
-        self.adapter_manager = engine.adapters  # (None without a catalog) its catalog and reads only
-        self.sourcing = Sourcing.open(engine.cfg, engine.adapters, self.directory)
+        # a view of it (None without a catalog): warming is a `Warm` call, as on every hosting;
+        # the engine thread's AdapterManager stays the engine thread's
+        self.catalog = (CatalogView(self.directory, self._warm_on)
+                        if engine.adapters is not None else None)
+        self.sourcing = Sourcing.open(engine.cfg, self.catalog, self.directory)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.core = EngineCore(engine, lambda: self._inbox.put(_WAKE),  # engine thread only
                                lambda: not self._inbox.empty())

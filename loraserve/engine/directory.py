@@ -29,8 +29,7 @@ from loraserve.catalog.aliases import is_alias, lookup_alias
 from loraserve.catalog.errors import AdapterNotFound, InvalidAdapterId
 from loraserve.catalog.ids import parse_model_ref, with_default_tenant
 
-from ..adapters.pager import check_base
-from ..adapters.pool import PoolLimits
+from ..adapters.limits import PoolLimits, check_base
 from .types import EngineError, ResolvedModel
 
 TINKER_SCHEME = "tinker://"

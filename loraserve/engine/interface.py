@@ -15,11 +15,12 @@ Optional, explicit:
     ready: bool, unavailable() -> EngineError                   False / the 503 while no engine takes requests
     snapshot: EngineSnapshot | None                             None: no engine publishes one (a test double)
     replica_snapshots() -> dict | None                          per replica (Ray), None: one engine
-    adapter_manager: object | None                              None: no catalog (base only)
+    catalog: CatalogView | None                                 the adapter catalog, as the HTTP
+                                                                side may use it; None: base only
     sourcing: object | None                                     fetches adapters the catalog lacks
                                                                 (client/sourcing.py); None: no
                                                                 --adapter-source / --catalog-store
-    describe_adapter(id), unload_adapter(id)                    only with an adapter_manager
+    describe_adapter(id), unload_adapter(id)                    only with a catalog
     core_pid: int | None, supervision() -> dict | None          the engine-core process, None in process
     trainer: Trainer | None                                     training runs on the resident base
                                                                 (engine/training.py); None: this
@@ -30,9 +31,27 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+from ..adapters.limits import PoolLimits
 from .snapshot import EngineSnapshot
 from .training import Trainer
 from .types import EngineError, GenerateRequest, RequestOutput, ResolvedModel
+
+
+class CatalogView(Protocol):
+    """The adapter catalog as the HTTP side uses it, the same on every hosting
+    (`client.catalog_view.CatalogView`): the catalog itself (listings, imports, promotes: its
+    own thread-safe reads and writes), what an import must fit (the served base's fingerprint,
+    the engine's pool limits), and `warm`, a call to the engine. Nothing of the engine's own
+    adapter tiers (device pool, CPU tier, pager) is reachable through it: those belong to the
+    engine's thread, and the HTTP side reaches them only through calls."""
+
+    catalog: Any
+    base_fingerprint: str
+
+    @property
+    def pool(self) -> PoolLimits: ...
+
+    def warm(self, ref: str) -> tuple[str, str]: ...
 
 
 class EngineInterface(Protocol):
@@ -41,7 +60,7 @@ class EngineInterface(Protocol):
     vocab_size: int
     tokenizer: Any
     config: Any
-    adapter_manager: Any | None
+    catalog: CatalogView | None
     sourcing: Any | None
     ready: bool
     snapshot: EngineSnapshot | None

@@ -2,9 +2,10 @@
 
 Serve routes each handle call to one replica of its choosing, so the ingress cannot ask every
 replica for anything. Instead each replica calls the ingress (`report`) every report interval
-with its latest `EngineSnapshot` (a few KiB) and gets back the commands every replica must run
-(say, unloading an adapter); their results come with its next report. A replica silent for
-`stale_after_s` is taken for gone: it leaves /metrics and no command waits for it.
+with its latest `EngineSnapshot` (a few KiB) and gets back the calls every replica's engine core
+must answer (`engine.messages` calls in their wire form: an `Unload`, a `Residency`); their
+answers come with its next report. A replica silent for `stale_after_s` is taken for gone: it
+leaves /metrics and no command waits for it.
 
 Event loop only (the ingress replica's): no locks.
 """
@@ -16,11 +17,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraserve.engine.messages import Call, to_wire
 from loraserve.engine.snapshot import EngineSnapshot
 from loraserve.engine.types import EngineError
 from loraserve.engine.wire import error_from_wire
 
-WireCommand = list  # [seq, name, args]
+WireCommand = list  # [seq, the call's wire form (engine.messages.to_wire)]
+RESIDENCY = ("disk", "cpu", "gpu", "quarantined")  # a core's answers, nearest the device last
 
 
 @dataclass(slots=True)
@@ -28,8 +31,7 @@ class Command:
     """A call every replica live when it was issued (`targets`) runs once."""
 
     seq: int
-    name: str
-    args: list
+    call: Call
     targets: set[str]
     results: dict[str, list] = field(default_factory=dict)  # replica -> ["ok", value] | ["error", wire]
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -67,7 +69,7 @@ class ReplicaBoard:
         live = set(self.live())
         for cmd in self._commands.values():
             cmd.settle(live)
-        return [[c.seq, c.name, c.args] for c in self._commands.values() if c.seq > seen]
+        return [[c.seq, to_wire(c.call)] for c in self._commands.values() if c.seq > seen]
 
     # -- the ingress's side ----------------------------------------------------------------------
     def live(self) -> dict[str, EngineSnapshot]:
@@ -78,14 +80,15 @@ class ReplicaBoard:
             self.lost += 1
         return {rid: s.snapshot for rid, s in self._replicas.items()}
 
-    async def broadcast(self, name: str, args: list, timeout_s: float) -> dict[str, Any]:
-        """Have every live replica run `name(*args)`; replica id -> its result. A replica that
-        dies meanwhile is left out; an error a replica raised is raised here (EngineError)."""
+    async def broadcast(self, call: Call, timeout_s: float) -> dict[str, Any]:
+        """Have every live replica's engine core answer `call` (its call id is each replica's
+        own); replica id -> the answer's value. A replica that dies meanwhile is left out; an
+        error a replica raised is raised here (EngineError)."""
         live = set(self.live())
         if not live:
             raise EngineError("no engine replica is up; retry later", status=503,
                               code="engine_unavailable")
-        cmd = Command(next(self._seq), name, args, live)
+        cmd = Command(next(self._seq), call, live)
         self._commands[cmd.seq] = cmd
         try:
             deadline = time.monotonic() + timeout_s
@@ -97,7 +100,7 @@ class ReplicaBoard:
         finally:
             del self._commands[cmd.seq]
         if not cmd.done.is_set():
-            raise EngineError(f"engine replicas did not answer {name!r} in {timeout_s:g} s",
+            raise EngineError(f"engine replicas did not answer {type(call).__name__} in {timeout_s:g} s",
                               status=504, code="replica_timeout")
         errors = [r[1] for r in cmd.results.values() if r[0] == "error"]
         if errors:
@@ -120,3 +123,10 @@ def merged(snaps: list[EngineSnapshot]) -> EngineSnapshot:
         waiting_adapters=tuple(sorted({a for s in snaps for a in s.waiting_adapters})),
         resident=frozenset().union(*(s.resident for s in snaps)),
         published=max(s.published for s in snaps))
+
+
+def nearest(answers: list[list[str]]) -> list[str]:
+    """Per key, the residency nearest the device among the replicas' answers to one
+    `Residency` call (a list per replica): quarantined on any replica, else gpu on any, else
+    cpu on any, else disk."""
+    return [max(column, key=RESIDENCY.index) for column in zip(*answers)]

@@ -10,9 +10,10 @@ usual 404 before any replica is asked) is `EngineFrontend`'s, as in one process.
   mid-stream ends the request with one clean 503.
 - Admission's slots are the live replicas' batches: past them requests wait here, by fair share
   in tokens, not in Serve's FIFO router queue.
-- Calls: `Residency` from the replicas' reports (quarantined or gpu on any), else from the
-  replica the adapter routes to; `Unload` on every replica (`board.broadcast`); `Warm` into the
-  CPU tier of the replica that will serve the adapter next.
+- Calls: `Residency` and `Unload` are answered by every replica's engine core
+  (`board.broadcast`: the core's own dispatch and live residency answer, as in one process),
+  a revision's residency being the nearest the device any core says (`board.nearest`); `Warm`
+  goes into the CPU tier of the replica that will serve the adapter next.
 - The catalog is opened read-write here, the one writer (loads, promotes, the miss path);
   replicas open it read-only. Snapshots come from the replicas' reports (`board.ReplicaBoard`).
 """
@@ -29,7 +30,7 @@ from ray.serve.handle import DeploymentHandle
 
 from loraserve.catalog.base import base_fingerprint
 
-from ..adapters.pool import PoolLimits
+from ..adapters.limits import PoolLimits
 from ..adapters.stats import CacheStats, PagerStats, PoolStats
 from ..engine.client.frontend import EngineFrontend, unavailable_error
 from ..engine.config import EngineConfig
@@ -37,7 +38,7 @@ from ..engine.messages import Abort, Add, Call, Message, Residency, Return, Unlo
 from ..engine.snapshot import EngineSnapshot
 from ..engine.types import EngineError, RequestOutput, ResolvedModel
 from ..engine.wire import error_from_wire, output_from_wire, request_to_wire, snapshot_from_wire
-from .board import ReplicaBoard, merged
+from .board import ReplicaBoard, merged, nearest
 from .config import ScaleOutConfig
 
 log = logging.getLogger(__name__)
@@ -102,9 +103,9 @@ class RayEngineFrontend(EngineFrontend):
         if self._started:
             return
         info = await self.replicas.info.remote()
-        if self.adapter_manager is not None:
-            self.adapter_manager.learn(self.adapter_manager.base_fingerprint,
-                                       PoolLimits(info["max_rank"], tuple(info["kinds"])))
+        if self.catalog is not None:
+            self.catalog.learn(self.catalog.base_fingerprint,
+                               PoolLimits(info["max_rank"], tuple(info["kinds"])))
         self._loop = asyncio.get_running_loop()
         self._started = True
 
@@ -196,10 +197,9 @@ class RayEngineFrontend(EngineFrontend):
 
     async def _run_call(self, msg: Call):
         if isinstance(msg, Residency):
-            return [await self._residency(key) for key in msg.keys]
-        if isinstance(msg, Unload):  # on every replica
-            results = await self.board.broadcast("unload_adapter", [msg.adapter_id], CONTROL_TIMEOUT_S)
-            return sum(results.values())
+            return nearest(list((await self.board.broadcast(msg, CONTROL_TIMEOUT_S)).values()))
+        if isinstance(msg, Unload):
+            return sum((await self.board.broadcast(msg, CONTROL_TIMEOUT_S)).values())
         if isinstance(msg, Warm):  # into the CPU tier of the replica Serve routes the adapter to
             rec = msg.record
             handle = self.replicas.options(multiplexed_model_id=rec.adapter_id)
@@ -208,13 +208,3 @@ class RayEngineFrontend(EngineFrontend):
         raise EngineError(f"{type(msg).__name__} calls are not served behind Ray Serve "
                           "(training runs beside one engine)", status=501, code="not_implemented")
 
-    async def _residency(self, key: tuple[str, str]) -> str:
-        """gpu when a replica holds the revision in its device pool (quarantined when one
-        quarantined it); else what the replica Serve routes the adapter to says (cpu or disk)."""
-        live = self.board.live().values()
-        if any(s.quarantine_reason(key) is not None for s in live):
-            return "quarantined"
-        if any(key in s.resident for s in live):
-            return "gpu"
-        handle = self.replicas.options(multiplexed_model_id=key[0])
-        return await handle.residency.remote(list(key))

@@ -20,6 +20,7 @@ x-loraserve-replica header), then ["out", delta] per output delta (engine.wire's
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
@@ -29,7 +30,7 @@ from loraserve.catalog.errors import CatalogError
 
 from ..engine.client.core_client import CoreClient
 from ..engine.config import EngineConfig
-from ..engine.messages import Residency
+from ..engine.messages import Call, decode
 from ..engine.types import EngineError
 from ..engine.wire import error_to_wire, output_to_wire, request_from_wire, snapshot_to_wire
 from .config import INGRESS_DEPLOYMENT, ScaleOutConfig
@@ -95,11 +96,7 @@ class EngineReplica:
     async def warm(self, ref: str) -> list[str]:
         """Page ref into the CPU tier (after /v1/load_lora_adapter); this replica now holds it."""
         await self.load_adapter(serve.get_multiplexed_model_id() or ref.split("@", 1)[0])
-        return list(await asyncio.to_thread(self.engine.adapter_manager.warm, ref))
-
-    async def residency(self, key: list[str]) -> str:
-        [where] = await self.engine.call(lambda cid: Residency(cid, (tuple(key),)))
-        return where
+        return list(await asyncio.to_thread(self.engine.catalog.warm, ref))
 
     # -- reports to the ingress -----------------------------------------------------------------
     async def _report_loop(self) -> None:
@@ -112,20 +109,26 @@ class EngineReplica:
                     sent, self._results = self._results, {}
                     commands = await self._ingress.report.remote(
                         self.replica_id, snapshot_to_wire(self.engine.snapshot), self._seen, sent)
-                    for seq, name, args in commands:
-                        await self._run_command(seq, name, args)
+                    for seq, call in commands:
+                        await self._run_command(seq, call)
             except Exception as exc:  # (a cancel is no Exception: it ends the loop)
                 log.debug("report to the ingress failed: %s", exc)
             await asyncio.sleep(self.scale.report_interval_s)
 
-    async def _run_command(self, seq: int, name: str, args: list) -> None:
+    async def _run_command(self, seq: int, call: list) -> None:
+        """A call every replica answers (`board.broadcast`, in `engine.messages` wire form),
+        answered by this replica's core (its one dispatch, `EngineCore`); the answer goes with
+        the next report."""
         if seq <= self._seen:
             return
         self._seen = seq
         try:
-            if name != "unload_adapter":
-                raise EngineError(f"unknown replica command {name!r}", status=500)
-            self._results[seq] = ["ok", await self.engine.unload_adapter(*args)]
+            msg = decode(call)
+            if not isinstance(msg, Call):
+                raise EngineError(f"a replica command must be a call, got {type(msg).__name__}",
+                                  status=500)
+            self._results[seq] = ["ok", await self.engine.call(
+                lambda cid: dataclasses.replace(msg, call_id=cid))]
         except Exception as exc:
             self._results[seq] = ["error", error_to_wire(exc)]
 

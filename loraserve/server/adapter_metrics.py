@@ -36,7 +36,7 @@ class AdapterCollector(Collector):
     def collect(self):
         degraded = GaugeMetricFamily("loraserve_catalog_shards_degraded",
                                      "Catalog shards unavailable (data files damaged or missing)")
-        degraded.add_metric([], len(self.engine.adapter_manager.catalog.degraded()))
+        degraded.add_metric([], len(self.engine.catalog.catalog.degraded()))
         yield degraded
         # an engine core that has not published its first snapshot yet has no tier stats
         snaps = [(labels, s) for labels, s in labelled_snapshots(self.engine) if s.pool is not None]

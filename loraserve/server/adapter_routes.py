@@ -1,6 +1,6 @@
 """Adapter endpoints: residency, catalog listing, vLLM-compatible runtime load/unload, readiness.
 
-Mounted by `build_app` when the engine serves a catalog (`engine.adapter_manager` is not None).
+Mounted by `build_app` when the engine serves a catalog (`engine.catalog` is not None).
 
 A `lora_path` that is a URI (`s3://`, `hf://`, `file://`) is fetched from the `--adapter-source`
 template it is `lora_name`'s location in, and refused (403) when it is in none (fetch_adapter).
@@ -29,6 +29,7 @@ from loraserve.catalog.importer import import_peft
 from loraserve.catalog.ids import validate_adapter_id, with_default_tenant
 from loraserve.catalog.records import RevisionRecord
 from loraserve.catalog.source import AdapterSource
+from loraserve.engine.interface import CatalogView
 from loraserve.engine.types import EngineError
 from loraserve.server.admin_routes import control_action
 from loraserve.server.errors import APIError, as_api_error
@@ -69,24 +70,25 @@ class LoadLoRARequest(UnloadLoRARequest):
 def _engine(request: Request):
     """The engine, when it serves a catalog."""
     engine = request.app.state.ctx.engine
-    if engine.adapter_manager is None:
+    if engine.catalog is None:
         raise APIError(404, "this server has no adapter catalog (start it with --catalog)", code="not_found")
     return engine
 
 
-def catalog_cards(mgr, prefix: str, limit: int, after: str | None, root: str) -> list[dict]:
+def catalog_cards(view: CatalogView, prefix: str, limit: int, after: str | None,
+                  root: str) -> list[dict]:
     return [{"id": p.adapter_id, "object": "model", "created": int(p.created), "owned_by": "loraserve",
              "root": root, "parent": root, "revision": p.promoted}
-            for p in mgr.catalog.list(prefix=prefix, limit=limit, after=after)]
+            for p in view.catalog.list(prefix=prefix, limit=limit, after=after)]
 
 
 def readiness(engine) -> APIError | None:
     """None when the server can serve every adapter it holds; else the 503 to answer `/ready` with
     (a catalog shard is unavailable). Cheap: remembered shard checks, no LMDB page is read."""
-    mgr = engine.adapter_manager
-    if mgr is None:
+    view = engine.catalog
+    if view is None:
         return None
-    faults = mgr.catalog.degraded()
+    faults = view.catalog.degraded()
     if not faults:
         return None
     shards = sorted(faults)
@@ -145,7 +147,7 @@ def import_adapter(engine, name: str, lora_path: str, deadline: float) -> Revisi
     """Blocking: read `lora_path` confined to the adapter root, export it, admit it against this
     server's pool and the deadline, then write, promote and page it in. Raises before the write
     on any refusal, so a refused import leaves the catalog unchanged."""
-    mgr, cfg = engine.adapter_manager, engine.config
+    view, cfg = engine.catalog, engine.config
     validate_adapter_id(name)
     source = AdapterSource(lora_path, root=cfg.adapter_root, max_bytes=cfg.max_adapter_mb * MiB)
     if engine.sourcing is not None:
@@ -153,16 +155,16 @@ def import_adapter(engine, name: str, lora_path: str, deadline: float) -> Revisi
 
     def admit(rank: int, targets: list[str]) -> None:
         try:
-            mgr.pool.check_admissible(rank, targets)
+            view.pool.check_admissible(rank, targets)
         except ValueError as exc:
             raise APIError(400, f"adapter {name!r} cannot be served here: {exc}; nothing was imported",
                            param="lora_path") from None
         if time.monotonic() > deadline:
             raise APIError(504, "adapter import ran past its deadline; nothing was imported", code="import_timeout")
 
-    base = BaseInfo.from_dir(cfg.model_dir, fingerprint=mgr.base_fingerprint)  # headers only
-    rec = import_peft(mgr.catalog, name, source, cfg.model_dir, promote=True, base=base, admit=admit)
-    mgr.warm(f"{rec.adapter_id}@{rec.revision}")
+    base = BaseInfo.from_dir(cfg.model_dir, fingerprint=view.base_fingerprint)  # headers only
+    rec = import_peft(view.catalog, name, source, cfg.model_dir, promote=True, base=base, admit=admit)
+    view.warm(f"{rec.adapter_id}@{rec.revision}")
     return rec
 
 
@@ -175,7 +177,7 @@ def fetch_adapter(engine, name: str, uri: str, deadline: float) -> RevisionRecor
         raise APIError(403, f"{uri!r} is not a path under --adapter-root, and no --adapter-source is configured",
                        param="lora_path", code="forbidden")
     rec = engine.sourcing.load(name, uri)
-    engine.adapter_manager.warm(f"{rec.adapter_id}@{rec.revision}")
+    engine.catalog.warm(f"{rec.adapter_id}@{rec.revision}")
     return rec
 
 

@@ -106,7 +106,7 @@ def _policy_answer(policy: Any) -> dict:
 async def _catalog_call(request: Request, name: str, adapter_id: str, *args: Any) -> Any:
     """Run catalog method `name` on `adapter_id` on a thread; catalog errors become their OpenAI
     errors (an unknown id: names.not_found)."""
-    catalog = request.app.state.ctx.engine.adapter_manager.catalog
+    catalog = request.app.state.ctx.engine.catalog.catalog
     try:
         return await asyncio.to_thread(getattr(catalog, name), adapter_id, *args)
     except CatalogError as exc:
@@ -161,7 +161,7 @@ def install_tenancy(app: FastAPI, config: TenancyConfig) -> Tenancy:
     tenancy = Tenancy(config, ctx.metrics)
     app.state.tenancy = tenancy
     app.include_router(admin_router())
-    if ctx.engine.adapter_manager is not None:
+    if ctx.engine.catalog is not None:
         app.include_router(control_router())
     app.add_middleware(AuthMiddleware, tenancy=tenancy)
     app.router.lifespan_context = _with_sighup(app.router.lifespan_context, tenancy)

@@ -120,12 +120,12 @@ def _api_router(prefix: str = "/v1") -> APIRouter:
                      after: str | None = None) -> dict:
         """The base and resident adapters; with ?prefix=/?limit=, a page of the catalog."""
         engine = _ctx(request).engine
-        mgr = engine.adapter_manager
-        if mgr is not None and (prefix is not None or limit is not None or after is not None):
+        view = engine.catalog
+        if view is not None and (prefix is not None or limit is not None or after is not None):
             if limit is not None and not 1 <= limit <= 10_000:
                 raise APIError(400, "limit must be in [1, 10000]", param="limit")
             try:
-                cards = await asyncio.to_thread(scoped_listing(request, catalog_cards), mgr,
+                cards = await asyncio.to_thread(scoped_listing(request, catalog_cards), view,
                                                 prefix or "", limit or 100, after, engine.model_name)
             except Exception as exc:  # catalog errors keep their status; anything else is a 500
                 raise as_api_error(exc) from exc
@@ -244,7 +244,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None, **fields: Any)
     if engine.snapshot is not None:  # vLLM's gauges, for endpoint pickers
         ctx.metrics.register(RouterMetricsCollector(engine))
         install_residency(app)  # resident adapters as bounded digests: GET /v1/residency
-    if engine.adapter_manager is not None:
+    if engine.catalog is not None:
         app.include_router(adapter_router())
         ctx.metrics.register(AdapterCollector(engine))
     if engine.supervision() is not None:  # an engine-core process: its memory, restarts, heartbeat

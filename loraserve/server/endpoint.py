@@ -123,7 +123,7 @@ async def serve(req: SamplingFields, ctx: ServerContext, endpoint: Endpoint, pri
         plan.params = dataclasses.replace(plan.params, structured=settled)
     try:
         streams = await ctx.deadline.run(start_all(admitted.engine(engine), fan_out(
-            request_id, plan.prompts, req.n, plan.params, resolved, bool(req.stream))))
+            request_id, plan.prompts, req.n, plan.params, resolved, admitted.weight, bool(req.stream))))
     except Exception as exc:  # a revision gone since it was resolved: the 404 naming it as asked
         err = lookup_error(exc, req.model)
         if err is exc:

@@ -1,12 +1,7 @@
-"""Names of a model as a request gives them, and the one answer to a name that names nothing.
+"""The one answer to a name that names nothing, for every route that looks a model up by name.
 
-- A name recorded as a catalog alias (`loraserve catalog import ... --alias URI`, e.g. the
-  `tinker://<run-id>/sampler_weights/<checkpoint>` MinT exported) is the revision it names.
-- `tinker://tenant/name[@rev]` is `tenant/name[@rev]`, and `tinker://<base>` the base model.
-- Any other name is itself.
-
-Only names with `://` are looked up (one LMDB read, in the shard the alias hashes to), so an
-ordinary model name costs nothing.
+What a name stands for (a recorded alias, `tinker://tenant/name[@rev]`, `tinker://<base>`, a
+name without a tenant) is decided by the one resolver, `engine.directory.AdapterDirectory`.
 
 Not found (`not_found`): every route that looks a model or adapter up by name (generation on
 /v1, /oai/api/v1 and the Tinker routes, /v1/models/{id}, /v1/adapters/{id}, unload, promote,
@@ -19,25 +14,11 @@ that adapter exists.)
 """
 from __future__ import annotations
 
-from typing import Any
-
-from loraserve.catalog.aliases import is_alias, lookup_alias
 from loraserve.catalog.errors import AdapterNotFound
 from loraserve.server.errors import APIError, clip
 
-TINKER_SCHEME = "tinker://"
 # the codes of the 404s that say a model or adapter does not exist (as_api_error's, the engine's)
 NOT_FOUND_CODES = frozenset({"model_not_found", "adapter_not_found"})
-
-
-def canonical_model(model: str, engine: Any) -> str:
-    """The loraserve name (`tenant/name[@rev]` or the base's name) that `model` stands for."""
-    if not is_alias(model):
-        return model
-    mgr = engine.adapter_manager
-    if mgr is not None and (ref := lookup_alias(mgr.catalog, model)) is not None:
-        return ref
-    return model.removeprefix(TINKER_SCHEME)
 
 
 def not_found(requested: str) -> APIError:

@@ -218,9 +218,10 @@ async def resolve_model(model: str, principal: Any, engine: Engine) -> ResolvedM
 
 
 def fan_out(request_id: str, prompts: Sequence[Prompt], n: int, params: SamplingParams,
-            resolved: ResolvedModel, stream: bool = True) -> list[GenerateRequest]:
+            resolved: ResolvedModel, weight: float, stream: bool = True) -> list[GenerateRequest]:
     """P * n engine requests, prompt-major, each carrying the request's `resolved` model (the
-    engine runs its revision and resolves nothing); choice i of a seeded request samples with
+    engine runs its revision and resolves nothing) and its admission's fair-share `weight`
+    (`tenancy.admit`; nothing below writes either); choice i of a seeded request samples with
     seed + i. stream=False (a non-streamed answer) lets the engine merge the deltas after the
     first."""
     requests = []
@@ -230,7 +231,8 @@ def fan_out(request_id: str, prompts: Sequence[Prompt], n: int, params: Sampling
                                                                              _nth_seed(params.seed, i))
             requests.append(GenerateRequest(request_id=f"{request_id}-{p * n + i}",
                                             prompt_token_ids=list(prompt.token_ids),
-                                            params=seeded, stream=stream, resolved=resolved))
+                                            params=seeded, stream=stream, resolved=resolved,
+                                            tenant_weight=weight))
     return requests
 
 

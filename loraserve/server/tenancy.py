@@ -322,12 +322,12 @@ def scoped_prefixes(principal: Principal, prefix: str) -> list[str]:
 
 def scoped_listing(request: Request,
                    lister: Callable[..., list[dict]]) -> Callable[..., list[dict]]:
-    """`lister(mgr, prefix, limit, after, root)` (a catalog page of model cards) restricted to
+    """`lister(view, prefix, limit, after, root)` (a catalog page of model cards) restricted to
     the caller's tenants: one page per tenant prefix, merged in id order."""
     principal = principal_of(request)
 
-    def listing(mgr: Any, prefix: str, limit: int, after: str | None, root: str) -> list[dict]:
-        pages = [lister(mgr, p, limit, after, root) for p in scoped_prefixes(principal, prefix)]
+    def listing(view: Any, prefix: str, limit: int, after: str | None, root: str) -> list[dict]:
+        pages = [lister(view, p, limit, after, root) for p in scoped_prefixes(principal, prefix)]
         return sorted((c for page in pages for c in page), key=lambda c: c["id"])[:limit]
 
     return listing
@@ -368,21 +368,22 @@ class Admission:
 
 
 class TenantEngine:
-    """An engine whose requests carry one admission's weight (the scheduler's fair share) and
-    whose output tokens are counted for the admission's tenant. The tenant is the directory's
-    (`ResolvedModel.tenant`, which the request and the admission both read): never written here,
-    and a request of another tenant is a bug, refused."""
+    """An engine whose requests are one admission's and whose output tokens are counted for
+    its tenant. A request carries the admission's facts from its construction (`fan_out`): the
+    tenant is the directory's (`ResolvedModel.tenant`, which the request and the admission both
+    read) and the fair-share weight the admission's. Neither is written here: a request of
+    another tenant or weight is a bug, refused."""
 
     def __init__(self, engine: Any, admission: Admission):
         self.engine = engine
         self.admission = admission
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        if request.tenant != self.admission.tenant:
-            raise EngineError(f"request {request.request_id} is tenant {request.tenant!r}'s, "
-                              f"admitted for {self.admission.tenant!r}", status=500,
-                              code="internal_error")
-        request.tenant_weight = self.admission.weight
+        carried = (request.tenant, request.tenant_weight)
+        admitted = (self.admission.tenant, self.admission.weight)
+        if carried != admitted:
+            raise EngineError(f"request {request.request_id} carries (tenant, weight) {carried!r}, "
+                              f"admitted as {admitted!r}", status=500, code="internal_error")
         return self._counted(request)
 
     async def _counted(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from loraserve.adapters.pool import PoolLimits
+from loraserve.adapters.limits import PoolLimits
 from loraserve.catalog.errors import AdapterNotFound, RevisionNotFound, ShardUnavailable
 from loraserve.catalog.isolated import IsolatedCatalog
 from loraserve.catalog.layout import AdapterWeights, save_revision

@@ -70,15 +70,15 @@ async def _run(engine: AsyncEngine, reqs: list[GenerateRequest], churn=None) -> 
 def _churner(peft_dirs):
     async def churn(engine: AsyncEngine, stop: asyncio.Event, done: list[int]) -> int:
         rng, n = random.Random(3), 0
-        mgr = engine.adapter_manager
+        view = engine.catalog
         while not stop.is_set():
             aid = rng.choice(ADAPTERS[:3])
             if rng.random() < 0.5:
                 await engine.unload_adapter(aid)
             else:  # same weights, new revision (promoted), paged in now
-                rec = await asyncio.to_thread(import_peft, mgr.catalog, aid, peft_dirs[aid],
+                rec = await asyncio.to_thread(import_peft, view.catalog, aid, peft_dirs[aid],
                                               str(engine.config.model_dir), promote=True)
-                await asyncio.to_thread(mgr.warm, f"{aid}@{rec.revision}")
+                await asyncio.to_thread(view.warm, f"{aid}@{rec.revision}")
             n += 1
             done[0] = n
             await asyncio.sleep(0)

@@ -86,7 +86,7 @@ def sample(http: httpx.Client, key: str, model: str) -> httpx.Response:
 
 def policy(live, adapter_id: str) -> dict | None:
     try:
-        return live[1].adapter_manager.catalog.policy(adapter_id).to_dict()
+        return live[1].catalog.catalog.policy(adapter_id).to_dict()
     except Exception:
         return None
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from loraserve.adapters.pager import check_base
+from loraserve.adapters.limits import check_base
 from loraserve.catalog.base import QuantizedFingerprint, base_fingerprint, served_fingerprint
 from loraserve.catalog.errors import BaseMismatch
 from loraserve.engine.config import EngineConfig

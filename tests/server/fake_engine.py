@@ -78,7 +78,7 @@ class FakeEngine:
     config: Any = None  # an EngineConfig, where a test needs one (tinker: tokenizer_name)
 
     # the optional parts of engine/interface.py's EngineInterface: "not here" for this fake
-    adapter_manager = None
+    catalog = None
     sourcing = None
     ready = True
     snapshot = None

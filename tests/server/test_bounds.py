@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from loraserve.adapters.pool import PoolLimits
+from loraserve.adapters.limits import PoolLimits
 from loraserve.catalog.errors import AdapterNotFound, RevisionNotFound
 from loraserve.engine.directory import AdapterDirectory
 from loraserve.engine.types import EngineError

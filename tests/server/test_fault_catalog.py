@@ -119,7 +119,7 @@ def test_a_write_the_os_refuses_is_503_naming_the_shard(served) -> None:
     the shard go on, and the promote succeeds once the file is writable again."""
     http, engine, cat_dir, by_shard = served
     shard, aid = 1, by_shard[1][0]
-    catalog = engine.adapter_manager.catalog
+    catalog = engine.catalog.catalog
     catalog.put_revision(aid, catalog.read_blob(catalog.resolve(aid)), revision="again", promote=False)
     data = cat_dir / f"shard-{shard:03d}" / "data.mdb"
     if subprocess.run(["chattr", "+i", str(data)], capture_output=True).returncode:

@@ -66,7 +66,7 @@ def served(tmp_path_factory, hf_dense) -> Iterator[tuple[httpx.Client, AsyncEngi
 
 def snapshot(engine) -> list[dict]:
     """Every policy record (ids, revisions, promotion, tags) as the server's catalog sees it."""
-    return [p.to_dict() for p in engine.adapter_manager.catalog.list(limit=1000)]
+    return [p.to_dict() for p in engine.catalog.catalog.list(limit=1000)]
 
 
 def load(http: httpx.Client, path: str, name: str = "rt/x") -> httpx.Response:

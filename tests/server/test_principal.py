@@ -3,12 +3,20 @@ reaches a route without one (an app or a route mounted without the middleware) i
 taken for the admin principal (issue 44)."""
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
+from loraserve.engine.types import GenerateRequest
 from loraserve.keys import OPEN, Principal
 from loraserve.server.errors import APIError
 from loraserve.server.tenancy import principal_of
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
 
 
 def _app(set_principal: Principal | None) -> FastAPI:
@@ -45,29 +53,39 @@ def test_the_principal_the_edge_decided_is_the_one_routes_read() -> None:
 
 def test_the_tenant_is_the_directorys_and_the_engine_wrapper_never_rewrites_it() -> None:
     """The directory decides a request's tenant once (an adapter's tenant; for the base, the
-    asking key's home tenant); the request carries it, admission charges it, and TenantEngine,
-    which adds the admission's weight, refuses a request of another tenant instead of
-    overwriting it."""
+    asking key's home tenant) and admission its weight; the requests are built carrying both
+    (`fan_out`), and TenantEngine forwards them as they are: a request of another tenant or
+    weight is refused, not overwritten."""
     import pytest
 
     from loraserve.engine.directory import AdapterDirectory
-    from loraserve.engine.types import EngineError, GenerateRequest, SamplingParams
+    from loraserve.engine.types import EngineError, SamplingParams
+    from loraserve.server.serving import Prompt, fan_out
     from loraserve.server.tenancy import Admission, TenantEngine
 
     user = Principal(key_id="k1", admin=False, tenants=("acme",))
     base = AdapterDirectory("base").resolve("base", user)
     assert base.is_base and base.tenant == "acme"
-    req = GenerateRequest("r", [1], SamplingParams(max_tokens=1), resolved=base)
-    assert req.tenant == "acme"
+    params = SamplingParams(max_tokens=1)
+    [req] = fan_out("r", [Prompt("", [1])], 1, params, base, 3.0)
+    assert (req.tenant, req.tenant_weight) == ("acme", 3.0)
 
     class Engine:
+        seen: list = []
+
         async def generate(self, request):
-            yield request
+            self.seen.append(request)
+            return
+            yield
 
     admitted = Admission("acme", weight=3.0, counters=object())
-    TenantEngine(Engine(), admitted).generate(req)
-    assert req.tenant == "acme" and req.tenant_weight == 3.0
-    other = GenerateRequest("o", [1], SamplingParams(max_tokens=1), tenant="globex")
-    with pytest.raises(EngineError) as err:
-        TenantEngine(Engine(), admitted).generate(other)
-    assert err.value.status == 500 and other.tenant == "globex"
+    asyncio.run(_drain(TenantEngine(Engine(), admitted).generate(req)))
+    [seen] = Engine.seen  # the request itself, its fields as fan_out built them
+    assert seen is req and (req.tenant, req.tenant_weight) == ("acme", 3.0)
+    other_tenant = GenerateRequest("o", [1], params, tenant="globex", tenant_weight=3.0)
+    other_weight = fan_out("w", [Prompt("", [1])], 1, params, base, 1.0)[0]
+    for other in (other_tenant, other_weight):
+        with pytest.raises(EngineError) as err:
+            TenantEngine(Engine(), admitted).generate(other)
+        assert err.value.status == 500
+    assert (other_tenant.tenant, other_weight.tenant_weight) == ("globex", 1.0)

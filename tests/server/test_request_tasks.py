@@ -18,7 +18,7 @@ from .fake_engine import FakeEngine
 
 
 def _one(engine: FakeEngine, max_tokens: int = 50):
-    return fan_out("t", [Prompt("a", [1])], 1, SamplingParams(max_tokens=max_tokens), None)
+    return fan_out("t", [Prompt("a", [1])], 1, SamplingParams(max_tokens=max_tokens), None, 1.0)
 
 
 def _is_shutting_down(exc: BaseException) -> bool:

@@ -73,7 +73,7 @@ def test_a_miss_is_fetched_imported_and_served_as_a_local_import_is(served) -> N
     http, engine, _ = served
     r = complete(http, "acme/support")
     assert r.status_code == 200, r.text
-    rec = engine.adapter_manager.catalog.resolve("acme/support")
+    rec = engine.catalog.catalog.resolve("acme/support")
     assert rec.source == "s3://adapters/prod/acme/support"
     local = http.post("/v1/load_lora_adapter", headers=auth("root"),
                       json={"lora_name": "acme/local-copy", "lora_path": "support"})
@@ -98,7 +98,7 @@ def test_missing_is_404_and_a_bad_adapter_is_400_naming_why(served) -> None:
     bad = complete(http, "acme/rank32")
     assert bad.status_code == 400 and "rank 32" in bad.json()["error"]["message"]
     assert bad.json()["error"]["param"] == "model"
-    assert [p.adapter_id for p in engine.adapter_manager.catalog.list(prefix="acme/rank32")] == []
+    assert [p.adapter_id for p in engine.catalog.catalog.list(prefix="acme/rank32")] == []
 
 
 def test_store_down_is_503_and_serving_resumes_when_it_is_back(served) -> None:
@@ -121,7 +121,7 @@ def test_concurrent_misses_fetch_once(served) -> None:
         codes = list(pool.map(lambda _: complete(http, "acme/burst").status_code, range(4)))
     assert codes == [200] * 4
     assert engine.sourcing.sources.fetches == before + 1
-    assert len(engine.adapter_manager.catalog.policy("acme/burst").revisions) == 1
+    assert len(engine.catalog.catalog.policy("acme/burst").revisions) == 1
 
 
 def test_load_lora_adapter_takes_source_uris_inside_the_template_only(served) -> None:
@@ -132,7 +132,7 @@ def test_load_lora_adapter_takes_source_uris_inside_the_template_only(served) ->
 
     ok = load("acme/loaded", "s3://adapters/prod/acme/loaded")
     assert ok.status_code == 200, ok.text
-    assert engine.adapter_manager.catalog.resolve("acme/loaded").revision == ok.json()["revision"]
+    assert engine.catalog.catalog.resolve("acme/loaded").revision == ok.json()["revision"]
     other = load("acme/stolen", "s3://adapters/prod/beta/support")  # another tenant's object
     assert other.status_code == 403 and other.json()["error"]["param"] == "lora_path"
     outside = load("acme/x", "s3://elsewhere/acme/x")

@@ -57,16 +57,16 @@ def complete(http: httpx.Client, model: str) -> httpx.Response:
 
 
 def served_revision(engine: AsyncEngine, adapter_id: str) -> str:
-    return engine.adapter_manager.catalog.resolve(adapter_id).revision
+    return engine.catalog.catalog.resolve(adapter_id).revision
 
 
 def test_a_revision_written_elsewhere_faults_in_and_its_promotes_are_followed(hosts) -> None:
     http, engine, other, blobs, *_ = hosts
     r1 = other.catalog.put_revision("acme/a", blobs[0])
     with pytest.raises(AdapterNotFound):
-        engine.adapter_manager.catalog.resolve("acme/a")
+        engine.catalog.catalog.resolve("acme/a")
     assert complete(http, "acme/a").status_code == 200
-    assert engine.adapter_manager.catalog.resolve("acme/a").checksum == r1.checksum
+    assert engine.catalog.catalog.resolve("acme/a").checksum == r1.checksum
     r2 = other.catalog.put_revision("acme/a", blobs[1])  # promoted there: the server follows
     deadline = time.monotonic() + 60
     while served_revision(engine, "acme/a") != r2.revision:
@@ -80,7 +80,7 @@ def test_an_import_here_is_published_for_the_other_host(hosts) -> None:
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "acme/local", "lora_path": "local"})
     assert r.status_code == 200, r.text
     got = other.fault_in("acme/local")
-    assert got.checksum == engine.adapter_manager.catalog.resolve("acme/local").checksum
+    assert got.checksum == engine.catalog.catalog.resolve("acme/local").checksum
 
 
 def test_a_corrupt_blob_in_the_store_is_refused_and_never_cached(hosts) -> None:
@@ -92,7 +92,7 @@ def test_a_corrupt_blob_in_the_store_is_refused_and_never_cached(hosts) -> None:
     r = complete(http, "acme/c")
     assert r.status_code >= 500 and "checksum" in r.json()["error"]["message"]
     with pytest.raises(AdapterNotFound):
-        engine.adapter_manager.catalog.resolve("acme/c")
+        engine.catalog.catalog.resolve("acme/c")
 
 
 def test_store_down_falls_back_to_the_sources_and_the_poller_catches_up(hosts, hf_dense) -> None:
@@ -116,7 +116,7 @@ def test_store_down_falls_back_to_the_sources_and_the_poller_catches_up(hosts, h
     while served_revision(engine, "acme/held") != r1.revision or other.store.policy("acme/fallback") is None:
         assert time.monotonic() < deadline, "the server never caught up with the store"
         time.sleep(0.1)
-    mine = engine.adapter_manager.catalog.resolve("acme/fallback")
+    mine = engine.catalog.catalog.resolve("acme/fallback")
     assert other.fault_in("acme/fallback").checksum == mine.checksum
 
 
@@ -149,7 +149,7 @@ def test_a_load_by_uri_wins_over_the_store_and_is_numbered_after_its_revisions(h
     write_peft(src / "acme" / "named", hf_dense, seed=12)
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "acme/named", "lora_path": f"file://{src}/acme/named"})
     assert r.status_code == 200, r.text
-    mine = engine.adapter_manager.catalog.resolve("acme/named")
+    mine = engine.catalog.catalog.resolve("acme/named")
     assert mine.revision == "r2" and mine.checksum != theirs.checksum
     other.poll()
     assert other.store.policy("acme/named").promoted == "r2"

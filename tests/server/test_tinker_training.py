@@ -253,7 +253,7 @@ def test_a_sampler_save_is_served_before_its_catalog_write(server: Server, monke
     """save_weights_and_get_sampling_client's revision is served from the factors in memory: its
     sampler answers while the catalog write is held back; a lookup by its name waits for the
     write; once written, /v1 serves the same revision; a later save is written after it."""
-    catalog = server.engine.adapter_manager.catalog
+    catalog = server.engine.catalog.catalog
     put, held, release = catalog.put_revision, threading.Event(), threading.Event()
 
     def held_put(*args, **kw):

@@ -7,11 +7,11 @@ from pathlib import Path
 import jwt
 import pytest
 
+from loraserve.engine.directory import AdapterDirectory
 from loraserve.engine.types import RequestOutput, TokenLogprob
 from loraserve.keys import KeyFileError, Principal, append_key, load_keys, new_key
 from loraserve.server.errors import APIError
 from loraserve.server.metrics import ServerMetrics
-from loraserve.server.names import canonical_model
 from loraserve.server.tenancy import Tenancy, TenancyConfig
 from loraserve.server.tinker.sampling import (SampleBody, SequenceAborted, SequenceOutput,
                                               failure, plan_sample, sample_response)
@@ -165,10 +165,10 @@ def test_sample_response_shape_and_aborts() -> None:
 # -- names ---------------------------------------------------------------------------------------
 
 def test_tinker_names_without_a_catalog() -> None:
-    engine = FakeEngine()
-    assert canonical_model("tinker://demo/pirate@r2", engine) == "demo/pirate@r2"
-    assert canonical_model("tinker://fake-base", engine) == "fake-base"
-    assert canonical_model("demo/pirate", engine) == "demo/pirate"
+    names = AdapterDirectory("fake-base")  # the one resolver's names (no alias is recorded)
+    assert names.canonical("tinker://demo/pirate@r2") == "demo/pirate@r2"
+    assert names.canonical("tinker://fake-base") == "fake-base"
+    assert names.canonical("demo/pirate") == "demo/pirate"
 
 
 # -- training on a hosting without a trainer ------------------------------------------------------

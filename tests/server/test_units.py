@@ -81,12 +81,12 @@ BASE = ResolvedModel("fake-base", "fake-base")
 def test_fan_out_is_prompt_major_with_seed_per_choice() -> None:
     params = SamplingParams(max_tokens=3, seed=7, stop=["x"])
     prompts = [Prompt("a", [1]), Prompt("b", [2])]
-    reqs = fan_out("cmpl-1", prompts, 3, params, _adapter("t/n"))
+    reqs = fan_out("cmpl-1", prompts, 3, params, _adapter("t/n"), 1.0)
     assert [r.request_id for r in reqs] == [f"cmpl-1-{i}" for i in range(6)]
     assert [r.prompt_token_ids for r in reqs] == [[1]] * 3 + [[2]] * 3
     assert [r.params.seed for r in reqs] == [7, 8, 9] * 2
     assert all(r.params.stop == ["x"] and r.adapter == "t/n" for r in reqs)
-    unseeded = fan_out("c", prompts[:1], 2, SamplingParams(), BASE)
+    unseeded = fan_out("c", prompts[:1], 2, SamplingParams(), BASE, 1.0)
     assert [r.params.seed for r in unseeded] == [None, None]
 
 
@@ -112,8 +112,9 @@ def test_logprob_shapes_floor_infinities() -> None:
 
 def test_start_all_closes_every_request_when_one_fails() -> None:
     engine = FakeEngine()
-    good = fan_out("r", [Prompt("a", [1])], 2, SamplingParams(max_tokens=5), BASE)
-    bad = fan_out("b", [Prompt("a", [1])], 1, SamplingParams(max_tokens=5), _adapter("acme/ghost"))
+    good = fan_out("r", [Prompt("a", [1])], 2, SamplingParams(max_tokens=5), BASE, 1.0)
+    bad = fan_out("b", [Prompt("a", [1])], 1, SamplingParams(max_tokens=5), _adapter("acme/ghost"),
+                  1.0)
 
     async def run() -> None:
         with pytest.raises(CatalogError):
@@ -125,7 +126,7 @@ def test_start_all_closes_every_request_when_one_fails() -> None:
 
 def test_closing_merge_aborts_unfinished_requests() -> None:
     engine = FakeEngine(delay_s=0.001)
-    reqs = fan_out("m", [Prompt("a", [1])], 3, SamplingParams(max_tokens=50), BASE)
+    reqs = fan_out("m", [Prompt("a", [1])], 3, SamplingParams(max_tokens=50), BASE, 1.0)
 
     async def run() -> list[int]:
         stream = merge(await start_all(engine, reqs))

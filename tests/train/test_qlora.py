@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraserve.adapters.pager import check_base
+from loraserve.adapters.limits import check_base
 from loraserve.catalog.base import base_fingerprint, served_fingerprint, trained_fingerprint
 from loraserve.catalog.errors import BaseMismatch
 from loraserve.catalog.format import read_adapter_meta

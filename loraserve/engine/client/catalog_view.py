@@ -1,11 +1,14 @@
-"""What an API process may use of the adapter tiers when the engine runs elsewhere.
+"""What an API process may use of the adapter tiers, on every hosting.
 
-`CatalogView` is the `adapter_manager` of `CoreClient` (the engine in an engine-core process)
-and of the Ray Serve ingress (engines in replicas): the catalog, opened in this process through
-shard hosts (listings, imports, descriptions), the `AdapterDirectory` over it, and warming and
-residency through whoever runs the engine (`warm_on`: a callable that pages a revision into
-that engine's CPU tier). The engine's pool limits and base fingerprint arrive with its
-handshake (`learn`); until then only the base resolves.
+`CatalogView` is the `catalog` of every `EngineFrontend` (`interface.CatalogView` is what the
+HTTP side sees of it): the catalog (listings, imports, descriptions), the `AdapterDirectory`
+over it, and warming and residency through whoever runs the engine (`warm_on`: a callable
+that pages a revision into that engine's CPU tier, a `Warm` call). Where the engine runs
+elsewhere (`CoreClient`: an engine-core process; the Ray Serve ingress: engines in replicas)
+the view opens the catalog in this process through shard hosts (`open`), and the engine's pool
+limits and base fingerprint arrive with its handshake (`learn`); until then only the base
+resolves. In process (`AsyncEngine`) it is a view of the engine's own catalog and directory,
+never of the engine thread's `AdapterManager`.
 """
 from __future__ import annotations
 
@@ -15,17 +18,24 @@ from loraserve.catalog.isolated import open_for_serving
 from loraserve.catalog.records import RevisionRecord
 
 from ...adapters.manager import describe_adapter
-from ...adapters.pool import PoolLimits
+from ...adapters.limits import PoolLimits
 from ..directory import EVERYONE, AdapterDirectory
 
 
 class CatalogView:
-    def __init__(self, catalog_dir: str, base_name: str, warm_on: Callable[[RevisionRecord], None],
-                 base_fingerprint: str = "", readonly: bool = False):
-        """`readonly`: this process never writes the catalog (a Ray Serve engine replica)."""
-        self.catalog = open_for_serving(catalog_dir, readonly=readonly)  # shard hosts map the shards
-        self.directory = AdapterDirectory(base_name, self.catalog, base_fingerprint)
+    def __init__(self, directory: AdapterDirectory, warm_on: Callable[[RevisionRecord], None]):
+        """A view of `directory`'s catalog (not None)."""
+        self.catalog = directory.catalog
+        self.directory = directory
         self._warm_on = warm_on
+
+    @classmethod
+    def open(cls, catalog_dir: str, base_name: str, warm_on: Callable[[RevisionRecord], None],
+             base_fingerprint: str = "", readonly: bool = False) -> CatalogView:
+        """The catalog at catalog_dir, opened here (shard hosts map the shards; `close` closes
+        it); `readonly`: this process never writes it (a Ray Serve engine replica)."""
+        catalog = open_for_serving(catalog_dir, readonly=readonly)
+        return cls(AdapterDirectory(base_name, catalog, base_fingerprint), warm_on)
 
     def learn(self, base_fingerprint: str, limits: PoolLimits) -> None:
         """The engine's base fingerprint and pool limits (its handshake)."""
@@ -55,4 +65,5 @@ class CatalogView:
         return describe_adapter(self.catalog, adapter_id, residency)
 
     def close(self) -> None:
+        """Close the catalog `open` opened (an in-process engine closes its own)."""
         self.catalog.close()

@@ -29,7 +29,7 @@ import os
 import socket
 import time
 
-from ...adapters.pool import PoolLimits
+from ...adapters.limits import PoolLimits
 from ..config import EngineConfig
 from ..core.boot import boot_core
 from .frontend import RETRY_AFTER_MAX_S, EngineFrontend, unavailable_error
@@ -246,8 +246,8 @@ class CoreClient(EngineFrontend, asyncio.Protocol):  # the protocol of its end o
     def _up(self, info: CoreInfo) -> None:
         """Event loop: the new core answered its handshake (`info`, `data_received`): it is up."""
         self.core_info = info
-        if self.adapter_manager is not None:
-            self.adapter_manager.learn(info.base_fingerprint, PoolLimits(info.max_rank, info.kinds))
+        if self.catalog is not None:
+            self.catalog.learn(info.base_fingerprint, PoolLimits(info.max_rank, info.kinds))
         self._start_s = time.monotonic() - self._state_since
         self._ever_up = True
         self._set_state("up")

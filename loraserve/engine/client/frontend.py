@@ -78,16 +78,20 @@ class EngineFrontend(ABC):
         self._calls: dict[int, asyncio.Future] = {}  # call id -> its answer
 
     def _open_catalog(self, base_fingerprint: str = "") -> None:
-        """The catalog side where the engine is elsewhere: a `CatalogView` of cfg's catalog
-        (warming a revision is a `Warm` call to the core), the directory and the miss path."""
+        """The catalog side where the engine is elsewhere: a `CatalogView` of cfg's catalog,
+        opened here, the directory and the miss path."""
         cfg = self.cfg
-        self.adapter_manager = CatalogView(
-            cfg.catalog_dir, self.model_name,
-            lambda rec: self.call_from_thread(lambda cid: Warm(cid, rec)), base_fingerprint,
+        self.catalog = CatalogView.open(
+            cfg.catalog_dir, self.model_name, self._warm_on, base_fingerprint,
             readonly=cfg.catalog_readonly) if cfg.catalog_dir else None
-        self.directory = (self.adapter_manager.directory if self.adapter_manager is not None
+        self.directory = (self.catalog.directory if self.catalog is not None
                           else AdapterDirectory(self.model_name))
-        self.sourcing = Sourcing.open(cfg, self.adapter_manager, self.directory)
+        self.sourcing = Sourcing.open(cfg, self.catalog, self.directory)
+
+    def _warm_on(self, record) -> None:
+        """Blocking (a worker thread): page `record` into the engine's CPU tier, a `Warm` call
+        to the core (the catalog view's `warm_on` on every hosting)."""
+        self.call_from_thread(lambda cid: Warm(cid, record))
 
     def _trainer(self) -> Trainer:
         """Training runs in the core, beside the model: each operation a `Train` call."""
@@ -104,8 +108,8 @@ class EngineFrontend(ABC):
         side here: the miss path and the catalog view."""
         if self.sourcing is not None:
             self.sourcing.close()
-        if self.adapter_manager is not None:
-            self.adapter_manager.close()
+        if self.catalog is not None:
+            self.catalog.close()
 
     @abstractmethod
     def _send(self, msg: Message) -> None:
@@ -142,13 +146,13 @@ class EngineFrontend(ABC):
     def describe_adapter(self, adapter_id: str) -> dict:
         """Blocking (a worker thread): policy record, revisions (catalog reads here) and each
         revision's residency (the core's answer: gpu, cpu, disk or quarantined)."""
-        return self.adapter_manager.describe(adapter_id, lambda key: self.call_from_thread(
+        return self.catalog.describe(adapter_id, lambda key: self.call_from_thread(
             lambda cid: Residency(cid, (tuple(key),)))[0])
 
     async def unload_adapter(self, adapter_id: str) -> int:
         """Evict adapter_id's idle revisions from the device pool and the CPU tier (catalog
         errors, e.g. 404 for an unknown id, are raised before anything changes)."""
-        await asyncio.to_thread(self.adapter_manager.catalog.policy, adapter_id)
+        await asyncio.to_thread(self.catalog.catalog.policy, adapter_id)
         return await self.call(lambda cid: Unload(cid, adapter_id))
 
     @property
@@ -173,7 +177,7 @@ class EngineFrontend(ABC):
         return unavailable_error("the engine is starting; retry later")
 
     # the optional parts of `interface.EngineInterface`, "not here" unless a hosting has them
-    adapter_manager = None  # the catalog side of the adapter tiers; None: base only
+    catalog: CatalogView | None = None  # the catalog side of the adapter tiers; None: base only
     sourcing = None  # client.sourcing.Sourcing: adapters the catalog lacks, fetched on a miss
     core_pid: int | None = None  # the engine-core process (CoreClient)
 

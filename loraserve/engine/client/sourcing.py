@@ -45,6 +45,7 @@ from loraserve.catalog.sources import AdapterSources, SingleFlight, importer
 
 from ..config import EngineConfig
 from ..directory import AdapterDirectory, Viewer
+from ..interface import CatalogView
 from ..types import EngineError, ResolvedModel
 
 log = logging.getLogger(__name__)
@@ -57,12 +58,12 @@ FETCH_DEADLINE_S = 120.0
 
 
 class Sourcing:
-    """The miss path of one API process (module doc). `manager`: the adapter manager or
-    CatalogView whose catalog the fetched revisions go into (`catalog`, `pool`)."""
+    """The miss path of one API process (module doc). `view`: the engine frontend's
+    `CatalogView`, whose catalog the fetched revisions go into (`catalog`, `pool`)."""
 
-    def __init__(self, cfg: EngineConfig, manager, directory: AdapterDirectory, *,
+    def __init__(self, cfg: EngineConfig, view: CatalogView, directory: AdapterDirectory, *,
                  deadline_s: float = FETCH_DEADLINE_S) -> None:
-        self.cfg, self.manager, self.directory = cfg, manager, directory
+        self.cfg, self.view, self.directory = cfg, view, directory
         self.deadline_s = deadline_s
         self.sources = (AdapterSources(cfg.adapter_sources, max_bytes=cfg.max_adapter_mb * MiB,
                                        deadline_s=cfg.source_deadline_s)
@@ -71,7 +72,7 @@ class Sourcing:
         if cfg.catalog_store:
             from loraserve.catalog.store_s3 import ObjectStore, StoreTier, parse_store_uri
             uri, cache_mb = parse_store_uri(cfg.catalog_store)
-            self.tier = StoreTier(ObjectStore(uri), manager.catalog,
+            self.tier = StoreTier(ObjectStore(uri), view.catalog,
                                   max_bytes=None if cache_mb is None else cache_mb << 20)
             self.tier.start()
         self.fault_ins = SingleFlight()  # fault-ins from the tier (the sources have their own)
@@ -80,14 +81,15 @@ class Sourcing:
         self._pending = 0
 
     @classmethod
-    def open(cls, cfg: EngineConfig, manager, directory: AdapterDirectory) -> Sourcing | None:
+    def open(cls, cfg: EngineConfig, view: CatalogView | None,
+             directory: AdapterDirectory) -> Sourcing | None:
         """The process's Sourcing, or None when nothing is configured; a source or store without a
         catalog to import into is refused at start-up."""
         if not cfg.adapter_sources and not cfg.catalog_store:
             return None
-        if manager is None:
+        if view is None:
             raise ValueError("--adapter-source and --catalog-store need a catalog (--catalog DIR) to import into")
-        return cls(cfg, manager, directory)
+        return cls(cfg, view, directory)
 
     async def fetch_missing(self, model: str, principal: Viewer) -> bool:
         """Whether `model`, which the directory did not find, is now in the catalog (module doc)."""
@@ -160,15 +162,15 @@ class Sourcing:
         """How a fetched directory becomes a revision here: exported against the served base,
         admitted against the pool's limits (400 otherwise), imported and promoted (`by_content`:
         under an id named after its bytes, catalog.sources.content_revision)."""
-        base = BaseInfo.from_dir(self.cfg.model_dir, fingerprint=self.manager.base_fingerprint)
+        base = BaseInfo.from_dir(self.cfg.model_dir, fingerprint=self.view.base_fingerprint)
 
         def admit(rank: int, targets: list[str]) -> None:
             try:
-                self.manager.pool.check_admissible(rank, targets)
+                self.view.pool.check_admissible(rank, targets)
             except ValueError as exc:
                 raise EngineError(f"adapter {adapter_id!r} cannot be served here: {exc}; nothing was "
                                   "imported", status=400, param="model") from None
-        return importer(self.manager.catalog, adapter_id, self.cfg.model_dir, base, admit, by_content=by_content)
+        return importer(self.view.catalog, adapter_id, self.cfg.model_dir, base, admit, by_content=by_content)
 
     def touch(self, adapter_id: str) -> None:
         """Event loop: a request resolved `adapter_id` (the durable tier's recency)."""

@@ -19,7 +19,7 @@ from loraserve.server.tinker import sampling as ts
 from loraserve.server.errors import APIError, clip
 from loraserve.server.names import lookup_error
 from loraserve.server.streaming import start_all
-from loraserve.server.tenancy import admit, detach_leases, principal_of
+from loraserve.server.tenancy import Admission, admit, detach_leases, principal_of
 from loraserve.server.tinker.state import Future, FutureStore, SamplingSession, TinkerState
 
 LONG_POLL_S = 30.0   # below the SDK's 45 s per retrieve_future call
@@ -94,7 +94,7 @@ async def start_sample(body: ts.SampleBody, request: Request) -> Future:
         log.model, log.adapter, log.tenant = model, resolved.ref, admitted.tenant or None
         log.prompt_tokens, log.response_id = len(plan.prompt.token_ids), future.request_id
     try:
-        await _launch(future, plan, resolved, admitted.engine(ctx.engine), ctx, state.futures)
+        await _launch(future, plan, resolved, admitted, ctx, state.futures)
     except BaseException as exc:
         state.futures.discard(future)
         err = lookup_error(exc, model)  # a model that does not exist: named as asked for
@@ -119,14 +119,15 @@ async def _target(body: ts.SampleBody, request: Request) -> tuple[str | None, tu
     return await pin(name, request), None, None
 
 
-async def _launch(future: Future, plan: ts.SamplePlan, resolved: ResolvedModel, engine: Any,
-                  ctx: sv.ServerContext, futures: FutureStore) -> None:
-    """Submit the plan; what the engine refuses at once (429 at capacity, 400, 404) is raised
-    here, anything later becomes the future's answer. The leases of this request's admission
-    are held until the generation ends."""
+async def _launch(future: Future, plan: ts.SamplePlan, resolved: ResolvedModel,
+                  admitted: Admission, ctx: sv.ServerContext, futures: FutureStore) -> None:
+    """Submit the plan as `admitted`; what the engine refuses at once (429 at capacity, 400,
+    404) is raised here, anything later becomes the future's answer. The leases of this
+    request's admission are held until the generation ends."""
     release = _releaser(detach_leases())
+    engine = admitted.engine(ctx.engine)
     starting = asyncio.ensure_future(start_all(engine, ts.engine_requests(
-        future.request_id, plan, resolved)))
+        future.request_id, plan, resolved, admitted.weight)))
     try:
         await asyncio.wait({starting}, timeout=ADMIT_WAIT_S)
         if starting.done() and starting.exception() is not None:
@@ -135,20 +136,21 @@ async def _launch(future: Future, plan: ts.SamplePlan, resolved: ResolvedModel, 
         starting.cancel()
         release()
         raise
-    future.task = asyncio.create_task(_run(futures, future, engine, plan, resolved, starting,
-                                           ctx, sv.RequestClock(ctx.metrics), release))
+    future.task = asyncio.create_task(_run(futures, future, engine, plan, resolved,
+                                           admitted.weight, starting, ctx,
+                                           sv.RequestClock(ctx.metrics), release))
 
 
 async def _run(futures: FutureStore, future: Future, engine: Any, plan: ts.SamplePlan,
-               resolved: ResolvedModel, starting: Any, ctx: sv.ServerContext,
+               resolved: ResolvedModel, weight: float, starting: Any, ctx: sv.ServerContext,
                clock: sv.RequestClock, release: Callable[[], None]) -> None:
     """Generate, then set the future's answer (a SampleResponse or an error)."""
     def at_capacity() -> None:
         future.queue_state = "paused_capacity"
 
     try:
-        seqs, prompt_lps = await ts.generate(engine, future.request_id, plan, resolved, starting,
-                                             at_capacity, clock.first_output)
+        seqs, prompt_lps = await ts.generate(engine, future.request_id, plan, resolved, weight,
+                                             starting, at_capacity, clock.first_output)
         ctx.metrics.prompt_tokens.inc(len(plan.prompt.token_ids))
         ctx.metrics.generation_tokens.inc(sum(len(s.tokens) for s in seqs))
         answer = ts.sample_response(plan, seqs, prompt_lps)

@@ -130,12 +130,12 @@ def plan_sample(body: SampleBody, engine: sv.Engine, max_seqs: int) -> SamplePla
     return SamplePlan(prompt, params, body.num_samples, wants, topk)
 
 
-def engine_requests(request_id: str, plan: SamplePlan, resolved: ResolvedModel,
+def engine_requests(request_id: str, plan: SamplePlan, resolved: ResolvedModel, weight: float,
                     attempt: int = 0) -> list[GenerateRequest]:
-    """The plan's engine requests on the `resolved` model (ids fresh per attempt: the engine
-    refuses a reused id)."""
+    """The plan's engine requests on the `resolved` model, with its admission's fair-share
+    `weight` (ids fresh per attempt: the engine refuses a reused id)."""
     return sv.fan_out(f"{request_id}-{attempt}", [plan.prompt], plan.n, plan.params, resolved,
-                      stream=False)
+                      weight, stream=False)
 
 
 # -- one sequence's output -----------------------------------------------------------------------
@@ -180,14 +180,15 @@ def _topk(top: dict[int, float], k: int) -> list[list[float | int]]:
 # -- running it ----------------------------------------------------------------------------------
 
 async def generate(engine: Any, request_id: str, plan: SamplePlan, adapter: ResolvedModel,
-                   starting: Awaitable[list[PrimedStream]],
+                   weight: float, starting: Awaitable[list[PrimedStream]],
                    on_capacity: Callable[[], None], on_started: Callable[[], None],
                    ) -> tuple[list[SequenceOutput], Any]:
     """Run the plan to the end: (its SequenceOutputs, the prompt's logprob entries or None).
 
-    `starting` is the first start_all of the plan's requests. While the engine is at capacity
-    (its 429) the requests are offered again every CAPACITY_RETRY_S, `on_capacity()` told;
-    `on_started()` when every sequence has its first output.
+    `starting` is the first start_all of the plan's requests (`weight`: their admission's).
+    While the engine is at capacity (its 429) the requests are offered again every
+    CAPACITY_RETRY_S, `on_capacity()` told; `on_started()` when every sequence has its first
+    output.
     """
     attempt = 0
     while True:
@@ -200,7 +201,7 @@ async def generate(engine: Any, request_id: str, plan: SamplePlan, adapter: Reso
             on_capacity()
             attempt += 1
             await asyncio.sleep(CAPACITY_RETRY_S)
-            starting = start_all(engine, engine_requests(request_id, plan, adapter, attempt))
+            starting = start_all(engine, engine_requests(request_id, plan, adapter, weight, attempt))
     on_started()
     seqs = [SequenceOutput() for _ in streams]
     prompt_lps = None

@@ -340,8 +340,8 @@ async def save_for_sampler(body: SaveBody, request: Request) -> dict:
     run, train = _run(request, body.model_id), trainer(request)
     refuse_set(body.ttl_seconds, "ttl_seconds", "saved revisions stay until deleted from the catalog")
     engine = ta.ctx_of(request).engine
-    mgr = engine.adapter_manager
-    if mgr is None:
+    view = engine.catalog
+    if view is None:
         raise APIError(400, "this server has no adapter catalog: start it with --catalog to save "
                        "weights for sampling", code="training_error")
     name = checkpoint_name(body.path) if body.path is not None else None
@@ -353,7 +353,7 @@ async def save_for_sampler(body: SaveBody, request: Request) -> dict:
             run.sampler_saves += 1
         revision, source = name or f"s{run.sampler_saves}", f"tinker:{run.model_id}"
         blob = await on_core(request, run, lambda: train.publish(run.model_id, source, run.adapter_id, revision))
-        write = functools.partial(asyncio.to_thread, mgr.catalog.put_revision, run.adapter_id, blob,
+        write = functools.partial(asyncio.to_thread, view.catalog.put_revision, run.adapter_id, blob,
                                   revision=revision, promote=True, source=source)
         if name is None:  # an unnamed save is the sampler's alone: no alias, not listed
             run.write_behind(write)
@@ -364,7 +364,7 @@ async def save_for_sampler(body: SaveBody, request: Request) -> dict:
             return {"path": None, "sampling_session_id": session.id, "type": "save_weights_for_sampler"}
         rec = await write()
         entry = run.add_checkpoint("sampler", revision, len(blob))
-        await asyncio.to_thread(record_alias, mgr.catalog, entry["tinker_path"], run.adapter_id, rec.revision)
+        await asyncio.to_thread(record_alias, view.catalog, entry["tinker_path"], run.adapter_id, rec.revision)
         return {"path": entry["tinker_path"], "type": "save_weights_for_sampler"}
 
     return submit(request, run, op)
