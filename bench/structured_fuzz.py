@@ -1,5 +1,5 @@
-"""Structured-output fuzz: random JSON Schemas x temperatures against the tiny demo base, in
-process, over HTTP. Every answer that ends `stop` must be JSON (strict `json.loads`: no raw
+"""Structured-output fuzz: random JSON Schemas x temperatures x models (the tiny demo base and
+two LoRA adapters on it, from a catalog) in process, over HTTP. Every answer that ends `stop` must be JSON (strict `json.loads`: no raw
 control character in a string, no NaN) that validates against its schema (`jsonschema`, Draft
 2020-12, where `format` is an annotation); an answer that ends `length` is a prefix cut by
 max_tokens and is only counted. `format` asserted as well (jsonschema's FormatChecker) is
@@ -16,11 +16,12 @@ backslash or a TAB, which xgrammar expands to raw characters) or a `format`; obj
 properties (odd names too), a required subset, with or without additionalProperties: false;
 arrays with minItems/maxItems; anyOf; `$defs` referenced by `$ref`. Each batch's schemas are
 sent at once (one engine batch), each at every temperature, through both endpoints and both
-spellings (`response_format` json_schema on chat, `guided_json` on completions).
+spellings (`response_format` json_schema on chat, `guided_json` on completions), the `model`
+taking turns over the base and the adapters (MODELS) from one request to the next.
 
 Prints: schemas and answers, the schemas the server refused (a 400: xgrammar cannot compile
 them), answers by finish reason, the share of `stop` answers valid (must be 100%), the share
-ending `length`, and the invalid answers (schema, text, why). Exit status 1 when one `stop`
+ending `length`, the same per model, and the invalid answers (schema, text, why). Exit status 1 when one `stop`
 answer is invalid or an answer is neither 200 nor a 400 naming the schema's field.
 `tests/server/test_structured_fuzz.py` runs a seeded bounded set.
 """
@@ -52,6 +53,9 @@ PATTERNS = [r"^[a-z]{1,4}$", r"^[A-Z][a-z]{0,3}$", r"^\d{2,3}$", r'^a"b$', r"^\t
             r'^["x]{1,2}$', r"^z.$"]
 FORMATS = ["date", "email", "uuid", "ipv4", "date-time"]
 TEMPERATURES = (0.0, 1.0)
+BASE = "qwen3"
+ADAPTERS = ("fuzz/a", "fuzz/b")  # random PEFT LoRAs on the demo base (`serve`), rank 4 and 8
+MODELS = (BASE, *ADAPTERS)
 
 
 # -- the schemas --------------------------------------------------------------------------------
@@ -140,6 +144,7 @@ def schemas(draw: st.DrawFn) -> dict:
 class Answer:
     schema: dict
     temperature: float
+    model: str
     path: str
     status: int
     finish: str | None = None
@@ -172,8 +177,8 @@ def check(schema: dict, text: str) -> tuple[str | None, str | None]:
 
 
 def ask(http: httpx.Client, schema: dict, temperature: float, chat: bool,
-        max_tokens: int, seed: int) -> Answer:
-    body: dict[str, Any] = {"model": "qwen3", "max_tokens": max_tokens,
+        max_tokens: int, seed: int, model: str = BASE) -> Answer:
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens,
                             "temperature": temperature, "seed": seed}
     if chat:
         path = "/v1/chat/completions"
@@ -189,7 +194,7 @@ def ask(http: httpx.Client, schema: dict, temperature: float, chat: bool,
         if r.status_code != 429:
             break
         time.sleep(min(float(r.headers.get("retry-after") or 0.2), 1.0))
-    answer = Answer(schema, temperature, path, r.status_code)
+    answer = Answer(schema, temperature, model, path, r.status_code)
     if r.status_code == 400:
         error = r.json()["error"]
         if error["param"] not in ("response_format", "guided_json"):
@@ -236,11 +241,23 @@ class Report:
     def stop_valid(self) -> int:
         return sum(a.finish == "stop" and a.problem is None for a in self.answers)
 
+    def by_model(self) -> dict[str, Counter]:
+        """model -> its `requests`, their finish reasons (`refused`: a 400), `valid` `stop`s."""
+        out: dict[str, Counter] = {}
+        for a in self.answers:
+            seen = out.setdefault(a.model, Counter())
+            seen["requests"] += 1
+            refused = a.status == 400 and a.problem is None
+            seen[a.finish or ("refused" if refused else f"status {a.status}")] += 1
+            seen["valid"] += a.finish == "stop" and a.problem is None
+        return out
+
 
 def run(url: str, batches: int, batch: int = 8, seed: int = 0,
-        temperatures: tuple[float, ...] = TEMPERATURES, max_tokens: int = 160) -> Report:
+        temperatures: tuple[float, ...] = TEMPERATURES, max_tokens: int = 160,
+        models: tuple[str, ...] = MODELS) -> Report:
     """`batches` hypothesis draws of `batch` schemas each; every schema at every temperature,
-    its requests sent together with the batch's."""
+    its requests sent together with the batch's, each to the next of `models` in turn."""
     report = Report()
     started = time.perf_counter()
     with httpx.Client(base_url=url, timeout=600) as http, \
@@ -252,11 +269,13 @@ def run(url: str, batches: int, batch: int = 8, seed: int = 0,
         @hypothesis_seed(seed)
         @given(st.lists(schemas(), min_size=batch, max_size=batch))
         def one_batch(drawn: list[dict]) -> None:
-            jobs = [(s, t, (i + k) % 2 == 0, next(counter)) for i, s in enumerate(drawn)
-                    for k, t in enumerate(temperatures)]
+            jobs = []  # (schema, temperature, chat, seed, model)
+            for i, s in enumerate(drawn):
+                for k, t in enumerate(temperatures):
+                    n = next(counter)
+                    jobs.append((s, t, (i + k) % 2 == 0, n, models[n % len(models)]))
             report.schemas += len(drawn)
-            report.answers += pool.map(lambda j: ask(http, j[0], j[1], j[2], max_tokens, j[3]),
-                                       jobs)
+            report.answers += pool.map(lambda j: ask(http, *j[:3], max_tokens, *j[3:]), jobs)
 
         one_batch()
     report.seconds = time.perf_counter() - started
@@ -273,6 +292,9 @@ def print_report(report: Report, out=sys.stdout) -> None:
           + f"; ending `length` {finished.get('length', 0) / max(len(answers), 1):.1%}", file=out)
     print(f"`stop` answers valid: {report.stop_valid}/{stop} "
           f"({report.stop_valid / max(stop, 1):.1%})", file=out)
+    for model, seen in sorted(report.by_model().items()):
+        print(f"  {model}: {seen['requests']} requests, `stop` valid {seen['valid']}/"
+              f"{seen['stop']}, `length` {seen['length']}, refused {seen['refused']}", file=out)
     misses = report.format_misses
     print(f"`format` asserted too: {len(misses)} of them miss it" + "".join(
         f"\n  {a.format_miss[9:90]}" for a in misses[:5]), file=out)
@@ -280,20 +302,27 @@ def print_report(report: Report, out=sys.stdout) -> None:
     for reason, n in reasons.most_common(5):
         print(f"  refused x{n}: {reason}", file=out)
     for a in report.invalid[:10]:
-        print(f"INVALID {a.path} t={a.temperature}: {a.problem}\n  schema {json.dumps(a.schema)}"
+        print(f"INVALID {a.model} {a.path} t={a.temperature}: {a.problem}\n  schema {json.dumps(a.schema)}"
               f"\n  text   {a.text!r}", file=out)
 
 
-def serve(model_dir: str):
-    """A live server over the demo base, in this process (tests/server/live.py's)."""
+def serve(model_dir: str, root: Path):
+    """A live server over the demo base and ADAPTERS, in this process (tests/server/live.py's);
+    the adapters' PEFT directories and their catalog are written under `root`."""
+    from loraserve.demo import import_demo_adapters
     from loraserve.engine.async_engine import AsyncEngine
     from loraserve.server import build_app
     sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))
+    from server.adapter_files import write_peft
     from server.live import LiveServer
 
-    engine = AsyncEngine.from_model_dir(model_dir, device="cpu", dtype="float32",
-                                        max_model_len=512, max_batch_size=32,
-                                        served_model_name="qwen3")
+    peft = {ref: write_peft(root / "peft" / ref, Path(model_dir), r=4 * (i + 1), seed=i)
+            for i, ref in enumerate(ADAPTERS)}
+    import_demo_adapters(root / "catalog", peft, Path(model_dir))
+    engine = AsyncEngine.from_model_dir(model_dir, catalog_dir=str(root / "catalog"),
+                                        device="cpu", dtype="float32", max_model_len=512,
+                                        max_batch_size=32, max_lora_rank=8,
+                                        served_model_name=BASE)
     return LiveServer(build_app(engine))
 
 
@@ -306,15 +335,18 @@ def main() -> int:
     parser.add_argument("--temperatures", default=",".join(map(str, TEMPERATURES)))
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--model", help="base directory (default: the demo base, built once)")
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"the models requests take turns over (of {', '.join(MODELS)})")
     args = parser.parse_args()
     model = args.model
     if model is None:
         from loraserve.demo import build_demo_base
         model = str(build_demo_base(Path(tempfile.gettempdir()) / "loraserve-fuzz" / "qwen3"))
     temperatures = tuple(float(t) for t in args.temperatures.split(","))
-    with serve(model) as live:
+    with tempfile.TemporaryDirectory(prefix="loraserve-fuzz-") as adapters, \
+            serve(model, Path(adapters)) as live:
         report = run(live.url, args.batches, args.batch, args.seed, temperatures,
-                     args.max_tokens)
+                     args.max_tokens, tuple(args.models.split(",")))
     print_report(report)
     return 1 if report.invalid else 0
 

@@ -41,15 +41,18 @@ def _free_port() -> int:
 
 
 class ServeProcess:
-    """`loraserve serve --model BASE --catalog CAT ARGS` on a free port; `lines` holds what it
+    """`loraserve serve --model BASE --catalog CAT ARGS` on a free port (`serve BASE`, as vLLM
+    takes it, when `positional`; no --catalog when `catalog` is None); `lines` holds what it
     wrote, per stream, once `stop` has returned."""
 
-    def __init__(self, base: Path, catalog: Path, *args: str, ready_s: float = 300.0) -> None:
+    def __init__(self, base: Path, catalog: Path | None, *args: str, ready_s: float = 300.0,
+                 positional: bool = False) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "loraserve.cli", "serve", "--model", str(base), "--catalog",
-               str(catalog), "--port", str(self.port), "--device", "cpu", "--max-model-len", "96",
-               *args]
+        model = [str(base)] if positional else ["--model", str(base)]
+        cat = [] if catalog is None else ["--catalog", str(catalog)]
+        cmd = [sys.executable, "-m", "loraserve.cli", "serve", *model, *cat, "--port",
+               str(self.port), "--device", "cpu", "--max-model-len", "96", *args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                                      start_new_session=True)

@@ -30,6 +30,7 @@ from pathlib import Path
 COMMIT = "0" * 39 + "1"
 LFS_SUFFIXES = (".safetensors", ".bin")
 BEHAVIOURS = ("good", "hang", "drip", "lie", "reset", "garbage", "short", "error")
+LIE_SNDBUF = 64 << 10  # a lying connection's send buffer (see BadHub._lie)
 
 
 def etag_of(name: str, data: bytes) -> str:
@@ -155,6 +156,9 @@ class BadHub:
             return self._send(conn, 200, headers, b"")
         self._send(conn, 200, {k: v for k, v in headers.items() if k != "Content-Length"}, b"",
                    length=self.lie_bytes)
+        # a small send buffer: what counts as sent is what the client took, not what the
+        # kernel queued for it (up to tcp_wmem's 4 MiB) before the client hung up
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LIE_SNDBUF)
         sent, block = 0, b"\0" * 65536
         while sent < self.lie_bytes and not self._closing.is_set():
             conn.sendall(block)

@@ -1,6 +1,7 @@
 """The CPU kernel cache loads only what this user built (issue 43: a library planted in a shared
 cache dir ran as the server). Planted files: no hash record, a wrong hash, a link, group- or
-world-writable, another directory's mode; a shared cache dir means a private build dir."""
+world-writable, another directory's mode, a library, record or directory of another user's; a
+shared cache dir means a private build dir."""
 from __future__ import annotations
 
 import hashlib
@@ -28,9 +29,30 @@ def test_a_library_built_here_is_trusted(tmp_path: Path) -> None:
     assert cpu_gemv.trusted_file(_built(tmp_path / "cache"))
 
 
+OTHER_UID = 65534  # nobody
+
+
+def _give_away(path: Path, monkeypatch) -> None:
+    """`path` owned by another user, the files beside it left ours: chown as root; without
+    the right to chown, the owner os.lstat reports for `path` (the stat the check reads)."""
+    if os.geteuid() == 0:
+        os.chown(path, OTHER_UID, -1, follow_symlinks=False)
+        return
+    real = os.lstat
+
+    def lstat(target, *args, **kwargs):
+        st = real(target, *args, **kwargs)
+        if Path(target) != path:
+            return st
+        return os.stat_result((*st[:4], OTHER_UID, *st[5:10]))
+    monkeypatch.setattr(os, "lstat", lstat)
+
+
 @pytest.mark.parametrize("plant", ["no_record", "wrong_hash", "group_writable", "world_writable",
-                                   "record_writable", "symlink", "dir_world_writable"])
-def test_a_planted_library_is_not_loaded(tmp_path: Path, plant: str) -> None:
+                                   "record_writable", "symlink", "dir_world_writable",
+                                   "foreign_library", "foreign_record", "foreign_dir",
+                                   "another_user_loads"])
+def test_a_planted_library_is_not_loaded(tmp_path: Path, plant: str, monkeypatch) -> None:
     lib = _built(tmp_path / "cache")
     record = lib.with_name(lib.name + ".sha256")
     if plant == "no_record":
@@ -49,6 +71,11 @@ def test_a_planted_library_is_not_loaded(tmp_path: Path, plant: str) -> None:
         lib.symlink_to(target)
     elif plant == "dir_world_writable":
         lib.parent.chmod(0o777)
+    elif plant.startswith("foreign_"):  # modes and hash as built: only the owner differs
+        target = {"library": lib, "record": record, "dir": lib.parent}[plant.split("_")[1]]
+        _give_away(target, monkeypatch)
+    elif plant == "another_user_loads":  # files this user built, read by a process of another's
+        monkeypatch.setattr(os, "geteuid", lambda: OTHER_UID)
     assert not cpu_gemv.trusted_file(lib)
 
 

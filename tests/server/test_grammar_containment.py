@@ -158,3 +158,28 @@ def test_grammar_fuzzer_keeps_others_served(live: LiveServer) -> None:
         [(r.status_code, r.text[:200]) for r in answers if r is not None]
     assert not watch.failures, watch.failures[:3]
     assert watch.worst < DEADLINE_S + RESPONSIVE_S, watch.worst
+
+
+def test_a_tenant_past_its_grammar_budget_gets_a_429_and_others_do_not(live: LiveServer) -> None:
+    """per_tenant slow grammars of acme in flight: one more of acme's is a 429 (Retry-After,
+    param response_format) at once, while beta's grammar is still taken and converted."""
+    grammars = live.server.config.app.state.ctx.grammars
+    slow = [deep_schema(450, f"budget {i}") for i in range(grammars.per_tenant)]
+    attack = threading.Thread(target=_attack, args=(live.url, slow))
+    attack.start()
+    try:
+        while grammars._inflight.get("acme", 0) < grammars.per_tenant:
+            assert attack.is_alive(), "acme's grammars ended before all were in flight"
+            time.sleep(0.01)
+        with httpx.Client(base_url=live.url, timeout=120) as http:
+            over = _constrained(http, "acme/support", deep_schema(450, "one too many"))
+            other = _constrained(http, "beta/chat", {"type": "object", "properties": {
+                "budget": {"type": "integer"}}})
+    finally:
+        attack.join()
+    assert over.status_code == 429, over.text
+    assert int(over.headers["Retry-After"]) >= 1
+    error = over.json()["error"]
+    assert error["param"] == "response_format" and error["code"] == "rate_limit_exceeded", error
+    assert f"{grammars.per_tenant} grammars of this tenant" in error["message"]
+    assert other.status_code == 200, other.text

@@ -1,8 +1,9 @@
 """Structured output valid by construction (issue 43): random JSON Schemas (enums, nested
 objects, arrays with minItems/maxItems, string patterns and lengths, anyOf, $ref/$defs, required
-subsets) x temperatures against the tiny demo base, in process: every answer that ends `stop`
-parses with strict `json.loads` and validates with `jsonschema`. The driver and the schema
-strategy are `bench/structured_fuzz.py` (a long run: `--batches 200`); here a seeded bounded set.
+subsets) x temperatures x models (the tiny demo base and two adapters on it), in process: every
+answer that ends `stop` parses with strict `json.loads` and validates with `jsonschema`. The
+driver and the schema strategy are `bench/structured_fuzz.py` (a long run: `--batches 250`);
+here a seeded bounded set.
 
 Before the grammar's strings were made JSON (structured.json_safe_strings), 28 of 876 `stop`
 answers of the bench's `--batches 40 --seed 1 --temperatures 0,0.7,1.5` run failed: a raw TAB
@@ -33,8 +34,8 @@ def fuzz():
     return load_driver()
 
 
-def test_every_stop_answer_is_valid_json_of_its_schema(fuzz, demo_dense) -> None:
-    with fuzz.serve(str(demo_dense)) as live:
+def test_every_stop_answer_is_valid_json_of_its_schema(fuzz, demo_dense, tmp_path) -> None:
+    with fuzz.serve(str(demo_dense), tmp_path) as live:
         report = fuzz.run(live.url, batches=10, batch=8, seed=0, temperatures=(0.0, 1.0),
                           max_tokens=160)
     fuzz.print_report(report)  # shown with -s, or when the test fails
@@ -42,6 +43,10 @@ def test_every_stop_answer_is_valid_json_of_its_schema(fuzz, demo_dense) -> None
     answers = sum(report.finished.values())
     assert len(report.answers) == 160 and answers + len(report.refused) == 160
     assert report.finished["stop"] >= 0.6 * answers  # most answers complete: not a vacuous check
+    by_model = report.by_model()  # the base and each adapter in turn: 160 / 3 requests each
+    assert sorted(by_model) == sorted(fuzz.MODELS) and len(fuzz.MODELS) == 3
+    for model, seen in by_model.items():
+        assert seen["requests"] in (53, 54) and seen["stop"] >= 0.5 * seen["requests"], (model, seen)
 
 
 @pytest.mark.parametrize(("schema", "text", "valid"), [
