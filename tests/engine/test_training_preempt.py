@@ -14,6 +14,7 @@ passes only; a run dropped or a caller gone while parked ends the slice, nothing
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -356,7 +357,8 @@ def test_in_process_a_chat_is_answered_before_the_pass_it_arrived_during(demo_de
 
 def test_the_core_process_sees_a_frame_or_a_wake_up_waiting(demo_dense):
     """EngineCoreProc's `has_input`: nothing waiting -> False; a frame on the socket or a wake-up
-    -> True (what a slice on the trainer thread asks at its points)."""
+    -> True (what a slice on the trainer thread asks at its points); output the socket did not
+    take -> True once the socket can take some (a turn sends it), False while it cannot."""
     from loraserve.engine.core.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model_dir=str(demo_dense), device="cpu", dtype="float32", max_model_len=64,
@@ -371,6 +373,21 @@ def test_the_core_process_sees_a_frame_or_a_wake_up_waiting(demo_dense):
         assert not proc.core.has_input()
         proc._wake()
         assert proc.core.has_input()
+        proc._take(0)  # the turn drains the wake-up
+        assert not proc.core.has_input()
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+        proc._write(bytes(4 << 20))  # a save's blob, far more than the socket takes
+        assert proc._unsent and not proc.core.has_input()  # full: nothing a turn could do
+        theirs.setblocking(False)
+        while len(theirs.recv(1 << 20)) == 1 << 20:
+            pass
+        assert proc.core.has_input()  # the reader took some: a turn sends more
+        while proc._unsent:
+            proc._take(0)
+            with contextlib.suppress(BlockingIOError):
+                while theirs.recv(1 << 20):
+                    pass
+        assert not proc.core.has_input()
     finally:
         proc.close()
         theirs.close()

@@ -64,6 +64,7 @@ WAITING_S = 0.05  # queued work that could not run, or a grammar compiling: look
 # sequences are served, then parks: a stream's inter-token gap stays under about twice a step
 GIVE_WAY_STEPS = 0.5
 GIVE_WAY_MIN_S = 0.002
+GIVE_WAY_MAX_S = 0.1  # however slow the steps (a large batch of new adapters): a piece at most this
 
 
 class EngineCore:
@@ -192,7 +193,8 @@ class EngineCore:
         trainer thread while this one waits): a message or a wake-up waits, or the scheduler
         holds sequences and the slice has computed for its quantum since now."""
         has_input, sched = self.has_input, self.engine.scheduler
-        until = time.monotonic() + max(GIVE_WAY_MIN_S, GIVE_WAY_STEPS * self.engine.decode_step_s)
+        quantum = min(GIVE_WAY_MAX_S, max(GIVE_WAY_MIN_S, GIVE_WAY_STEPS * self.engine.decode_step_s))
+        until = time.monotonic() + quantum
         return lambda: has_input() or (sched.has_work and time.monotonic() >= until)
 
     def _coalesce(self, outs: list[RequestOutput]) -> list[RequestOutput]:

@@ -130,7 +130,7 @@ class LLMEngine:
         self._waiting_for: dict[AdapterKey, list[Sequence]] = {}  # parked sequences by adapter
         self._asked = False  # page-ins were asked for since the last step (`_drain_page_ins`)
         self.last_batch_size = 0
-        self.decode_step_s = 0.0  # a decode step's wall time, smoothed (a training slice's quantum)
+        self.decode_step_s = 0.0  # a decode step's forward and sampling, smoothed (a training slice's quantum)
         self._notify = lambda: None  # wakes the owner thread when a page-in completes
         # the CPU decode step's BackgroundCompile while it makes graphs (engine.core.build)
         self.compiler = None
@@ -239,7 +239,6 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step. A fault while handling one sequence fails that sequence (a 500 for
         its request alone, logged with its request id); the rest of the batch goes on."""
-        started = time.perf_counter()
         outs = self._drain_page_ins()
         seqs, is_prefill = self.scheduler.schedule()
         self.last_batch_size = len(seqs)
@@ -250,6 +249,7 @@ class LLMEngine:
         if not seqs and self.compiler is not None:
             self.compiler.idle_turn()  # when idle: times a freshly compiled decode bucket
         if seqs:
+            started = time.perf_counter()  # the step's own work: not the page-ins drained before it
             seqs, result = self._run(seqs, is_prefill, outs)
             seqs, result = self._screen(seqs, result, outs)
             if seqs:

@@ -103,8 +103,12 @@ class EngineCoreProc:
 
     def _has_input(self) -> bool:
         """Any thread while the loop waits in a turn (a training slice asks): a frame, a hang-up
-        or a wake-up waits."""
-        return any(events & (select.POLLIN | select.POLLHUP | select.POLLERR) for _, events in self._poll.poll(0))
+        or a wake-up waits, or output waits and the socket can take some now (the poll watches
+        for that only while something is unsent). Without the last, what a turn could not send
+        (a save's 20 MB blob, and every delta queued behind it) went out one socket buffer per
+        training slice: a stream stalled 5 s while slices of nothing but training ran."""
+        ready = select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLOUT
+        return any(events & ready for _, events in self._poll.poll(0))
 
     # -- the loop -------------------------------------------------------------------------------
     def serve(self) -> None:
