@@ -78,7 +78,9 @@ def layouts(rows: int, reps: int, fused: bool, dtype: torch.dtype = torch.float3
         "x @ W^T-contiguous [in,out]": [{k: w.t().contiguous() for k, w in l.items()} for l in weights],
         "W @ x^T [out,in]": weights,
     }
-    if dtype == torch.float32:
+    from loraserve.model.prepack import can_prepack
+    packable = can_prepack(torch.device("cpu"), dtype)  # float32, and bfloat16 where oneDNN has its kernels
+    if packable:
         for hint in (1, 256):
             prepared[f"oneDNN packed (hint {hint})"] = [
                 {k: torch.ops.mkldnn._reorder_linear_weight(w, hint) for k, w in l.items()} for l in weights]
@@ -89,7 +91,7 @@ def layouts(rows: int, reps: int, fused: bool, dtype: torch.dtype = torch.float3
         "oneDNN packed (hint 1)": lambda w, x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
         "oneDNN packed (hint 256)": lambda w, x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
     }
-    if dtype != torch.float32:  # oneDNN's packed layout: float32 here (see model.prepack)
+    if not packable:  # oneDNN's packed layout (see model.prepack)
         for name in ("oneDNN packed (hint 1)", "oneDNN packed (hint 256)"):
             del calls[name]
     if rows > 1 and cpu_gemv.reads_rows_once(dtype):  # the rows read the weight once (2-64)

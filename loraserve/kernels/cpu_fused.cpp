@@ -101,10 +101,18 @@ inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+// The bfloat16 bits of 16 floats in the low halves of the lanes, rounded as c10::BFloat16 rounds:
+// to nearest even, a NaN to the quiet NaN 0x7FC0.
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+// v rounded to bfloat16 and widened back: what torch holds after a bfloat16 op produced v
+inline __m512 round_bf16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
 inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m) {
-  for (int i = 0; i < 16; ++i) {  // round to nearest even, as c10::BFloat16 does
-    if (m >> i & 1) p[i] = static_cast<c10::BFloat16>(reinterpret_cast<const float*>(&v)[i]);
-  }
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits(v)));
 }
 #endif
 
@@ -218,15 +226,23 @@ void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
 }
 
 #if defined(__AVX512F__)
-template <>
-void silu_mul_row<float>(const float* g, const float* u, float* o, int64_t n) {
+// 16 lanes at a time (bfloat16: 20 us a SmolLM2 layer scalar, the exp's cost; ~1 us so)
+template <typename T>
+void silu_mul_vec(const T* g, const T* u, T* o, int64_t n) {
   const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t k = 0; k < n; k += 16) {
     const __mmask16 m = n - k >= 16 ? 0xFFFF : (__mmask16)((1u << (n - k)) - 1);
     const __m512 x = load16(g + k, m);
-    const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+    __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+    if constexpr (std::is_same_v<T, c10::BFloat16>) silu = round_bf16(silu);
     store16(o + k, _mm512_mul_ps(silu, load16(u + k, m)), m);
   }
+}
+template <>
+void silu_mul_row<float>(const float* g, const float* u, float* o, int64_t n) { silu_mul_vec(g, u, o, n); }
+template <>
+void silu_mul_row<c10::BFloat16>(const c10::BFloat16* g, const c10::BFloat16* u, c10::BFloat16* o, int64_t n) {
+  silu_mul_vec(g, u, o, n);
 }
 #endif
 

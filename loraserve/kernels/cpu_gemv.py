@@ -44,13 +44,14 @@ def supports(dtype: torch.dtype) -> bool:
 
 
 def reads_rows_once(dtype: torch.dtype) -> bool:
-    """Whether `vec_linear` reads a row-major `dtype` weight once for 2-64 rows (float32 with AVX-512)."""
-    return dtype == torch.float32 and supports(dtype)
+    """Whether `vec_linear` reads a row-major `dtype` weight once for 2-64 rows (float32 with
+    AVX-512, bfloat16 with AVX512-BF16: wherever it has the one-row kernel)."""
+    return dtype in (torch.float32, torch.bfloat16) and supports(dtype)
 
 
 def vec_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y = x @ weight.T: x [M, in], weight [out, in] -> y [M, out]. One row: weight row-major, or
-    column-major (f32). 2-64 rows over a row-major f32 weight: read once for all rows (a
+    column-major (f32). 2-64 rows over a row-major f32 or bf16 weight: read once for all rows (a
     decode batch pays one weight read, as one row does). Anything else: `torch.nn.functional.linear`'s
     GEMM, so every batch size may be sent here."""
     return torch.ops.loraserve_cpu.vec_linear(x, weight)

@@ -98,7 +98,8 @@ def weight_layout(setting: str, model: nn.Module, device: torch.device, dtype: t
     """"packed" (oneDNN's layout, `prepack_linears`) or "plain" for `--weight-prepack` `setting`
     (auto | on | off). auto packs a base whose weights outgrow the last-level cache, unless no
     step can hold more than PLAIN_MAX_BATCH sequences, or `cpu_gemv` reads a plain weight once
-    for a small batch of rows in this dtype (`cpu_gemv.reads_rows_once`: float32 on AVX-512):
+    for a small batch of rows in this dtype (`cpu_gemv.reads_rows_once`: float32 on AVX-512,
+    bfloat16 with AVX512-BF16):
     then one stream and a few read the weights at the memory's rate, which the packed GEMM does
     not at one row (bench/RESULTS.md, issue 41 part 2). One copy of the weights serves every
     batch size, so the layout follows the steps that read most bytes per token."""

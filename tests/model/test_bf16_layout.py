@@ -1,12 +1,14 @@
-"""`--weight-prepack auto` at bfloat16 picks what it picks at float32: plain weights (one-row
-steps as `torch.mv`) for one sequence at a time, the packed layout for a batching server where
-oneDNN has bfloat16 GEMMs (bench/gemv_dtypes.py, bench/RESULTS.md issue 30 session 12)."""
+"""`--weight-prepack auto` at bfloat16 picks what it picks at float32: plain weights for one
+sequence at a time, and for a batching server too where `cpu_gemv` reads a plain bfloat16 weight
+once for a few rows (AVX512-BF16); elsewhere the packed layout for a batching server where oneDNN
+has bfloat16 GEMMs (bench/RESULTS.md, issue 30 session 12 and issue 41 session 16)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraserve.kernels import cpu_gemv
 from loraserve.model.prepack import PLAIN_MAX_BATCH, VectorLinear, can_prepack, linear_weight_bytes, weight_layout
 
 
@@ -14,11 +16,11 @@ def test_weight_layout_at_bfloat16_follows_the_batch_size_as_at_float32():
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
     model = nn.Sequential(nn.Linear(64, 64)).to(bf16)
     big = linear_weight_bytes(model) - 1  # the weights outgrow this last-level cache
-    batching = "packed" if can_prepack(cpu, bf16) else "plain"
+    batching = "packed" if can_prepack(cpu, bf16) and not cpu_gemv.reads_rows_once(bf16) else "plain"
     assert weight_layout("auto", model, cpu, bf16, 64, cache_bytes=big) == batching
     assert weight_layout("auto", model, cpu, bf16, PLAIN_MAX_BATCH, cache_bytes=big) == "plain"
     assert weight_layout("auto", model, cpu, torch.float32, PLAIN_MAX_BATCH, cache_bytes=big) == "plain"
-    # float32 where cpu_gemv reads a few rows at once: plain for a batching server too
+    # float32 and bfloat16 where cpu_gemv reads a few rows at once: plain for a batching server too
 
 
 def test_vector_linear_one_row_at_bfloat16_equals_f_linear_to_bfloat16_rounding():
