@@ -275,23 +275,26 @@ def step_split(model: str, fields: dict, tokens: int, rounds: int) -> None:
 
 
 def step_plan(model: str, fields: dict, tokens: int, rounds: int) -> None:
-    """A batch-1 decode step with the layers run as a decode plan (model/decode_plan.py) and
+    """A batch-1 decode step with the layers run as a decode plan (model/decode_plan.py) whose loop
+    runs in C++ (`cpu_fused.decode_layers`, the default), the same plan's loop in Python, and
     through the modules (the attention function's `qkv_decoder` taken away), one engine,
     interleaved request by request: median and best ms a step, and whether the tokens agree."""
     import statistics
 
     from loraserve.engine.core.attention import PagedAttention
     from loraserve.engine.types import GenerateRequest, SamplingParams
+    from loraserve.model import decode_plan
     fields = dict(fields)
     adapter = fields.pop("adapter", None)  # with catalog_dir: the requests' adapter
     eng = _engine(model, 1, tokens, {"compile": "off", **fields})
     decoder = PagedAttention.qkv_decoder
-    steps: dict[str, list[float]] = {"modules": [], "plan": []}
+    steps: dict[str, list[float]] = {"modules": [], "plan (python)": [], "plan (c++)": []}
     ids: dict[str, list[int]] = {}
     try:
         for r in range(rounds + 1):   # round 0 warms up
             for name in steps:
-                PagedAttention.qkv_decoder = decoder if name == "plan" else None
+                PagedAttention.qkv_decoder = decoder if name != "modules" else None
+                decode_plan.NATIVE_LOOP = name == "plan (c++)"
                 seq = eng.add_request(GenerateRequest(f"{name}-{r}", list(range(5, 37)), SamplingParams(
                     max_tokens=tokens, temperature=0.0, ignore_eos=True), adapter))
                 while eng.scheduler.waiting or eng.scheduler.parked:
@@ -304,10 +307,11 @@ def step_plan(model: str, fields: dict, tokens: int, rounds: int) -> None:
                 ids.setdefault(name, seq.output_ids)
     finally:
         PagedAttention.qkv_decoder = decoder
-    print(f"{len(steps['plan'])} decode steps each at batch 1 ({fields or 'defaults'}, adapter {adapter}); "
-          f"tokens equal: {ids['modules'] == ids['plan']}")
+        decode_plan.NATIVE_LOOP = True
+    print(f"{len(steps['modules'])} decode steps each at batch 1 ({fields or 'defaults'}, adapter {adapter}); "
+          f"tokens equal: {len({tuple(v) for v in ids.values()}) == 1}")
     for name, v in steps.items():
-        print(f"{name:>8}: median {statistics.median(v) * 1e3:7.2f} ms, best {min(v) * 1e3:7.2f} ms")
+        print(f"{name:>14}: median {statistics.median(v) * 1e3:7.2f} ms, best {min(v) * 1e3:7.2f} ms")
 
 
 def main() -> None:

@@ -13,6 +13,7 @@
 // vectorised kernels compute it, not a fused multiply-add (the rotary embedding is then bit-equal).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -496,6 +497,99 @@ void lora_addmm_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, 
   });
 }
 
+// One projection of a planned layer, through the op its module's forward calls (`decode_plan._native`):
+// kind 0 a plain weight on loraserve_cpu::vec_linear (cpu_gemv.cpp), its bias added after as
+// `VectorLinear` adds it; 1 a quantized one on loraserve_quant::quant_linear (cpu_quant.cpp:
+// codes, scales, mins); 2 at::linear (an `nn.Linear`'s F.linear). A bias absent is an empty
+// tensor. The two kernels are looked up by name in the dispatcher, once per process (their
+// libraries are loaded: the plan asks for this loop only where its modules would call them).
+at::Tensor project(const at::Tensor& x, at::TensorList w, int64_t& next, int64_t kind, int64_t bits, int64_t group) {
+  if (kind == 1) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("loraserve_quant::quant_linear", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                 const at::Tensor&, int64_t, int64_t, bool)>();
+    next += 3;
+    return op.call(x, w[next - 3], w[next - 2], w[next - 1], bits, group, false);
+  }
+  TORCH_CHECK(kind == 0 || kind == 2, "decode_layers: unknown projection kind ", kind);
+  const at::Tensor& weight = w[next];
+  const at::Tensor& bias = w[next + 1];
+  next += 2;
+  const bool biased = bias.numel() > 0;
+  if (kind == 2) return biased ? at::linear(x, weight, bias) : at::linear(x, weight);
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("loraserve_cpu::vec_linear", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  const at::Tensor y = op.call(x, weight);
+  return biased ? y + bias : y;
+}
+
+// One adapter's deltas at a site: `count` (lo, hi) column ranges of y (hi < 0: all of y), each
+// y[:, lo:hi] += (x a^T) b with the next (a, b) of `lora`, as the wrappers add them (`DecodePlan.run`).
+void add_deltas(const at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t& next_t,
+                at::IntArrayRef meta, int64_t& next_m) {
+  const int64_t count = meta[next_m++];
+  for (int64_t c = 0; c < count; ++c) {
+    const int64_t lo = meta[next_m++], hi = meta[next_m++];
+    const at::Tensor cols = hi < 0 ? y : y.narrow(1, lo, hi - lo);
+    lora_addmm_(cols, x, lora[next_t], lora[next_t + 1]);
+    next_t += 2;
+  }
+}
+
+// The decoder layers of a decode step, in C++: `DecodePlan.run`'s loop, the same ops in the same
+// order (so the same numbers), without ~8 Python calls a layer (~1.5 ms of a SmolLM2 step).
+//   x [T, H] the embeddings; first_w / first_eps the first layer's input norm.
+//   weights, proj: per layer its q/k/v, o, gate/up and down projections, each (kind, bits, group)
+//     in proj with its 2 (weight, bias) or 3 (quantized) tensors in weights, in order (`project`).
+//   norms: per layer the q/k norm weight (an empty tensor where none), the post-attention norm's
+//     and the next norm's (the next layer's input norm, the final norm after the last layer).
+//   meta: per layer heads, kv_heads, window; eps: per layer the q/k norm's, post's, next's.
+//   k_layers, v_layers, cos, sin, slots, kv_index, lens, scale: the step's attention
+//     (`qkv_attention`'s arguments).
+//   lora, lora_meta: each adapter delta (a, b) in the plan's order and, per layer, for q/k/v,
+//     o, gate/up, down: a count and count (lo, hi) column ranges (hi < 0: the whole output);
+//     both empty: no deltas this step.
+// Returns the final norm's output [T, H].
+at::Tensor decode_layers(const at::Tensor& x0, const at::Tensor& first_w, double first_eps, at::TensorList weights,
+                         at::IntArrayRef proj, at::TensorList norms, at::IntArrayRef meta, at::ArrayRef<double> eps,
+                         at::TensorList k_layers, at::TensorList v_layers, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& slots, const at::Tensor& kv_index, const at::Tensor& lens, double scale,
+                         at::TensorList lora, at::IntArrayRef lora_meta) {
+  const int64_t layers = static_cast<int64_t>(k_layers.size());
+  TORCH_CHECK(static_cast<int64_t>(v_layers.size()) == layers && static_cast<int64_t>(proj.size()) == 12 * layers &&
+                  static_cast<int64_t>(norms.size()) == 3 * layers && static_cast<int64_t>(meta.size()) == 3 * layers &&
+                  static_cast<int64_t>(eps.size()) == 3 * layers,
+              "decode_layers: per-layer lists disagree with the layer count");
+  const bool deltas = !lora_meta.empty();
+  at::Tensor x = x0, h = rms_norm(x0, first_w, first_eps);
+  int64_t wi = 0, li = 0, mi = 0;
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t* pj = proj.data() + 12 * l;
+    const at::Tensor& qk_norm = norms[3 * l];
+    const c10::optional<at::Tensor> norm_w = qk_norm.defined() && qk_norm.numel() ? c10::optional<at::Tensor>(qk_norm)
+                                                                                   : c10::nullopt;
+    at::Tensor y = project(h, weights, wi, pj[0], pj[1], pj[2]);
+    if (deltas) add_deltas(y, h, lora, li, lora_meta, mi);
+    const at::Tensor a = qkv_attention(y, meta[3 * l], meta[3 * l + 1], cos, sin, norm_w, eps[3 * l], k_layers[l],
+                                       v_layers[l], slots, kv_index, lens, meta[3 * l + 2], scale);
+    y = project(a, weights, wi, pj[3], pj[4], pj[5]);
+    if (deltas) add_deltas(y, a, lora, li, lora_meta, mi);
+    std::tie(x, h) = add_rms_norm(x, y, norms[3 * l + 1], eps[3 * l + 1]);
+    y = project(h, weights, wi, pj[6], pj[7], pj[8]);
+    if (deltas) add_deltas(y, h, lora, li, lora_meta, mi);
+    const at::Tensor m = silu_mul_halves(y);
+    y = project(m, weights, wi, pj[9], pj[10], pj[11]);
+    if (deltas) add_deltas(y, m, lora, li, lora_meta, mi);
+    std::tie(x, h) = add_rms_norm(x, y, norms[3 * l + 2], eps[3 * l + 2]);
+  }
+  TORCH_CHECK(wi == static_cast<int64_t>(weights.size()) && li == static_cast<int64_t>(lora.size()) &&
+                  mi == static_cast<int64_t>(lora_meta.size()),
+              "decode_layers: weights or deltas left over");
+  return h;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(loraserve_fused, m) {
@@ -509,10 +603,14 @@ TORCH_LIBRARY(loraserve_fused, m) {
   m.def("qkv_attention(Tensor qkv, int heads, int kv_heads, Tensor cos, Tensor sin, Tensor? norm_w, float eps, "
         "Tensor(a!) kc, Tensor(b!) vc, Tensor slots, Tensor kv_index, Tensor lens, int window, float scale) -> Tensor");
   m.def("silu_mul_halves(Tensor gu) -> Tensor");
+  m.def("decode_layers(Tensor x, Tensor first_w, float first_eps, Tensor[] weights, int[] proj, Tensor[] norms, "
+        "int[] meta, float[] eps, Tensor(a!)[] k_layers, Tensor(b!)[] v_layers, Tensor cos, Tensor sin, Tensor slots, "
+        "Tensor kv_index, Tensor lens, float scale, Tensor[] lora, int[] lora_meta) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(loraserve_fused, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("decode_layers", &decode_layers);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope", &rope);
   m.impl("silu_mul", &silu_mul);

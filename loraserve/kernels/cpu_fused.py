@@ -16,7 +16,9 @@ while the work is small:
   `decode_attention` with its v heads, in one call (no slices or views of it in Python);
 - `silu_mul_halves(gu)`: `silu_mul` of a fused gate/up output's two halves;
 - `lora_addmm_(y, x, a, b)`: y += (x @ a.T) @ b, one adapter's delta on a few rows
-  (`torch_backend`'s one-adapter decode step: two tiny GEMMs and three views before).
+  (`torch_backend`'s one-adapter decode step: two tiny GEMMs and three views before);
+- `decode_layers(...)`: a `model.decode_plan.DecodePlan`'s whole loop over the decoder layers,
+  the ops above and the projections' own (`cpu_gemv`, `cpu_quant`) called from C++.
 
 Callers use them only where `usable(x)` holds: a CPU tensor of float32 or bfloat16 outside
 autograd (serving: inference mode or no_grad) and outside a compiled graph (inductor fuses the
@@ -113,3 +115,19 @@ LORA_MAX_ROWS = 8  # rows up to which `lora_addmm_` beats two GEMM calls (a deco
 
 def lora_addmm_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     torch.ops.loraserve_fused.lora_addmm_(y, x, a, b)
+
+
+def has_decode_layers() -> bool:
+    """Whether `decode_layers` may run here: the library is loaded (its projections' kernels are
+    checked by the plan that asks)."""
+    return available()
+
+
+def decode_layers(x: torch.Tensor, first_w: torch.Tensor, first_eps: float, weights: list[torch.Tensor],
+                  proj: list[int], norms: list[torch.Tensor], meta: list[int], eps: list[float],
+                  k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                  slots: torch.Tensor, kv_index: torch.Tensor, lens: torch.Tensor, scale: float,
+                  lora: list[torch.Tensor], lora_meta: list[int]) -> torch.Tensor:
+    """The decoder layers of one decode step (cpu_fused.cpp's `decode_layers` documents the lists)."""
+    return torch.ops.loraserve_fused.decode_layers(x, first_w, first_eps, weights, proj, norms, meta, eps, k_layers,
+                                                   v_layers, cos, sin, slots, kv_index, lens, scale, lora, lora_meta)

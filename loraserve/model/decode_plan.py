@@ -66,6 +66,22 @@ def _unwrap(p: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
     return None, p
 
 
+def _native(p: nn.Module, dtype: torch.dtype) -> tuple[tuple[int, int, int], list[Tensor]] | None:
+    """((kind, bits, group), tensors) of a projection `cpu_fused.decode_layers` calls itself, the
+    op its own forward calls: kind 0 a `VectorLinear` on `cpu_gemv`'s kernel (weight, bias), 1 a
+    native `QuantLinear` (codes, scales, mins), 2 an `nn.Linear` (weight, bias: `F.linear`); an
+    absent bias is an empty tensor. None for any other module."""
+    from loraserve.model.prepack import VectorLinear
+    none = torch.empty(0, dtype=dtype)
+    if type(p) is VectorLinear and p.native and p.weight.dtype == dtype:
+        return (0, 0, 0), [p.weight, p.bias if p.bias is not None else none]
+    if type(p) is QuantLinear and p.native and p.bias is None and dtype == torch.float32:
+        return (1, p.bits, p.group), [p.codes, p.scales, p.mins]
+    if type(p) is nn.Linear and p.weight.dtype == dtype:
+        return (2, 0, 0), [p.weight, p.bias if p.bias is not None else none]
+    return None
+
+
 def _gemm(p: nn.Module | None, dtype: torch.dtype) -> tuple[Callable[[Tensor], Tensor], int] | None:
     """(x -> p(x) without nn.Module's call, the most rows it serves so) for a plain GEMM module."""
     if p is None or list(p.children()):
@@ -83,8 +99,12 @@ class DecodePlan:
     None where the plan does not apply to the model as it stands."""
 
     def __init__(self, layers: list[tuple], deltas: list[tuple], first: tuple[Tensor, float],
-                 wrappers: list[nn.Module], hook_dicts: list[dict], max_rows: int, dtype: torch.dtype):
+                 wrappers: list[nn.Module], hook_dicts: list[dict], max_rows: int, dtype: torch.dtype,
+                 native: tuple | None = None):
         self.layers, self.deltas, self.first, self.max_rows, self.dtype = layers, deltas, first, max_rows, dtype
+        # (weights, proj, norms, meta, eps) for `cpu_fused.decode_layers` where every projection
+        # is one it calls itself (`_native`), else None: the loop runs in Python
+        self.native = native
         self.wrappers = wrappers
         # one wrapper per shared state: wrappers over one LoRA state are idle together
         self.idles = list({id(getattr(w, "state", w)): w for w in wrappers}.values())
@@ -95,6 +115,8 @@ class DecodePlan:
         """For a `DecoderModel` (its `layers`, `norm`); None unless every layer fits (module doc)."""
         layers, deltas, wrappers, max_rows = [], [], [], 1 << 30
         dtype = model.norm.weight.dtype
+        weights, proj, norms, meta, eps = [], [], [], [], []  # decode_layers' lists (`native`)
+        native = True
         hook_dicts = [d for m in model.layers.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -117,6 +139,12 @@ class DecodePlan:
             if any(g is None for g in gemms):
                 return None
             max_rows = min([max_rows, *(rows for _, rows in gemms)])
+            specs = [_native(base, dtype) for _, base in unwrapped]
+            native = native and all(spec is not None for spec in specs)
+            if native:
+                for spec, tensors in specs:
+                    proj += spec
+                    weights += tensors
             (qkv, _), (o, _), (gate_up, _), (down, _) = gemms
             after = model.layers[i + 1].input_layernorm if i + 1 < len(model.layers) else model.norm
             post = layer.post_attention_layernorm
@@ -127,10 +155,14 @@ class DecodePlan:
                            attn.q_norm.eps if norm_w is not None else 0.0, attn.window or 0,
                            post.weight, post.eps, after.weight, after.eps))
             deltas.append((fused[0], unwrapped[1][0], fused[1], unwrapped[3][0]))
+            norms += [norm_w if norm_w is not None else torch.empty(0, dtype=dtype), post.weight, after.weight]
+            meta += [attn.num_heads, attn.num_kv_heads, attn.window or 0]
+            eps += [attn.q_norm.eps if norm_w is not None else 0.0, post.eps, after.eps]
             wrappers += [w for cols in fused for w, _, _ in cols]
             wrappers += [w for w, _ in (unwrapped[1], unwrapped[3]) if w is not None]
         first = model.layers[0].input_layernorm
-        return cls(layers, deltas, (first.weight, first.eps), wrappers, hook_dicts, max_rows, dtype)
+        return cls(layers, deltas, (first.weight, first.eps), wrappers, hook_dicts, max_rows, dtype,
+                   (weights, proj, norms, meta, eps) if native and cpu_fused.has_decode_layers() else None)
 
     def applies(self, x: Tensor) -> int:
         """Whether this step may run the plan: 0 no; 1 every wrapper idle; 2 every wrapper adds its
@@ -148,6 +180,11 @@ class DecodePlan:
         `deltas`, each wrapper's delta is added where its module call would add it: in place into
         its columns of the fused output (q, k, v; gate, up) or onto the GEMM's output (o, down),
         one `lora_addmm_` of its `one_rows` each, in the module path's order."""
+        step = getattr(attend, "step_args", None)  # the step's attention, for the C++ loop
+        if self.native is not None and step is not None and NATIVE_LOOP:
+            lora, lora_meta = self._delta_lists() if deltas else ([], [])
+            weights, proj, norms, meta, eps = self.native
+            return cpu_fused.decode_layers(x, *self.first, weights, proj, norms, meta, eps, *step, lora, lora_meta)
         add_rms_norm, silu_mul_halves, addmm = cpu_fused.add_rms_norm, cpu_fused.silu_mul_halves, cpu_fused.lora_addmm_
         h = cpu_fused.rms_norm(x, *self.first)
         for (i, qkv, o, gate_up, down, heads, kv_heads, norm_w, eps, window, post_w, post_eps, after_w,
@@ -171,3 +208,23 @@ class DecodePlan:
                 addmm(y, m, *down_w.one_rows())
             x, h = add_rms_norm(x, y, after_w, after_eps)
         return h
+
+    def _delta_lists(self) -> tuple[list[Tensor], list[int]]:
+        """This step's adapter deltas as `decode_layers` reads them: (a, b) of each wrapper's
+        `one_rows` in `run`'s order, and per layer, for q/k/v, o, gate/up and down, a count and
+        that many (lo, hi) column ranges of the site's output (hi -1: all of it)."""
+        lora, lora_meta = [], []
+        for (i, qkv, o, gate_up, down, *_), (qkv_cols, o_w, gu_cols, down_w) in zip(self.layers, self.deltas):
+            for cols, whole in ((qkv_cols, None), (None, o_w), (gu_cols, None), (None, down_w)):
+                if cols is None:
+                    cols = () if whole is None else ((whole, 0, -1),)  # -1: the whole output
+                lora_meta.append(len(cols))
+                for w, lo, hi in cols:
+                    lora += w.one_rows()
+                    lora_meta += (lo, hi)
+        return lora, lora_meta
+
+
+# Whether a plan whose projections allow it runs its layers in C++ (`cpu_fused.decode_layers`);
+# benchmarks and tests turn it off to compare with the Python loop in one process.
+NATIVE_LOOP = True

@@ -168,11 +168,14 @@ def test_chunked_prefill_mixed_adapters_match_peft(dense_set, backend):
         assert out == _peft_reference(dense_set, adapter, prompt)[1], adapter
 
 
-def test_base_batches_take_the_decode_plan_and_adapter_batches_do_not(dense_set, monkeypatch):
+@pytest.mark.parametrize("loop", ["c++", "python"])
+def test_base_batches_take_the_decode_plan_and_adapter_batches_do_not(dense_set, monkeypatch, loop):
     """The LoRA wrappers are bypassed only while idle or while each adds one known delta
     (`model.decode_plan`): a base-only batch's decode steps run the plan, a mixed batch's the
-    modules, a lone adapter's the plan with its deltas, and all equal PEFT."""
+    modules, a lone adapter's the plan with its deltas, and all equal PEFT, whether the plan's
+    loop runs in C++ (`cpu_fused.decode_layers`, the default) or in Python."""
     from loraserve.model import decode_plan
+    monkeypatch.setattr(decode_plan, "NATIVE_LOOP", loop == "c++")
     planned: list[int] = []
     real = decode_plan.DecodePlan.run  # "idle": wrappers skipped; "deltas": each one's known delta added
     monkeypatch.setattr(decode_plan.DecodePlan, "run", lambda self, x, a, deltas=False:

@@ -59,6 +59,45 @@ def test_the_plan_gives_the_module_paths_numbers(fixture, extra, request, monkey
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fixture,extra", [("demo_dense", {}), ("demo_dense", {"dtype": "bfloat16"}),
+                                           ("hf_llama", {}), ("hf_qwen2", {}), ("hf_mistral", {}),
+                                           ("hf_llama", {"quantize": "int4"})],
+                         ids=["qwen3", "qwen3-bf16", "llama", "qwen2-bias", "mistral-window", "llama-int4"])
+@pytest.mark.parametrize("linears", ["nn.Linear", "VectorLinear"])
+def test_the_loop_in_cpp_gives_the_python_loops_numbers_exactly(fixture, extra, linears, request, monkeypatch):
+    """`cpu_fused.decode_layers` runs the plan's loop in C++: the same ops in the same order, so the
+    same hidden states to the bit, on every dense family, bfloat16 and an int4 base, over a small
+    base's `nn.Linear`s and over the `VectorLinear`s (`cpu_gemv`) of a base that outgrows the cache."""
+    from loraserve.engine.core import llm_engine
+    if linears == "VectorLinear":
+        monkeypatch.setattr(llm_engine, "outgrows_last_level_cache", lambda model: True)
+    eng = _engine(request.getfixturevalue(fixture), **extra)
+    hidden, planned = _spy(eng, monkeypatch)
+    cpp = _generate(eng, "cpp"), list(hidden)
+    plan = eng.runner.model.model.__dict__["_plan"][1]
+    assert plan.native is not None and len(planned) == 5  # every projection one the C++ loop calls
+    hidden.clear()
+    monkeypatch.setattr(decode_plan, "NATIVE_LOOP", False)
+    python = _generate(eng, "python"), list(hidden)
+    assert cpp[0] == python[0]
+    for a, b in zip(cpp[1], python[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_projection_the_cpp_loop_cannot_call_leaves_the_loop_in_python(demo_dense, monkeypatch):
+    """A projection whose module the C++ loop does not know (here an `nn.Linear` subclass): the
+    plan applies, its loop stays in Python (`DecodePlan.native` None), the tokens are the same."""
+    eng = _engine(demo_dense)
+    want = _generate(eng, "before")
+    mlp = eng.runner.model.model.layers[1].mlp
+    mlp.down_proj.__class__ = type("Other", (torch.nn.Linear,), {})
+    eng.runner.model.model.__dict__.pop("_plan", None)
+    hidden, planned = _spy(eng, monkeypatch)
+    assert _generate(eng, "after") == want and len(planned) == 5
+    plan = eng.runner.model.model.__dict__["_plan"][1]
+    assert plan is not None and plan.native is None
+
+
 def test_a_hook_an_adapter_or_a_replaced_module_is_never_bypassed(demo_dense, monkeypatch, tmp_path):
     eng = _engine(demo_dense)
     hidden, planned = _spy(eng, monkeypatch)

@@ -160,6 +160,8 @@ class PagedAttention:
                    window: int) -> torch.Tensor:
             return cpu_fused.qkv_attention(qkv, heads, kv_heads, cos, sin, norm_w, eps, k_layers[layer],
                                            v_layers[layer], slots, kv_index, lens, window, scale)
+        # the same arguments for a loop over every layer in C++ (`cpu_fused.decode_layers`)
+        attend.step_args = (k_layers, v_layers, cos, sin, slots, kv_index, lens, scale)
         return attend
 
     def _decodes_fused(self, x: torch.Tensor) -> bool:
