@@ -5,7 +5,7 @@
 Starts `loraserve serve` (demo base and catalog; engine core in its own process) with a
 sitecustomize hook that timestamps (time.perf_counter: CLOCK_MONOTONIC, one clock for both
 processes) the entry and exit of the functions a request passes through: the HTTP handler
-(`_answer`), the endpoint (`serve`), `CoreClient._submit` (queued for the core), `CoreClient._flush` (sent), `EngineCore._add`,
+(`_answer`), the endpoint (`serve`), `CoreClient._submit` (queued for the core), `ProcessTransport._flush` (sent), `EngineCore._add`,
 `EngineCore.serve` (the model), `EngineCoreProc._send_replies` and `CoreClient._deliver`. Then it sends
 non-streamed 1-token completions one at a time, first on the base model, then on a resident
 adapter, and prints the median time of each mark from the request's arrival in the handler.
@@ -39,7 +39,7 @@ signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
 TARGETS = {
     "loraserve.server.app": [(None, "_answer")],
     "loraserve.server.endpoint": [(None, "serve")],
-    "loraserve.engine.client.core_client": [("CoreClient", "_submit"), ("CoreClient", "_flush"),
+    "loraserve.engine.client.core_client": [("CoreClient", "_submit"), ("ProcessTransport", "_flush"),
                                      ("CoreClient", "_deliver")],
     "loraserve.engine.core.engine_core": [("EngineCore", "_add"), ("EngineCore", "serve")],
     "loraserve.engine.core.process": [("EngineCoreProc", "_send_replies")],
@@ -86,7 +86,7 @@ sys.meta_path.insert(0, _Finder())
 
 MARKS = [("serve>", "endpoint starts (body parsed, validated)"),
          ("CoreClient._submit>", "queued for the engine core (tokenized, adapter resolved)"),
-         ("CoreClient._flush<", "sent to the engine core (end of the event-loop turn)"),
+         ("ProcessTransport._flush<", "sent to the engine core (end of the event-loop turn)"),
          ("EngineCore._add>", "the core has it"),
          ("EngineCore.serve>", "engine step starts"),
          ("EngineCore.serve<", "engine step ends (the model ran)"),

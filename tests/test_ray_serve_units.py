@@ -167,12 +167,13 @@ def _delta(text: str, finish: str | None = None) -> list:
 @pytest.fixture()
 def frontend_for(demo_dense):
     pytest.importorskip("ray")
-    from loraserve.ray_serve.frontend import RayEngineFrontend
+    from loraserve.engine.client.frontend import EngineClient
+    from loraserve.ray_serve.frontend import RayTransport
 
     def make(streams: list[FakeStream]):
-        front = RayEngineFrontend(EngineConfig(model_dir=str(demo_dense)), FakeHandle(streams),
-                                  ScaleOutConfig(replicas=2))
-        front._started = True
+        front = EngineClient(RayTransport(EngineConfig(model_dir=str(demo_dense)), FakeHandle(streams),
+                                          ScaleOutConfig(replicas=2)))
+        front.transport._started = True
         return front
 
     return make
@@ -196,7 +197,7 @@ def test_a_replica_lost_before_the_first_output_is_retried(frontend_for) -> None
     assert asyncio.run(_collect(front, served)) == ["x", "y"]
     assert first.cancelled and not second.cancelled
     assert served == {"b"}  # the lost replica answered nothing
-    assert front.replicas.calls[0] == {"stream": True, "multiplexed_model_id": ""}
+    assert front.transport.replicas.calls[0] == {"stream": True, "multiplexed_model_id": ""}
 
 
 def test_a_replica_lost_mid_stream_is_one_clean_503(frontend_for) -> None:

@@ -102,7 +102,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, hf_dense: Path) -> Iterator
         str(hf_dense), catalog_dir=str(root / "catalog"), device="cpu", dtype="float32",
         max_model_len=64, max_batch_size=4, max_lora_rank=8, adapter_root=str(root / "peft_root"),
         max_gpu_adapters=args.max_gpu_adapters, max_cpu_adapters=args.max_cpu_adapters)
-    assert engine.engine.adapters.cpu_cache.max_entries == 2
+    assert engine.transport.engine.adapters.cpu_cache.max_entries == 2
     with LiveServer(build_app(engine, api_key="vllm-key")) as live:
         yield live.url
     shutil.rmtree(root, ignore_errors=True)

@@ -1,11 +1,11 @@
 """The in-thread transport: the engine core on a thread of the API server's process.
 
-`AsyncEngine` is the API side's `EngineFrontend` over an `EngineCore` (`core.engine_core`) that
-runs on its own thread: the messages (`engine.messages` records, not encoded) travel to it on one
-queue, its deltas and call returns come back to the event loop with `call_soon_threadsafe`, and
-everything the HTTP side reads about the engine comes from the `EngineSnapshot` it publishes.
-This is the single-process hosting (tests, debugging, `loraserve serve --single-process`);
-`CoreClient` runs the same core in its own process.
+`ThreadTransport` carries an `EngineClient`'s messages to an `EngineCore` (`core.engine_core`)
+that runs on its own thread: the messages (`engine.messages` records, not encoded) travel to it on
+one queue, its deltas and call returns come back to the event loop with `call_soon_threadsafe`,
+and everything the HTTP side reads about the engine comes from the `EngineSnapshot` it
+publishes. `AsyncEngine` is the client over it: the single-process hosting (tests, debugging,
+`loraserve serve --single-process`); `CoreClient` runs the same core in its own process.
 
 Its loop stamps PROGRESS as the core process's does (`EngineCore.run`), and `ready` reads it
 (ALIVE is this very process, always alive while it answers): an engine thread stuck in one turn for
@@ -23,9 +23,7 @@ import queue
 import threading
 import time
 
-from .client.catalog_view import CatalogView
-from .client.frontend import EngineFrontend, unavailable_error
-from .client.sourcing import Sourcing
+from .client.frontend import EngineClient, Transport, unavailable_error
 from .config import EngineConfig
 from .core.build import build_engine
 from .core.engine_core import EngineCore
@@ -39,16 +37,9 @@ log = logging.getLogger(__name__)
 _WAKE = object()  # on the queue: run a turn (a page-in landed, a grammar compiled, ...)
 
 
-class AsyncEngine(EngineFrontend):
+class ThreadTransport(Transport):
     def __init__(self, engine: LLMEngine, engine_timeout_s: float = ENGINE_TIMEOUT_S):
-        super().__init__(engine.tokenizer, engine.cfg)  # (the sizes read as the engine read them)
-        self.engine = engine
-        self.directory = engine.directory  # the engine's catalog, in this process
-        # a view of it (None without a catalog): warming is a `Warm` call, as on every hosting;
-        # the engine thread's AdapterManager stays the engine thread's
-        self.catalog = (CatalogView(self.directory, self._warm_on)
-                        if engine.adapters is not None else None)
-        self.sourcing = Sourcing.open(engine.cfg, self.catalog, self.directory)
+        self.engine, self.cfg, self.directory = engine, engine.cfg, engine.directory
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.core = EngineCore(engine, lambda: self._inbox.put(_WAKE),  # engine thread only
                                lambda: not self._inbox.empty())
@@ -56,15 +47,6 @@ class AsyncEngine(EngineFrontend):
         self._watcher: asyncio.Task | None = None
         self.heartbeat = [math.inf, LOOP_WAITING]  # ALIVE: this process; PROGRESS: the loop's
         self._progress = Heartbeat(self.heartbeat, HEARTBEAT_S, engine_timeout_s)
-        self.trainer = self._trainer()
-
-    @classmethod
-    def from_config(cls, cfg: EngineConfig) -> AsyncEngine:
-        return cls(build_engine(cfg))
-
-    @classmethod
-    def from_model_dir(cls, model_dir: str, **kw) -> AsyncEngine:
-        return cls.from_config(EngineConfig(model_dir=str(model_dir), **kw))
 
     # -- what the server reads -------------------------------------------------------------------
     @property
@@ -97,12 +79,10 @@ class AsyncEngine(EngineFrontend):
         if self._thread is None:
             return
         self._watcher.cancel()
-        self._send(Stop())
+        self.send(Stop())
         await asyncio.to_thread(self._thread.join, 10)
         self._thread = None
         self.core.close()
-        if self.sourcing is not None:
-            self.sourcing.close()
 
     async def _watch(self) -> None:
         """Event loop, every half beat: at the start of each stall (above), what is in flight ends."""
@@ -114,11 +94,11 @@ class AsyncEngine(EngineFrontend):
                 err = unavailable_error(f"the engine made no progress for {stuck:.1f} s while "
                                         "serving this request; retry it")
                 log.error("engine thread stalled for %.1f s: ending what is in flight", stuck)
-                self._fail_all(err)  # (their aborts free what they hold once the thread moves again)
+                self.client._fail_all(err)  # (their aborts free what they hold once the thread moves again)
             stalled = stuck > self._progress.timeout_s
 
-    # -- the transport --------------------------------------------------------------------------
-    def _send(self, msg: Message) -> None:
+    # -- the messages ---------------------------------------------------------------------------
+    def send(self, msg: Message) -> None:
         self._inbox.put(msg)
 
     def _take(self, wait_s: float | None) -> list[Message]:
@@ -136,6 +116,22 @@ class AsyncEngine(EngineFrontend):
 
     def _hand_over(self, outs: list, replies: list) -> None:
         if outs:
-            self._loop.call_soon_threadsafe(self._deliver, outs)
+            self._loop.call_soon_threadsafe(self.client._deliver, outs)
         for ret in replies:  # call returns (no Hello is sent here: no Ready comes back)
-            self._loop.call_soon_threadsafe(self._returned, ret)
+            self._loop.call_soon_threadsafe(self.client._returned, ret)
+
+
+class AsyncEngine(EngineClient):
+    """The `EngineClient` over a `ThreadTransport` around `engine` (its name kept for the many
+    who build one: `serve --single-process`, tests, benches)."""
+
+    def __init__(self, engine: LLMEngine, engine_timeout_s: float = ENGINE_TIMEOUT_S):
+        super().__init__(ThreadTransport(engine, engine_timeout_s), engine.tokenizer)
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> AsyncEngine:
+        return cls(build_engine(cfg))
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str, **kw) -> AsyncEngine:
+        return cls.from_config(EngineConfig(model_dir=str(model_dir), **kw))

@@ -9,7 +9,7 @@
          (409 otherwise) and within this server's pool limits (400 otherwise)
       = ResolvedModel(name, adapter key, record, tenant)
 
-The API process owns it (`EngineFrontend.directory`: in process, with an engine-core process,
+The API process owns it (`EngineClient.directory`: in process, with an engine-core process,
 behind Ray Serve alike); a `GenerateRequest` carries the `ResolvedModel` down and the engine
 runs the record it holds, never resolving again, so a promote between the two cannot change
 what a request runs. The principal is a required argument (anything with `sees(tenant)`; a

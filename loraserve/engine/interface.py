@@ -1,7 +1,8 @@
 """The engine as the server sees it: every member the HTTP side uses, in one Protocol.
 
-Three hostings implement it: `AsyncEngine` (the engine on a thread of the API process),
-`CoreClient` (an engine-core process) and `RayEngineFrontend` (Ray Serve replicas); the server's
+One class implements it on every hosting, `client.frontend.EngineClient`, over a transport:
+`ThreadTransport` (the engine on a thread of the API process: `AsyncEngine`), `ProcessTransport`
+(an engine-core process: `CoreClient`) or `RayTransport` (Ray Serve replicas); the server's
 tests use a fake with the same members. The server reads members, it never probes for them:
 a part that only some hostings have is a member of all of them whose value says "not here".
 

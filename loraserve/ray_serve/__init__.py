@@ -7,8 +7,8 @@ Nothing here is imported unless --replicas is given (`ray` is an optional extra,
 `launch.start` (a caller that owns its process).
 
   ingress (1 replica)           the existing FastAPI app (routes, auth, tenants, error bodies)
-    RayEngineFrontend           over the API side's EngineFrontend, its transport a Serve
-                                deployment handle to ...
+    EngineClient                the API side's one engine client, its transport a
+      over RayTransport         Serve deployment handle to ...
   EngineReplica (N replicas)    one CoreClient each (an engine-core process, supervised) over
                                 the same EngineConfig, catalog read-only; `@serve.multiplexed`
                                 on the adapter id, so Serve's router prefers a replica that

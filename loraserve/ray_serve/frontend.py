@@ -1,11 +1,12 @@
-"""The ingress's engine client: `EngineFrontend` over a Serve deployment handle (the Ray
-transport). The FastAPI app is served unchanged over it, and everything a request meets before
-the engine (validation, admission in tokens, resolving its adapter here: an unknown one is the
-usual 404 before any replica is asked) is `EngineFrontend`'s, as in one process.
+"""The Ray transport: the ingress's `EngineClient` over a Serve deployment handle. The FastAPI
+app is served unchanged over the client, and everything a request meets before the engine
+(validation, admission in tokens, resolving its adapter here: an unknown one is the usual 404
+before any replica is asked) is the client's, as in one process.
 
 - An `Add` streams the request from a replica Serve picks with the adapter id as the
   multiplexed model id (Serve's router prefers a replica that holds it); the replica hosts a
-  `CoreClient` (ray_serve/replica.py), so its deltas come as text. An `Abort` cancels the stream.
+  `CoreClient` (ray_serve/replica.py), so its deltas come as text, straight to the request's
+  queue (the client's `_put`). An `Abort` cancels the stream.
   A replica that dies before the first output is tried again once on another; one that dies
   mid-stream ends the request with one clean 503.
 - Admission's slots are the live replicas' batches: past them requests wait here, by fair share
@@ -32,7 +33,7 @@ from loraserve.catalog.base import base_fingerprint
 
 from ..adapters.limits import PoolLimits
 from ..adapters.stats import CacheStats, PagerStats, PoolStats
-from ..engine.client.frontend import EngineFrontend, unavailable_error
+from ..engine.client.frontend import Transport, unavailable_error
 from ..engine.config import EngineConfig
 from ..engine.messages import Abort, Add, Call, Message, Residency, Return, Unload, Warm
 from ..engine.snapshot import EngineSnapshot
@@ -50,15 +51,14 @@ CONTROL_TIMEOUT_S = 120.0   # warm / residency / unload calls to replicas
 served_by: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("served_by", default=None)
 
 
-class RayEngineFrontend(EngineFrontend):
-    trainer = None  # training runs beside one resident base; not across replicas (yet)
+class RayTransport(Transport):
+    trains = False  # training runs beside one resident base; not across replicas (yet)
 
     def __init__(self, cfg: EngineConfig, replicas: DeploymentHandle, scale: ScaleOutConfig):
-        super().__init__(cfg=cfg)
-        self.scale = scale
-        self.replicas = replicas
-        # the miss path runs here, the catalog's one writer; replicas see its imports on their next read
-        self._open_catalog(base_fingerprint(cfg.model_dir))
+        self.cfg, self.scale, self.replicas = cfg, scale, replicas
+        # the client's catalog is opened here, its one writer (the miss path runs here too);
+        # replicas see its imports on their next read
+        self.base_fingerprint = base_fingerprint(cfg.model_dir)
         self.board = ReplicaBoard(scale.stale_after_s)
         self._streams: dict[str, asyncio.Task] = {}  # request id -> its stream from a replica
         self._started = False
@@ -89,13 +89,13 @@ class RayEngineFrontend(EngineFrontend):
         """The replicas that reported lately (those configured, before any has)."""
         return len(self.board.live()) or self.scale.replicas
 
-    def _slots(self) -> int:
+    def slots(self) -> int:
         """The cluster's running slots: sequences wait here past them, not in Serve's FIFO."""
         return self._replica_count() * self.cfg.max_batch_size
 
-    def _queue_tokens(self) -> int:
+    def queue_tokens(self) -> int:
         """What the replicas' queues would hold: max_waiting sequences of max_model_len each."""
-        return self._replica_count() * self.cfg.max_waiting * self.max_model_len
+        return self._replica_count() * self.cfg.max_waiting * self.client.max_model_len
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -103,10 +103,9 @@ class RayEngineFrontend(EngineFrontend):
         if self._started:
             return
         info = await self.replicas.info.remote()
-        if self.catalog is not None:
-            self.catalog.learn(self.catalog.base_fingerprint,
-                               PoolLimits(info["max_rank"], tuple(info["kinds"])))
-        self._loop = asyncio.get_running_loop()
+        if self.client.catalog is not None:
+            self.client.catalog.learn(self.base_fingerprint,
+                                      PoolLimits(info["max_rank"], tuple(info["kinds"])))
         self._started = True
 
     def report(self, replica_id: str, snapshot: dict, seen: int, results: dict) -> list:
@@ -115,7 +114,7 @@ class RayEngineFrontend(EngineFrontend):
         return self.board.report(replica_id, snap, seen, results)
 
     # -- the transport --------------------------------------------------------------------------
-    def _send(self, msg: Message) -> None:
+    def send(self, msg: Message) -> None:
         """Event loop: an Add streams from a replica, an Abort cancels that stream, a call runs
         against the replicas and is answered by one Return."""
         if isinstance(msg, Add):
@@ -143,7 +142,7 @@ class RayEngineFrontend(EngineFrontend):
                 try:
                     async for out in self._stream(wire, adapter_id):
                         started = True
-                        self._put(out)
+                        self.client._put(out)
                     return
                 except RayActorError as exc:
                     if started or attempt == RETRIES:
@@ -152,7 +151,7 @@ class RayEngineFrontend(EngineFrontend):
                                                 "stopped; retry it") from None
                     log.info("request %s: engine replica lost before its first output; retrying", rid)
         except Exception as exc:  # raised to the reader as it was raised here
-            self._put(RequestOutput.failed(rid, exc))
+            self.client._put(RequestOutput.failed(rid, exc))
         finally:
             if self._streams.get(rid) is asyncio.current_task():
                 del self._streams[rid]
@@ -193,7 +192,7 @@ class RayEngineFrontend(EngineFrontend):
             ret = Return(msg.call_id, await asyncio.wait_for(self._run_call(msg), CONTROL_TIMEOUT_S))
         except Exception as exc:
             ret = Return(msg.call_id, None, exc)
-        self._returned(ret)
+        self.client._returned(ret)
 
     async def _run_call(self, msg: Call):
         if isinstance(msg, Residency):

@@ -1,5 +1,5 @@
-"""The ingress deployment: the server's FastAPI app (`build_app`, unchanged) over a
-`RayEngineFrontend`, plus the replica header and per-replica engine gauges.
+"""The ingress deployment: the server's FastAPI app (`build_app`, unchanged) over an
+`EngineClient` whose transport is a `RayTransport`, plus the replica header and per-replica engine gauges.
 
 Every response carries `x-loraserve-replica`: the engine replica(s) that served it (comma-
 separated when a request's sequences went to several), or `ingress` when no engine replica was
@@ -27,7 +27,8 @@ from ..server.router_metrics import labelled_snapshots, label_names
 from .config import ScaleOutConfig
 from .drain import Drain, DrainGate
 from ..engine.client.admission import Admission
-from .frontend import RayEngineFrontend, served_by
+from ..engine.client.frontend import EngineClient
+from .frontend import RayTransport, served_by
 from .routing import in_flight
 
 REPLICA_HEADER = "x-loraserve-replica"
@@ -71,7 +72,7 @@ class ReplicaHeaderMiddleware:
 class ReplicaEngineGauges(Collector):
     """ServerMetrics' engine gauges, one series per engine replica (label `replica`)."""
 
-    def __init__(self, frontend: RayEngineFrontend):
+    def __init__(self, frontend: EngineClient):
         self.frontend = frontend
 
     def collect(self):
@@ -105,7 +106,7 @@ def fair_gauge(gate: Admission) -> GaugeMetricFamily:
     return m
 
 
-def ingress_app(frontend: RayEngineFrontend, options: ServerConfig) -> FastAPI:
+def ingress_app(frontend: EngineClient, options: ServerConfig) -> FastAPI:
     """The single process's app over `frontend`, with per-replica engine gauges on /metrics,
     the replica header on every response, and its drain (`app.state.drain`)."""
     # Serve's proxy sets X-Request-Id on the request (the client's, else its own) and echoes it:
@@ -127,7 +128,8 @@ class Ingress:
 
     def __init__(self, replicas: DeploymentHandle, engine_config: dict, scale: ScaleOutConfig,
                  options: ServerConfig):
-        self.frontend = RayEngineFrontend(EngineConfig(**engine_config), replicas, scale)
+        self.transport = RayTransport(EngineConfig(**engine_config), replicas, scale)
+        self.frontend = EngineClient(self.transport)
         self._loraserve_app = ingress_app(self.frontend, options)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -136,8 +138,8 @@ class Ingress:
     async def report(self, replica_id: str, snapshot: dict, seen: int, results: dict) -> list:
         """An engine replica's periodic report (board.ReplicaBoard.report); its resident
         adapters' use is noted for /v1/residency's `top` at each one."""
-        commands = self.frontend.report(replica_id, snapshot, seen, results)
-        snap = self.frontend.board.live().get(replica_id)
+        commands = self.transport.report(replica_id, snapshot, seen, results)
+        snap = self.transport.board.live().get(replica_id)
         if snap is not None:
             self._loraserve_app.state.residency.observe(replica_id, snap)
         return commands

@@ -1,8 +1,9 @@
 """An engine replica: one engine-core process over the server's EngineConfig, catalog read-only,
 as a Ray Serve deployment.
 
-The replica hosts the process transport (`CoreClient`), as `loraserve serve` does, so it
-inherits its stall detection and restart; while no core is ready the replica stops reporting
+The replica hosts the process transport (`CoreClient`: the `EngineClient` over a
+`ProcessTransport`), as `loraserve serve` does, so it inherits its stall detection and
+restart; while no core is ready the replica stops reporting
 to the ingress (`_report_loop`), so the ingress's board drops it after `stale_after_s` and
 /ready reads the engines' progress, not the replica's event loop. A supervisor that gave up
 fails Serve's health check (`check_health`), and Serve replaces the replica.
@@ -80,7 +81,7 @@ class EngineReplica:
     async def info(self) -> dict:
         """What the ingress checks adapters against: the pool's rank and target kinds, from the
         handshake of the core (up once `__init__` returned)."""
-        info = self.engine.core_info
+        info = self.engine.transport.core_info
         return {"max_rank": info.max_rank, "kinds": list(info.kinds)}
 
     async def core_pid(self) -> int | None:
@@ -90,7 +91,7 @@ class EngineReplica:
     async def check_health(self) -> None:
         """Serve's health check: unhealthy once the supervisor gave up on its engine core (a
         core that stalls or dies is replaced by the supervisor itself, without Serve)."""
-        if self.engine.state == "stopped":
+        if self.engine.transport.state == "stopped":
             raise RuntimeError("the engine core's supervisor stopped")
 
     async def warm(self, ref: str) -> list[str]:

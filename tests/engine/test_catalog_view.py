@@ -18,7 +18,7 @@ def test_the_in_process_hosting_hands_the_http_side_a_view_and_warms_through_the
     engine = AsyncEngine(build_engine(EngineConfig(
         model_dir=str(base), catalog_dir=str(catalog), device="cpu", dtype="float32",
         max_model_len=256, max_batch_size=2, torch_threads=1)))
-    manager = engine.engine.adapters
+    manager = engine.transport.engine.adapters
     view = engine.catalog
     assert isinstance(view, CatalogView) and view is not manager
     assert view.catalog is manager.catalog and view.directory is engine.directory

@@ -165,8 +165,8 @@ async def _concurrent_then_unload(cfg) -> tuple[list[Message], list, EngineSnaps
     try:
         await client.start()
         sent: list[Message] = []
-        write = client._write
-        client._write = lambda msg: (sent.append(msg), write(msg))[1]
+        write = client.transport._write
+        client.transport._write = lambda msg: (sent.append(msg), write(msg))[1]
 
         async def one(i: int) -> list[int]:
             req = GenerateRequest(f"r{i}", [1 + i, 2, 3], SamplingParams(max_tokens=3, temperature=0.0,

@@ -291,7 +291,7 @@ def test_a_stopped_core_is_found_out_its_requests_end_with_503_and_it_is_replace
         assert client.core_pid != pid and not _zombie_children()
         r = http.post("/v1/completions", json={"model": "demo/robot", "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
-        assert client.restart_causes == {"exited": 0, "stalled": 1, "start_failed": 0}
+        assert client.transport.restart_causes == {"exited": 0, "stalled": 1, "start_failed": 0}
         metrics = http.get("/metrics").text
         assert 'loraserve_engine_restarts_total{cause="stalled"} 1.0' in metrics
         assert "loraserve_engine_up 1.0" in metrics
@@ -311,7 +311,7 @@ def test_a_first_core_that_cannot_start_is_reported_not_retried_forever(cfg) -> 
                 with pytest.raises(EngineError) as info:
                     await client.start()
                 errors.append(info.value)
-                assert client.state == "stopped" and client.core_pid is None
+                assert client.transport.state == "stopped" and client.core_pid is None
         finally:
             await client.shutdown()
         return errors, client
@@ -344,7 +344,7 @@ def test_a_core_killed_again_and_again_is_restarted_with_backoff_without_request
         assert http.get("/ready").status_code == 503
         # no request: the supervisor brings a core up by itself
         _until(lambda: http.get("/ready").status_code == 200, 60, "ready again", every_s=0.1)
-        assert client.restarts == 8 and sum(client.restart_causes.values()) == 8
+        assert client.restarts == 8 and sum(client.transport.restart_causes.values()) == 8
         for gap, wait in zip(gaps, expected):
             assert gap >= wait, (gaps, expected)
         # the waits grew to the cap (the gaps add each start's own time, which load stretches
@@ -500,10 +500,10 @@ def test_a_core_that_compiles_gets_longer_to_start(cfg) -> None:
     from loraserve.cli import build_parser
     from loraserve.engine.client.core_client import COMPILE_START_TIMEOUT_S, START_TIMEOUT_S
 
-    assert CoreClient(replace(cfg, compile="off")).start_timeout_s == START_TIMEOUT_S
+    assert CoreClient(replace(cfg, compile="off")).transport.start_timeout_s == START_TIMEOUT_S
     for mode in ("on", "auto"):
-        assert CoreClient(replace(cfg, compile=mode)).start_timeout_s == COMPILE_START_TIMEOUT_S
-    assert CoreClient(replace(cfg, compile="on"), start_timeout_s=42.0).start_timeout_s == 42.0
+        assert CoreClient(replace(cfg, compile=mode)).transport.start_timeout_s == COMPILE_START_TIMEOUT_S
+    assert CoreClient(replace(cfg, compile="on"), start_timeout_s=42.0).transport.start_timeout_s == 42.0
     args = build_parser().parse_args(["serve", "--model", "m", "--engine-start-timeout", "42"])
     assert args.engine_start_timeout == 42.0
     assert build_parser().parse_args(["serve", "--model", "m"]).engine_start_timeout is None

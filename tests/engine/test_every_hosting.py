@@ -4,7 +4,7 @@ diverges fails here.
 
     thread    AsyncEngine: the engine core on a thread of the server's process
     process   CoreClient: the engine core in a process of its own, supervised
-    ray       `loraserve serve --replicas 2`: the ingress's RayEngineFrontend over a Serve
+    ray       `loraserve serve --replicas 2`: the ingress's EngineClient over a RayTransport: a Serve
               deployment handle, each replica hosting CoreClient (marked `ray`, as
               tests/test_ray_serve.py is: CI's Ray stage runs it, after the main suite)
 
@@ -105,16 +105,16 @@ class ThreadHosting(InProcess):
     def __init__(self, base: Path, catalog: Path, keys: Path, work: Path):
         engine = AsyncEngine(build_engine(_cfg(base, catalog)), engine_timeout_s=ENGINE_TIMEOUT_S)
         self.wedged, self.held, self.release = threading.Event(), threading.Event(), threading.Event()
-        step = engine.engine.step
+        step = engine.transport.engine.step
 
         def step_held():
             outs = step()
-            if self.wedged.is_set() and engine.engine.last_batch_size and not self.release.is_set():
+            if self.wedged.is_set() and engine.transport.engine.last_batch_size and not self.release.is_set():
                 self.held.set()
                 self.release.wait()
             return outs
 
-        engine.engine.step = step_held
+        engine.transport.engine.step = step_held
         super().__init__(engine, keys)
 
     def wedge(self) -> None:

@@ -49,16 +49,16 @@ class ThreadWedge:
         self.engine = AsyncEngine(build_engine(_cfg(base)), engine_timeout_s=TIMEOUT_S)
         self.release = threading.Event()
         self.in_step = threading.Event()
-        step = self.engine.engine.step
+        step = self.engine.transport.engine.step
 
         def held():
             outs = step()
-            if self.engine.engine.last_batch_size and not self.release.is_set():
+            if self.engine.transport.engine.last_batch_size and not self.release.is_set():
                 self.in_step.set()
                 self.release.wait()
             return outs
 
-        self.engine.engine.step = held
+        self.engine.transport.engine.step = held
 
     async def wedge(self) -> None:
         await asyncio.to_thread(self.in_step.wait, WAIT_S)

@@ -230,19 +230,19 @@ def test_a_stop_string_ends_the_request_in_the_in_process_engine(demo_dense) -> 
     eng = AsyncEngine(LLMEngine(EngineConfig(model_dir=str(demo_dense), device="cpu", dtype="float32",
                                              max_model_len=256)))
     prompt = eng.tokenizer.encode("Who are you?")
-    free = eng.engine.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+    free = eng.transport.engine.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
     text = eng.tokenizer.decode(free)
     stop = _ascii_stop(text)
     seqs: list[Sequence] = []
-    make = eng.engine.make_sequence
-    eng.engine.make_sequence = lambda req, rec=None: seqs.append(make(req, rec)) or seqs[-1]
+    make = eng.transport.engine.make_sequence
+    eng.transport.engine.make_sequence = lambda req, rec=None: seqs.append(make(req, rec)) or seqs[-1]
 
     async def run():
         try:
             outs = [o async for o in eng.generate(GenerateRequest("s", prompt, SamplingParams(
                 max_tokens=200, temperature=0.0, ignore_eos=True, stop=[stop]), stream=False))]
             for _ in range(500):  # the abort reaches the engine thread
-                if not eng.engine.seqs and eng.snapshot.running == 0:
+                if not eng.transport.engine.seqs and eng.snapshot.running == 0:
                     break
                 await asyncio.sleep(0.01)
             return outs
@@ -252,5 +252,5 @@ def test_a_stop_string_ends_the_request_in_the_in_process_engine(demo_dense) -> 
     outs = asyncio.run(run())
     assert "".join(o.text for o in outs) == text[: text.index(stop)] and outs[-1].finish_reason == "stop"
     assert seqs[0].finish_reason == "abort" and len(seqs[0].output_ids) < 200
-    assert not eng.engine.seqs and eng.engine.blocks.num_free == eng.engine.blocks.num_blocks
+    assert not eng.transport.engine.seqs and eng.transport.engine.blocks.num_free == eng.transport.engine.blocks.num_blocks
     assert eng.snapshot.running == 0 and eng.snapshot.kv_usage == 0

@@ -80,7 +80,7 @@ async def _collect(engine: AsyncEngine, req: GenerateRequest) -> str:
 def test_async_engine_steps_others_while_a_grammar_compiles(demo_dense) -> None:
     eng = AsyncEngine(_engine(demo_dense))
     prompt = eng.tokenizer.encode("Count:")
-    gate = _gate(eng.engine.grammars)
+    gate = _gate(eng.transport.engine.grammars)
     free = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
     async def main() -> tuple[str, str]:
@@ -100,7 +100,7 @@ def test_async_engine_steps_others_while_a_grammar_compiles(demo_dense) -> None:
 
 def test_async_engine_fails_alone_a_grammar_that_does_not_compile(demo_dense) -> None:
     eng = AsyncEngine(_engine(demo_dense))
-    _gate(eng.engine.grammars, fail=True).set()
+    _gate(eng.transport.engine.grammars, fail=True).set()
     req = GenerateRequest("c", eng.tokenizer.encode("x"), SamplingParams(
         max_tokens=4, structured=GrammarSpec("regex", "[a-z]+", "guided_regex")))
 
@@ -160,28 +160,28 @@ def test_engine_core_abort_or_timeout_while_compiling(core: EngineCore) -> None:
 
 def test_async_engine_drops_a_request_aborted_while_its_grammar_compiles(demo_dense) -> None:
     eng = AsyncEngine(_engine(demo_dense))
-    gate = _gate(eng.engine.grammars)
+    gate = _gate(eng.transport.engine.grammars)
     req = GenerateRequest("gone", eng.tokenizer.encode("x"),
                           SamplingParams(max_tokens=4, structured=DIGITS))
 
-    added, add = [], eng.engine.add_sequence  # what reaches the engine
-    eng.engine.add_sequence = lambda seq: (added.append(seq.request_id), add(seq))[1]
+    added, add = [], eng.transport.engine.add_sequence  # what reaches the engine
+    eng.transport.engine.add_sequence = lambda seq: (added.append(seq.request_id), add(seq))[1]
 
     async def main() -> None:
         try:
             task = asyncio.create_task(_collect(eng, req))
-            while "gone" not in eng.core.compiling:
+            while "gone" not in eng.transport.core.compiling:
                 await asyncio.sleep(0.01)  # the engine thread has it as compiling
             task.cancel()  # the client leaves: the request is aborted
             with pytest.raises(asyncio.CancelledError):
                 await task
-            while "gone" in eng.core.compiling:
+            while "gone" in eng.transport.core.compiling:
                 await asyncio.sleep(0.01)  # the abort reached the engine thread
             gate.set()
-            assert await asyncio.to_thread(eng.engine.grammars.prepare(DIGITS).result, 60)
+            assert await asyncio.to_thread(eng.transport.engine.grammars.prepare(DIGITS).result, 60)
             # the same grammar, compiled now: the next request runs, and the aborted one never did
             assert await _collect(eng, GenerateRequest("next", req.prompt_token_ids, req.params))
-            assert added == ["next"] and not eng.core.compiling
+            assert added == ["next"] and not eng.transport.core.compiling
         finally:
             await eng.shutdown()
 
@@ -190,8 +190,8 @@ def test_async_engine_drops_a_request_aborted_while_its_grammar_compiles(demo_de
 
 def test_async_engine_fails_a_request_whose_grammar_compiles_past_the_bound(demo_dense) -> None:
     eng = AsyncEngine(_engine(demo_dense))
-    gate = _gate(eng.engine.grammars)
-    eng.engine.grammars.compile_timeout_s = 0.05
+    gate = _gate(eng.transport.engine.grammars)
+    eng.transport.engine.grammars.compile_timeout_s = 0.05
     req = GenerateRequest("late", eng.tokenizer.encode("x"),
                           SamplingParams(max_tokens=4, structured=DIGITS))
 

@@ -312,7 +312,7 @@ def test_in_process_a_chat_is_answered_before_the_pass_it_arrived_during(demo_de
     its first token before the pass is answered."""
     eng = AsyncEngine.from_config(EngineConfig(model_dir=str(demo_dense), device="cpu", dtype="float32",
                                                max_model_len=512, torch_threads=1, train_max_tokens=512))
-    eng.core.trace = trace = []
+    eng.transport.core.trace = trace = []
     events: list[str] = []
 
     async def main():
@@ -333,7 +333,7 @@ def test_in_process_a_chat_is_answered_before_the_pass_it_arrived_during(demo_de
                 fired.set()
                 asyncio.run_coroutine_threadsafe(asyncio.wait_for(started(), 30), loop)
                 deadline = time.monotonic() + 30
-                while eng._inbox.empty() and time.monotonic() < deadline:
+                while eng.transport._inbox.empty() and time.monotonic() < deadline:
                     time.sleep(0.001)
 
         tasks = []
@@ -341,7 +341,7 @@ def test_in_process_a_chat_is_answered_before_the_pass_it_arrived_during(demo_de
         async def started():
             tasks.append(asyncio.ensure_future(chat()))
 
-        handle = eng.engine.model.model.layers[1].register_forward_pre_hook(hook)
+        handle = eng.transport.engine.model.model.layers[1].register_forward_pre_hook(hook)
         try:
             await eng.trainer.run_pass("r", [_datum(300, 11)], "cross_entropy", None, True, "a")
             events.append("pass answered")

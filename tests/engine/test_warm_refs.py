@@ -9,7 +9,9 @@ import time
 from types import SimpleNamespace
 
 from loraserve.engine.client import warm_refs
-from loraserve.engine.client.frontend import EngineFrontend
+from loraserve.engine.client.frontend import EngineClient, Transport
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.messages import Abort, Add
 from loraserve.engine.snapshot import EngineSnapshot
 from loraserve.engine.types import GenerateRequest, RequestOutput, SamplingParams
 from loraserve.engine.client.warm_refs import WarmRefs
@@ -32,24 +34,31 @@ def test_warm_refs_expire_and_stay_bounded(monkeypatch):
     assert not refs.is_warm("a/x") and refs.is_warm("a/y") and refs.is_warm("a/z")
 
 
-class Frontend(EngineFrontend):
-    """Answers every request with one token; records the thread and the revision of each resolve."""
+class EchoTransport(Transport):
+    """Answers every request with one token, on the revision it was sent with."""
 
-    def __init__(self) -> None:
-        super().__init__(Tokenizer(byte_level_tokenizer(), [], None))  # detokenizes its deltas
-        self.cfg = SimpleNamespace(max_batch_size=8, max_waiting=8)
-        self.model_name, self.max_model_len, self.vocab_size = "base", 64, 100
+    def __init__(self, model_dir) -> None:
+        self.cfg = EngineConfig(model_dir=str(model_dir), max_batch_size=8, max_waiting=8)
+        self.snapshot = EngineSnapshot()
+
+    def send(self, msg) -> None:
+        if isinstance(msg, Add):
+            req = msg.request
+            out = RequestOutput(req.request_id, [1], "x", finish_reason="length",
+                                adapter_revision=msg.record.revision)
+            asyncio.get_running_loop().call_soon(self.client._deliver, [out])
+        elif not isinstance(msg, Abort):
+            raise AssertionError(f"unexpected message to the core: {msg!r}")
+
+
+class Frontend(EngineClient):
+    """An EngineClient over an EchoTransport; records the thread and the revision of each resolve."""
+
+    def __init__(self, model_dir) -> None:
+        super().__init__(EchoTransport(model_dir), Tokenizer(byte_level_tokenizer(), [], None))
         self.resolves: list[tuple[str, bool]] = []
         self.revision = "r1"
         self.directory = SimpleNamespace(resolve=self._resolve)  # the AdapterDirectory's one method
-
-    async def start(self) -> None: ...
-
-    async def shutdown(self) -> None: ...
-
-    @property
-    def snapshot(self) -> EngineSnapshot:
-        return EngineSnapshot()
 
     def _resolve(self, ref: str, principal):
         self.resolves.append((self.revision, threading.current_thread() is threading.main_thread()))
@@ -57,18 +66,9 @@ class Frontend(EngineFrontend):
             raise LookupError(ref)
         return SimpleNamespace(record=SimpleNamespace(revision=self.revision))
 
-    def _submit(self, req: GenerateRequest, record) -> None:
-        out = RequestOutput(req.request_id, [1], "x", finish_reason="length", adapter_revision=record.revision)
-        asyncio.get_running_loop().call_soon(self._deliver, [out])
 
-    def _abort(self, request_id: str) -> None: ...
-
-    def _send(self, msg) -> None:  # every message goes through _submit / _abort above
-        raise AssertionError(f"unexpected message to the core: {msg!r}")
-
-
-def test_second_resolve_of_a_ref_runs_inline_and_reads_the_catalog_again():
-    fe = Frontend()
+def test_second_resolve_of_a_ref_runs_inline_and_reads_the_catalog_again(demo_dense):
+    fe = Frontend(demo_dense)
     fe._warm = WarmRefs(inline_cold=False)  # cold refs on a thread: only warm ones inline
 
     async def one(i: int, ref: str) -> list[RequestOutput]:
@@ -102,13 +102,13 @@ def _one(fe, i: int, ref: str) -> list[RequestOutput]:
     return asyncio.run(go())
 
 
-def test_cold_refs_resolve_inline_until_a_read_is_slow(monkeypatch):
+def test_cold_refs_resolve_inline_until_a_read_is_slow(monkeypatch, demo_dense):
     """By default a never-seen ref is read on the event loop; one read slower than `slow_s` (the
     disk, not the page cache) sends cold refs to a thread for `backoff_s`, warm refs stay inline,
     and after the back-off cold refs are inline again. Every answer names the current revision."""
     now = [1000.0]
     monkeypatch.setattr(warm_refs.time, "monotonic", lambda: now[0])
-    fe = Frontend()
+    fe = Frontend(demo_dense)
     fe._warm = WarmRefs(ttl_s=5.0, slow_s=0.002, backoff_s=10.0)
     assert _one(fe, 0, "acme/a")[0].adapter_revision == "r1"
     assert fe.resolves[-1] == ("r1", True)  # cold, inline

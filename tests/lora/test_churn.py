@@ -97,6 +97,6 @@ def test_load_unload_churn_keeps_outputs_and_loses_nothing(dense_set, tmp_path) 
     got = asyncio.run(_run(churned, reqs, _churner(dense_set.peft_dirs)))
     assert got == expected
     assert all(len(o) == 4 for o in got)
-    pool = churned.engine.adapters.pool
+    pool = churned.transport.engine.adapters.pool
     pool.check_invariants()
     assert all(pool.entry(k).refcount == 0 for k in pool.resident())

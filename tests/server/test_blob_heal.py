@@ -70,7 +70,7 @@ def test_a_corrupt_blob_is_healed_from_the_store_and_served(healing, caplog) -> 
     _corrupt_here(healing["catalog_dir"], "acme/heal")
     with Catalog(healing["catalog_dir"]) as cat, pytest.raises(Exception, match="checksum"):
         cat.read_blob(cat.resolve("acme/heal"))
-    healer = engine.engine.adapters.pager.healer
+    healer = engine.transport.engine.adapters.pager.healer
     before = healer.healed
     with caplog.at_level(logging.WARNING, logger="loraserve.catalog.store_heal"):
         r = _complete(http, "acme/heal")
@@ -94,4 +94,4 @@ def test_without_a_good_copy_the_named_error_stands(healing) -> None:
     other.store.put(blob_object(other.store, "acme/lost", rec.revision), bytes(bad))
     r = _complete(http, "acme/lost")
     assert r.status_code == 500 and r.json()["error"]["code"] == "corrupt_blob", r.text
-    assert engine.engine.adapters.pager.healer.unhealed >= 1
+    assert engine.transport.engine.adapters.pager.healer.unhealed >= 1

@@ -198,12 +198,13 @@ def test_the_ray_ingress_logs_the_proxys_id_without_echoing_it(demo_dense) -> No
 
     from loraserve.engine.config import EngineConfig
     from loraserve.ray_serve.config import ScaleOutConfig
-    from loraserve.ray_serve.frontend import RayEngineFrontend
+    from loraserve.engine.client.frontend import EngineClient
+    from loraserve.ray_serve.frontend import RayTransport
     from loraserve.ray_serve.ingress import ingress_app
     from loraserve.server.config import ServerConfig
 
-    front = RayEngineFrontend(EngineConfig(model_dir=str(demo_dense)), object(),
-                              ScaleOutConfig(replicas=2))
+    front = EngineClient(RayTransport(EngineConfig(model_dir=str(demo_dense)), object(),
+                                      ScaleOutConfig(replicas=2)))
     r = TestClient(ingress_app(front, ServerConfig())).get("/health",
                                                            headers={"X-Request-Id": "serve-1"})
     assert r.status_code == 200 and "x-request-id" not in r.headers

@@ -101,14 +101,14 @@ def test_long_prompt_chunked_and_cached_gives_one_answer(client: openai.OpenAI,
     prompt = " ".join(f"w{i}" for i in range(20))
     assert len(engine.tokenizer.encode(prompt)) > 48
     kw = dict(model=engine.model_name, prompt=prompt, max_tokens=8, temperature=0)
-    hits = engine.engine.blocks.prefix_hit_tokens
+    hits = engine.transport.engine.blocks.prefix_hit_tokens
     first = client.completions.create(**kw).choices[0].text
     streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True))
     again = client.completions.create(**{**kw, "n": 2}).choices
     assert streamed == first and [c.text for c in again] == [first, first]
-    assert engine.engine.blocks.prefix_hit_tokens > hits
+    assert engine.transport.engine.blocks.prefix_hit_tokens > hits
     # /metrics counts them as vLLM does, in tokens: the engine's own totals, published when idle
-    blocks = engine.engine.blocks
+    blocks = engine.transport.engine.blocks
     m = samples(httpx.get(f"{live[0].url}/metrics", timeout=30).text)
     assert m[("loraserve_prefix_cache_hits_total", ())] == blocks.prefix_hit_tokens
     assert m[("loraserve_prefix_cache_queries_total", ())] == blocks.prefix_query_tokens

@@ -72,7 +72,7 @@ def test_router_gauges_are_exported_under_vllm_names(http, engine) -> None:
         s = one(fams[name], name)
         assert s.labels == {"model_name": engine.model_name} and s.value == 0.0
     cache = one(fams["vllm:cache_config_info"], "vllm:cache_config_info")
-    assert cache.labels == {"block_size": "8", "num_gpu_blocks": str(engine.engine.blocks.num_blocks)}
+    assert cache.labels == {"block_size": "8", "num_gpu_blocks": str(engine.transport.engine.blocks.num_blocks)}
     lora = one(fams["vllm:lora_requests_info"], "vllm:lora_requests_info")
     assert lora.labels == {"running_lora_adapters": "", "waiting_lora_adapters": "", "max_lora": "2"}
     assert abs(lora.value - time.time()) < 60  # vLLM's convention: the newest series wins
@@ -105,7 +105,7 @@ def test_parked_requests_count_as_waiting() -> None:
 
 def test_sequences_keep_the_name_as_asked(engine) -> None:
     """make_sequence keeps the ref (`@r1` included) beside the adapter key; base: no name."""
-    eng = engine.engine
+    eng = engine.transport.engine
     req = GenerateRequest("names-1", [1, 2, 3], SamplingParams(max_tokens=1), "demo/poet@r1")
     seq = eng.make_sequence(req, eng.resolve_adapter(req.adapter))
     assert seq.adapter_ref == "demo/poet@r1" and seq.adapter_key == ("demo/poet", "r1")

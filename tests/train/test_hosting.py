@@ -51,7 +51,7 @@ def test_in_process_slices_interleave_with_decoding(demo_dense):
     it runs a decode step between two training slices (one tenant: its serving and its
     training alternate step for slice)."""
     eng = AsyncEngine.from_config(_cfg(demo_dense, train_max_tokens=12))
-    eng.core.trace = events = []  # appended on the engine thread only
+    eng.transport.core.trace = events = []  # appended on the engine thread only
 
     async def main():
         await eng.start()

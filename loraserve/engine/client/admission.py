@@ -1,4 +1,4 @@
-"""Admission at the API side, in tokens: the one gate every hosting's `EngineFrontend` passes a
+"""Admission at the API side, in tokens: the one gate every hosting's `EngineClient` passes a
 request through before the engine sees it.
 
 A request is charged its tokens, `cost(req)`: its prompt plus `max_tokens`, the most the

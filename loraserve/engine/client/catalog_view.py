@@ -1,13 +1,13 @@
 """What an API process may use of the adapter tiers, on every hosting.
 
-`CatalogView` is the `catalog` of every `EngineFrontend` (`interface.CatalogView` is what the
+`CatalogView` is the `catalog` of every `EngineClient` (`interface.CatalogView` is what the
 HTTP side sees of it): the catalog (listings, imports, descriptions), the `AdapterDirectory`
 over it, and warming and residency through whoever runs the engine (`warm_on`: a callable
 that pages a revision into that engine's CPU tier, a `Warm` call). Where the engine runs
-elsewhere (`CoreClient`: an engine-core process; the Ray Serve ingress: engines in replicas)
+elsewhere (the process transport: an engine-core process; the Ray Serve ingress: engines in replicas)
 the view opens the catalog in this process through shard hosts (`open`), and the engine's pool
 limits and base fingerprint arrive with its handshake (`learn`); until then only the base
-resolves. In process (`AsyncEngine`) it is a view of the engine's own catalog and directory,
+resolves. In process (the thread transport) it is a view of the engine's own catalog and directory,
 never of the engine thread's `AdapterManager`.
 """
 from __future__ import annotations
@@ -23,9 +23,10 @@ from ..directory import EVERYONE, AdapterDirectory
 
 
 class CatalogView:
-    def __init__(self, directory: AdapterDirectory, warm_on: Callable[[RevisionRecord], None]):
-        """A view of `directory`'s catalog (not None)."""
-        self.catalog = directory.catalog
+    def __init__(self, directory: AdapterDirectory, warm_on: Callable[[RevisionRecord], None],
+                 owned: bool = False):
+        """A view of `directory`'s catalog (not None); `owned`: `close` closes it (`open`)."""
+        self.catalog, self._owned = directory.catalog, owned
         self.directory = directory
         self._warm_on = warm_on
 
@@ -35,7 +36,7 @@ class CatalogView:
         """The catalog at catalog_dir, opened here (shard hosts map the shards; `close` closes
         it); `readonly`: this process never writes it (a Ray Serve engine replica)."""
         catalog = open_for_serving(catalog_dir, readonly=readonly)
-        return cls(AdapterDirectory(base_name, catalog, base_fingerprint), warm_on)
+        return cls(AdapterDirectory(base_name, catalog, base_fingerprint), warm_on, owned=True)
 
     def learn(self, base_fingerprint: str, limits: PoolLimits) -> None:
         """The engine's base fingerprint and pool limits (its handshake)."""
@@ -66,4 +67,5 @@ class CatalogView:
 
     def close(self) -> None:
         """Close the catalog `open` opened (an in-process engine closes its own)."""
-        self.catalog.close()
+        if self._owned:
+            self.catalog.close()

@@ -1,8 +1,9 @@
-"""The API server's side of an engine-core process (`loraserve.engine.core.process`).
+"""The process transport: the API server's side of an engine-core process (`core.process`).
 
-`CoreClient` is the `EngineFrontend` over an engine-core process: it starts the process and
-keeps what the server reads locally (the tokenizer, the model's sizes, the catalog, the latest
-snapshot the core published). The core gets one end of a Unix socket pair; this end is an
+`ProcessTransport` carries an `EngineClient`'s messages to an engine-core process it starts, and
+keeps the latest snapshot the core published (the client keeps the rest locally: the tokenizer,
+the model's sizes, the catalog); `CoreClient` is the client over it, as `loraserve serve` and
+each Ray Serve replica host it. The core gets one end of a Unix socket pair; this end is an
 asyncio transport on the server's event loop (no I/O thread in between: see `core.process`),
 and the messages one turn of the loop queues (requests, aborts, calls) leave as one write at the
 end of that turn, so under load one write carries many requests.
@@ -32,7 +33,7 @@ import time
 from ...adapters.limits import PoolLimits
 from ..config import EngineConfig
 from ..core.boot import boot_core
-from .frontend import RETRY_AFTER_MAX_S, EngineFrontend, unavailable_error
+from .frontend import RETRY_AFTER_MAX_S, EngineClient, Transport, unavailable_error
 from ..heartbeat import ENGINE_TIMEOUT_S, HEARTBEAT_S, Heartbeat, heartbeat_slots
 from ..snapshot import EngineSnapshot
 from ..messages import (Abort, Batch, CoreInfo, Hello, Malformed, Message, Ready, Return, Step, Stop,
@@ -70,24 +71,20 @@ START_TIMEOUT_S = 300.0  # a core's start-up: loading the base, warming adapters
 COMPILE_START_TIMEOUT_S = 1800.0  # ... and compiling its decode step (minutes on a small CPU)
 
 
-class CoreClient(EngineFrontend, asyncio.Protocol):  # the protocol of its end of the core's socket
+class ProcessTransport(Transport, asyncio.Protocol):  # the protocol of its end of the core's socket
     snapshot = EngineSnapshot()  # the latest a core published (a Step that carries one)
 
     def __init__(self, cfg: EngineConfig, *, start_timeout_s: float | None = None,
                  engine_timeout_s: float = ENGINE_TIMEOUT_S, heartbeat_s: float | None = None,
                  backoff: Backoff | None = None):
-        super().__init__(cfg=cfg)
         if engine_timeout_s <= 0:
             raise ValueError("engine_timeout_s must be > 0")
-        self._open_catalog()
+        self.cfg = cfg
         self.start_timeout_s = start_timeout_s if start_timeout_s is not None else \
             START_TIMEOUT_S if cfg.compile == "off" else COMPILE_START_TIMEOUT_S
         self.engine_timeout_s = engine_timeout_s
         self.heartbeat_s = heartbeat_s or min(HEARTBEAT_S, engine_timeout_s / 4)
         self.backoff = backoff or Backoff()
-        # training runs live in the core, beside the model: a restarted core has none, and the
-        # Tinker routes put each back from the state they kept after its last step
-        self.trainer = self._trainer()
         # why each core was replaced: the restart counter's label
         self.restart_causes = dict.fromkeys(("exited", "stalled", "start_failed"), 0)
         self.state: str  # starting | up | down (a backoff before the next start) | stopped
@@ -95,8 +92,8 @@ class CoreClient(EngineFrontend, asyncio.Protocol):  # the protocol of its end o
         self.core_info: CoreInfo | None = None  # the current core's handshake
         # the current core
         self._proc: multiprocessing.Process | None = None
-        self._transport: asyncio.Transport | None = None  # None: no core to write to
-        self._outbox: list[Message] = []       # commands queued this loop turn (see _send)
+        self._conn: asyncio.Transport | None = None  # None: no core to write to
+        self._outbox: list[Message] = []       # commands queued this loop turn (see send)
         self._frames = unpacker()  # what the core sent (`data_received`)
         self._beat: Heartbeat | None = None
         self._lost: asyncio.Future | None = None   # set when the core's process ends
@@ -169,7 +166,6 @@ class CoreClient(EngineFrontend, asyncio.Protocol):  # the protocol of its end o
             if not self._stopping.done():
                 self._stopping.set_result(None)
             await asyncio.gather(supervisor, return_exceptions=True)
-        await super().shutdown()
 
     def _set_state(self, state: str) -> None:
         self.state, self._state_since = state, time.monotonic()
@@ -246,8 +242,8 @@ class CoreClient(EngineFrontend, asyncio.Protocol):  # the protocol of its end o
     def _up(self, info: CoreInfo) -> None:
         """Event loop: the new core answered its handshake (`info`, `data_received`): it is up."""
         self.core_info = info
-        if self.catalog is not None:
-            self.catalog.learn(info.base_fingerprint, PoolLimits(info.max_rank, info.kinds))
+        if self.client.catalog is not None:
+            self.client.catalog.learn(info.base_fingerprint, PoolLimits(info.max_rank, info.kinds))
         self._start_s = time.monotonic() - self._state_since
         self._ever_up = True
         self._set_state("up")
@@ -263,13 +259,13 @@ class CoreClient(EngineFrontend, asyncio.Protocol):  # the protocol of its end o
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._frames = unpacker()
-            self._transport, _ = await self._loop.create_unix_connection(lambda: self, sock=mine)
+            self._conn, _ = await self._loop.create_unix_connection(lambda: self, sock=mine)
             proc = ctx.Process(target=boot_core, name="loraserve-core", daemon=True,
                                args=(self.cfg, theirs, os.getpid(), slots, self.heartbeat_s))
             proc.start()  # the child inherits `theirs`
         except BaseException:
             mine.close()
-            self._close_transport()
+            self._close_conn()
             raise
         finally:
             theirs.close()
@@ -293,13 +289,13 @@ class CoreClient(EngineFrontend, asyncio.Protocol):  # the protocol of its end o
         graceful = self.state == "up"
         self._set_state("stopped" if self._closing else "down")
         what = "stalled" if "stalled" in (cause or "") else "stopped"
-        self._fail_all(self.unavailable() if cause is None else unavailable_error(  # (shutting down)
+        self.client._fail_all(self.unavailable() if cause is None else unavailable_error(  # (shutting down)
             f"the engine core {what} while serving this request; retry it",
             self.backoff.delay + self._start_s))
-        if cause is None and graceful and self._transport is not None \
-                and not self._transport.is_closing():  # (a core that hung up is not asked)
+        if cause is None and graceful and self._conn is not None \
+                and not self._conn.is_closing():  # (a core that hung up is not asked)
             await self._stop_gracefully(proc)
-        self._close_transport()
+        self._close_conn()
         if proc is None:
             return
         self._loop.remove_reader(proc.sentinel)
@@ -328,13 +324,13 @@ class CoreClient(EngineFrontend, asyncio.Protocol):  # the protocol of its end o
                 return
             await asyncio.wait((self._lost,), timeout=self.heartbeat_s / 2)
 
-    def _close_transport(self) -> None:
+    def _close_conn(self) -> None:
         """Close this end of the current core's socket; commands not sent are dropped (their
         requests and calls are failed by whoever closes it, or were never accepted)."""
         self._outbox.clear()
-        if self._transport is not None:
-            self._transport.abort()
-        self._transport = None
+        if self._conn is not None:
+            self._conn.abort()
+        self._conn = None
 
     # -- messages -------------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
@@ -347,22 +343,22 @@ class CoreClient(EngineFrontend, asyncio.Protocol):  # the protocol of its end o
                     if msg.snapshot is not None:
                         self.snapshot = msg.snapshot
                     if msg.outputs:
-                        self._deliver(list(msg.outputs))
+                        self.client._deliver(list(msg.outputs))
                 case Return():
-                    self._returned(msg)
+                    self.client._returned(msg)
                 case Ready() if self.state == "starting" and not self._closing:
                     self._up(msg.info)
                 case Malformed():
                     log.error("%s", msg.error)
                     if msg.error.call_id is not None:
-                        self._returned(Return(msg.error.call_id, None, msg.error))
+                        self.client._returned(Return(msg.error.call_id, None, msg.error))
 
-    def _send(self, msg: Message) -> None:
+    def send(self, msg: Message) -> None:
         """Event loop: queue a message for the core. What one turn of the loop queues leaves as
         one Batch (in order) when the turn ends: under load, many requests per send. While no
         core is up (or it was lost while the adapter was resolved) a request or call gets the
         503; an abort has nothing left to end (what was in flight failed with the core)."""
-        if self.state != "up" or self._transport is None:
+        if self.state != "up" or self._conn is None:
             if isinstance(msg, Abort):
                 return
             raise self.unavailable()
@@ -372,10 +368,18 @@ class CoreClient(EngineFrontend, asyncio.Protocol):  # the protocol of its end o
 
     def _flush(self) -> None:
         """Event loop: send the queued commands as one message."""
-        if not self._outbox or self._transport is None:
+        if not self._outbox or self._conn is None:
             return
         commands, self._outbox = self._outbox, []
         self._write(commands[0] if len(commands) == 1 else Batch(tuple(commands)))
 
     def _write(self, msg: Message) -> None:
-        self._transport.write(encode(msg))  # buffered by the transport if the socket is full
+        self._conn.write(encode(msg))  # buffered by the transport if the socket is full
+
+
+class CoreClient(EngineClient):
+    """The `EngineClient` over a `ProcessTransport` (its name kept for those who build one:
+    `loraserve serve`, the Ray Serve replicas, tests); keywords as `ProcessTransport`'s."""
+
+    def __init__(self, cfg: EngineConfig, **transport):
+        super().__init__(ProcessTransport(cfg, **transport))

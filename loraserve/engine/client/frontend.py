@@ -1,25 +1,30 @@
-"""The request side of an engine, shared by every hosting.
+"""The API side of an engine: one `EngineClient` on every hosting, and its `Transport`.
 
-`EngineFrontend` is the API side's one engine client; it lives on the API server's event loop.
+`EngineClient` lives on the API server's event loop and owns everything every hosting shares.
 It validates a request, admits it (`admission`: the bound on what is in flight and fair share,
 in tokens, one implementation for every hosting), takes the revision its model was resolved to
 at the edge (`GenerateRequest.resolved`, from `resolve`: the `AdapterDirectory`), sends it to
 the engine core as an `Add` (`engine.messages`), turns the core's token-id deltas into text
 deltas (`OutputProcessor`: detokenization, stop strings, merging a non-streamed request's
 deltas) and hands each to the request's asyncio.Queue. Calls (unload, residency, warm, train)
-are records with a call id, answered by one `Return` each (`call`). A subclass is only the
-transport: how a message reaches the core (`_send`) and how the core's messages come back (to
-`_deliver` and `_returned`): `AsyncEngine` over a thread, `CoreClient` over a Unix socket to an
-engine-core process, `ray_serve.frontend.RayEngineFrontend` over a Serve deployment handle to
-engine replicas (which host `CoreClient`, so their deltas come back as text, to the queues).
-Everything else is this class's, so every hosting gives the same outputs and answers.
+are records with a call id, answered by one `Return` each (`call`). The catalog side (a
+`CatalogView`, the directory, the miss path) and the trainer are its too.
+
+A `Transport` only moves messages and says whether the core is there: `send(msg)` on the event
+loop; the core's step deltas back to the client's `_deliver`, its returns to `_returned`; and
+`start`, `shutdown`, `ready`, `unavailable`, `snapshot`, `restarts`, `core_pid`, `supervision`.
+Three exist: `async_engine.ThreadTransport` (the core on a thread; `AsyncEngine` builds the
+client over it), `core_client.ProcessTransport` (an engine-core process over a Unix socket,
+supervised: heartbeat, stall detection, restart with backoff; `CoreClient`) and
+`ray_serve.frontend.RayTransport` (a Serve deployment handle to engine replicas, which each
+host a `CoreClient`, so their deltas come back as text, straight to the queues: `_put`). So
+every hosting gives the same outputs and answers.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import math
-from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -49,76 +54,111 @@ def unavailable_error(message: str, retry_after_s: float = 1) -> EngineError:
     return err
 
 
-class EngineFrontend(ABC):
-    cfg: EngineConfig
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    tokenizer: object
-    directory: AdapterDirectory  # what a request's model names (the one resolver; subclasses make it)
+class Transport:
+    """How an `EngineClient`'s messages reach its core and the core's come back (module doc).
+    The defaults are an engine that is always there; a transport overrides what it knows."""
 
-    def __init__(self, tokenizer=None, cfg: EngineConfig | None = None) -> None:
-        """`tokenizer`, or with `cfg` alone (a hosting whose engine is elsewhere) the model's
-        name, sizes and tokenizer read from its directory (an unsupported model says so first)."""
-        if cfg is not None:
-            mc = ModelConfig.from_dir(cfg.model_dir)
-            self.cfg, self.model_name, self.vocab_size = cfg, cfg.model_name, mc.vocab_size
-            self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings)
-            if tokenizer is None:
-                tokenizer = Tokenizer.from_dir(cfg.model_dir)
-        self.tokenizer = tokenizer
+    client: EngineClient  # set by the client it carries for
+    cfg: EngineConfig
+    snapshot: EngineSnapshot  # the engine's latest published snapshot
+    directory: AdapterDirectory | None = None  # the engine's own, where it runs in this process
+    base_fingerprint = ""  # the served base's, where known before the core's handshake
+    trains = True  # the core beside the model trains (`Train` calls); False: no trainer
+    restarts = 0  # cores started again after one was lost
+    core_pid: int | None = None  # the engine-core process; None: none of its own
+    ready = True  # the engine can take requests now
+
+    async def start(self) -> None:
+        """Start carrying (idempotent; cheap once started: every request calls it)."""
+
+    async def shutdown(self) -> None:
+        """Stop carrying; what is in flight ends."""
+
+    def send(self, msg: Message) -> None:
+        """Event loop: hand msg to the core."""
+        raise NotImplementedError
+
+    def unavailable(self) -> EngineError:
+        """The 503 while `ready` is False (its `retry_after`, in seconds, becomes Retry-After)."""
+        return unavailable_error("the engine is starting; retry later")
+
+    def supervision(self) -> dict | None:
+        """The engine-core supervisor's state (the process transport); None: none."""
+        return None
+
+    def replica_snapshots(self) -> dict[str, EngineSnapshot] | None:
+        """One snapshot per engine replica (Ray Serve); None: one engine."""
+        return None
+
+    def slots(self) -> int:
+        """Sequences past admission at once: the engine's batch and its queue (its scheduler
+        orders them, in tokens)."""
+        return self.cfg.max_batch_size + self.cfg.max_waiting
+
+    def queue_tokens(self) -> int:
+        """Tokens that may wait at admission: none here (the engine's queue is in `slots`)."""
+        return 0
+
+
+class EngineClient:
+    """The one API-side engine client (module doc), over `transport`. Its model's name, sizes
+    and tokenizer (unless given) are read from the model's directory (an unsupported model says
+    so first)."""
+
+    catalog: CatalogView | None  # the catalog side of the adapter tiers; None: base only
+    sourcing: Sourcing | None  # adapters the catalog lacks, fetched on a miss; None: not configured
+    trainer: Trainer | None  # training runs in the core, beside the model; None: not this hosting
+
+    def __init__(self, transport: Transport, tokenizer=None) -> None:
+        self.transport, transport.client = transport, self
+        cfg = self.cfg = transport.cfg
+        mc = ModelConfig.from_dir(cfg.model_dir)
+        self.model_name, self.vocab_size = cfg.model_name, mc.vocab_size
+        self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings)
+        self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(cfg.model_dir)
         # event loop only
         self._queues: dict[str, asyncio.Queue] = {}
-        self._outputs = OutputProcessor(tokenizer)
+        self._outputs = OutputProcessor(self.tokenizer)
         # requests between generate() and their last delta, in tokens per tenant (`admission`)
-        self.admission = Admission(self._slots, self._queue_tokens)
+        self.admission = Admission(transport.slots, transport.queue_tokens)
         self._warm = WarmRefs()  # whether a ref is resolved inline or on a thread
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
         self._call_ids = itertools.count()
         self._calls: dict[int, asyncio.Future] = {}  # call id -> its answer
-
-    def _open_catalog(self, base_fingerprint: str = "") -> None:
-        """The catalog side where the engine is elsewhere: a `CatalogView` of cfg's catalog,
-        opened here, the directory and the miss path."""
-        cfg = self.cfg
-        self.catalog = CatalogView.open(
-            cfg.catalog_dir, self.model_name, self._warm_on, base_fingerprint,
-            readonly=cfg.catalog_readonly) if cfg.catalog_dir else None
-        self.directory = (self.catalog.directory if self.catalog is not None
-                          else AdapterDirectory(self.model_name))
+        local = transport.directory
+        if local is not None:  # a view of the engine's catalog (never its thread's AdapterManager)
+            self.catalog = CatalogView(local, self._warm_on) if local.catalog is not None else None
+        else:  # the engine elsewhere: its catalog opened here, its pool limits at its handshake
+            self.catalog = CatalogView.open(
+                cfg.catalog_dir, cfg.model_name, self._warm_on, transport.base_fingerprint,
+                readonly=cfg.catalog_readonly) if cfg.catalog_dir else None
+        self.directory = (local if local is not None else  # (the one resolver)
+                          self.catalog.directory if self.catalog is not None
+                          else AdapterDirectory(cfg.model_name))
         self.sourcing = Sourcing.open(cfg, self.catalog, self.directory)
+        # each training operation a `Train` call (a restarted core has no runs: the Tinker
+        # routes put each back from the state they kept after its last step)
+        self.trainer = Trainer(lambda op, args: self.call(lambda cid: Train(cid, op, tuple(args))),
+                               cfg.train_max_tokens) if transport.trains else None
 
     def _warm_on(self, record) -> None:
         """Blocking (a worker thread): page `record` into the engine's CPU tier, a `Warm` call
         to the core (the catalog view's `warm_on` on every hosting)."""
         self.call_from_thread(lambda cid: Warm(cid, record))
 
-    def _trainer(self) -> Trainer:
-        """Training runs in the core, beside the model: each operation a `Train` call."""
-        return Trainer(lambda op, args: self.call(lambda cid: Train(cid, op, tuple(args))),
-                       self.cfg.train_max_tokens)
-
-    # -- hosting (subclasses) --------------------------------------------------------------------
-    @abstractmethod
+    # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Start hosting the engine (idempotent)."""
+        """Start the transport (idempotent)."""
+        self._loop = asyncio.get_running_loop()
+        await self.transport.start()
 
     async def shutdown(self) -> None:
-        """Stop hosting the engine (a subclass stops its transport first), then the catalog
-        side here: the miss path and the catalog view."""
+        """Stop the transport, then the catalog side here: the miss path and the catalog view."""
+        await self.transport.shutdown()
         if self.sourcing is not None:
             self.sourcing.close()
         if self.catalog is not None:
             self.catalog.close()
-
-    @abstractmethod
-    def _send(self, msg: Message) -> None:
-        """Event loop: hand msg to the core (the transport). The core's deltas come back to
-        `_deliver`, its returns to `_returned`."""
-
-    def _submit(self, req: GenerateRequest, record) -> None:
-        """Hand req (on revision `record`, None = base) to the engine."""
-        self._send(Add(req, record))
 
     # -- calls ----------------------------------------------------------------------------------
     async def call(self, make: Callable[[int], Call]) -> Any:
@@ -127,7 +167,7 @@ class EngineFrontend(ABC):
         await self.start()
         call_id = next(self._call_ids)
         self._calls[call_id] = fut = self._loop.create_future()
-        self._send(make(call_id))
+        self.transport.send(make(call_id))
         return await fut
 
     def call_from_thread(self, make: Callable[[int], Call], timeout: float = 120.0) -> Any:
@@ -155,39 +195,35 @@ class EngineFrontend(ABC):
         await asyncio.to_thread(self.catalog.catalog.policy, adapter_id)
         return await self.call(lambda cid: Unload(cid, adapter_id))
 
-    @property
-    @abstractmethod
-    def snapshot(self) -> EngineSnapshot:
-        """The engine's latest published snapshot."""
-
-    # -- what the server reads -------------------------------------------------------------------
+    # -- what the server reads (the transport's answers) -----------------------------------------
     @property
     def config(self) -> EngineConfig:
         return self.cfg
 
-    restarts = 0  # engine-core processes started again after one died (CoreClient)
-
     @property
     def ready(self) -> bool:
-        """The engine can take requests now (an in-process engine always can)."""
-        return True
+        return self.transport.ready
 
     def unavailable(self) -> EngineError:
-        """The 503 while `ready` is False (its `retry_after`, in seconds, becomes Retry-After)."""
-        return unavailable_error("the engine is starting; retry later")
+        return self.transport.unavailable()
 
-    # the optional parts of `interface.EngineInterface`, "not here" unless a hosting has them
-    catalog: CatalogView | None = None  # the catalog side of the adapter tiers; None: base only
-    sourcing = None  # client.sourcing.Sourcing: adapters the catalog lacks, fetched on a miss
-    core_pid: int | None = None  # the engine-core process (CoreClient)
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        return self.transport.snapshot
+
+    @property
+    def restarts(self) -> int:
+        return self.transport.restarts
+
+    @property
+    def core_pid(self) -> int | None:
+        return self.transport.core_pid
 
     def supervision(self) -> dict | None:
-        """The engine-core supervisor's state (CoreClient); None in process."""
-        return None
+        return self.transport.supervision()
 
     def replica_snapshots(self) -> dict[str, EngineSnapshot] | None:
-        """One snapshot per engine replica (Ray Serve); None: one engine."""
-        return None
+        return self.transport.replica_snapshots()
 
     def stats(self) -> dict:
         return {**self.snapshot.stats(), "engine_restarts": self.restarts,
@@ -224,7 +260,11 @@ class EngineFrontend(ABC):
             finally:
                 self._outputs.remove(req.request_id)
                 if self._queues.pop(req.request_id, None) is not None and not done:
-                    self._send(Abort(req.request_id))  # nobody waits for it any more
+                    self.transport.send(Abort(req.request_id))  # nobody waits for it any more
+
+    def _submit(self, req: GenerateRequest, record) -> None:
+        """Hand req (on revision `record`, None = base) to the engine."""
+        self.transport.send(Add(req, record))
 
     async def resolve(self, model: str, principal: Viewer) -> ResolvedModel:
         """`directory.resolve(model, principal)`, a name the catalog lacks fetched from the
@@ -239,9 +279,10 @@ class EngineFrontend(ABC):
         for out in ready:
             self._put(out)
         for request_id in ended:
-            self._send(Abort(request_id))
+            self.transport.send(Abort(request_id))
 
     def _put(self, out: RequestOutput) -> None:
+        """Event loop: a text delta to its request's queue (gone requests are skipped)."""
         q = self._queues.get(out.request_id)
         if q is not None:
             q.put_nowait(out)
@@ -252,15 +293,6 @@ class EngineFrontend(ABC):
         core is gone, or stalled."""
         for rid in list(self._queues):
             self._put(RequestOutput.failed(rid, err))
-            self._send(Abort(rid))
+            self.transport.send(Abort(rid))
         for call_id in list(self._calls):
             self._returned(Return(call_id, None, err))
-
-    def _slots(self) -> int:
-        """Sequences past admission at once: the engine's batch and its queue (its scheduler
-        orders them, in tokens)."""
-        return self.cfg.max_batch_size + self.cfg.max_waiting
-
-    def _queue_tokens(self) -> int:
-        """Tokens that may wait at admission: none here (the engine's queue is in `_slots`)."""
-        return 0

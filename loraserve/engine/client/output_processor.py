@@ -4,8 +4,8 @@ The engine core sends token-id deltas (`output.TokenOutputs`): ids, logprobs and
 reasons it decides itself (EOS and stop token ids, max_tokens and the context length, errors).
 `OutputProcessor` turns them into what the server reads, in the API server's process, so that
 this work is not on the engine step and several API servers share it. One lives in each
-`EngineFrontend`, in front of either hosting (`AsyncEngine` and `CoreClient`), so both give
-the same outputs:
+`EngineClient`, whatever its transport (thread, process, Ray), so every hosting gives the
+same outputs:
 
 - incremental detokenization, one `IncrementalDetokenizer` per request;
 - special tokens' text left out unless the request says `skip_special_tokens=False`;

@@ -5,9 +5,9 @@ slices, merges quiet requests' deltas, and is the one place that admits a reques
 grammar compiled, or failed, or ran past its bound), dispatches a call (unload, residency, warm,
 train) and answers where a revision is. It speaks `engine.messages` and nothing else; a
 transport moves those records and decides only how to wait between turns: in-thread
-(`async_engine.AsyncEngine`: a queue of records) or in the engine-core process
-(`core.process.EngineCoreProc`: a Unix socket, msgpack; supervised by `CoreClient`, which Ray
-replicas host too).
+(`async_engine.ThreadTransport`: a queue of records) or in the engine-core process
+(`core.process.EngineCoreProc`: a Unix socket, msgpack; supervised by the client's
+`ProcessTransport`, which Ray replicas host too).
 
 A transport runs the core's loop (`run`) on the owner thread with three functions of its own:
 how to take the messages that arrived (waiting at most `wait_s()` for one or a `wake`: a page-in

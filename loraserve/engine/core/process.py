@@ -1,8 +1,8 @@
 """The engine core in its own process: scheduler, adapter tiers and model runner behind a socket.
 
-`EngineCoreProc` is the process transport over the transport-free `EngineCore`
-(`core.engine_core`). The API server (`CoreClient`) starts the process with one end of a Unix
-socket pair and talks to it in `engine.messages` records, msgpack-encoded: batches of requests,
+`EngineCoreProc` is the process transport's core side, over the transport-free `EngineCore`
+(`core.engine_core`). The API server (`client.core_client.ProcessTransport`) starts the process
+with one end of a Unix socket pair and talks to it in `engine.messages` records, msgpack-encoded: batches of requests,
 aborts and calls in; one Step per engine step out, carrying the step's token-id deltas and,
 when it changed, the engine snapshot. The process's main thread runs the core's turns between
 polls of the socket; other threads (pager, grammar workers, training) wake it through a pipe.
