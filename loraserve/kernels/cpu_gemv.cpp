@@ -26,6 +26,11 @@ namespace {
 constexpr int64_t kF32Rows = 16;   // row-major f32: rows a thread reads at once
 constexpr int64_t kF32Cols = 16;   // column-major f32: input rows a thread reads at once
 constexpr int64_t kBf16Rows = 16;  // row-major bf16
+// Rows ahead of the block being read (3 blocks) that the bf16 kernel prefetches, line by line as
+// it reads: the hardware's prefetchers alone left one core at 11 GB/s on a 256 MB weight (f32:
+// 17), 15 GB/s so; at SmolLM2's shapes, 2 threads, a step's linears 1.15x faster (interleaved).
+// Past the weight's end a prefetch is dropped, never a fault. (f32 gained nothing from it.)
+constexpr int64_t kBf16Ahead = 3 * kBf16Rows;
 constexpr int64_t kTile = 8;       // row-major, several rows of x: weight rows per tile
 // Rows of x up to which a row-major weight is read by `rows_multi` (once, for all rows):
 // every decode batch of a default server. Measured against oneDNN's GEMM on its packed layout
@@ -212,13 +217,14 @@ void bf16_rows(const uint16_t* w, const uint16_t* x, at::BFloat16* y, int64_t r0
       const __mmask32 m = tail32(n - k);
       const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + k);
 #pragma GCC unroll 16
-      for (int i = 0; i < kBf16Rows; ++i)
+      for (int i = 0; i < kBf16Rows; ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(wr + kBf16Ahead * n + i * n + k), _MM_HINT_T0);
         acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_maskz_loadu_epi16(m, wr + i * n + k), xv);
+      }
     }
     static_assert(kBf16Rows == 16, "sum16 folds 16 accumulators");
-    alignas(64) float sums[16];
-    _mm512_store_ps(sums, sum16(acc));
-    for (int i = 0; i < kBf16Rows; ++i) y[r + i] = at::BFloat16(sums[i]);  // rounded as before
+    // rounded to nearest even, as at::BFloat16 rounds (a NaN stays a NaN)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r), (__m256i)_mm512_cvtneps_pbh(sum16(acc)));
   }
   for (; r < r1; ++r) {
     __m512 acc = _mm512_setzero_ps();
