@@ -119,8 +119,10 @@ def test_decode_fast_paths_equal_the_sliced_path_and_honour_hooks(hf_llama, monk
     real_logits = type(model).compute_logits
     monkeypatch.setattr(type(model), "compute_logits", lambda self, h: hidden.append(h.clone()) or real_logits(self, h))
     fused_calls: list[int] = []
-    real_fused = cpu_fused.qkv_attention
+    real_fused, real_layers = cpu_fused.qkv_attention, cpu_fused.decode_layers
     monkeypatch.setattr(cpu_fused, "qkv_attention", lambda *a: fused_calls.append(1) or real_fused(*a))
+    # the decode plan's loop in C++ calls the same op from there (model.decode_plan)
+    monkeypatch.setattr(cpu_fused, "decode_layers", lambda *a: fused_calls.append(1) or real_layers(*a))
 
     def run(tag: str) -> list[torch.Tensor]:
         hidden.clear()
