@@ -12,7 +12,11 @@ weights, the head counts; a step then runs per layer
     x, h = add_rms_norm(x, down(silu_mul_halves(gate_up(h))), next_norm)
 
 with `attend` the attention function's per-step closure (`AttentionFn.qkv_decoder`): the same ops
-in the same order as `DecoderModel._forward_fused`'s decode path, so the same numbers.
+in the same order as `DecoderModel._forward_fused`'s decode path, so the same numbers. Where every
+projection is one whose op the plan knows (`_native`: a `VectorLinear` on `cpu_gemv`, a native
+`QuantLinear`, an `nn.Linear`) and the closure carries the step's attention arguments
+(`step_args`), the loop itself runs in C++ (`cpu_fused.decode_layers`: the same calls, bit-equal;
+`NATIVE_LOOP` False keeps it in Python for a comparison).
 
 It applies only where that path would call nothing else: every layer a dense MLP with fused
 gate/up and an attention with fused q/k/v, every projection a plain slice or a plain GEMM, or a
