@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -54,7 +55,7 @@ def unavailable_error(message: str, retry_after_s: float = 1) -> EngineError:
     return err
 
 
-class Transport:
+class Transport(ABC):
     """How an `EngineClient`'s messages reach its core and the core's come back (module doc).
     The defaults are an engine that is always there; a transport overrides what it knows."""
 
@@ -74,9 +75,9 @@ class Transport:
     async def shutdown(self) -> None:
         """Stop carrying; what is in flight ends."""
 
+    @abstractmethod
     def send(self, msg: Message) -> None:
-        """Event loop: hand msg to the core."""
-        raise NotImplementedError
+        """Event loop: hand msg to the core (every transport's own)."""
 
     def unavailable(self) -> EngineError:
         """The 503 while `ready` is False (its `retry_after`, in seconds, becomes Retry-After)."""
