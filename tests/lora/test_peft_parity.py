@@ -183,6 +183,9 @@ def test_base_batches_take_the_decode_plan_and_adapter_batches_do_not(dense_set,
     eng = _engine(dense_set, "torch")
     _check(dense_set, eng, [None, None], seed=4)
     assert planned == ["idle"] * (TOKENS - 1)
+    # the adapter resident first: a cold one parks its request for the page-in while the base
+    # request decodes alone, a step the plan rightly takes (a race under a loaded machine)
+    _check(dense_set, eng, ["t/all-r8-rslora"], seed=5)
     planned.clear()
     _check(dense_set, eng, ["t/all-r8-rslora", None], seed=4)
     assert not planned
