@@ -11,8 +11,8 @@ from torch import nn
 
 from loraserve.model import load_model
 from loraserve.kernels import cpu_gemv
-from loraserve.model.prepack import (DEFAULT_LLC_BYTES, PLAIN_MAX_BATCH, PackedLinear, VectorLinear,
-                                     bf16_kernels, can_prepack, last_level_cache_bytes, linear_weight_bytes,
+from loraserve.model.prepack import (DEFAULT_LLC_BYTES, PER_CPU_CACHE_BYTES, PLAIN_MAX_BATCH, PackedLinear,
+                                     VectorLinear, bf16_kernels, cache_share_bytes, can_prepack, last_level_cache_bytes, linear_weight_bytes,
                                      outgrows_last_level_cache, prepack_linears, unpack_linears,
                                      vector_linears, weight_layout)
 
@@ -160,6 +160,14 @@ def test_auto_packs_a_base_whose_linear_weights_outgrow_the_last_level_cache(tmp
     size = linear_weight_bytes(ours)
     assert size == sum(m.weight.numel() * 4 for m in ours.modules() if type(m) is nn.Linear) > 0
     assert outgrows_last_level_cache(ours, cache_bytes=size - 1) and not outgrows_last_level_cache(ours, cache_bytes=size)
+
+
+def test_a_process_counts_on_its_share_of_a_large_shared_cache():
+    """A 2-vCPU guest of a 300 MiB-L3 host counts on 16 MiB, not the socket's whole cache; a
+    bare-metal cache below the per-CPU share counts whole."""
+    assert cache_share_bytes(llc=300 * 2**20, cpus=2) == 2 * PER_CPU_CACHE_BYTES == 16 * 2**20
+    assert cache_share_bytes(llc=32 * 2**20, cpus=8) == 32 * 2**20
+    assert cache_share_bytes(llc=32 * 2**20, cpus=1) == PER_CPU_CACHE_BYTES
 
 
 def test_default_threads_follow_the_same_rule(monkeypatch):

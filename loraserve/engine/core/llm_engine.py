@@ -8,7 +8,6 @@ publishes an immutable `EngineSnapshot` for every other thread to read.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import time
 
@@ -19,7 +18,7 @@ from ...kernels import cpu_fused
 from ...model.config import ModelConfig
 from ...model import quant_load
 from ...model.loader import load_model, resolve_dtype
-from ...model.prepack import outgrows_last_level_cache, prepack_linears, vector_linears, weight_layout
+from ...model.prepack import outgrows_last_level_cache, prepack_linears, usable_cpus, vector_linears, weight_layout
 from ...tokenizer import Tokenizer
 from .attention import KVCache
 from .block_manager import BlockManager
@@ -63,14 +62,6 @@ def _num_kv_blocks(cfg: EngineConfig, mc, dtype: torch.dtype) -> int:
         raise ValueError(f"KV cache of {blocks} blocks cannot hold one sequence of max_model_len="
                          f"{cfg.max_model_len} ({need} blocks); raise kv_cache_mb")
     return blocks
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask), at most OMP_NUM_THREADS when that is
-    set: Ray sets it to an actor's CPU reservation, so engine replicas do not each take every core."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
-    return max(1, min(cpus, int(omp)) if omp.isdigit() and int(omp) > 0 else cpus)
 
 
 def default_torch_threads(big_base: bool, cpus: int) -> int:
