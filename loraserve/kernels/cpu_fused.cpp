@@ -547,26 +547,6 @@ at::Tensor project(const at::Tensor& x, at::TensorList w, int64_t& next, int64_t
   return biased ? y + bias : y;
 }
 
-// The first rows each thread of the next projection's GEMV reads (`cpu_gemv`'s per-thread
-// shares of 16-row blocks), fetched toward L2 while a small op runs: the GEMV's own prefetch
-// runs 3 blocks ahead of what it reads, so each share's first blocks would otherwise come from
-// memory at the hardware prefetchers' pace. Plain row-major weights only (kinds 0 and 2).
-void prefetch_starts(at::TensorList w, int64_t next, int64_t kind) {
-#if defined(__AVX512F__)
-  if (kind == 1 || next >= static_cast<int64_t>(w.size())) return;
-  const at::Tensor& t = w[next];
-  if (t.dim() != 2 || !t.is_contiguous()) return;
-  const int64_t m = t.size(0), row = t.size(1) * t.element_size();
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), m / 16));
-  const int64_t share = ((m + threads - 1) / threads + 15) / 16 * 16;
-  const char* base = static_cast<const char*>(t.data_ptr());
-  for (int64_t start = 0; start < m; start += share) {
-    const int64_t bytes = std::min<int64_t>(48, m - start) * row;
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(base + start * row + off, _MM_HINT_T1);
-  }
-#endif
-}
-
 // One adapter's deltas at a site: `count` (lo, hi) column ranges of y (hi < 0: all of y), each
 // y[:, lo:hi] += (x a^T) b with the next (a, b) of `lora`, as the wrappers add them (`DecodePlan.run`).
 void add_deltas(const at::Tensor& y, const at::Tensor& x, at::TensorList lora, int64_t& next_t,
@@ -614,20 +594,16 @@ at::Tensor decode_layers(const at::Tensor& x0, const at::Tensor& first_w, double
                                                                                    : c10::nullopt;
     at::Tensor y = project(h, weights, wi, pj[0], pj[1], pj[2]);
     if (deltas) add_deltas(y, h, lora, li, lora_meta, mi);
-    prefetch_starts(weights, wi, pj[3]);
     const at::Tensor a = qkv_attention(y, meta[3 * l], meta[3 * l + 1], cos, sin, norm_w, eps[3 * l], k_layers[l],
                                        v_layers[l], slots, kv_index, lens, meta[3 * l + 2], scale);
     y = project(a, weights, wi, pj[3], pj[4], pj[5]);
     if (deltas) add_deltas(y, a, lora, li, lora_meta, mi);
-    prefetch_starts(weights, wi, pj[6]);
     std::tie(x, h) = add_rms_norm(x, y, norms[3 * l + 1], eps[3 * l + 1]);
     y = project(h, weights, wi, pj[6], pj[7], pj[8]);
     if (deltas) add_deltas(y, h, lora, li, lora_meta, mi);
-    prefetch_starts(weights, wi, pj[9]);
     const at::Tensor m = silu_mul_halves(y);
     y = project(m, weights, wi, pj[9], pj[10], pj[11]);
     if (deltas) add_deltas(y, m, lora, li, lora_meta, mi);
-    if (l + 1 < layers) prefetch_starts(weights, wi, proj[12 * (l + 1)]);
     std::tie(x, h) = add_rms_norm(x, y, norms[3 * l + 2], eps[3 * l + 2]);
   }
   TORCH_CHECK(wi == static_cast<int64_t>(weights.size()) && li == static_cast<int64_t>(lora.size()) &&
