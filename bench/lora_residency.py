@@ -2,14 +2,16 @@
 
     python bench/lora_residency.py cliff --catalog DIR [--model DIR] [--slots 8] [--rate 20] [--duration 30]
     python bench/lora_residency.py sweep --catalog DIR [--model DIR] [--adapters 100000] [--concurrency 64]
+                                         [--warm-seconds 30]
                                          [--source DIR] [--profile DIR [--profile-seconds 10]]
     python bench/lora_residency.py wrk --catalog DIR [--model DIR] [--duration 10] [--rounds 2]
                                        [--source DIR]... [--profile DIR]
 
 cliff: TTFT when the working set fits the device pool (all resident after a warm-up) against a
        working set 10x the pool's slots (every request likely a miss), same open-loop rate.
-sweep: one server (--max-gpu-adapters 64 --cpu-cache-mb 256) serves N distinct adapters drawn
-       from the catalog, each once; /metrics and the server's RSS are sampled every second to
+sweep: one server (--max-gpu-adapters 64 --cpu-cache-mb 256) first serves 48 adapters for
+       --warm-seconds (the warm rate, same server and load), then N distinct adapters drawn
+       from the catalog, each once (the sweep, quoted as its ratio to the warm rate); /metrics and the server's RSS are sampled every second to
        show the resident sets never pass their bounds and memory stays flat.
 wrk:   issue 29's workload, wrk at 64 connections, 2-token requests, `--max-gpu-adapters 64
        --cpu-cache-mb 256`: base only, warm (48 adapters that stay resident) and cold (every
@@ -104,9 +106,9 @@ def per_tenth(samples) -> list[tuple[float, float]]:
     done = [(t, scraped.get("requests", 0.0), core[0]) for t, _, scraped, core in samples]
     if not done:
         return []
-    total, out, start = done[-1][1], [], (done[0][0], done[0][1])
-    for q in range(1, 11):
-        at = next((d for d in done if d[1] >= total * q / 10), done[-1])
+    first, total, out, start = done[0][1], done[-1][1], [], (done[0][0], done[0][1])
+    for q in range(1, 11):  # counted from the first sample (a warm phase before it is not a tenth)
+        at = next((d for d in done if d[1] >= first + (total - first) * q / 10), done[-1])
         span = at[0] - start[0]
         out.append(((at[1] - start[1]) / span if span > 0 else 0.0, at[2]))
         start = (at[0], at[1])
@@ -204,6 +206,11 @@ def sweep(args, model: str) -> None:
                 pass
             stop.wait(1.0)
 
+    warm = None
+    if args.warm_seconds > 0:  # the warm rate this run's sweep is compared with: 48 resident adapters
+        warm = run_loadtest(LoadTestConfig(url=url, adapters=ids[:WARM_ADAPTERS], dist="cycle",
+                                           concurrency=args.concurrency, duration=args.warm_seconds,
+                                           prompt_len=4, max_tokens=2, progress=False))
     thread = threading.Thread(target=monitor, daemon=True)
     thread.start()
     try:
@@ -224,6 +231,10 @@ def sweep(args, model: str) -> None:
     print(f"sweep: {len(ids)} distinct adapters, closed loop x{args.concurrency}, {shlex.join(serve_args)}")
     print(f"ok={rep['ok']} errors={rep['errors']} {rep['error_kinds'] or ''} duration={rep['wall_s']:.1f}s "
           f"req/s={rep['req_per_s']:.1f}")
+    if warm is not None:
+        print(f"warm first ({WARM_ADAPTERS} adapters, {args.warm_seconds:.0f} s, same server and load): "
+              f"req/s={warm['req_per_s']:.1f}, errors={warm['errors']}; sweep / warm = "
+              f"{rep['req_per_s'] / max(warm['req_per_s'], 1e-9):.2f}")
     bound = lambda flag: [v for f, v in zip(serve_args, serve_args[1:]) if f == flag][-1]  # the last one wins
     print(f"max resident gpu adapters={gpu:.0f} (bound {bound('--max-gpu-adapters')}); "
           f"max cpu cache bytes={cpu_bytes / 2**20:.1f} MiB (bound {bound('--cpu-cache-mb')})")
@@ -377,6 +388,9 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument("--adapters", type=int, default=100_000)
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--warm-seconds", type=float, default=30.0,
+                    help="sweep: first serve the first 48 adapters for this long (the warm rate the sweep "
+                         "is quoted against); 0: no warm phase")
     ap.add_argument("--duration-cap", type=float, default=7200.0, help="sweep: stop after this many seconds")
     ap.add_argument("--serve-args", default="", metavar="ARGS",
                     help="sweep: more `loraserve serve` arguments, e.g. '--pager-workers 1'")

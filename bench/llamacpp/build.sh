@@ -8,7 +8,10 @@
 #   bash bench/llamacpp/build.sh            # or LLAMACPP_CACHE=/tmp/llamacpp bash ...
 #
 # Env: LLAMACPP_CACHE (cache dir), LLAMA_CPP_PYTHON_VERSION (default 0.3.36),
-#      JOBS (default 2), TORCH_SPEC (default torch==2.13.0, the local CPU build).
+#      JOBS (default 2), TORCH_SPEC (default torch==2.13.0, the local CPU build),
+#      LLAMACPP_BUILD (build dir, default $LLAMACPP_CACHE/build), LLAMACPP_CFLAGS (extra C/C++
+#      flags: on a 2-vCPU Emerald Rapids guest the AMX path killed llama-server with SIGILL on a
+#      Q4_1 file, so LLAMACPP_CFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" builds it without).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
@@ -38,13 +41,15 @@ fi
 
 # 2. llama-server and llama-perplexity (CPU only, no network features: no OpenSSL, no prebuilt
 #    web UI download)
-BUILD="$CACHE/build"
+BUILD="${LLAMACPP_BUILD:-$CACHE/build}"
+CFLAGS_EXTRA="${LLAMACPP_CFLAGS:-}"
 if [ ! -x "$BUILD/bin/llama-server" ] || [ ! -x "$BUILD/bin/llama-perplexity" ]; then
     cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
         -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_NATIVE=ON \
         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
-        -DLLAMA_BUILD_TOOLS=ON -DBUILD_SHARED_LIBS=OFF
+        -DLLAMA_BUILD_TOOLS=ON -DBUILD_SHARED_LIBS=OFF \
+        -DCMAKE_C_FLAGS="$CFLAGS_EXTRA" -DCMAKE_CXX_FLAGS="$CFLAGS_EXTRA"
     cmake --build "$BUILD" --target llama-server llama-perplexity -j "$JOBS"
 fi
 "$BUILD/bin/llama-server" --version 2>&1 | tail -n 2 > "$CACHE/LLAMACPP_VERSION" || true
