@@ -10,6 +10,7 @@ pool can run asynchronously. Thread-safe: pager workers `put`, the engine thread
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 from collections import OrderedDict
 
@@ -101,6 +102,13 @@ class CpuCache:
         """Cached keys, least recently used first."""
         with self._lock:
             return list(self._entries)
+
+    def recent(self, n: int) -> list[AdapterKey]:
+        """The n most recently used keys, most recent first: O(n), whatever the cache holds (the
+        engine snapshot asks every step; copying all ~37,000 keys of a full 256 MiB cache of small
+        adapters took 37% of the engine thread in a 1M-adapter sweep, bench/RESULTS.md)."""
+        with self._lock:
+            return list(itertools.islice(reversed(self._entries), max(n, 0)))
 
     @property
     def stats(self) -> CacheStats:

@@ -26,6 +26,8 @@ def test_get_put_hits_misses_and_lru_order():
     assert cache.get(("t/a", "r")) is not None  # a is now most recent; b is LRU
     cache.put(("t/d", "r"), weights_of(1))
     assert cache.keys() == [("t/c", "r"), ("t/a", "r"), ("t/d", "r")]
+    assert cache.recent(2) == [("t/d", "r"), ("t/a", "r")]  # most recent first, as keys() reversed
+    assert cache.recent(9) == cache.keys()[::-1] and cache.recent(0) == []
     assert ("t/b", "r") not in cache
     stats = cache.stats
     assert (stats.hits, stats.misses, stats.evictions, stats.entries, stats.bytes) == (1, 1, 1, 3, 3 * one)

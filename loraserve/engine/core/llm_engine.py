@@ -440,7 +440,7 @@ class LLMEngine:
             waiting_adapters=tuple(sorted({s.adapter_ref for s in waiting if s.adapter_ref})),
             resident=frozenset(pool.resident()) if pool is not None else frozenset(),
             pinned=tuple(k for k in pool.resident() if pool.entry(k).pinned) if pool is not None else (),
-            cpu_resident=tuple(mgr.cpu_cache.keys()[:-CPU_RESIDENT_MAX - 1:-1]) if mgr is not None else (),
+            cpu_resident=tuple(mgr.cpu_cache.recent(CPU_RESIDENT_MAX)) if mgr is not None else (),
             pool=pool.stats if pool is not None else None,
             cpu_cache=mgr.cpu_cache.stats if mgr is not None else None,
             pager=mgr.pager.stats if mgr is not None else None,
