@@ -40,7 +40,7 @@ DEFAULT_LLC_BYTES = 32 * 2**20  # when sysfs names no cache
 # The most of the last-level cache a process counts on per CPU it may run on. A virtual machine
 # reports its host socket's whole L3, shared with every other tenant's cores: a 2-vCPU Emerald
 # Rapids guest sees 300 MiB, so SmolLM2's 270 MB of bfloat16 weights "fit", and the base ran on
-# one thread with torch's GEMV at half the speed of the plain-weight path (34 against 15 ms a
+# one thread with torch's GEMV, a third of the speed of the plain-weight path (32 against 11 ms a
 # step). 8 MiB is above the per-core share of the server CPUs we know (Intel 1.9-5 MiB, AMD
 # Zen 4 4 MiB), so a bare-metal figure is never cut below what a core really has.
 PER_CPU_CACHE_BYTES = 8 * 2**20
