@@ -5,7 +5,7 @@
                                          [--warm-seconds 30]
                                          [--source DIR] [--profile DIR [--profile-seconds 10]]
     python bench/lora_residency.py wrk --catalog DIR [--model DIR] [--duration 10] [--rounds 2]
-                                       [--source DIR]... [--profile DIR]
+                                       [--slices 5] [--source DIR]... [--profile DIR]
 
 cliff: TTFT when the working set fits the device pool (all resident after a warm-up) against a
        working set 10x the pool's slots (every request likely a miss), same open-loop rate.
@@ -15,7 +15,8 @@ sweep: one server (--max-gpu-adapters 64 --cpu-cache-mb 256) first serves 48 ada
        show the resident sets never pass their bounds and memory stays flat.
 wrk:   issue 29's workload, wrk at 64 connections, 2-token requests, `--max-gpu-adapters 64
        --cpu-cache-mb 256`: base only, warm (48 adapters that stay resident) and cold (every
-       request a never-seen adapter, a fresh slice of the catalog per run), per server tree (this
+       request a never-seen adapter, a fresh slice of the catalog per run), warm and cold
+       alternating in --slices pieces of duration/slices each, per server tree (this
        one and each --source, one server each, runs interleaved); req/s, cold/warm, the CPU
        ms per request of each process (API, engine core, and their catalog shard hosts), and
        the prompt tokens each request computed (a warm adapter's requests find most of their
@@ -318,12 +319,41 @@ def wrk_run(url: str, groups: dict[str, list[int]], adapters: list[str], seconds
     return rep
 
 
+def merged(parts: list[dict]) -> dict:
+    """wrk_run's report of several runs taken as one: req/s over their summed wall time, CPU ms
+    and prompt tokens per request weighted by each run's requests."""
+    ok = sum(p["ok"] for p in parts)
+    weight = [p["ok"] / max(ok, 1) for p in parts]
+    return {"ok": ok, "errors": sum(p["errors"] for p in parts),
+            "req_per_s": ok / max(sum(p["wall_s"] for p in parts), 1e-9),
+            "cpu_ms": {k: sum(w * p["cpu_ms"][k] for w, p in zip(weight, parts)) for k in parts[0]["cpu_ms"]},
+            "prompt": tuple(sum(w * p["prompt"][j] for w, p in zip(weight, parts)) for j in (0, 1))}
+
+
+def warm_cold(url: str, groups: dict, warm: list[str], fresh: list[str], seconds: float,
+              slices: int) -> tuple[dict, dict]:
+    """The warm and the cold run, each `seconds` long, taken as `slices` alternating pieces
+    (warm, cold, warm, ...): this host's speed drifts within seconds, and a ratio of two runs
+    10 s apart measured that drift as much as the paging (0.47-0.78 in one session)."""
+    hot, chill, used = [], [], 0
+    for _ in range(slices):
+        hot.append(wrk_run(url, groups, warm, seconds / slices))
+        part = wrk_run(url, groups, fresh[used:], seconds / slices)
+        used += part["ok"] + part["errors"] + 64  # the next piece starts past every id sent
+        chill.append(part)
+    return merged(hot), merged(chill)
+
+
 def wrk_mode(args, model: str) -> None:
     """Issue 29's table: base, warm and cold req/s per tree, interleaved rounds (see module doc)."""
     trees = [("this tree", None)] + [(src, src) for src in args.source_list]
     serve = ["--max-gpu-adapters", "64", "--cpu-cache-mb", "256", *shlex.split(args.serve_args)]
     per_cold = int(args.duration * 4000)  # more ids than a run can use
     ids = adapter_ids(args.catalog, WARM_ADAPTERS + per_cold * args.rounds * len(trees))
+    if len(ids) < WARM_ADAPTERS + per_cold * args.rounds * len(trees):
+        raise SystemExit(f"{args.catalog} has {len(ids):,} adapters; this run needs "
+                         f"{WARM_ADAPTERS + per_cold * args.rounds * len(trees):,} (48 warm, then "
+                         f"--duration x 4,000 never-seen ones per run): a bigger catalog, or fewer rounds")
     warm, cold = ids[:WARM_ADAPTERS], ids[WARM_ADAPTERS:]
     servers = []
     try:
@@ -335,13 +365,17 @@ def wrk_mode(args, model: str) -> None:
                 url = f"http://127.0.0.1:{args.port + i}"
                 wrk_run(url, {}, warm, 3)  # warm-up: the warm set resident, code paths hot
                 groups = process_groups(servers[i].pid)  # after it: the shard hosts start on first use
-                base, hot = wrk_run(url, groups, [], args.duration), wrk_run(url, groups, warm, args.duration)
+                base = wrk_run(url, groups, [], args.duration)
                 n = r * len(trees) + i
+                fresh = cold[n * per_cold:(n + 1) * per_cold]
                 if args.profile and r == args.rounds - 1:
+                    hot = wrk_run(url, groups, warm, args.duration)
                     profilers = start_profile(servers[i], Path(args.profile) / f"tree{i}", args.duration - 2)
-                chill = wrk_run(url, groups, cold[n * per_cold:(n + 1) * per_cold], args.duration)
-                for p in profilers.values():
-                    p.wait(60)
+                    chill = wrk_run(url, groups, fresh, args.duration)
+                    for p in profilers.values():
+                        p.wait(60)
+                else:
+                    hot, chill = warm_cold(url, groups, warm, fresh, args.duration, args.slices)
                 rows.append((r, name, base, hot, chill))
                 print(f"round {r} {name}: base {base['req_per_s']:.0f}, warm {hot['req_per_s']:.0f}, "
                       f"cold {chill['req_per_s']:.0f} req/s", flush=True)
@@ -397,6 +431,8 @@ def main() -> None:
     ap.add_argument("--source", metavar="DIR", action="append", dest="source_list", default=[],
                     help="sweep: serve from this source tree (A/B runs); wrk: also this tree (repeatable)")
     ap.add_argument("--rounds", type=int, default=2, help="wrk: interleaved rounds")
+    ap.add_argument("--slices", type=int, default=5,
+                    help="wrk: the warm and cold runs alternate in this many pieces each")
     ap.add_argument("--profile", metavar="DIR", help="sweep: py-spy the server's processes (raw stacks here)")
     ap.add_argument("--profile-seconds", type=float, default=10.0)
     ap.add_argument("--report", metavar="DIR", default=None,
