@@ -214,26 +214,31 @@ class ProcessTransport(Transport, asyncio.Protocol):  # the protocol of its end 
         it is up, for its loss (it died, or its loop made no progress for the engine timeout).
         Returns (cause, kind) once it is lost; None at shutdown."""
         timeout = self.engine_timeout_s
-        woke = time.monotonic()
+        woke = watched = time.monotonic()
         while True:
             await asyncio.wait((self._lost, self._stopping), timeout=self.heartbeat_s / 2,
                                return_when=asyncio.FIRST_COMPLETED)
             # this watch itself did not run for half the timeout (the process stopped with the
             # core, a paused VM, a blocked loop): the core's beat is as old, through no fault of
-            # its own. Judge at the next wake, once the resumed core had a turn to stamp
+            # its own. A core is judged only on what this watch saw: stalled for the timeout
+            # since the watch resumed (`watched`), not for the pause. (Judging at the next wake
+            # gave the resumed core half a beat, 50 ms, to end the turn it was stopped in; on a
+            # busy machine it sometimes did not, and a live core was killed.)
             now = time.monotonic()
-            was_away, woke = now - woke > timeout / 2, now
+            if now - woke > timeout / 2:
+                watched = now
+            woke = now
             if self._stopping.done():
                 return None
             if self.state == "up":
                 if self._lost.done():
                     return f"{proc.pid} died", "exited"
-                if not was_away and (stalled := self._beat.stalled_for(now)) > timeout:
+                if (stalled := min(self._beat.stalled_for(now), now - watched)) > timeout:
                     return (f"{proc.pid} stalled (no progress for {stalled:.1f} s, engine timeout "
                             f"{timeout:g} s)", "stalled")
             elif self._lost.done():
                 return f"{proc.pid} exited while starting", "start_failed"
-            elif not was_away and (silent := self._beat.silent_for(now)) > timeout:
+            elif (silent := min(self._beat.silent_for(now), now - watched)) > timeout:
                 return (f"{proc.pid} stalled while starting (no heartbeat for {silent:.1f} s, "
                         f"engine timeout {timeout:g} s)", "stalled")
             elif now > deadline:

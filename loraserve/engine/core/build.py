@@ -63,12 +63,13 @@ def build_engine(cfg: EngineConfig) -> LLMEngine:
     """An LLMEngine; with cfg.catalog_dir, serving adapters from that catalog; with its decode
     step compiled where cfg.compile asks for it (after the LoRA wrappers are attached): on CUDA
     captured now, on the CPU in the background while the engine serves eagerly
-    (`engine.compiler`, engine.core.background_compile)."""
+    (`engine.compiler`, engine.core.background_compile); warmed up (`LLMEngine.warm_up`)."""
     engine = LLMEngine(cfg)
     if cfg.catalog_dir is not None:
         _enable_lora(engine, cfg)
     if compiles(cfg, engine):
         engine.runner.graphs = _compile_decode(engine, cfg)
+    engine.warm_up()  # a user's first request is not the one that pages the weights in
     return engine
 
 
