@@ -132,9 +132,10 @@ async def _drain(gen) -> list[int]:
 def test_a_supervisor_stopped_with_its_core_does_not_call_the_core_stalled(demo_dense):
     """The whole server stopped and resumed (SIGSTOP of its process group, a paused VM): the core
     and its supervisor resume together, and the core's beat is as old as the pause. The supervisor
-    knows its own watch did not run meanwhile and judges at its next wake, once the core had a
-    turn: the core is kept (same pid, no restart) and serves; a core stopped alone is still
-    replaced (the test above)."""
+    knows its own watch did not run meanwhile and counts a stall only from when it resumed: the
+    core is kept (same pid, no restart) and serves; a core stopped alone is still replaced (the
+    test above). (Judging at the next wake, 50 ms on, killed the live core 1 run in 2 on a busy
+    2-CPU host: it had not yet ended the turn it was stopped in.)"""
     host = ProcessWedge(demo_dense)
     eng = host.engine
     req = GenerateRequest("long", [1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True))
