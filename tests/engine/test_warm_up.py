@@ -36,7 +36,7 @@ def test_a_built_engine_was_warmed_up_and_shows_nothing_of_it(demo_dense):
 
 
 def test_the_warm_up_runs_a_prefill_and_the_decode_steps(demo_dense):
-    engine = LLMEngine(dataclasses.replace(_cfg(demo_dense), block_size=4))  # not warmed up: this test calls it
+    engine = LLMEngine(dataclasses.replace(_cfg(demo_dense), block_size=8))  # not warmed up: this test calls it
     kinds = []
     run = engine.runner.run
 

@@ -174,6 +174,7 @@ def test_base_batches_take_the_decode_plan_and_adapter_batches_do_not(dense_set,
     (`model.decode_plan`): a base-only batch's decode steps run the plan, a mixed batch's the
     modules, a lone adapter's the plan with its deltas, and all equal PEFT, whether the plan's
     loop runs in C++ (`cpu_fused.decode_layers`, the default) or in Python."""
+    from loraserve.engine.core import llm_engine
     from loraserve.model import decode_plan
     monkeypatch.setattr(decode_plan, "NATIVE_LOOP", loop == "c++")
     planned: list[int] = []
@@ -181,6 +182,8 @@ def test_base_batches_take_the_decode_plan_and_adapter_batches_do_not(dense_set,
     monkeypatch.setattr(decode_plan.DecodePlan, "run", lambda self, x, a, deltas=False:
                         planned.append("deltas" if deltas else "idle") or real(self, x, a, deltas))
     eng = _engine(dense_set, "torch")
+    assert planned == ["idle"] * llm_engine.WARM_UP_DECODE_STEPS  # its warm-up (LLMEngine.warm_up)
+    planned.clear()
     _check(dense_set, eng, [None, None], seed=4)
     assert planned == ["idle"] * (TOKENS - 1)
     # the adapter resident first: a cold one parks its request for the page-in while the base

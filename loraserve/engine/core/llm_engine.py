@@ -458,7 +458,7 @@ class LLMEngine:
         return self.snapshot.stats()
 
     def warm_up(self) -> float:
-        """Run one short greedy request on the base through the whole step (a prefill, then
+        """Run one short greedy request on the base through the whole step (a 2-token prefill, then
         WARM_UP_DECODE_STEPS decode steps) before the engine serves, so that the first touch of
         each weight page and the first call of each kernel, allocator pool and sampling op land
         here, not inside a user's first request. On SmolLM2 f32 (2 CPUs) that first request spent
@@ -467,10 +467,12 @@ class LLMEngine:
         entry), greedy draws no random numbers, and the counters it moved (prefix
         lookups, last batch, step time) are put back. Returns the seconds it took."""
         start = time.perf_counter()
-        prompt = (self.tokenizer.encode("Hello") or [0])[:1]
+        size = self.blocks.block_size
+        # two tokens: a prefill of several rows (one row would take the decode step's path)
+        prompt = ((self.tokenizer.encode("Hello, world") or [0]) * 2)[:2 if size > 3 else 1]
         # the sequence never fills a KV block, so the prefix cache keeps none of it
-        budget = max(0, min(WARM_UP_DECODE_STEPS + 1, self.max_model_len - 1, self.blocks.block_size - 1))
-        if budget == 0:
+        budget = min(WARM_UP_DECODE_STEPS + 1, self.max_model_len - len(prompt), size - 1 - len(prompt))
+        if budget < 1:
             return 0.0
         params = SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True)
         blocks = self.blocks
