@@ -161,18 +161,24 @@ class LocalFetcher:
 
 
 class SingleFlight:
-    """`run(key, fn)`: `fn()` once for concurrent callers with one key; they share its outcome."""
+    """`run(key, fn)`: `fn()` once for concurrent callers with one key; they share its outcome.
+
+    `settled` (optional) says whether the work is already done: asked under the lock when no
+    flight of the key runs, so a caller that arrives just after a flight ended (it missed
+    before that flight landed, then waited for a thread) does not start the same work again."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._flights: dict[str, Future] = {}
         self.started = 0
 
-    def run(self, key: str, fn: Callable[[], T]) -> T:
+    def run(self, key: str, fn: Callable[[], T], settled: Callable[[], bool] | None = None) -> T | None:
         with self._lock:
             flight = self._flights.get(key)
             leader = flight is None
             if leader:
+                if settled is not None and settled():
+                    return None
                 flight = self._flights[key] = Future()
                 self.started += 1
         if not leader:

@@ -119,7 +119,7 @@ class Sourcing:
         if not principal.sees(adapter_id.split("/", 1)[0]):
             return False
         try:
-            if self.tier is not None and self._from_store(adapter_id, revision):
+            if self.tier is not None and self._from_store(adapter_id, revision, settled=True):
                 return True
             if self.sources is None or revision is not None:
                 return False
@@ -133,12 +133,13 @@ class Sourcing:
             raise EngineError(f"adapter {adapter_id!r} cannot be served: {exc}", status=exc.status,
                               param="model") from exc
 
-    def _from_store(self, adapter_id: str, revision: str | None) -> bool:
+    def _from_store(self, adapter_id: str, revision: str | None, settled: bool = False) -> bool:
         """Fault in from the tier; with the store down, a bare id comes from the sources instead,
         imported provisionally (not published until the store answers: StoreTier.provisional);
-        no source holding it leaves the store's 503."""
+        no source holding it leaves the store's 503. `settled`: nothing is faulted in when the
+        catalog here holds the ref by then (`_fault_in`)."""
         try:
-            return self._fault_in(adapter_id, revision)
+            return self._fault_in(adapter_id, revision, settled)
         except SourceUnavailable as down:
             if self.sources is None or revision is not None:
                 raise
@@ -150,10 +151,20 @@ class Sourcing:
                 raise down from None
             return True
 
-    def _fault_in(self, adapter_id: str, revision: str | None) -> bool:
-        """From the durable tier, once for concurrent misses of one revision."""
+    def _fault_in(self, adapter_id: str, revision: str | None, settled: bool = False) -> bool:
+        """From the durable tier, once for concurrent misses of one revision. `settled`: a miss
+        (the request's ref was not here) that finds the ref here by the time it would start a
+        fault-in, because a concurrent miss's fault-in just landed, starts none."""
+        def here() -> bool:
+            try:
+                self.view.catalog.resolve(adapter_id, revision)
+            except CatalogError:
+                return False
+            return True
+
         try:
-            self.fault_ins.run(f"{adapter_id}@{revision}", lambda: self.tier.fault_in(adapter_id, revision))
+            self.fault_ins.run(f"{adapter_id}@{revision}", lambda: self.tier.fault_in(adapter_id, revision),
+                               here if settled else None)
         except (AdapterNotFound, RevisionNotFound):
             return False
         return True
