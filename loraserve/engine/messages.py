@@ -41,7 +41,8 @@ from ..adapters.stats import CacheStats, PagerStats, PoolStats
 from .snapshot import EngineSnapshot
 from .types import EngineError, GenerateRequest, RequestOutput
 from .wire import (error_from_wire, error_to_wire, output_from_wire, output_to_wire, pack,
-                   request_from_wire, request_to_wire, snapshot_from_wire, snapshot_to_wire)
+                   request_from_wire, request_to_wire, snapshot_from_wire, snapshot_has_detail,
+                   snapshot_to_wire)
 
 
 class Kind(enum.IntEnum):
@@ -159,6 +160,9 @@ class Stop:
 class Step:
     outputs: tuple[RequestOutput, ...]
     snapshot: EngineSnapshot | None  # None: unchanged, or not due yet
+    # False: the snapshot is sent without its detail (snapshot.DETAIL_FIELDS), which is the one
+    # the peer got last (the engine carried it over): the receiver keeps its own
+    detail: bool = True
     KIND: ClassVar[Kind] = Kind.STEP
 
 
@@ -210,7 +214,7 @@ _ENCODE = {
     Train: lambda m: [m.call_id, m.op, list(m.args)],
     Stop: lambda m: [],
     Step: lambda m: [[output_to_wire(o) for o in m.outputs],
-                     None if m.snapshot is None else snapshot_to_wire(m.snapshot)],
+                     None if m.snapshot is None else snapshot_to_wire(m.snapshot, m.detail)],
     Return: lambda m: [m.call_id, m.value, None if m.error is None else error_to_wire(m.error)],
     Batch: lambda m: [[to_wire(x) for x in m.messages]],
 }
@@ -254,7 +258,8 @@ _DECODE = {
     Kind.WARM: lambda cid, rec: Warm(_int(cid), RevisionRecord.from_json(rec)),
     Kind.TRAIN: lambda cid, op, args: Train(_int(cid), _str(op), tuple(args)),
     Kind.STOP: lambda: Stop(),
-    Kind.STEP: lambda outs, snap: Step(tuple(output_from_wire(o) for o in outs), _snapshot_from(snap)),
+    Kind.STEP: lambda outs, snap: Step(tuple(output_from_wire(o) for o in outs), _snapshot_from(snap),
+                                       snap is None or snapshot_has_detail(snap)),
     Kind.RETURN: lambda cid, value, err: Return(_int(cid), value,
                                                 None if err is None else error_from_wire(err)),
     Kind.BATCH: lambda frames: Batch(tuple(decode(f) for f in frames)),

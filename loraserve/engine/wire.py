@@ -24,7 +24,7 @@ import msgpack
 from loraserve.catalog.errors import CatalogError
 from loraserve.catalog.records import RevisionRecord
 
-from .snapshot import EngineSnapshot
+from .snapshot import DETAIL_FIELDS, EngineSnapshot
 from .types import (EngineError, GenerateRequest, RequestOutput, ResolvedModel, SamplingParams,
                     TokenLogprob)
 
@@ -131,14 +131,19 @@ def output_from_wire(o: list) -> RequestOutput:
     return RequestOutput(*o)  # positional in _OUT_FIELDS' order, which output_to_wire wrote
 
 
-def snapshot_to_wire(s: EngineSnapshot) -> dict:
-    d = {f.name: getattr(s, f.name) for f in dataclasses.fields(EngineSnapshot)}
-    d["resident"] = list(s.resident)
-    for name in _SNAPSHOT_STATS:
-        d[name] = None if d[name] is None else dataclasses.asdict(d[name])
+def snapshot_to_wire(s: EngineSnapshot, detail: bool = True) -> dict:
+    """The snapshot's fields by name; without `detail`, all but its DETAIL_FIELDS (a peer that
+    has them already: `messages.Step.detail`)."""
+    d = {name: getattr(s, name) for name in (_SNAPSHOT_FIELDS if detail else _LIGHT_FIELDS)}
+    if detail:
+        d["resident"] = list(s.resident)
+        for name in _SNAPSHOT_STATS:
+            d[name] = None if d[name] is None else dataclasses.asdict(d[name])
     return d
 
 
+_SNAPSHOT_FIELDS = tuple(f.name for f in dataclasses.fields(EngineSnapshot))
+_LIGHT_FIELDS = tuple(name for name in _SNAPSHOT_FIELDS if name not in DETAIL_FIELDS)
 _SNAPSHOT_STATS = ("pool", "cpu_cache", "pager")  # adapters.stats dataclasses, or None
 
 
@@ -152,7 +157,14 @@ def snapshot_from_wire(d: dict, pool_stats, cache_stats, pager_stats) -> EngineS
     field comes back a tuple (of tuples), as the snapshot holds it: a field added there
     travels with no change here."""
     d = {k: v if k in _SNAPSHOT_STATS else _frozen(v) for k, v in d.items()}
-    d["resident"] = frozenset(d["resident"])
+    if "resident" in d:  # sent with its detail (a snapshot without has the defaults there)
+        d["resident"] = frozenset(d["resident"])
     for name, cls in zip(_SNAPSHOT_STATS, (pool_stats, cache_stats, pager_stats)):
-        d[name] = None if d[name] is None else cls(**d[name])
+        if d.get(name) is not None:
+            d[name] = cls(**d[name])
     return EngineSnapshot(**d)
+
+
+def snapshot_has_detail(d: dict) -> bool:
+    """Whether a snapshot's wire dict carries its DETAIL_FIELDS."""
+    return "detail_at" in d

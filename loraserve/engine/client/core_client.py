@@ -345,8 +345,8 @@ class ProcessTransport(Transport, asyncio.Protocol):  # the protocol of its end 
         for msg in (m for frame in self._frames for m in decode_batch(frame)):
             match msg:
                 case Step():  # one engine step: this server's deltas, and the snapshot if sent
-                    if msg.snapshot is not None:
-                        self.snapshot = msg.snapshot
+                    if msg.snapshot is not None:  # without its detail: the one we have
+                        self.snapshot = msg.snapshot if msg.detail else msg.snapshot.with_detail_of(self.snapshot)
                     if msg.outputs:
                         self.client._deliver(list(msg.outputs))
                 case Return():

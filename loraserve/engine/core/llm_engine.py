@@ -30,7 +30,7 @@ from .sampler import sample, token_logprobs
 from .structured import GrammarEngine
 from .scheduler import Scheduler
 from .sequence import Sequence
-from ..snapshot import CPU_RESIDENT_MAX, PUBLISH_EVERY_S, EngineSnapshot
+from ..snapshot import CPU_RESIDENT_MAX, DETAIL_EVERY_S, DETAIL_FIELDS, PUBLISH_EVERY_S, EngineSnapshot
 from ..types import EngineError, GenerateRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -425,14 +425,20 @@ class LLMEngine:
 
     # -- what other threads read ----------------------------------------------------------------
     def publish(self, force: bool = True) -> None:
-        """Replace the snapshot (at most every PUBLISH_EVERY_S unless forced)."""
+        """Replace the snapshot (at most every PUBLISH_EVERY_S unless forced); its detail is read
+        again when forced or DETAIL_EVERY_S after it was last read, else carried over
+        (`engine.snapshot`)."""
         now = time.monotonic()
-        if not force and now - self.snapshot.published < PUBLISH_EVERY_S:
+        last = self.snapshot
+        if not force and now - last.published < PUBLISH_EVERY_S:
             return
-        sch, mgr = self.scheduler, self.adapters
-        pool = mgr.pool if mgr is not None else None
-        b = self.blocks
+        sch, b = self.scheduler, self.blocks
         waiting = [*sch.waiting, *sch.parked.values()]
+        if force or now - last.detail_at >= DETAIL_EVERY_S:
+            detail = self._detail(now)
+        else:
+            detail = {name: getattr(last, name) for name in DETAIL_FIELDS}
+        mgr = self.adapters
         self.snapshot = EngineSnapshot(
             running=len(sch.running), waiting=len(sch.waiting), parked=len(sch.parked),
             batch_size=self.last_batch_size, kv_usage=b.usage, preemptions=sch.num_preemptions,
@@ -440,19 +446,26 @@ class LLMEngine:
             prefix_cache_queries=b.prefix_query_tokens, prefix_cache_hits=b.prefix_hit_tokens,
             running_adapters=tuple(sorted({s.adapter_ref for s in sch.running if s.adapter_ref})),
             waiting_adapters=tuple(sorted({s.adapter_ref for s in waiting if s.adapter_ref})),
-            resident=frozenset(pool.resident()) if pool is not None else frozenset(),
-            pinned=tuple(k for k in pool.resident() if pool.entry(k).pinned) if pool is not None else (),
-            cpu_resident=tuple(mgr.cpu_cache.recent(CPU_RESIDENT_MAX)) if mgr is not None else (),
-            pool=pool.stats if pool is not None else None,
-            cpu_cache=mgr.cpu_cache.stats if mgr is not None else None,
-            pager=mgr.pager.stats if mgr is not None else None,
-            page_in_samples=tuple((x.name, x.labels, x.value) for m in mgr.pager.page_in_seconds.collect()
-                                  for x in m.samples) if mgr is not None else (),
-            max_lora=pool.config.max_slots if pool is not None else 0, num_kv_blocks=b.num_blocks,
+            max_lora=mgr.pool.config.max_slots if mgr is not None else 0, num_kv_blocks=b.num_blocks,
             quarantined=tuple((aid, rev, why) for (aid, rev), why in mgr.quarantined.items())
             if mgr is not None else (),
             compile=self.compiler.progress() if self.compiler is not None else (),
-            published=now)
+            published=now, **detail)
+
+    def _detail(self, now: float) -> dict:
+        """The snapshot's DETAIL_FIELDS, read now: the tiers' contents and counters."""
+        mgr = self.adapters
+        if mgr is None:
+            return {"detail_at": now}
+        pool = mgr.pool
+        return dict(
+            resident=frozenset(pool.resident()),
+            pinned=tuple(k for k in pool.resident() if pool.entry(k).pinned),
+            cpu_resident=tuple(mgr.cpu_cache.recent(CPU_RESIDENT_MAX)),
+            pool=pool.stats, cpu_cache=mgr.cpu_cache.stats, pager=mgr.pager.stats,
+            page_in_samples=tuple((x.name, x.labels, x.value) for m in mgr.pager.page_in_seconds.collect()
+                                  for x in m.samples),
+            detail_at=now)
 
     def stats(self) -> dict:
         return self.snapshot.stats()

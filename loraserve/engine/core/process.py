@@ -193,13 +193,14 @@ class EngineCoreProc:
         snapshot taken after its call), else when the last one sent is SNAPSHOT_EVERY_S old."""
         if any(isinstance(r, Ready) for r in replies):
             self._snapshot = None  # a new peer
-        snap, now = self.core.engine.snapshot, time.monotonic()
+        snap, now, detail = self.core.engine.snapshot, time.monotonic(), True
         if snap is self._snapshot or (self.core.busy and not replies
                                       and now - self._snapshot_sent_at < SNAPSHOT_EVERY_S):
             snap = None  # unchanged, or not due yet
-        else:
+        else:  # the detail only when the engine read it again since the last one sent
+            detail = self._snapshot is None or snap.detail_at != self._snapshot.detail_at
             self._snapshot, self._snapshot_sent_at = snap, now
         if outs or snap is not None:
-            self._write(encode(Step(tuple(outs), snap)))
+            self._write(encode(Step(tuple(outs), snap, detail)))
         for reply in replies:
             self._write(encode(reply))
