@@ -7,7 +7,9 @@ both check the layout so a blob that loads is one the engine can use as is: ever
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import numpy as np
 import orjson
@@ -18,6 +20,7 @@ from .bounds import GainPlan, as_float32, check_servable, gain_limit
 from .dtypes import DTYPES_BY_NAME, dtype_name, name_of_code, torch_dtype
 from .errors import CorruptBlob
 from .format import FORMAT, canonical_blob, check_adapter_meta, read_header
+from .safetensors_header import PREFIX, header_length
 from .lru import BoundedLRU
 from .targets import EXPERT_KINDS, module_path, parse_tensor_name, tensor_names
 
@@ -160,12 +163,8 @@ def checked_region(blob: bytearray, *, what: str = "adapter blob",
     into a CPU-tier slab, `loraserve.adapters.slabs`): the views are the larger part of a decode
     whose table was seen before. A table not seen before goes through `load_revision` itself
     (which checks it in full and keeps its layout)."""
-    entries, raw_meta, start = read_header(blob, what)
-    meta = check_adapter_meta(raw_meta, what)
-    try:
-        key = (orjson.dumps(entries), meta["dtype"], meta["rank"], tuple(meta["targets"]))
-    except TypeError:
-        key = None
+    raw = _header_bytes(blob, what)
+    meta, key, start = _HEADERS.get(raw) or _header_of(blob, raw, what)
     layout = _LAYOUTS.get(key) if key is not None else None
     if layout is None or len(blob) - start != layout.data_bytes:
         load_revision(blob, what=what, finite=True, compute_dtype=compute_dtype)
@@ -179,6 +178,26 @@ def checked_region(blob: bytearray, *, what: str = "adapter blob",
     except (ValueError, RuntimeError) as e:
         raise CorruptBlob(f"{what}: {e}") from None
     return meta, layout, start
+
+
+def _header_bytes(blob: bytearray, what: str) -> bytes:
+    """The blob's header (the JSON after the length prefix), as bytes: `_HEADERS`' key."""
+    n = header_length(bytes(blob[:PREFIX.size]), len(blob), what, CorruptBlob)
+    return bytes(blob[PREFIX.size:PREFIX.size + n])
+
+
+def _header_of(blob: bytearray, raw: bytes, what: str) -> tuple[Mapping, tuple | None, int]:
+    """(checked metadata, `_LAYOUTS` key or None, data offset) of a blob's header, parsed and
+    checked, and kept in `_HEADERS` under its bytes `raw`."""
+    entries, raw_meta, start = read_header(blob, what)
+    meta = MappingProxyType(check_adapter_meta(raw_meta, what))  # shared by every blob with this header
+    try:
+        key = (orjson.dumps(entries), meta["dtype"], meta["rank"], tuple(meta["targets"]))
+    except TypeError:  # a table orjson cannot write back (e.g. an integer past 64 bits): no key
+        key = None
+    head = (meta, key, start)
+    _HEADERS.put(raw, head)
+    return head
 
 
 def _check_values(buf: bytearray, start: int, dtype: str, views, plan: GainPlan,
@@ -247,6 +266,12 @@ class _LayoutCache(BoundedLRU[tuple, _Layout]):
 
 
 _LAYOUTS = _LayoutCache()
+# A page-in's header, parsed and checked, by its bytes. Revisions of one layout exported for one
+# base have byte-identical headers (the format writes no per-revision field, and its JSON is
+# canonical), so a namespace of a million revisions holds a handful: a hit skips the JSON parse
+# and the metadata checks, about a third of a small adapter's decode. What the header cannot
+# say (the blob's length, its values) is checked every time, as before.
+_HEADERS: BoundedLRU[bytes, tuple[Mapping, tuple | None, int]] = BoundedLRU(256)
 
 
 def _tensor_views(buf: bytearray, entries: dict, start: int,

@@ -357,6 +357,41 @@ def test_a_checked_layout_is_reused_and_decodes_what_the_full_check_decodes(monk
     assert len(layout._LAYOUTS) == 2
 
 
+def test_a_header_seen_before_is_not_parsed_again_and_the_rest_is_still_checked(monkeypatch):
+    """`checked_region` keeps each header it parsed and checked under its bytes
+    (`layout._HEADERS`): revisions of one layout have byte-identical headers, so a later blob's
+    JSON is not parsed again. What the header cannot say is checked every time: the blob's
+    length and its values; a header that differs by a byte is parsed and checked afresh."""
+    from loraserve.catalog import layout
+    monkeypatch.setattr(layout, "_HEADERS", layout.BoundedLRU(256))
+    parsed = []
+    read = layout.read_header
+    monkeypatch.setattr(layout, "read_header", lambda blob, what: parsed.append(what) or read(blob, what))
+    blobs = [bytearray(save_revision(make_weights(SPECS, 2, seed=200 + i))) for i in range(4)]
+    first = layout.checked_region(blobs[0], what="a", compute_dtype="float32")
+    assert set(parsed) == {"a"}  # (its table was new too: checked in full, parsed there again)
+    parsed.clear()
+    for i, buf in enumerate(blobs):
+        meta, table, start = layout.checked_region(buf, what=f"b{i}", compute_dtype="float32")
+        assert (meta, table, start) == first
+        with pytest.raises(TypeError):
+            meta["rank"] = 9  # shared by every blob with this header: read-only
+    assert parsed == []  # each later blob's header was a hit
+    with pytest.raises(CorruptBlob, match="bytes after the last tensor"):
+        layout.checked_region(blobs[1] + b"\0" * 8, what="padded")
+    with pytest.raises(CorruptBlob, match="truncated|bytes"):
+        layout.checked_region(blobs[1][:-8], what="cut")
+    bad = bytearray(blobs[2])
+    next(iter(load_revision(bad).tensors.values()))[0, 0] = float("nan")
+    with pytest.raises(CorruptBlob, match="holds NaN or Inf"):
+        layout.checked_region(bad, what="nan", compute_dtype="float32")
+    fewer = ",".join(make_weights(SPECS, 2, seed=0).targets[1:])
+    other = _reheadered(bytes(blobs[3]), lambda h: h["__metadata__"].update(targets=fewer))
+    with pytest.raises(CorruptBlob, match="targets"):  # new bytes: parsed and checked in full
+        layout.checked_region(other, what="other")
+    assert parsed[-1] == "other"
+
+
 def test_a_batch_of_page_ins_wakes_the_engine_thread_once(catalog):
     """The manager hands finished page-ins to the engine thread through `PageIns`: a batch of
     them wakes it once, not once each; after it has drained the queue, the next one wakes it

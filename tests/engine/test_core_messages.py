@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 import threading
 import time
@@ -151,6 +152,39 @@ def test_the_snapshot_is_rate_limited_while_busy_and_sent_when_idle(served, monk
     assert len(snaps) <= 0.5 / 0.05 + 3
     last = snaps[-1]
     assert last.running == 0 and last.preemptions >= steps_busy  # the idle state, at once
+
+
+def test_the_snapshot_detail_is_sent_only_when_the_engine_read_it_again(served, monkeypatch) -> None:
+    """While busy, the engine reads its snapshot's detail (the tiers' contents) only now and
+    then and carries it over in between; the core sends a snapshot with its detail only when
+    the detail was read again since the last one sent, and the receiver keeps its own."""
+    engine, peer, _ = served
+    monkeypatch.setattr(core_module, "SNAPSHOT_EVERY_S", 0.0)  # a snapshot with every step
+    step = engine.step
+
+    def stepping():
+        outs = step()
+        n = engine.steps // 5  # the detail is read again every fifth step
+        engine.snapshot = dataclasses.replace(engine.snapshot, resident=frozenset({("a", str(n))}),
+                                              cpu_resident=(("b", str(n)),), detail_at=float(n + 1))
+        return outs
+
+    engine.step = stepping
+    engine.busy_steps = 40
+    peer.send(_request("start"))
+    got = peer.receive(lambda msgs: sum(isinstance(m, Step) and m.snapshot is not None
+                                        for m in msgs) >= 30)
+    held, with_detail = EngineSnapshot(), 0
+    for msg in (m for m in got if isinstance(m, Step) and m.snapshot is not None):
+        if msg.detail:
+            with_detail += 1
+        else:  # sent without it: none of it on the wire, the receiver's kept
+            assert msg.snapshot.resident == frozenset() and msg.snapshot.detail_at == 0.0
+        held = msg.snapshot if msg.detail else msg.snapshot.with_detail_of(held)
+        n = held.preemptions // 5
+        assert held.detail_at == n + 1
+        assert held.resident == frozenset({("a", str(n))}) and held.cpu_resident == (("b", str(n)),)
+    assert 5 <= with_detail <= 10  # one per detail read (every fifth of >= 30 steps), no more
 
 
 @pytest.fixture(scope="module")
