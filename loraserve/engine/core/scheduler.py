@@ -136,17 +136,22 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- one step ---------------------------------------------------------------------------
-    def schedule(self) -> tuple[list[Sequence], bool]:
+    def can_decode(self) -> bool:
+        """Whether a running sequence is ready for a decode step (its prompt is done)."""
+        return any(q.num_pending == 1 for q in self.running)
+
+    def schedule(self, decode_first: bool = False) -> tuple[list[Sequence], bool]:
         """Pick the next batch: (sequences, is_prefill). Empty when nothing can run.
 
         Prefill goes first, except right after a step that left a prompt half done (chunked
         prefill): then the running sequences decode one token first, so a long prompt costs
         them one chunk of latency at a time, not the whole prompt. With several tenants, also
-        when a tenant ready to decode is behind every tenant with prompts (module doc)."""
+        when a tenant ready to decode is behind every tenant with prompts (module doc). And
+        when the caller asks (`decode_first`: page-ins it just asked for are being read)."""
         fair = self._sharing()
         if fair and self._active:
             self._bound_lag()
-        decode_first = self._chunking and any(q.num_pending == 1 for q in self.running)
+        decode_first = (self._chunking or decode_first) and self.can_decode()
         ahead = fair and not decode_first and self._decoder_behind()
         if not (decode_first or ahead):
             batch = self._schedule_prefill_fair() if fair else self._schedule_prefill()
