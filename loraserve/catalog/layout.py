@@ -196,7 +196,8 @@ def _header_of(blob: bytearray, raw: bytes, what: str) -> tuple[Mapping, tuple |
     except TypeError:  # a table orjson cannot write back (e.g. an integer past 64 bits): no key
         key = None
     head = (meta, key, start)
-    _HEADERS.put(raw, head)
+    if len(raw) <= HEADER_CACHE_BYTES:
+        _HEADERS.put(raw, head)
     return head
 
 
@@ -270,8 +271,12 @@ _LAYOUTS = _LayoutCache()
 # base have byte-identical headers (the format writes no per-revision field, and its JSON is
 # canonical), so a namespace of a million revisions holds a handful: a hit skips the JSON parse
 # and the metadata checks, about a third of a small adapter's decode. What the header cannot
-# say (the blob's length, its values) is checked every time, as before.
-_HEADERS: BoundedLRU[bytes, tuple[Mapping, tuple | None, int]] = BoundedLRU(256)
+# say (the blob's length, its values) is checked every time, as before. Bounded in bytes too: a
+# header past HEADER_CACHE_BYTES (a header may be up to 100 MiB) is parsed every time, so the
+# cache holds at most 128 x 256 KiB whatever blobs it sees (a dense 80-layer adapter of all 7
+# targets has a ~130 KB header).
+HEADER_CACHE_BYTES = 256 * 1024
+_HEADERS: BoundedLRU[bytes, tuple[Mapping, tuple | None, int]] = BoundedLRU(128)
 
 
 def _tensor_views(buf: bytearray, entries: dict, start: int,

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 from adapter_fakes import FINGERPRINT, make_weights, tiny_specs
 
 from loraserve.catalog.errors import BaseMismatch, CorruptBlob, FactorsTooLarge, ShardUnavailable
@@ -390,6 +391,43 @@ def test_a_header_seen_before_is_not_parsed_again_and_the_rest_is_still_checked(
     with pytest.raises(CorruptBlob, match="targets"):  # new bytes: parsed and checked in full
         layout.checked_region(other, what="other")
     assert parsed[-1] == "other"
+    monkeypatch.setattr(layout, "HEADER_CACHE_BYTES", 64)  # a header past the bound is not kept
+    kept = len(layout._HEADERS)
+    big = bytearray(save_revision(make_weights(SPECS, 3, seed=300)))
+    for _ in range(2):
+        layout.checked_region(big, what="big", compute_dtype="float32")
+    assert len(layout._HEADERS) == kept and parsed.count("big") >= 2  # parsed each time
+
+
+_CLEAN = bytes(save_revision(make_weights(SPECS, 2, seed=400)))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edits=st.lists(st.tuples(st.integers(0, len(_CLEAN) - 1), st.integers(0, 255)), min_size=1, max_size=4),
+       cut=st.sampled_from([0, 0, 0, -8, -1, 8]))
+def test_a_damaged_blob_is_judged_alike_with_its_header_cached_or_not(monkeypatch, edits, cut):
+    """Generator: bytes of a blob overwritten anywhere (length prefix, header JSON, data) and its
+    length cut or padded. `checked_region` accepts and refuses it exactly as with an empty
+    header cache, whatever the cache holds (the clean blob's header, seen just before)."""
+    from loraserve.catalog import layout
+    blob = bytearray(_CLEAN)
+    for at, value in edits:
+        blob[at] = value
+    blob = blob[:cut] if cut < 0 else blob + b"\0" * cut
+
+    def judged(cache):
+        monkeypatch.setattr(layout, "_HEADERS", cache)
+        try:
+            meta, table, start = layout.checked_region(bytearray(blob), what="x", compute_dtype="float32")
+        except CorruptBlob:
+            return "refused"
+        return dict(meta), table, start
+
+    cold = judged(layout.BoundedLRU(128))
+    warm_cache = layout.BoundedLRU(128)
+    monkeypatch.setattr(layout, "_HEADERS", warm_cache)
+    layout.checked_region(bytearray(_CLEAN), what="clean", compute_dtype="float32")
+    assert judged(warm_cache) == cold
 
 
 def test_a_batch_of_page_ins_wakes_the_engine_thread_once(catalog):
