@@ -519,6 +519,67 @@ void lora_addmm_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, 
   });
 }
 
+// Each row of a step's logits [B, V] (float32, unit column stride) screened and picked in one
+// read: whether every value is finite (no NaN or Inf: the exponent bits not all set), and the
+// index of its first largest value, as torch.argmax picks it (ties: the lowest index; -0.0 and
+// 0.0 are equal). A non-finite row's index is -1: nothing is picked from it. The engine's step
+// took ~0.5 ms of a 20-26 ms SmolLM2 step for this in torch ops (a sum, an isfinite, an index
+// copy and an argmax, each a pass and most a parallel region).
+std::tuple<at::Tensor, at::Tensor> screen_logits(const at::Tensor& logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat &&
+                  (logits.size(1) <= 1 || logits.stride(1) == 1),
+              "screen_logits: logits must be a CPU float32 [B, V] with unit column stride");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  at::Tensor finite = at::empty({rows}, logits.options().dtype(at::kBool));
+  at::Tensor picked = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* lp = logits.data_ptr<float>();
+  bool* fp = finite.data_ptr<bool>();
+  int64_t* pp = picked.data_ptr<int64_t>();
+  rows_for(rows, vocab, [&](int64_t r) {
+    const float* x = lp + r * logits.stride(0);
+    bool bad = false;
+    float top = -std::numeric_limits<float>::infinity();
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512i exponent = _mm512_set1_epi32(0x7F800000);
+    __m512 vtop = _mm512_set1_ps(top);
+    __mmask16 vbad = 0;
+    for (; i + 16 <= vocab; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      vbad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), exponent), exponent);
+      vtop = _mm512_max_ps(vtop, v);
+    }
+    bad = vbad != 0;
+    top = _mm512_reduce_max_ps(vtop);
+#endif
+    for (; i < vocab; ++i) {
+      bad |= !std::isfinite(x[i]);
+      top = std::max(top, x[i]);
+    }
+    fp[r] = !bad;
+    int64_t at = -1;
+    if (!bad) {
+      at = 0;  // an empty row picks 0, as nothing else could
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      const __m512 vt = _mm512_set1_ps(top);
+      for (; j + 16 <= vocab; j += 16) {
+        const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), vt, _CMP_EQ_OQ);
+        if (eq) break;
+      }
+#endif
+      for (; j < vocab; ++j) {
+        if (x[j] == top) {
+          at = j;
+          break;
+        }
+      }
+    }
+    pp[r] = at;
+  });
+  return {finite, picked};
+}
+
 // One projection of a planned layer, through the op its module's forward calls (`decode_plan._native`):
 // kind 0 a plain weight on loraserve_cpu::vec_linear (cpu_gemv.cpp), its bias added after as
 // `VectorLinear` adds it; 1 a quantized one on loraserve_quant::quant_linear (cpu_quant.cpp:
@@ -625,6 +686,7 @@ TORCH_LIBRARY(loraserve_fused, m) {
   m.def("qkv_attention(Tensor qkv, int heads, int kv_heads, Tensor cos, Tensor sin, Tensor? norm_w, float eps, "
         "Tensor(a!) kc, Tensor(b!) vc, Tensor slots, Tensor kv_index, Tensor lens, int window, float scale) -> Tensor");
   m.def("silu_mul_halves(Tensor gu) -> Tensor");
+  m.def("screen_logits(Tensor logits) -> (Tensor, Tensor)");
   m.def("decode_layers(Tensor x, Tensor first_w, float first_eps, Tensor[] weights, int[] proj, Tensor[] norms, "
         "int[] meta, float[] eps, Tensor(a!)[] k_layers, Tensor(b!)[] v_layers, Tensor cos, Tensor sin, Tensor slots, "
         "Tensor kv_index, Tensor lens, float scale, Tensor[] lora, int[] lora_meta) -> Tensor");
@@ -640,4 +702,5 @@ TORCH_LIBRARY_IMPL(loraserve_fused, CPU, m) {
   m.impl("lora_addmm_", &lora_addmm_);
   m.impl("qkv_attention", &qkv_attention);
   m.impl("silu_mul_halves", &silu_mul_halves);
+  m.impl("screen_logits", &screen_logits);
 }

@@ -18,7 +18,9 @@ while the work is small:
 - `lora_addmm_(y, x, a, b)`: y += (x @ a.T) @ b, one adapter's delta on a few rows
   (`torch_backend`'s one-adapter decode step: two tiny GEMMs and three views before);
 - `decode_layers(...)`: a `model.decode_plan.DecodePlan`'s whole loop over the decoder layers,
-  the ops above and the projections' own (`cpu_gemv`, `cpu_quant`) called from C++.
+  the ops above and the projections' own (`cpu_gemv`, `cpu_quant`) called from C++;
+- `screen_logits(logits)`: per row of a step's float32 logits, whether all are finite and the
+  index torch.argmax picks (the engine's non-finite screen and greedy pick, in one read).
 
 Callers use them only where `usable(x)` holds: a CPU tensor of float32 or bfloat16 outside
 autograd (serving: inference mode or no_grad) and outside a compiled graph (inductor fuses the
@@ -115,6 +117,18 @@ LORA_MAX_ROWS = 8  # rows up to which `lora_addmm_` beats two GEMM calls (a deco
 
 def lora_addmm_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     torch.ops.loraserve_fused.lora_addmm_(y, x, a, b)
+
+
+def screens(logits: torch.Tensor) -> bool:
+    """Whether `screen_logits` takes `logits`: CPU float32 [B, V] with unit column stride, the library loaded."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and (logits.shape[1] <= 1 or logits.stride(1) == 1) and available())
+
+
+def screen_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] float32 -> (finite [B] bool: no NaN or Inf in the row, picked [B] int64:
+    the row's torch.argmax, -1 where the row is not finite)."""
+    return torch.ops.loraserve_fused.screen_logits(logits)
 
 
 def has_decode_layers() -> bool:

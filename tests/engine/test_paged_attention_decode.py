@@ -106,3 +106,28 @@ def test_a_compiled_step_writes_k_v_in_place_and_copies_no_cache():
     layer_cache = f"({cache.k.shape[1]}, {HKV}, {D})"
     assert not any(f"empty_strided_cpu({shape}" in src for src in code
                    for shape in (layer_cache, str(tuple(cache.k.shape)))), "the compiled step copies the cache"
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_a_decode_step_builds_the_tensors_the_general_build_makes(data):
+    """`PagedAttention.build` of a decode step (one token a sequence) takes `_build_decode`: every
+    field equal to the general form's, ragged lengths, scattered and padded block tables, a
+    fixed context width (a compiled bucket) or none."""
+    cache = KVCache(1, 16, BS, HKV, D, torch.float32, torch.device("cpu"))
+    b = data.draw(st.integers(1, 5))
+    ends = [data.draw(st.integers(1, 4 * BS)) for _ in range(b)]
+    tables = []
+    for e in ends:
+        need = -(-e // BS) + data.draw(st.integers(0, 2))  # a table may hold blocks past its end
+        tables.append(data.draw(st.lists(st.integers(0, 15), min_size=need, max_size=need)))
+    context = data.draw(st.none() | st.integers(max(ends), max(ends) + 2 * BS))
+    starts = [e - 1 for e in ends]
+    fast = PagedAttention.build(cache, tables, starts, ends, torch.device("cpu"), context=context)
+    slow = PagedAttention._build_general(cache, tables, starts, ends, torch.device("cpu"), context=context)
+    for name in ("slot_mapping", "q_index", "q_valid_pos", "kv_index", "mask", "lens"):
+        got, want = getattr(fast, name), getattr(slow, name)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    assert (fast.shape, fast.single_query, fast.full, fast.kv_run) == (slow.shape, slow.single_query, slow.full, slow.kv_run)
+    for window in (1, 3):
+        assert torch.equal(fast.window_mask(window), slow.window_mask(window))

@@ -266,3 +266,43 @@ def test_lora_addmm_equals_the_two_products(n, inp, out, rank, lo, dtype, seed):
     outside = torch.ones_like(wide, dtype=torch.bool)
     outside[:, lo:lo + out] = False
     assert torch.equal(wide[outside], before[outside])  # the other columns untouched
+
+
+_SPECIAL = st.sampled_from([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3.0, -3.0, 1e38, -1e38])
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(rows=st.integers(0, 5), vocab=st.integers(0, 70), pad=st.integers(0, 3),
+       specials=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 69), _SPECIAL), max_size=8),
+       ties=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_screen_logits_flags_exactly_the_rows_holding_nan_or_inf_and_picks_torchs_argmax(
+        rows, vocab, pad, specials, ties, threads, seed):
+    """A row is finite iff torch.isfinite holds for all of it (a row of finite values whose sum
+    overflows is finite); a finite row's pick is torch.argmax's (first largest; -0.0 == 0.0), a
+    non-finite row's -1. Rows of a wider tensor (a stride past the width), every tail length."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(rows, vocab + pad, generator=gen)
+    if ties:
+        wide = wide.round()  # many equal values: the first largest must win
+    for r, i, value in specials:
+        if r < rows and i < vocab:
+            wide[r, i] = value
+    logits = wide[:, :vocab]
+    torch.set_num_threads(threads)
+    try:
+        finite, picked = cpu_fused.screen_logits(logits)
+    finally:
+        torch.set_num_threads(2)
+    want = torch.isfinite(logits).all(dim=-1) if vocab else torch.ones(rows, dtype=torch.bool)
+    assert finite.tolist() == want.tolist()
+    for r in range(rows):
+        expect = (int(logits[r].argmax()) if vocab else 0) if want[r] else -1
+        assert int(picked[r]) == expect
+
+
+def test_screen_logits_refuses_what_it_cannot_read():
+    assert cpu_fused.screens(torch.zeros(2, 5)) and not cpu_fused.screens(torch.zeros(2, 5, dtype=torch.bfloat16))
+    assert not cpu_fused.screens(torch.zeros(5)) and not cpu_fused.screens(torch.zeros(5, 2).T)
+    for bad in (torch.zeros(2, 5, dtype=torch.float64), torch.zeros(5), torch.zeros(5, 3).T):
+        with pytest.raises(RuntimeError, match="screen_logits"):
+            cpu_fused.screen_logits(bad)

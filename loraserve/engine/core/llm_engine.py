@@ -75,6 +75,13 @@ def default_torch_threads(big_base: bool, cpus: int) -> int:
     return cpus if big_base else max(1, cpus - 1)
 
 
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Whether `sample` picks this request's token as the argmax of the raw logits and nothing
+    else is read from them: temperature 0, no logits adjusted (penalties, bias, min_tokens,
+    min_p, a grammar), no logprobs."""
+    return params.temperature == 0 and not params.adjusts_logits and params.logprobs is None
+
 class LLMEngine:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
@@ -323,19 +330,29 @@ class LLMEngine:
         fails here, alone, before anything samples from them (`_fail_non_finite`). Padding reads
         only the KV cache's null block (`attention.KVCache`), so a sequence's logits are non-finite
         only through its own weights, tokens or K/V. One reduction of the step's logits to a sum
-        per row and one host sync: a NaN or Inf anywhere in a row makes its sum so."""
+        per row and one host sync: a NaN or Inf anywhere in a row makes its sum so. On the CPU,
+        one read of the logits instead (`cpu_fused.screen_logits`: each value checked, each row's
+        argmax taken on the way, kept in `result.picked` for `_sample`'s greedy rows)."""
         if not seqs:
             return seqs, result
-        sums = result.last_logits.sum(dim=-1)
+        logits = result.last_logits
         prompt_bad = {b for b, v in result.prompt_logits.items() if not bool(torch.isfinite(v.sum()))}
-        if not prompt_bad and bool(torch.isfinite(sums).all()):
+        if cpu_fused.screens(logits):
+            _, picked = cpu_fused.screen_logits(logits)
+            result.picked = picked.tolist()
+            bad = {i for i, p in enumerate(result.picked) if p < 0}
+        else:
+            sums = logits.sum(dim=-1)
+            bad = set() if bool(torch.isfinite(sums).all()) else set(torch.nonzero(~torch.isfinite(sums)).flatten().tolist())
+        if not prompt_bad and not bad:
             return seqs, result
-        bad = set(torch.nonzero(~torch.isfinite(sums)).flatten().tolist()) | prompt_bad
+        bad |= prompt_bad
         keep = [i for i in range(len(seqs)) if i not in bad]
         for i in sorted(bad):
             self._fail_non_finite(seqs[i], outs)
         prompt = {j: result.prompt_logits[i] for j, i in enumerate(keep) if i in result.prompt_logits}
-        return [seqs[i] for i in keep], StepResult(result.is_prefill, result.last_logits[keep], prompt)
+        picked = None if result.picked is None else [result.picked[i] for i in keep]
+        return [seqs[i] for i in keep], StepResult(result.is_prefill, logits[keep], prompt, picked)
 
     def _fail_non_finite(self, seq: Sequence, outs: list[RequestOutput]) -> None:
         """End seq, whose logits went non-finite: the KV blocks it wrote leave the prefix cache
@@ -375,12 +392,16 @@ class LLMEngine:
         active = [i for i, s in enumerate(seqs) if s.num_pending == 0 and s.params.max_tokens > len(s.output_ids)]
         if not active:
             return
-        try:
-            picked = self._pick(result.last_logits[active], [seqs[i] for i in active])
-        except Exception:
-            picked = [p for i in active
-                      for p in self._contained(seqs[i], outs, "sampling", self._pick,
-                                               result.last_logits[[i]], [seqs[i]]) or []]
+        if result.picked is not None and all(_plain_greedy(seqs[i].params) for i in active):
+            # greedy on the raw logits, no logprobs: each row's argmax, which the screen read
+            picked = [(seqs[i], result.picked[i], None) for i in active]
+        else:
+            try:
+                picked = self._pick(result.last_logits[active], [seqs[i] for i in active])
+            except Exception:
+                picked = [p for i in active
+                          for p in self._contained(seqs[i], outs, "sampling", self._pick,
+                                                   result.last_logits[[i]], [seqs[i]]) or []]
         now = time.monotonic()
         for seq, token, lp in picked:
             seq.first_token_time = seq.first_token_time or now

@@ -31,6 +31,7 @@ class StepResult:
     is_prefill: bool
     last_logits: torch.Tensor                   # [B, V] float32: next-token logits per sequence
     prompt_logits: dict[int, torch.Tensor]      # batch index -> [P-1, V] logits for prompt tokens 1..P-1
+    picked: list[int] | None = None             # each row's argmax, once the engine's screen has read them
 
 
 class ModelRunner:
@@ -107,7 +108,9 @@ class ModelRunner:
             if is_prefill and seq.wants_prompt_logprobs and start == 0:  # never chunked (scheduler)
                 prompt_rows[b] = (row, row + len(seq.prompt_ids) - 1)
         self._logit_slots([q.slot for q in seqs])
-        logits = self.model.compute_logits(hidden[last_rows])
+        # a decode step's last rows are all of hidden, in order: no gather (a copy) then
+        whole = len(last_rows) == hidden.shape[0] and last_rows == list(range(len(last_rows)))
+        logits = self.model.compute_logits(hidden if whole else hidden[last_rows])
         prompt_logits = {}
         for b, (lo, hi) in prompt_rows.items():
             self._logit_slots([seqs[b].slot] * (hi - lo))
