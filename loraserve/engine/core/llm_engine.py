@@ -75,12 +75,12 @@ def default_torch_threads(big_base: bool, cpus: int) -> int:
     return cpus if big_base else max(1, cpus - 1)
 
 
-
 def _plain_greedy(params: SamplingParams) -> bool:
     """Whether `sample` picks this request's token as the argmax of the raw logits and nothing
     else is read from them: temperature 0, no logits adjusted (penalties, bias, min_tokens,
     min_p, a grammar), no logprobs."""
     return params.temperature == 0 and not params.adjusts_logits and params.logprobs is None
+
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig):
@@ -343,7 +343,8 @@ class LLMEngine:
             bad = {i for i, p in enumerate(result.picked) if p < 0}
         else:
             sums = logits.sum(dim=-1)
-            bad = set() if bool(torch.isfinite(sums).all()) else set(torch.nonzero(~torch.isfinite(sums)).flatten().tolist())
+            bad = set() if bool(torch.isfinite(sums).all()) else set(
+                torch.nonzero(~torch.isfinite(sums)).flatten().tolist())
         if not prompt_bad and not bad:
             return seqs, result
         bad |= prompt_bad
