@@ -19,8 +19,8 @@ while the work is small:
   (`torch_backend`'s one-adapter decode step: two tiny GEMMs and three views before);
 - `decode_layers(...)`: a `model.decode_plan.DecodePlan`'s whole loop over the decoder layers,
   the ops above and the projections' own (`cpu_gemv`, `cpu_quant`) called from C++;
-- `screen_logits(logits)`: per row of a step's float32 logits, whether all are finite and the
-  index torch.argmax picks (the engine's non-finite screen and greedy pick, in one read).
+- `screen_logits(logits)`: per row of a step's float32 logits, the index torch.argmax picks,
+  or -1 where a value is NaN or Inf (the engine's non-finite screen and greedy pick, in one read).
 
 Callers use them only where `usable(x)` holds: a CPU tensor of float32 or bfloat16 outside
 autograd (serving: inference mode or no_grad) and outside a compiled graph (inductor fuses the
@@ -125,9 +125,9 @@ def screens(logits: torch.Tensor) -> bool:
             and (logits.shape[1] <= 1 or logits.stride(1) == 1) and available())
 
 
-def screen_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] float32 -> (finite [B] bool: no NaN or Inf in the row, picked [B] int64:
-    the row's torch.argmax, -1 where the row is not finite)."""
+def screen_logits(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] float32 -> [B] int64: each row's torch.argmax, -1 where the row holds a NaN
+    or Inf."""
     return torch.ops.loraserve_fused.screen_logits(logits)
 
 

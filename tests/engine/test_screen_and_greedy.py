@@ -21,6 +21,7 @@ from loraserve.engine.core import llm_engine
 from loraserve.engine.core.llm_engine import LLMEngine
 from loraserve.engine.core.model_runner import StepResult
 from loraserve.engine.core.output import TokenOutputs
+from loraserve.engine.core.sampler import sample as real_sample
 from loraserve.engine.core.sequence import Sequence
 from loraserve.engine.types import SamplingParams
 from loraserve.kernels import cpu_fused
@@ -84,9 +85,11 @@ def test_the_screen_and_pick_give_each_sequence_what_the_torch_path_gives(params
 
 
 def test_a_plain_greedy_batch_is_picked_by_the_screen_without_the_sampler(monkeypatch):
-    if not cpu_fused.available():
-        pytest.skip("no fused ops here: the torch path is the only one")
-    monkeypatch.setattr(llm_engine, "sample", lambda *a, **k: pytest.fail("the sampler was called"))
+    """With the fused ops (every machine with a C++ compiler) a plain greedy batch never calls
+    the sampler; without them the sampler picks. Either way the NaN row fails alone and the
+    others get their argmax."""
+    calls = []
+    monkeypatch.setattr(llm_engine, "sample", lambda *a, **k: calls.append(1) or real_sample(*a, **k))
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(1))
     logits[1, 4] = float("nan")
     eng = _engine()
@@ -96,5 +99,7 @@ def test_a_plain_greedy_batch_is_picked_by_the_screen_without_the_sampler(monkey
         eng.seqs[s.request_id] = s
     kept, result = eng._screen(seqs, StepResult(False, logits, {}), [])
     assert eng.failed == ["r1"] and [s.request_id for s in kept] == ["r0", "r2"]
+    assert (result.picked is not None) == cpu_fused.available()
     eng._sample(kept, result, [])
     assert [s.output_ids for s in seqs] == [[int(logits[0].argmax())], [], [int(logits[2].argmax())]]
+    assert calls == ([] if cpu_fused.available() else [1])

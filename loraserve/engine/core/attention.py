@@ -198,14 +198,8 @@ class PagedAttention:
         query row is b, its slot is read from its block table in Python, and its mask row is
         the positions before its end. ~12 ops where the general form takes ~35, each a few µs:
         ~0.2 ms of a one-stream SmolLM2 step (bench/RESULTS.md, session 20)."""
-        bs, null = cache.block_size, cache.null_block
-        C = max(ends)
-        if context is not None:
-            if context < C:
-                raise ValueError(f"context {context} is shorter than the step's longest ({C})")
-            C = context
-        width = max(max(len(t) for t in block_tables), -(-C // bs))
-        padded = [t + [null] * (width - len(t)) for t in block_tables]
+        bs = cache.block_size
+        C, padded = _context_tables(cache, block_tables, max(ends), context)
         tables = torch.tensor(padded)                                                 # [B, blocks]
         pos = torch.arange(C)
         end_t = torch.tensor(ends)
@@ -225,14 +219,9 @@ class PagedAttention:
         bs = cache.block_size
         start_t, end_t = torch.tensor(starts), torch.tensor(ends)
         q_len = end_t - start_t
-        Q, C = int(q_len.max()), int(end_t.max())
-        if context is not None:
-            if context < C:
-                raise ValueError(f"context {context} is shorter than the step's longest ({C})")
-            C = context
-        width = max(max(len(t) for t in block_tables), -(-C // bs))
-        null = cache.null_block
-        tables = torch.tensor([t + [null] * (width - len(t)) for t in block_tables])  # [B, blocks]
+        Q = int(q_len.max())
+        C, padded = _context_tables(cache, block_tables, max(ends), context)
+        tables = torch.tensor(padded)                                                 # [B, blocks]
         pos = torch.arange(C)
         kv_index = tables[:, pos // bs] * bs + pos % bs                               # [B, C]
         # positions past a sequence's end read the null block (zeros), never a real block
@@ -249,6 +238,17 @@ class PagedAttention:
         return cls(cache, to(slot_mapping), to(q_index.flatten()), to(valid_pos), to(kv_index.flatten()),
                    to(mask[:, None]), (len(starts), Q, C), Q == 1, full=Q == 1 and min(ends) == C,
                    kv_run=_one_run(block_tables, ends, C, bs), lens=to(end_t))
+
+
+def _context_tables(cache: KVCache, block_tables: list[list[int]], longest: int,
+                    context: int | None) -> tuple[int, list[list[int]]]:
+    """The step's context width C (`context`, which must hold the longest, else the longest) and
+    its block tables padded with the null block to one width that covers C."""
+    if context is not None and context < longest:
+        raise ValueError(f"context {context} is shorter than the step's longest ({longest})")
+    c = longest if context is None else context
+    width = max(max(len(t) for t in block_tables), -(-c // cache.block_size))
+    return c, [t + [cache.null_block] * (width - len(t)) for t in block_tables]
 
 
 def _one_run(block_tables: list[list[int]], ends: list[int], context: int, bs: int) -> tuple[int, int] | None:

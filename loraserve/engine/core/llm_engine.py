@@ -338,8 +338,7 @@ class LLMEngine:
         logits = result.last_logits
         prompt_bad = {b for b, v in result.prompt_logits.items() if not bool(torch.isfinite(v.sum()))}
         if cpu_fused.screens(logits):
-            _, picked = cpu_fused.screen_logits(logits)
-            result.picked = picked.tolist()
+            result.picked = cpu_fused.screen_logits(logits).tolist()
             bad = {i for i, p in enumerate(result.picked) if p < 0}
         else:
             sums = logits.sum(dim=-1)
