@@ -159,6 +159,8 @@ def server(demo: DemoPaths, tmp_path_factory) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def http(server: Server) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=60, headers=ADMIN) as c:
+        # /ready answers once one replica reports: the tests route over both from the first
+        live_replicas(c, timeout_s=START_S)
         yield c
 
 
@@ -191,13 +193,19 @@ KILLED: list[str] = []
 def live_replicas(http: httpx.Client, count: int = 2, not_in: tuple[str, ...] = (),
                   timeout_s: float = 30) -> list[str]:
     """The engine replicas reporting to the ingress (its /metrics `replica` labels), once there
-    are `count` of them, none in `not_in`."""
+    are `count` of them, none in `not_in`, and the ingress's router routes to each of them and
+    to none in `not_in` (a replica reports a moment before Serve tells the router of it: a
+    request sent in between goes to another replica, and its adapter is held there; a wedged
+    core's replica stops reporting, yet Serve still routes to it)."""
     deadline = time.monotonic() + timeout_s
     while True:
         fams = {f.name: f.samples for f in text_string_to_metric_families(http.get("/metrics").text)}
         found = sorted({s.labels["replica"] for s in fams.get("vllm:num_requests_running", [])})
-        if (len(found) == count and not set(found) & set(not_in)) or time.monotonic() > deadline:
-            assert len(found) == count and not set(found) & set(not_in), (found, not_in)
+        routed = sorted(s.labels["replica"] for s in fams.get("loraserve_router_replicas", []))
+        settled = (len(found) == count and not (set(found) | set(routed)) & set(not_in)
+                   and set(found) <= set(routed))
+        if settled or time.monotonic() > deadline:
+            assert settled, (found, routed, not_in)
             return found
         time.sleep(0.5)
 
@@ -643,7 +651,6 @@ def test_a_lost_replicas_adapters_alone_move(http) -> None:
     assert KILLED and OWNERS, "runs after the affinity and the replica-loss tests"
     replicas = live_replicas(http, not_in=tuple(KILLED), timeout_s=180)
     _idle(http)  # the streams of the test before have ended: no load bound in the way
-    time.sleep(1.0)  # Serve's routers learn the replacement from the controller
     held = {ref.split("@")[0]: d["replica"] for d in http.get("/v1/residency").json()["replicas"]
             for ref in d["top"]}
     # the held ones first: serving them pages nothing in, so evicts nothing the rest may hold

@@ -29,7 +29,7 @@ from .drain import Drain, DrainGate
 from ..engine.client.admission import Admission
 from ..engine.client.frontend import EngineClient
 from .frontend import RayTransport, served_by
-from .routing import in_flight
+from .routing import in_flight, routable
 
 REPLICA_HEADER = "x-loraserve-replica"
 NO_REPLICA = "ingress"
@@ -84,6 +84,7 @@ class ReplicaEngineGauges(Collector):
                 m.add_metric(list(labels.values()), float(getattr(snap, attr)))
             yield m
         yield router_gauge()
+        yield routable_gauge()
         yield fair_gauge(self.frontend.admission)
 
 
@@ -94,6 +95,16 @@ def router_gauge() -> GaugeMetricFamily:
                           "an engine replica that have not completed", labels=["replica"])
     for replica, count in sorted(in_flight().items()):
         m.add_metric([replica], float(count))
+    return m
+
+
+def routable_gauge() -> GaugeMetricFamily:
+    """1 for each engine replica the ingress's router can send requests to now (none under
+    `--replica-routing multiplex`)."""
+    m = GaugeMetricFamily("loraserve_router_replicas", "Engine replicas the ingress's router "
+                          "routes to now (1 each)", labels=["replica"])
+    for replica in sorted(routable()):
+        m.add_metric([replica], 1.0)
     return m
 
 

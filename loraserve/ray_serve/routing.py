@@ -168,3 +168,13 @@ def in_flight() -> dict[str, int]:
     for router in list(_ROUTERS):
         total.update({getattr(r, "unique_id", r): n for r, n in dict(router.in_flight).items()})
     return dict(total)
+
+
+def routable() -> set[str]:
+    """The replica names this process's routers route to now: the live set Serve's controller
+    last sent them (a replica may report to the ingress a moment before its router learns of
+    it; until then no request goes there)."""
+    names: set[str] = set()
+    for router in list(_ROUTERS):
+        names.update(r.unique_id for r in list(router.curr_replicas))
+    return names
