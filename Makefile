@@ -89,9 +89,10 @@ wrk:
 	    apt-get install -y -q wrk >/dev/null 2>&1; }; }; } || echo "wrk not installed: its loadtest test will skip"
 
 # the Ray Serve tests start a local Ray on both cores: alone, after the rest
+# the slowest tests of each run are listed at its end: CI has 20 minutes for both
 test: venv models wrk
-	LORASERVE_SMOLLM2=$(abspath $(SMOLLM2)) $(PYTEST) -q $(PYTEST_ARGS) -m 'not ray' tests
-	LORASERVE_SMOLLM2=$(abspath $(SMOLLM2)) $(PYTEST) -q -m ray tests
+	LORASERVE_SMOLLM2=$(abspath $(SMOLLM2)) $(PYTEST) -q $(PYTEST_ARGS) --durations=15 -m 'not ray' tests
+	LORASERVE_SMOLLM2=$(abspath $(SMOLLM2)) $(PYTEST) -q --durations=5 -m ray tests
 
 # The suite against the newest releases pyproject.toml allows, as `pip install loraserve` gets
 # them, in a throwaway venv: finds an upstream break before a user does. Not part of CI (a new

@@ -47,6 +47,7 @@ import argparse
 import os
 import re
 import shlex
+import statistics
 import shutil
 import subprocess
 import sys
@@ -324,8 +325,9 @@ def merged(parts: list[dict]) -> dict:
     and prompt tokens per request weighted by each run's requests."""
     ok = sum(p["ok"] for p in parts)
     weight = [p["ok"] / max(ok, 1) for p in parts]
-    return {"ok": ok, "errors": sum(p["errors"] for p in parts),
-            "req_per_s": ok / max(sum(p["wall_s"] for p in parts), 1e-9),
+    wall = sum(p["wall_s"] for p in parts)
+    return {"ok": ok, "errors": sum(p["errors"] for p in parts), "wall_s": wall,
+            "req_per_s": ok / max(wall, 1e-9),
             "cpu_ms": {k: sum(w * p["cpu_ms"][k] for w, p in zip(weight, parts)) for k in parts[0]["cpu_ms"]},
             "prompt": tuple(sum(w * p["prompt"][j] for w, p in zip(weight, parts)) for j in (0, 1))}
 
@@ -402,6 +404,16 @@ def print_wrk_table(rows, serve: list[str]) -> None:
         print(f"| {r} | {name} | {base['req_per_s']:,.0f} | {hot['req_per_s']:,.0f} | "
               f"{chill['req_per_s']:,.0f} | {chill['req_per_s'] / hot['req_per_s']:.2f} | {errors} "
               f"| {computed} |")
+    print("\nEach tree's rounds pooled (requests over summed wall time), and the median of its rounds")
+    print("| tree | rounds | warm req/s | cold req/s | cold/warm, pooled | cold/warm, median round |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for tree in dict.fromkeys(name for _, name, *_ in rows):
+        mine = [(hot, chill) for _, name, _, hot, chill in rows if name == tree]
+        hot, chill = merged([h for h, _ in mine]), merged([c for _, c in mine])
+        ratios = sorted(c["req_per_s"] / h["req_per_s"] for h, c in mine)
+        median = statistics.median(ratios)
+        print(f"| {tree} | {len(mine)} | {hot['req_per_s']:,.0f} | {chill['req_per_s']:,.0f} | "
+              f"{chill['req_per_s'] / hot['req_per_s']:.2f} | {median:.2f} |")
     roles = sorted({k for *_, hot, chill in rows for k in (*hot["cpu_ms"], *chill["cpu_ms"])})
     print("\nCPU ms per request, warm -> cold (the extra a cold request costs each process)")
     print("| round | tree | " + " | ".join(roles) + " |")

@@ -16,6 +16,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# transformers, on this thread before any test starts an engine: an engine's grammar worker
+# imports xgrammar, which imports transformers, and a `from transformers import X` on another
+# thread meanwhile gets the half-built module that transformers' package swaps out of
+# sys.modules as its import ends ("cannot import name 'Qwen3Config'", under xdist, now and then)
+import transformers  # noqa: E402,F401
+
 from loraserve.demo import build_demo_base
 from run_guards import encodable_report, root_logger_restored
 
