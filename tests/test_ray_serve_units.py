@@ -499,3 +499,23 @@ def test_the_router_sends_base_only_calls_to_the_least_loaded() -> None:
     router, reps = _router_and_replicas(["rep-a", "rep-b"])
     router.on_send_request(reps[0].replica_id)
     assert _choose(router, reps, "") == ["rep-b", "rep-a"]
+
+
+def test_router_replicas_shows_what_the_router_routes_to() -> None:
+    """`routing.routable` (/metrics' loraserve_router_replicas): the replicas Serve last told the
+    router of, not those that report to the ingress (a new one reports a moment earlier)."""
+    from loraserve.ray_serve.routing import routable
+    router, reps = _router_and_replicas(["rep-a", "rep-b"])
+    for r in reps:  # what Serve's RunningReplica has that update_replicas reads
+        r.multiplexed_model_ids, r.max_ongoing_requests = set(), 5
+    seen = []
+
+    async def update():  # Serve calls it on the router's loop
+        for live in (reps, reps[1:]):  # both, then rep-a replaced
+            router.update_replicas(live)
+            seen.append(routable())
+
+    assert not {"rep-a", "rep-b"} & routable()
+    asyncio.run(update())
+    assert {"rep-a", "rep-b"} <= seen[0]
+    assert "rep-a" not in seen[1] and "rep-b" in seen[1]
