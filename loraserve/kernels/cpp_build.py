@@ -19,11 +19,27 @@ import stat
 import subprocess
 import sysconfig
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+_LOADING = threading.RLock()  # one library's build and load at a time in a process
+
+
+def once(state: dict, key: str, load: Callable[[], T]) -> T:
+    """`state[key]`, set by `load()` (build and load a library, say what it offers) on the
+    first call. A thread that asks while another loads waits for that answer: it must not read
+    "unavailable" from a build still running, and take torch's path where it decides once."""
+    if key not in state:
+        with _LOADING:
+            if key not in state:
+                state[key] = load()
+    return state[key]
 
 
 def cache_root() -> Path:

@@ -50,15 +50,18 @@ _state: dict[str, bool] = {}
 
 def available() -> bool:
     """Whether the fused ops are loaded (builds the library on the first call)."""
-    if "ok" not in _state:
-        _state["ok"] = False
-        if os.environ.get("LORASERVE_CPU_FUSED", "1") != "0":
-            try:
-                torch.ops.load_library(str(cpp_build.library("cpu_fused", SOURCE, ("-ffp-contract=off",))))
-                _state["ok"] = True
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                log.warning("fused CPU decode ops unavailable, torch's are used: %s", e)
-    return _state["ok"]
+    return cpp_build.once(_state, "ok", _load)
+
+
+def _load() -> bool:
+    if os.environ.get("LORASERVE_CPU_FUSED", "1") == "0":
+        return False
+    try:
+        torch.ops.load_library(str(cpp_build.library("cpu_fused", SOURCE, ("-ffp-contract=off",))))
+        return True
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("fused CPU decode ops unavailable, torch's are used: %s", e)
+        return False
 
 
 def set_enabled(on: bool) -> None:

@@ -58,15 +58,18 @@ def vec_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _caps() -> int:
-    if "caps" not in _state:
-        _state["caps"] = 0
-        if os.environ.get("LORASERVE_CPU_GEMV", "1") != "0":
-            try:
-                _load(_build())
-                _state["caps"] = int(torch.ops.loraserve_cpu.caps())
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                log.warning("CPU one-row kernels unavailable, torch's are used: %s", e)
-    return _state["caps"]
+    return cpp_build.once(_state, "caps", _load_caps)
+
+
+def _load_caps() -> int:
+    if os.environ.get("LORASERVE_CPU_GEMV", "1") == "0":
+        return 0
+    try:
+        _load(_build())
+        return int(torch.ops.loraserve_cpu.caps())
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("CPU one-row kernels unavailable, torch's are used: %s", e)
+        return 0
 
 
 _loaded: set[str] = set()  # libraries loaded into this process (a loaded op cannot be loaded again)

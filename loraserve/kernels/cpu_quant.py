@@ -34,20 +34,23 @@ _state: dict[str, int] = {}
 
 def available() -> bool:
     """Whether `quant_linear` runs here (builds the library on the first call)."""
-    if "caps" not in _state:
-        _state["caps"] = 0
-        if os.environ.get("LORASERVE_CPU_QUANT", "1") != "0":
-            try:
-                torch.ops.load_library(str(_build()))
-                torch.library.register_fake("loraserve_quant::quant_linear")(
-                    lambda x, codes, scales, mins, bits, group, int8_acts: x.new_empty((x.shape[0], codes.shape[0])))
-                torch.library.register_fake("loraserve_quant::dequantize")(
-                    lambda codes, scales, mins, bits, k, group: scales.new_empty((codes.shape[0], k),
-                                                                                 dtype=torch.float32))
-                _state["caps"] = int(torch.ops.loraserve_quant.caps())
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                log.warning("CPU quantized kernels unavailable, quantized bases dequantize per call: %s", e)
-    return bool(_state["caps"])
+    return bool(cpp_build.once(_state, "caps", _load_caps))
+
+
+def _load_caps() -> int:
+    if os.environ.get("LORASERVE_CPU_QUANT", "1") == "0":
+        return 0
+    try:
+        torch.ops.load_library(str(_build()))
+        torch.library.register_fake("loraserve_quant::quant_linear")(
+            lambda x, codes, scales, mins, bits, group, int8_acts: x.new_empty((x.shape[0], codes.shape[0])))
+        torch.library.register_fake("loraserve_quant::dequantize")(
+            lambda codes, scales, mins, bits, k, group: scales.new_empty((codes.shape[0], k),
+                                                                         dtype=torch.float32))
+        return int(torch.ops.loraserve_quant.caps())
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("CPU quantized kernels unavailable, quantized bases dequantize per call: %s", e)
+        return 0
 
 
 def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,

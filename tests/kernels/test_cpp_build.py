@@ -46,3 +46,33 @@ def test_a_built_library_runs_parallel_for_on_the_pool(tmp_path: Path, monkeypat
         assert torch.ops.loraserve_test_cpp_build.threads_used(8) == 1
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kernel", ["cpu_fused", "cpu_gemv", "cpu_quant"])
+def test_threads_asking_while_a_library_loads_get_its_answer(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first call builds and loads the library; threads asking meanwhile wait for that
+    answer. They used to read "unavailable" from the state the first call set before its build,
+    and take torch's path (for good where a decode plan decides once)."""
+    import importlib
+    import threading
+    import time
+
+    mod = importlib.import_module(f"loraserve.kernels.{kernel}")
+    ask = {"cpu_fused": lambda: mod.available(), "cpu_gemv": lambda: mod.supports(torch.float32),
+           "cpu_quant": lambda: mod.available()}[kernel]
+    expected = ask()  # loaded now (or known to be unavailable here)
+    real = cpp_build.library
+
+    def slow(*args, **kwargs):  # a build in progress
+        time.sleep(0.3)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpp_build, "library", slow)
+    monkeypatch.setattr(mod, "_state", {})  # as in a fresh process: the first call loads
+    answers: list[bool] = []
+    threads = [threading.Thread(target=lambda: answers.append(ask())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert answers == [expected] * 4
