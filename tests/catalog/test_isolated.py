@@ -172,6 +172,30 @@ def test_requests_queued_behind_a_dying_host_go_to_its_replacement(filled) -> No
         assert results and all(v is True for v in results.values()), results
 
 
+def test_a_pipelined_exchange_says_which_requests_ran_when_its_host_dies(filled) -> None:
+    """`ShardHost.call_many` sends a batch's requests ahead: those before the one
+    the host died on answered, that one is lost, those after never ran (sent again by callers);
+    a host killed while idle is replaced for the whole next batch."""
+    cat_dir, by_shard, _, _ = filled
+    with IsolatedCatalog(cat_dir, hosts=1, **FAST) as cat:
+        cat.resolve(by_shard[0][0])  # the host is up
+        host, [pid] = cat.shard(0).host, cat.host_pids()
+        read = ("read", 0, (hosted_fns.host_pid, None))
+        crash = ("read", 0, (hosted_fns.crash, None))
+        replies = host.call_many([read, read, crash, read, read])
+        assert replies[:2] == [("ok", pid)] * 2, replies
+        assert replies[2][0] == "lost" and replies[3:] == [("unsent", None)] * 2, replies
+        assert gone(pid)
+        replies = host.call_many([read] * 6)  # its replacement takes all six
+        [new] = {value for _, value in replies}
+        assert [kind for kind, _ in replies] == ["ok"] * 6 and new != pid
+        os.kill(new, signal.SIGKILL)
+        while not gone(new) and Path(f"/proc/{new}/stat").read_text().split()[2] != "Z":
+            time.sleep(0.01)  # dead (a zombie until the owner reaps it)
+        replies = host.call_many([read] * 3)  # died idle: the batch goes to the next host whole
+        assert [kind for kind, _ in replies] == ["ok"] * 3 and replies[0][1] not in (pid, new)
+
+
 def test_a_host_that_hangs_is_killed_after_the_timeout(filled) -> None:
     cat_dir, by_shard, blobs, _ = filled
     with IsolatedCatalog(cat_dir, hosts=1, timeout_s=1.0, **FAST) as cat:
