@@ -186,7 +186,8 @@ def server_pids(pid: int) -> dict[str, int]:
     return out
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int | str) -> float:
+    """CPU seconds of a process (`pid`) or of one thread (`"<pid>/task/<tid>"`)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 

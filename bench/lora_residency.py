@@ -291,6 +291,9 @@ def process_groups(pid: int) -> dict[str, list[int]]:
 
 
 def group_cpu(groups: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds so far of each role's processes, and of the API's and the core's main
+    threads apart ("api main", "core main": the event loop and the engine thread; the rest of
+    those processes is pager, grammar and executor threads)."""
     from hot_path import cpu_seconds  # bench/hot_path.py, beside this script
     out = {}
     for role, pids in groups.items():
@@ -301,6 +304,11 @@ def group_cpu(groups: dict[str, list[int]]) -> dict[str, float]:
             except OSError:
                 pass
         out[role] = total
+        if not role.endswith("hosts"):
+            try:
+                out[f"{role} main"] = cpu_seconds(f"{pids[0]}/task/{pids[0]}")
+            except OSError:
+                out[f"{role} main"] = 0.0
     return out
 
 
@@ -415,7 +423,8 @@ def print_wrk_table(rows, serve: list[str]) -> None:
         print(f"| {tree} | {len(mine)} | {hot['req_per_s']:,.0f} | {chill['req_per_s']:,.0f} | "
               f"{chill['req_per_s'] / hot['req_per_s']:.2f} | {median:.2f} |")
     roles = sorted({k for *_, hot, chill in rows for k in (*hot["cpu_ms"], *chill["cpu_ms"])})
-    print("\nCPU ms per request, warm -> cold (the extra a cold request costs each process)")
+    print("\nCPU ms per request, warm -> cold (the extra a cold request costs each process; "
+          "`api main` and `core main`, the event loop and the engine thread, are part of `api` and `core`)")
     print("| round | tree | " + " | ".join(roles) + " |")
     print("|---|---|" + "---:|" * len(roles))
     for r, name, _, hot, chill in rows:
