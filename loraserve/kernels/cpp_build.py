@@ -42,6 +42,20 @@ def once(state: dict, key: str, load: Callable[[], T]) -> T:
     return state[key]
 
 
+_LOADED: set[str] = set()  # libraries loaded into this process
+
+
+def load(lib: Path, register: Callable[[], None] = lambda: None) -> None:
+    """Load a built library into this process once, then `register()` its ops' shape functions
+    for compiled graphs: its ops cannot be loaded twice, and a second registration of a fake
+    raises on some torch versions (2.11 on the GPU image)."""
+    if str(lib) in _LOADED:
+        return
+    torch.ops.load_library(str(lib))
+    register()
+    _LOADED.add(str(lib))
+
+
 def cache_root() -> Path:
     """$LORASERVE_CACHE_DIR, else $XDG_CACHE_HOME/loraserve, else ~/.cache/loraserve."""
     root = os.environ.get("LORASERVE_CACHE_DIR") or Path(

@@ -57,7 +57,7 @@ def _load() -> bool:
     if os.environ.get("LORASERVE_CPU_FUSED", "1") == "0":
         return False
     try:
-        torch.ops.load_library(str(cpp_build.library("cpu_fused", SOURCE, ("-ffp-contract=off",))))
+        cpp_build.load(cpp_build.library("cpu_fused", SOURCE, ("-ffp-contract=off",)))
         return True
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("fused CPU decode ops unavailable, torch's are used: %s", e)

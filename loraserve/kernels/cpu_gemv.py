@@ -65,24 +65,12 @@ def _load_caps() -> int:
     if os.environ.get("LORASERVE_CPU_GEMV", "1") == "0":
         return 0
     try:
-        _load(_build())
+        cpp_build.load(_build(), lambda: torch.library.register_fake("loraserve_cpu::vec_linear")(
+            lambda x, weight: x.new_empty((x.shape[0], weight.shape[0]))))
         return int(torch.ops.loraserve_cpu.caps())
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("CPU one-row kernels unavailable, torch's are used: %s", e)
         return 0
-
-
-_loaded: set[str] = set()  # libraries loaded into this process (a loaded op cannot be loaded again)
-
-
-def _load(lib: Path) -> None:
-    """Load `lib` and give its op a shape function for compiled graphs, once per process: a
-    second registration of the fake raises on some torch versions (2.11 on the GPU image)."""
-    if str(lib) in _loaded:
-        return
-    torch.ops.load_library(str(lib))
-    torch.library.register_fake("loraserve_cpu::vec_linear")(lambda x, weight: x.new_empty((x.shape[0], weight.shape[0])))
-    _loaded.add(str(lib))
 
 
 def build_dir() -> Path:

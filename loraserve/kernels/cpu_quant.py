@@ -30,7 +30,6 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_quant.cpp")
 _state: dict[str, int] = {}
-_loaded: set[str] = set()  # libraries loaded into this process, their fakes registered
 
 
 def available() -> bool:
@@ -42,19 +41,18 @@ def _load_caps() -> int:
     if os.environ.get("LORASERVE_CPU_QUANT", "1") == "0":
         return 0
     try:
-        lib = str(_build())
-        if lib not in _loaded:  # a second registration of a fake raises on some torch versions
-            torch.ops.load_library(lib)
-            torch.library.register_fake("loraserve_quant::quant_linear")(
-                lambda x, codes, scales, mins, bits, group, int8_acts: x.new_empty((x.shape[0], codes.shape[0])))
-            torch.library.register_fake("loraserve_quant::dequantize")(
-                lambda codes, scales, mins, bits, k, group: scales.new_empty((codes.shape[0], k),
-                                                                             dtype=torch.float32))
-            _loaded.add(lib)
+        cpp_build.load(_build(), _register_fakes)
         return int(torch.ops.loraserve_quant.caps())
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("CPU quantized kernels unavailable, quantized bases dequantize per call: %s", e)
         return 0
+
+
+def _register_fakes() -> None:
+    torch.library.register_fake("loraserve_quant::quant_linear")(
+        lambda x, codes, scales, mins, bits, group, int8_acts: x.new_empty((x.shape[0], codes.shape[0])))
+    torch.library.register_fake("loraserve_quant::dequantize")(
+        lambda codes, scales, mins, bits, k, group: scales.new_empty((codes.shape[0], k), dtype=torch.float32))
 
 
 def quant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
