@@ -205,15 +205,20 @@ class AdapterManager:
             return "device"
         return "cpu" if key in self._staged or key in self.cpu_cache else "catalog"
 
-    def fetch(self, record: RevisionRecord) -> None:
+    def fetch(self, record: RevisionRecord, blob: bytes | None = None) -> bool:
         """Page record in to the CPU tier (once per key until `settle`); `(key, weights, err)`
-        arrives on `page_ins` when it is there (at once on a CPU hit)."""
+        arrives on `page_ins` when it is there (at once on a CPU hit). `blob`: its blob, read
+        with the record at the edge (`Pager.fetch_carried`). Whether it waits for a catalog read."""
         key = (record.adapter_id, record.revision)
         if key in self._fetching:
-            return
+            return True
         self._fetching[key] = record
-        fut: Future = self.pager.fetch(record)
+        fut: Future | None = self.pager.fetch_carried(record, blob) if blob is not None else None
+        reads = fut is None
+        if fut is None:
+            fut = self.pager.fetch(record)
         fut.add_done_callback(lambda f: self._done(key, f))
+        return reads
 
     def _done(self, key: AdapterKey, fut: Future) -> None:
         """Pager thread: hand the result over to the engine thread (woken once per batch)."""

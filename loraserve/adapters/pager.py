@@ -144,6 +144,32 @@ class Pager:
                 self._pool.submit(self._drain)
             return future
 
+    def fetch_carried(self, record: RevisionRecord, blob: bytes) -> Future | None:
+        """`fetch` of a revision whose verified blob came with it (read with its record at the
+        edge: `IsolatedCatalog.take_carried`): queued for the owner's next `finish_reads`, which
+        decodes and checks it as any blob read here, with no catalog read. None when the blob
+        is not used: no owner decodes (`decode_on_owner`), it is cached or already being
+        loaded, or it is not `record`'s length or base (then `fetch` goes on as it would)."""
+        key = record_key(record)
+        if self._owner_wake is None or len(blob) != record.size:
+            return None
+        try:
+            self._check_base(record.ref, record.base_fingerprint)
+        except BaseMismatch:
+            return None
+        start = time.perf_counter()
+        with self._lock:
+            if self._closed or key in self._inflight or key in self.cpu_cache:
+                return None
+            self._stats.fetches += 1
+            self._stats.cpu_misses += 1
+            self._stats.blobs_carried += 1
+            future: Future = Future()
+            future.set_running_or_notify_cancel()
+            self._inflight[key] = future
+            self._read.append((start, [(_Load(record, key, future), bytearray(blob))]))
+        return future
+
     def count_cpu_hit(self, seconds: float) -> None:
         """Count a revision served from the CPU tier outside `fetch`: the manager loading a
         cached revision into the device pool (`AdapterManager.try_acquire`), which took

@@ -80,6 +80,7 @@ class PagerStats:
     singleflight_joins: int = 0
     load_errors: int = 0       # disk loads that failed (corrupt, base mismatch, ...)
     blobs_healed: int = 0      # blobs failing their checksum re-fetched from the store (store_heal)
+    blobs_carried: int = 0     # blobs that came with their request, read at the edge: no read here
     in_flight: int = 0         # disk loads running or queued right now
 
     def copy(self) -> "PagerStats":

@@ -43,11 +43,14 @@ from .shardfile import DATA_FILE, DataFileWatch
 from .shardhost import REPLAYED, HostLost, ShardHost, call_hosts, child_pids, close_hosts, unwrap
 from .shards import CATALOG_META, ShardOptions, shard_dirname
 from .ids import validate_adapter_id, validate_revision
-from .store import Catalog, lookup_revision
+from .lru import BoundedLRU
+from .store import Catalog, lookup_carrying
 
 log = logging.getLogger("loraserve.catalog")
 HOSTS_ENV = "LORASERVE_CATALOG_HOSTS"
 PROBE_POLL_S = 0.1  # how often the prober looks at quarantined shards' files
+CARRY_BYTES = 64 * 1024  # a blob up to this long is read with its record ahead (`resolve_ahead`)
+CARRIED_BLOBS = 256  # such blobs held for their requests, at most (16 MiB)
 
 
 def open_for_serving(path: str | Path, readonly: bool = False) -> Catalog:
@@ -200,6 +203,9 @@ class IsolatedCatalog(Catalog):
         for shard in self._shards:  # every data file there now is its shard's: one removed or
             shard.check_file()      # replaced later is a fault, not an empty shard
         self.probe_backoff_s = probe_backoff_s
+        # blobs read with their records by `resolve_ahead`, by (adapter id, revision): each is
+        # taken once, by the request that resolved it (`take_carried`); the rest age out
+        self.carried: BoundedLRU[tuple[str, str], tuple[str, bytes]] = BoundedLRU(CARRIED_BLOBS)
         self._qlock = threading.Lock()
         self._prober: threading.Thread | None = None
         self._closed = threading.Event()
@@ -218,7 +224,11 @@ class IsolatedCatalog(Catalog):
         """Read the revision records of many `(adapter_id, revision)` into the resolve cache in
         one exchange with the hosts (all at once, as a page-in batch), so that each request's
         own `resolve` is then a cache hit: the API process's cold resolves of one event-loop
-        turn cost one round trip, not one each (bench/RESULTS.md, issue 29). Nothing is raised:
+        turn cost one round trip, not one each (bench/RESULTS.md, issue 29). A blob of at most
+        `CARRY_BYTES` is read in the same transaction as its record and kept in `carried` for
+        the request to take to the engine (`take_carried`), whose page-in then reads nothing:
+        a revision nobody has asked for lately is about to be paged in, and the host has its
+        shard's transaction open already (bench/RESULTS.md, issue 41). Nothing is raised:
         an id that is invalid or unknown, or a shard that cannot answer, is left for that
         request's own `resolve` to report, as it would have without this (a host lost or a
         damaged page still quarantines the shard here, as `HostedShard.settle` does)."""
@@ -236,7 +246,8 @@ class IsolatedCatalog(Catalog):
             generation = generations[shard.index]
             if generation is not None and self.resolved.get(key, generation) is not None:
                 continue
-            lookup = functools.partial(lookup_revision, adapter_id=key[0], revision=key[1])
+            lookup = functools.partial(lookup_carrying, adapter_id=key[0], revision=key[1],
+                                       carry_bytes=CARRY_BYTES)
             todo.setdefault(shard.host, []).append((key, shard, (lookup, None)))
         if not todo:
             return
@@ -249,7 +260,18 @@ class IsolatedCatalog(Catalog):
                 except Exception:  # noqa: BLE001 - that request's own resolve reports it
                     continue
                 if found is not None:
-                    self.resolved.put(key, *found)
+                    read_at, record, blob = found
+                    self.resolved.put(key, read_at, record)
+                    if blob is not None:
+                        self.carried.put((record.adapter_id, record.revision), (record.checksum, blob))
+
+    def take_carried(self, record: RevisionRecord) -> bytes | None:
+        """The blob `resolve_ahead` read with `record`, once (verified against this very record:
+        its checksum was checked in the record's own transaction); None when none was read."""
+        held = self.carried.pop((record.adapter_id, record.revision))
+        if held is None or held[0] != record.checksum or len(held[1]) != record.size:
+            return None
+        return held[1]
 
     def _read_every(self, bodies: dict[int, functools.partial], what: str) -> dict[int, list]:
         """`Catalog._read_every` (a listing's rounds) through the hosts, all at once."""

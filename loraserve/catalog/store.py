@@ -98,6 +98,20 @@ def lookup_revision(txn, dbs, adapter_id: str, revision: str | None) -> tuple[in
     return txn.id(), read_revision(txn, dbs, adapter_id, rev)
 
 
+def lookup_carrying(txn, dbs, adapter_id: str, revision: str | None,
+                    carry_bytes: int) -> tuple[int, RevisionRecord, bytes | None]:
+    """`lookup_revision`, and the revision's blob in the same transaction when it is at most
+    `carry_bytes` long: verified as every read verifies it (`_verified`), else None (a blob
+    that fails its checks is left to the page-in, which reports it, or heals it)."""
+    read_at, record = lookup_revision(txn, dbs, adapter_id, revision)
+    if record.size > carry_bytes:
+        return read_at, record, None
+    try:
+        return read_at, record, bytes(_verified(txn, dbs, record))
+    except CorruptBlob:
+        return read_at, record, None
+
+
 def _scan_policies(txn, dbs, first: bytes, count: int, prefix: bytes) -> list[tuple[bytes, bytes]]:
     """Up to `count` (id, policy JSON) pairs from key `first` on, while ids start with `prefix`."""
     out = []

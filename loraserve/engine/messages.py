@@ -105,6 +105,9 @@ class Ready:
 class Add:
     request: GenerateRequest
     record: RevisionRecord | None  # the revision it runs on, decided at the edge; None: the base
+    # the revision's blob, read (and verified) at the edge with its record, for a page-in that
+    # then reads nothing (`IsolatedCatalog.take_carried`); None: the engine reads it if it must
+    blob: bytes | None = None
     KIND: ClassVar[Kind] = Kind.ADD
 
 
@@ -206,7 +209,7 @@ _ENCODE = {
     Hello: lambda m: [],
     Ready: lambda m: [[_fingerprint_to_wire(m.info.base_fingerprint) if f == "base_fingerprint"
                        else getattr(m.info, f) for f in CoreInfo.__slots__]],
-    Add: lambda m: [request_to_wire(m.request), _record_to(m.record)],
+    Add: lambda m: [request_to_wire(m.request), _record_to(m.record), *(() if m.blob is None else (m.blob,))],
     Abort: lambda m: [m.request_id],
     Unload: lambda m: [m.call_id, m.adapter_id],
     Residency: lambda m: [m.call_id, [list(k) for k in m.keys]],
@@ -251,7 +254,7 @@ def _snapshot_from(value) -> EngineSnapshot | None:
 _DECODE = {
     Kind.HELLO: lambda: Hello(),
     Kind.READY: lambda info: Ready(_info_from(info)),
-    Kind.ADD: lambda req, rec: Add(request_from_wire(req), _record_from(rec)),
+    Kind.ADD: lambda req, rec, blob=None: Add(request_from_wire(req), _record_from(rec), _blob(blob, rec)),
     Kind.ABORT: lambda rid: Abort(_str(rid)),
     Kind.UNLOAD: lambda cid, aid: Unload(_int(cid), _str(aid)),
     Kind.RESIDENCY: lambda cid, keys: Residency(_int(cid), tuple((_str(a), _str(r)) for a, r in keys)),
@@ -264,6 +267,15 @@ _DECODE = {
                                                 None if err is None else error_from_wire(err)),
     Kind.BATCH: lambda frames: Batch(tuple(decode(f) for f in frames)),
 }
+
+
+def _blob(value, record) -> bytes | None:
+    """An Add's carried blob: bytes, and only beside a revision record."""
+    if value is None:
+        return None
+    if not isinstance(value, bytes) or record is None:
+        raise TypeError("blob: expected bytes beside a revision record")
+    return value
 
 
 def _str(value) -> str:

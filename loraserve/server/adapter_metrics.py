@@ -8,7 +8,8 @@ Names (stable; `loraserve loadtest` scrapes the hit counters):
   loraserve_adapter_hits_total{tier}, loraserve_adapter_misses_total{tier},
   loraserve_adapter_evictions_total{tier}, loraserve_adapter_resident{tier},
   loraserve_adapter_resident_bytes{tier}, loraserve_adapter_capacity_bytes{tier},
-  loraserve_adapter_disk_reads_total, loraserve_adapter_page_in_seconds{source} (histogram),
+  loraserve_adapter_disk_reads_total, loraserve_adapter_blobs_carried_total,
+  loraserve_adapter_page_in_seconds{source} (histogram),
   loraserve_parked_requests, loraserve_adapter_quarantined, loraserve_catalog_shards_degraded.
 vLLM's `vllm:lora_requests_info`, which gateways route by, is router_metrics.py's (every engine).
 Behind a facade over several engine replicas (Ray Serve) every series but the catalog's carries
@@ -59,12 +60,18 @@ class AdapterCollector(Collector):
         healed = CounterMetricFamily(
             "loraserve_adapter_blobs_healed", "Adapter blobs that failed their checksum here and were "
             "re-fetched from the catalog store, verified and rewritten", labels=extra)
+        carried = CounterMetricFamily(
+            "loraserve_adapter_blobs_carried", "Adapter blobs read at the edge with their revision "
+            "record and carried to the engine with the request: page-ins that read nothing there",
+            labels=extra)
         for labels, snap in snaps:
             reads.add_metric(list(labels.values()), snap.pager.disk_reads)
+            carried.add_metric(list(labels.values()), snap.pager.blobs_carried)
             healed.add_metric(list(labels.values()), snap.pager.blobs_healed)
             parked.add_metric(list(labels.values()), snap.parked)
             quarantined.add_metric(list(labels.values()), len(snap.quarantined))
         yield reads
+        yield carried
         yield healed
         yield _page_in_histogram(snaps)
         yield parked

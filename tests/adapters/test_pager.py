@@ -235,3 +235,44 @@ def test_wait_reads_returns_once_every_load_asked_for_is_read(catalog, pager):
     catalog.gate.set()
     assert pager.wait_reads(WAIT) and woken.is_set() and not future.done()
     assert pager.finish_reads() == 1 and future.result(0).rank == 4
+
+
+def test_a_carried_blob_is_decoded_by_the_owner_with_no_read(catalog, pager):
+    """Issue 41: a blob read at the edge with its record (`Pager.fetch_carried`) is decoded and
+    checked by the owner's next `finish_reads` as a blob read here is, and the catalog reads
+    nothing; a carried blob that fails the checks fails that revision alone."""
+    pager.decode_on_owner(lambda: None)
+    record = pager.resolve("acme/a1")
+    blob = catalog.catalog.read_blob(record)
+    future = pager.fetch_carried(record, blob)
+    assert future is not None and not future.done()
+    assert pager.fetch_carried(record, blob) is None  # in flight: a second one joins by `fetch`
+    assert pager.finish_reads() == 1
+    expected, got = load_revision(bytearray(blob)), future.result(0)
+    assert got.rank == 4 and got.tensors.keys() == expected.tensors.keys()
+    assert all(torch.equal(got.tensors[name], t) for name, t in expected.tensors.items())
+    assert catalog.reads == {} and pager.stats.blobs_carried == 1 and pager.stats.disk_reads == 0
+    assert record_key(record) in pager.cpu_cache
+    assert pager.fetch_carried(record, blob) is None  # cached: `fetch` hits the CPU tier
+
+    bad = pager.resolve("acme/a2")
+    nan = bytearray(catalog.catalog.read_blob(bad))
+    nan[-4:] = bytes.fromhex("0000c07f")  # the last float32 value: NaN (same length)
+    failing = pager.fetch_carried(bad, bytes(nan))
+    pager.finish_reads()
+    with pytest.raises(CorruptBlob, match="NaN or Inf"):
+        failing.result(0)
+    assert record_key(bad) not in pager.cpu_cache and pager.stats.load_errors == 1
+
+
+def test_a_carried_blob_the_pager_cannot_use_leaves_the_read_to_fetch(catalog, pager):
+    """None, and nothing queued, when no owner decodes, when the blob is not the record's length,
+    or when the record was exported for another base (`fetch` then refuses it as always)."""
+    record = pager.resolve("acme/a1")
+    blob = catalog.catalog.read_blob(record)
+    assert pager.fetch_carried(record, blob) is None  # workers decode: no owner to hand it to
+    pager.decode_on_owner(lambda: None)
+    assert pager.fetch_carried(record, blob[:-1]) is None
+    other = catalog.catalog.resolve("other/x")
+    assert pager.fetch_carried(other, catalog.catalog.read_blob(other)) is None
+    assert pager.stats.blobs_carried == 0 and pager.finish_reads() == 0

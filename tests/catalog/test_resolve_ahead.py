@@ -5,6 +5,7 @@ alone: the same records, the same errors, the same fault containment."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 
 import pytest
@@ -111,3 +112,54 @@ def test_a_turns_cold_refs_are_read_in_one_exchange(iso, monkeypatch) -> None:
 def test_an_in_process_catalog_is_not_read_ahead(built) -> None:
     with Catalog.open(built, readonly=True) as plain:
         assert ResolveAhead.of(plain) is None and ResolveAhead.of(None) is None
+
+
+def test_a_small_blob_is_read_with_its_record_and_taken_once(iso) -> None:
+    """Issue 41: a cold request's blob comes with its record, in the same exchange; the request
+    takes it to the engine, whose page-in then reads nothing. The bytes are the stored blob."""
+    refs = [(f"acme/a{i}", None) for i in range(4)] + [("acme/a0", "next")]
+    iso.resolve_ahead(refs)
+    with Catalog.open(iso.path, readonly=True) as plain:
+        for ref in refs:
+            record = iso.resolve(*ref)
+            assert iso.take_carried(record) == plain.read_blob(record)
+            assert iso.take_carried(record) is None  # once: the next request's engine has it
+    other = iso.resolve("acme/a5")  # resolved alone, not ahead: nothing read with it
+    assert iso.take_carried(other) is None
+
+
+def test_a_blob_too_large_or_failing_its_checks_is_not_carried(iso, monkeypatch) -> None:
+    import loraserve.catalog.isolated as isolated
+
+    monkeypatch.setattr(isolated, "CARRY_BYTES", 10)
+    iso.resolve_ahead([("acme/a6", None)])
+    record = iso.resolve("acme/a6")
+    assert iso.take_carried(record) is None and record.size > 10
+    monkeypatch.setattr(isolated, "CARRY_BYTES", 64 * 1024)
+    bad = bytearray(blob(7))
+    bad[-1] ^= 1  # the right length, the wrong checksum
+    record = iso.resolve("acme/a7")
+    with Catalog.open(iso.path) as plain:
+        plain.shard(iso.shard_index("acme/a7")).write(
+            lambda txn, dbs: txn.put(record.ref.encode(), bytes(bad), db=dbs.blob))
+    iso.resolved.clear()
+    iso.resolve_ahead([("acme/a7", None)])
+    assert iso.resolve("acme/a7") == record  # the record resolves; its read reports the blob
+    assert iso.take_carried(record) is None
+
+
+def test_a_carried_blob_is_only_its_own_records(iso) -> None:
+    """Held by (adapter, revision) and checked against the record that takes it: a record of
+    another checksum or size (a catalog rebuilt under the same names) takes nothing."""
+    iso.resolve_ahead([("acme/a8", None)])
+    record = iso.resolve("acme/a8")
+    assert iso.take_carried(dataclasses.replace(record, checksum="0" * 32)) is None
+    iso.resolve_ahead([("acme/a9", None)])
+    record = iso.resolve("acme/a9")
+    assert iso.take_carried(dataclasses.replace(record, size=record.size + 1)) is None
+
+
+def test_the_blobs_held_are_bounded(iso) -> None:
+    iso.carried.capacity = 3
+    iso.resolve_ahead([(f"acme/a{i}", None) for i in range(ADAPTERS)])
+    assert len(iso.carried) == 3

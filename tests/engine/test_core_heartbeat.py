@@ -52,7 +52,7 @@ class SlowEngine:
     def make_sequence(self, req, record):
         return req
 
-    def add_sequence(self, seq) -> None:
+    def add_sequence(self, seq, blob=None) -> None:
         self.pending.append(seq)
 
     def abort(self, request_id: str) -> None:

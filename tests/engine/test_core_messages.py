@@ -55,7 +55,7 @@ class StubEngine:
     def make_sequence(self, req, record):
         return req
 
-    def add_sequence(self, seq) -> None:
+    def add_sequence(self, seq, blob=None) -> None:
         self.pending.append(seq)
 
     def abort(self, request_id: str) -> None:

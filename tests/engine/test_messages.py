@@ -65,6 +65,7 @@ errors = st.builds(lambda m, s, c, p: EngineError(m, status=s, code=c, param=p),
 
 commands = st.one_of(
     st.just(Hello()), st.just(Stop()), st.builds(Add, requests, st.none() | records),
+    st.builds(Add, requests, records, st.binary(max_size=64)),  # a blob read at the edge
     st.builds(Abort, ids), st.builds(Unload, call_ids, ids),
     st.builds(Residency, call_ids, st.lists(st.tuples(ids, ids), max_size=3).map(tuple)),
     st.builds(Warm, call_ids, records),
@@ -158,7 +159,7 @@ def test_a_frame_with_one_field_broken_fails_alone_naming_what_it_can(msg, data)
     if isinstance(decoded[0], Malformed):
         err = decoded[0].error
         assert err.kind == frame[0]
-        if isinstance(msg, Add) and i == 2:  # the record broke: the request is still named
+        if isinstance(msg, Add) and i >= 2:  # the record or blob broke: the request is still named
             assert err.request_id == msg.request.request_id
         if isinstance(msg, CALLS) and i > 1:  # a field after the call id broke: the call is named
             assert err.call_id == msg.call_id

@@ -165,7 +165,7 @@ def test_async_engine_drops_a_request_aborted_while_its_grammar_compiles(demo_de
                           SamplingParams(max_tokens=4, structured=DIGITS))
 
     added, add = [], eng.transport.engine.add_sequence  # what reaches the engine
-    eng.transport.engine.add_sequence = lambda seq: (added.append(seq.request_id), add(seq))[1]
+    eng.transport.engine.add_sequence = lambda seq, *rest: (added.append(seq.request_id), add(seq, *rest))[1]
 
     async def main() -> None:
         try:

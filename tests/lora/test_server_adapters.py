@@ -132,3 +132,26 @@ def test_loadtest_against_the_live_server(live) -> None:
     assert report["ttft_s"]["p50"] is not None and report["output_tokens"] == 27
     rates = report["adapter_hit_rate"]
     assert rates is not None and 0.0 <= rates["gpu"] <= 1.0
+
+
+def _counters(http: httpx.Client) -> dict[str, float]:
+    names = ("loraserve_adapter_blobs_carried_total", "loraserve_adapter_disk_reads_total")
+    return {line.split()[0]: float(line.split()[1]) for line in http.get("/metrics").text.splitlines()
+            if line.split(" ")[0] in names}
+
+
+def test_a_cold_adapters_blob_comes_with_its_request(live, http) -> None:
+    """Issue 41: the API side resolves a cold name with its blob (one shard-host exchange), and
+    the request takes the blob to the engine, which reads nothing; the answer is the one the
+    engine's own page-in gives (the same revision read again by the engine after an unload)."""
+    with Catalog.open(live[2] / "catalog") as cat:
+        cat.put_revision("t/carried", cat.read_blob(cat.resolve("t/qv-r4")))
+    before = _counters(http)
+    carried = _good(http, "t/carried")["choices"][0]["text"]
+    after = _counters(http)
+    assert after["loraserve_adapter_blobs_carried_total"] == before["loraserve_adapter_blobs_carried_total"] + 1
+    assert after["loraserve_adapter_disk_reads_total"] == before["loraserve_adapter_disk_reads_total"]
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "t/carried"}).status_code == 200
+    assert _good(http, "t/carried")["choices"][0]["text"] == carried == _good(http, "t/qv-r4")["choices"][0]["text"]
+    again = _counters(http)  # resolved from the API's cache now: the engine read the blob itself
+    assert again["loraserve_adapter_disk_reads_total"] == after["loraserve_adapter_disk_reads_total"] + 1

@@ -137,6 +137,8 @@ class EngineClient:
                           self.catalog.directory if self.catalog is not None
                           else AdapterDirectory(cfg.model_name))
         self.sourcing = Sourcing.open(cfg, self.catalog, self.directory)
+        # a cold revision's blob, read with its record ahead of the request (shard hosts only)
+        self._carried = getattr(self.directory.catalog, "take_carried", None)
         # each training operation a `Train` call (a restarted core has no runs: the Tinker
         # routes put each back from the state they kept after its last step)
         self.trainer = Trainer(lambda op, args: self.call(lambda cid: Train(cid, op, tuple(args))),
@@ -264,8 +266,10 @@ class EngineClient:
                     self.transport.send(Abort(req.request_id))  # nobody waits for it any more
 
     def _submit(self, req: GenerateRequest, record) -> None:
-        """Hand req (on revision `record`, None = base) to the engine."""
-        self.transport.send(Add(req, record))
+        """Hand req (on revision `record`, None = base) to the engine, with the revision's blob
+        when its resolve read it (`IsolatedCatalog.take_carried`)."""
+        blob = self._carried(record) if record is not None and self._carried is not None else None
+        self.transport.send(Add(req, record, blob))
 
     async def resolve(self, model: str, principal: Viewer) -> ResolvedModel:
         """`directory.resolve(model, principal)`, a name the catalog lacks fetched from the

@@ -229,7 +229,7 @@ class EngineCore:
     def _admit(self, msg: Add) -> list[RequestOutput]:
         req = msg.request
         try:  # a grammar that does not compile, a quarantined revision, a duplicate request id:
-            self.engine.add_sequence(self.engine.make_sequence(req, msg.record))
+            self.engine.add_sequence(self.engine.make_sequence(req, msg.record), msg.blob)
         except Exception as exc:  # that request alone fails
             return [RequestOutput.failed(req.request_id, exc, len(req.prompt_token_ids))]
         if not req.stream and not req.params.stop:

@@ -179,7 +179,10 @@ class LLMEngine:
         return seq
 
     # -- requests and commands: engine thread ---------------------------------------------------
-    def add_sequence(self, seq: Sequence) -> None:
+    def add_sequence(self, seq: Sequence, blob: bytes | None = None) -> None:
+        """Queue seq; when its revision must be paged in first, park it until it is. `blob`:
+        the revision's blob, read at the edge with its record (`messages.Add.blob`): that
+        page-in then reads nothing, and lands by this thread's next step."""
         if seq.request_id in self.seqs:
             raise EngineError(f"duplicate request id {seq.request_id!r}")
         key = seq.adapter_key
@@ -192,8 +195,8 @@ class LLMEngine:
             return
         self.scheduler.park(seq)
         self._waiting_for.setdefault(key, []).append(seq)
-        self.adapters.fetch(seq.adapter_record)  # once per key until it settles
-        self._asked = True
+        if self.adapters.fetch(seq.adapter_record, blob):  # once per key until it settles
+            self._asked = True  # a catalog read: the next step gives it time to land
 
     def set_notify(self, wake) -> None:
         """wake() is called from other threads when the engine has new work (a page-in landed)."""
