@@ -5,7 +5,8 @@
                                          [--warm-seconds 30]
                                          [--source DIR] [--profile DIR [--profile-seconds 10]]
     python bench/lora_residency.py wrk --catalog DIR [--model DIR] [--duration 10] [--rounds 2]
-                                       [--slices 5] [--source DIR]... [--profile DIR]
+                                       [--slices 5] [--page-cache warm|as-is] [--source DIR]...
+                                       [--profile DIR]
 
 cliff: TTFT when the working set fits the device pool (all resident after a warm-up) against a
        working set 10x the pool's slots (every request likely a miss), same open-loop rate.
@@ -22,6 +23,10 @@ wrk:   issue 29's workload, wrk at 64 connections, 2-token requests, `--max-gpu-
        the prompt tokens each request computed (a warm adapter's requests find most of their
        prompt in its prefix cache; a never-seen adapter's find nothing: `--serve-args
        --no-prefix-caching` takes that difference out and leaves the price of paging in).
+       The catalog is read into the OS page cache first (`--page-cache warm`, when it fits in
+       half the memory available; its residency is printed): a blob read from the disk costs
+       the shard hosts a major fault per page, and how much of a catalog this machine's page
+       cache holds otherwise depends on what ran before (`--page-cache as-is` measures that).
 The catalog must be built for the same base (e.g. `loraserve catalog materialize`).
 Each measured run also writes `loraserve loadtest`'s report (report.html: throughput, latency and
 TTFT CDFs, tier hit rates, page-ins, resident adapters and server memory over time; summary.json)
@@ -44,6 +49,8 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 from _common import base_or_demo  # bench/_common.py, beside this script
 
 import argparse
+import ctypes
+import mmap
 import os
 import re
 import shlex
@@ -79,6 +86,64 @@ def start_server(model: str, catalog: str, port: int, *extra: str, source: str |
             time.sleep(0.5)
     proc.kill()
     raise RuntimeError("server did not come up")
+
+
+def catalog_files(catalog: str) -> list[Path]:
+    return sorted(Path(catalog).glob("shard-*/data.mdb"))
+
+
+def page_cache_resident(catalog: str) -> tuple[int, int]:
+    """(bytes of the catalog's shard files in the OS page cache, their total size): `mincore`
+    over a read-only map of each file (mapping it reads nothing)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = os.sysconf("SC_PAGE_SIZE")
+    resident = total = 0
+    for path in catalog_files(catalog):
+        size = path.stat().st_size
+        total += size
+        if not size:
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap {path}")
+            try:
+                vec = ctypes.create_string_buffer((size + page - 1) // page)
+                if libc.mincore(addr, size, vec) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore {path}")
+                resident += sum(b & 1 for b in vec.raw) * page
+            finally:
+                libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+    return min(resident, total), total
+
+
+def warm_page_cache(catalog: str) -> str:
+    """Read the catalog's shard files through once, when they fit in half the memory available,
+    so that a cold request's blob read is the same page-cache hit on every run: a catalog read
+    from the disk the first time costs its shard hosts a major fault per page (bench/RESULTS.md),
+    and how much of it the page cache holds depends on what this machine did before. What it
+    found and did, as a line for the report."""
+    before, total = page_cache_resident(catalog)
+    available = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                     if line.startswith("MemAvailable:"))
+    if total > available // 2:
+        return (f"catalog page cache: {before / max(total, 1):.0%} of {total / 2**30:.1f} GiB resident, "
+                f"left as is (more than half of the {available / 2**30:.1f} GiB available)")
+    started = time.perf_counter()
+    for path in catalog_files(catalog):
+        with open(path, "rb", buffering=0) as f:
+            while f.read(8 << 20):
+                pass
+    after, _ = page_cache_resident(catalog)
+    return (f"catalog page cache: {before / total:.0%} of {total / 2**30:.1f} GiB resident before the run, "
+            f"{after / total:.0%} after reading it through ({time.perf_counter() - started:.1f} s)")
 
 
 def rss_mb(pid: int) -> tuple[float, float]:
@@ -185,6 +250,8 @@ def print_profile(out: Path) -> None:
 def sweep(args, model: str) -> None:
     url = f"http://127.0.0.1:{args.port}"
     ids = adapter_ids(args.catalog, args.adapters)
+    resident, total = page_cache_resident(args.catalog)  # a namespace sweep reads what it finds
+    print(f"catalog page cache: {resident / max(total, 1):.0%} of {total / 2**30:.1f} GiB resident", flush=True)
     serve_args = ["--max-gpu-adapters", "64", "--cpu-cache-mb", "256", *shlex.split(args.serve_args)]
     proc = start_server(model, args.catalog, args.port, *serve_args, source=args.source)
     samples, stop = [], threading.Event()
@@ -365,6 +432,13 @@ def wrk_mode(args, model: str) -> None:
                          f"{WARM_ADAPTERS + per_cold * args.rounds * len(trees):,} (48 warm, then "
                          f"--duration x 4,000 never-seen ones per run): a bigger catalog, or fewer rounds")
     warm, cold = ids[:WARM_ADAPTERS], ids[WARM_ADAPTERS:]
+    if args.page_cache == "warm":
+        cache_line = warm_page_cache(args.catalog)
+    else:
+        resident, total = page_cache_resident(args.catalog)
+        cache_line = (f"catalog page cache: {resident / max(total, 1):.0%} of {total / 2**30:.1f} GiB "
+                      f"resident, left as is (--page-cache as-is)")
+    print(cache_line, flush=True)
     servers = []
     try:
         for i, (_, src) in enumerate(trees):
@@ -394,6 +468,7 @@ def wrk_mode(args, model: str) -> None:
             proc.terminate()
             proc.wait(30)
     print_wrk_table(rows, serve)
+    print(cache_line)
     if args.profile:
         for i in range(len(trees)):
             print(f"\n## profile of the cold run, {trees[i][0]}")
@@ -452,6 +527,9 @@ def main() -> None:
     ap.add_argument("--source", metavar="DIR", action="append", dest="source_list", default=[],
                     help="sweep: serve from this source tree (A/B runs); wrk: also this tree (repeatable)")
     ap.add_argument("--rounds", type=int, default=2, help="wrk: interleaved rounds")
+    ap.add_argument("--page-cache", choices=["warm", "as-is"], default="warm",
+                    help="wrk: read the catalog into the OS page cache first (when it fits in half "
+                         "the memory available), or leave it as this machine has it")
     ap.add_argument("--slices", type=int, default=5,
                     help="wrk: the warm and cold runs alternate in this many pieces each")
     ap.add_argument("--profile", metavar="DIR", help="sweep: py-spy the server's processes (raw stacks here)")
