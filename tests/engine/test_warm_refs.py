@@ -103,13 +103,13 @@ def _one(fe, i: int, ref: str) -> list[RequestOutput]:
 
 
 def test_cold_refs_resolve_inline_until_a_read_is_slow(monkeypatch, demo_dense):
-    """By default a never-seen ref is read on the event loop; one read slower than `slow_s` (the
-    disk, not the page cache) sends cold refs to a thread for `backoff_s`, warm refs stay inline,
+    """By default a never-seen ref is read on the event loop; reads slower than `slow_s` (the
+    disk, not the page cache; one here) send cold refs to a thread for `backoff_s`, warm refs stay inline,
     and after the back-off cold refs are inline again. Every answer names the current revision."""
     now = [1000.0]
     monkeypatch.setattr(warm_refs.time, "monotonic", lambda: now[0])
     fe = Frontend(demo_dense)
-    fe._warm = WarmRefs(ttl_s=5.0, slow_s=0.002, backoff_s=10.0)
+    fe._warm = WarmRefs(ttl_s=5.0, slow_s=0.002, backoff_s=10.0, slow_reads=1)
     assert _one(fe, 0, "acme/a")[0].adapter_revision == "r1"
     assert fe.resolves[-1] == ("r1", True)  # cold, inline
     slow = fe._resolve
@@ -136,7 +136,7 @@ def test_cold_refs_resolve_inline_until_a_read_is_slow(monkeypatch, demo_dense):
 def test_a_slow_read_backs_off_for_a_while(monkeypatch):
     now = [50.0]
     monkeypatch.setattr(warm_refs.time, "monotonic", lambda: now[0])
-    refs = WarmRefs(slow_s=0.002, backoff_s=10.0)
+    refs = WarmRefs(slow_s=0.002, backoff_s=10.0, slow_reads=1)
     assert refs.inline("a/x")
     refs.timed(0.001)
     assert refs.inline("a/x")
@@ -147,3 +147,25 @@ def test_a_slow_read_backs_off_for_a_while(monkeypatch):
     now[0] += 10.0
     assert refs.inline("a/x")
     assert not WarmRefs(inline_cold=False).inline("a/x")
+
+
+def test_a_slow_read_now_and_then_is_not_the_disk(monkeypatch):
+    """A read that waited for a CPU or a collection now and then leaves cold refs inline; reads
+    slow `slow_reads` times within `slow_window_s` (a catalog read from the disk) back off."""
+    now = [50.0]
+    monkeypatch.setattr(warm_refs.time, "monotonic", lambda: now[0])
+    refs = WarmRefs(slow_s=0.002, backoff_s=10.0)  # the defaults: 3 slow reads within 1 s
+    for _ in range(5):
+        refs.timed(0.08)
+        now[0] += 0.6
+        assert refs.cold_inline()
+    now[0] += 2.0
+    refs.timed(0.003)
+    now[0] += 0.1
+    refs.timed(0.003)
+    assert refs.cold_inline()
+    now[0] += 0.1
+    refs.timed(0.003)
+    assert not refs.cold_inline()
+    now[0] += 10.0
+    assert refs.cold_inline()

@@ -8,9 +8,12 @@ under a cold sweep's load, where every hand-off waits behind a busy event loop (
 "The cold path at namespace scale"). So refs are resolved inline, with two exceptions that keep
 a disk from stalling the loop:
 
-- reads have been slow: an inline read that took longer than `slow_s` (pages came from the disk,
-  not the page cache) sends the refs not resolved within the last `ttl_s` seconds to a worker
-  thread for the next `backoff_s` seconds;
+- reads have been slow: `slow_reads` inline reads within `slow_window_s` seconds that each took
+  longer than `slow_s` (pages came from the disk, not the page cache) send the refs not
+  resolved within the last `ttl_s` seconds to a worker thread for the next `backoff_s` seconds.
+  One slow read alone is not the disk: on a loaded machine a read now and then waits for a CPU
+  or a garbage collection (2 of 20,500 reads in a cold run took over 2 ms, one 76 ms), and each
+  sent every cold ref to a thread for `backoff_s`, at ~0.04 ms of CPU a request (issue 41);
 - `inline_cold=False` sends them there always (the pre-measurement behaviour).
 
 A ref resolved within the last `ttl_s` seconds read pages that are almost surely still cached:
@@ -21,17 +24,22 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 
 from loraserve.catalog.lru import BoundedLRU
 
 
 class WarmRefs:
     def __init__(self, ttl_s: float = 5.0, capacity: int = 4096, *, inline_cold: bool = True,
-                 slow_s: float = 0.002, backoff_s: float = 10.0):
+                 slow_s: float = 0.002, backoff_s: float = 10.0, slow_reads: int = 3,
+                 slow_window_s: float = 1.0):
         self.ttl_s = ttl_s
         self.inline_cold = inline_cold
         self.slow_s = slow_s
         self.backoff_s = backoff_s
+        self.slow_reads = slow_reads
+        self.slow_window_s = slow_window_s
+        self._slow: deque[float] = deque(maxlen=max(1, slow_reads))  # when the last slow reads ended
         self._seen: BoundedLRU[str, float] = BoundedLRU(capacity, lock=False)  # event loop only
         self._slow_until = float("-inf")  # cold refs go to a thread until then
 
@@ -62,9 +70,15 @@ class WarmRefs:
         return result
 
     def timed(self, seconds: float) -> None:
-        """An inline resolve took `seconds`: past `slow_s`, cold refs go to a thread for a while."""
-        if seconds > self.slow_s:
-            self._slow_until = time.monotonic() + self.backoff_s
+        """An inline resolve took `seconds`: the `slow_reads`-th past `slow_s` within
+        `slow_window_s` sends cold refs to a thread for a while."""
+        if seconds <= self.slow_s:
+            return
+        now = time.monotonic()
+        self._slow.append(now)
+        if len(self._slow) == self._slow.maxlen and now - self._slow[0] <= self.slow_window_s:
+            self._slow_until = now + self.backoff_s
+            self._slow.clear()
 
     def touch(self, ref: str) -> None:
         """`ref` was just resolved (successfully)."""
