@@ -34,6 +34,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +50,7 @@ from .store import Catalog, lookup_carrying
 log = logging.getLogger("loraserve.catalog")
 HOSTS_ENV = "LORASERVE_CATALOG_HOSTS"
 PROBE_POLL_S = 0.1  # how often the prober looks at quarantined shards' files
-CARRY_BYTES = 64 * 1024  # a blob up to this long is read with its record ahead (`resolve_ahead`)
+CARRY_BYTES = 64 * 1024  # a blob up to this long is read with its record ahead (`carry_blobs`)
 CARRIED_BLOBS = 256  # such blobs held for their requests, at most (16 MiB)
 
 
@@ -206,6 +207,7 @@ class IsolatedCatalog(Catalog):
         # blobs read with their records by `resolve_ahead`, by (adapter id, revision): each is
         # taken once, by the request that resolved it (`take_carried`); the rest age out
         self.carried: BoundedLRU[tuple[str, str], tuple[str, bytes]] = BoundedLRU(CARRIED_BLOBS)
+        self.carry_bytes = 0  # no blob is read ahead until a consumer asks (`carry_blobs`)
         self._qlock = threading.Lock()
         self._prober: threading.Thread | None = None
         self._closed = threading.Event()
@@ -224,11 +226,12 @@ class IsolatedCatalog(Catalog):
         """Read the revision records of many `(adapter_id, revision)` into the resolve cache in
         one exchange with the hosts (all at once, as a page-in batch), so that each request's
         own `resolve` is then a cache hit: the API process's cold resolves of one event-loop
-        turn cost one round trip, not one each (bench/RESULTS.md, issue 29). A blob of at most
-        `CARRY_BYTES` is read in the same transaction as its record and kept in `carried` for
-        the request to take to the engine (`take_carried`), whose page-in then reads nothing:
-        a revision nobody has asked for lately is about to be paged in, and the host has its
-        shard's transaction open already (bench/RESULTS.md, issue 41). Nothing is raised:
+        turn cost one round trip, not one each (bench/RESULTS.md, issue 29). Once a consumer
+        asked for them (`carry_blobs`), a blob of at most `carry_bytes` is read in the same
+        transaction as its record and kept in `carried` for the request to take to the engine
+        (`take_carried`), whose page-in then reads nothing: a revision nobody has asked for
+        lately is about to be paged in, and the host has its shard's transaction open already
+        (bench/RESULTS.md, issue 41). Nothing is raised:
         an id that is invalid or unknown, or a shard that cannot answer, is left for that
         request's own `resolve` to report, as it would have without this (a host lost or a
         damaged page still quarantines the shard here, as `HostedShard.settle` does)."""
@@ -247,7 +250,7 @@ class IsolatedCatalog(Catalog):
             if generation is not None and self.resolved.get(key, generation) is not None:
                 continue
             lookup = functools.partial(lookup_carrying, adapter_id=key[0], revision=key[1],
-                                       carry_bytes=CARRY_BYTES)
+                                       carry_bytes=self.carry_bytes)
             todo.setdefault(shard.host, []).append((key, shard, (lookup, None)))
         if not todo:
             return
@@ -264,6 +267,14 @@ class IsolatedCatalog(Catalog):
                     self.resolved.put(key, read_at, record)
                     if blob is not None:
                         self.carried.put((record.adapter_id, record.revision), (record.checksum, blob))
+
+    def carry_blobs(self, max_bytes: int = CARRY_BYTES) -> Callable[[RevisionRecord], bytes | None]:
+        """From now on `resolve_ahead` reads each blob of at most `max_bytes` with its record;
+        returns `take_carried`. For a consumer that hands blobs on with its requests (the
+        engine client's `Frontend`); a resolver that does not (a Ray Serve ingress, whose
+        replicas page adapters in themselves) leaves it off and reads records only."""
+        self.carry_bytes = max_bytes
+        return self.take_carried
 
     def take_carried(self, record: RevisionRecord) -> bytes | None:
         """The blob `resolve_ahead` read with `record`, once (verified against this very record:

@@ -104,7 +104,7 @@ def lookup_carrying(txn, dbs, adapter_id: str, revision: str | None,
     `carry_bytes` long: verified as every read verifies it (`_verified`), else None (a blob
     that fails its checks is left to the page-in, which reports it, or heals it)."""
     read_at, record = lookup_revision(txn, dbs, adapter_id, revision)
-    if record.size > carry_bytes:
+    if carry_bytes <= 0 or record.size > carry_bytes:
         return read_at, record, None
     try:
         return read_at, record, bytes(_verified(txn, dbs, record))

@@ -118,6 +118,11 @@ def test_a_small_blob_is_read_with_its_record_and_taken_once(iso) -> None:
     """Issue 41: a cold request's blob comes with its record, in the same exchange; the request
     takes it to the engine, whose page-in then reads nothing. The bytes are the stored blob."""
     refs = [(f"acme/a{i}", None) for i in range(4)] + [("acme/a0", "next")]
+    iso.resolve_ahead(refs[:1])  # nobody asked for blobs yet: records only
+    assert iso.take_carried(iso.resolve(*refs[0])) is None and len(iso.carried) == 0
+    iso.resolved.clear()
+    take = iso.carry_blobs()
+    assert take == iso.take_carried
     iso.resolve_ahead(refs)
     with Catalog.open(iso.path, readonly=True) as plain:
         for ref in refs:
@@ -128,14 +133,12 @@ def test_a_small_blob_is_read_with_its_record_and_taken_once(iso) -> None:
     assert iso.take_carried(other) is None
 
 
-def test_a_blob_too_large_or_failing_its_checks_is_not_carried(iso, monkeypatch) -> None:
-    import loraserve.catalog.isolated as isolated
-
-    monkeypatch.setattr(isolated, "CARRY_BYTES", 10)
+def test_a_blob_too_large_or_failing_its_checks_is_not_carried(iso) -> None:
+    iso.carry_blobs(10)
     iso.resolve_ahead([("acme/a6", None)])
     record = iso.resolve("acme/a6")
     assert iso.take_carried(record) is None and record.size > 10
-    monkeypatch.setattr(isolated, "CARRY_BYTES", 64 * 1024)
+    iso.carry_blobs()
     bad = bytearray(blob(7))
     bad[-1] ^= 1  # the right length, the wrong checksum
     record = iso.resolve("acme/a7")
@@ -151,6 +154,7 @@ def test_a_blob_too_large_or_failing_its_checks_is_not_carried(iso, monkeypatch)
 def test_a_carried_blob_is_only_its_own_records(iso) -> None:
     """Held by (adapter, revision) and checked against the record that takes it: a record of
     another checksum or size (a catalog rebuilt under the same names) takes nothing."""
+    iso.carry_blobs()
     iso.resolve_ahead([("acme/a8", None)])
     record = iso.resolve("acme/a8")
     assert iso.take_carried(dataclasses.replace(record, checksum="0" * 32)) is None
@@ -160,6 +164,7 @@ def test_a_carried_blob_is_only_its_own_records(iso) -> None:
 
 
 def test_the_blobs_held_are_bounded(iso) -> None:
+    iso.carry_blobs()
     iso.carried.capacity = 3
     iso.resolve_ahead([(f"acme/a{i}", None) for i in range(ADAPTERS)])
     assert len(iso.carried) == 3

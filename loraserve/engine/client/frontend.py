@@ -138,7 +138,8 @@ class EngineClient:
                           else AdapterDirectory(cfg.model_name))
         self.sourcing = Sourcing.open(cfg, self.catalog, self.directory)
         # a cold revision's blob, read with its record ahead of the request (shard hosts only)
-        self._carried = getattr(self.directory.catalog, "take_carried", None)
+        carry = getattr(self.directory.catalog, "carry_blobs", None)
+        self._carried = carry() if carry is not None else None
         # each training operation a `Train` call (a restarted core has no runs: the Tinker
         # routes put each back from the state they kept after its last step)
         self.trainer = Trainer(lambda op, args: self.call(lambda cid: Train(cid, op, tuple(args))),
