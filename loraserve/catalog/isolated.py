@@ -271,8 +271,9 @@ class IsolatedCatalog(Catalog):
     def carry_blobs(self, max_bytes: int = CARRY_BYTES) -> Callable[[RevisionRecord], bytes | None]:
         """From now on `resolve_ahead` reads each blob of at most `max_bytes` with its record;
         returns `take_carried`. For a consumer that hands blobs on with its requests (the
-        engine client's `Frontend`); a resolver that does not (a Ray Serve ingress, whose
-        replicas page adapters in themselves) leaves it off and reads records only."""
+        engine client, where its transport takes an `Add`'s blob to the core); a resolver that
+        does not (a Ray Serve ingress, whose replicas page adapters in themselves) leaves it off
+        and reads records only."""
         self.carry_bytes = max_bytes
         return self.take_carried
 

@@ -53,6 +53,7 @@ served_by: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("ser
 
 class RayTransport(Transport):
     trains = False  # training runs beside one resident base; not across replicas (yet)
+    carries_blobs = False  # a replica pages its adapters in itself: the ingress reads records only
 
     def __init__(self, cfg: EngineConfig, replicas: DeploymentHandle, scale: ScaleOutConfig):
         self.cfg, self.scale, self.replicas = cfg, scale, replicas

@@ -168,3 +168,34 @@ def test_the_blobs_held_are_bounded(iso) -> None:
     iso.carried.capacity = 3
     iso.resolve_ahead([(f"acme/a{i}", None) for i in range(ADAPTERS)])
     assert len(iso.carried) == 3
+
+
+@pytest.mark.parametrize("carries", [True, False], ids=["core-transport", "ray-ingress"])
+def test_only_a_client_whose_transport_takes_blobs_to_the_core_reads_them(iso, demo_dense, carries) -> None:
+    """The engine client asks its catalog for blobs (`carry_blobs`) only when its transport hands
+    an `Add`'s blob to the core's page-in; a Ray Serve ingress (`RayTransport.carries_blobs` is
+    False), whose replicas page adapters in themselves, reads records only."""
+    from loraserve.engine.client.frontend import EngineClient, Transport
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.snapshot import EngineSnapshot
+    from loraserve.model.tiny import byte_level_tokenizer
+    from loraserve.ray_serve.frontend import RayTransport
+    from loraserve.tokenizer import Tokenizer
+
+    class Local(Transport):
+        carries_blobs = carries
+
+        def __init__(self) -> None:
+            self.cfg = EngineConfig(model_dir=str(demo_dense), max_batch_size=8, max_waiting=8)
+            self.snapshot = EngineSnapshot()
+            fp = iso.resolve("acme/a0").base_fingerprint
+            self.directory = AdapterDirectory("base", iso, fp, PoolLimits(8, ("q_proj",)))
+
+        def send(self, msg) -> None:
+            raise AssertionError(msg)
+
+    assert RayTransport.carries_blobs is False and Transport.carries_blobs is True
+    client = EngineClient(Local(), Tokenizer(byte_level_tokenizer(), [], None))
+    assert (client._carried is not None) == carries and (iso.carry_bytes > 0) == carries
+    iso.resolve_ahead([("acme/a10", None)])
+    assert (iso.take_carried(iso.resolve("acme/a10")) is not None) == carries

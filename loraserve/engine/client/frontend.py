@@ -65,6 +65,7 @@ class Transport(ABC):
     directory: AdapterDirectory | None = None  # the engine's own, where it runs in this process
     base_fingerprint = ""  # the served base's, where known before the core's handshake
     trains = True  # the core beside the model trains (`Train` calls); False: no trainer
+    carries_blobs = True  # an `Add`'s blob reaches the core's page-in; False: the engine reads its own
     restarts = 0  # cores started again after one was lost
     core_pid: int | None = None  # the engine-core process; None: none of its own
     ready = True  # the engine can take requests now
@@ -137,8 +138,9 @@ class EngineClient:
                           self.catalog.directory if self.catalog is not None
                           else AdapterDirectory(cfg.model_name))
         self.sourcing = Sourcing.open(cfg, self.catalog, self.directory)
-        # a cold revision's blob, read with its record ahead of the request (shard hosts only)
-        carry = getattr(self.directory.catalog, "carry_blobs", None)
+        # a cold revision's blob, read with its record ahead of the request (shard hosts only),
+        # where the transport takes it to the core
+        carry = getattr(self.directory.catalog, "carry_blobs", None) if transport.carries_blobs else None
         self._carried = carry() if carry is not None else None
         # each training operation a `Train` call (a restarted core has no runs: the Tinker
         # routes put each back from the state they kept after its last step)
