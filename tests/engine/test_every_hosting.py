@@ -352,12 +352,14 @@ def test_unloading_an_adapter_while_its_requests_stream(hosting, model) -> None:
 
 
 def test_a_light_tenant_is_served_before_a_flood_drains(hosting, model) -> None:
-    """Tenant flood opens twice what runs at once of long requests; once they fill the slots,
-    tenant light sends two short ones: both are served while flood still has requests left,
-    though they came after all of flood's (the share is in tokens: flood's are far ahead)."""
+    """Tenant flood opens four times what runs at once of long requests; once they fill the
+    slots, tenant light sends two short ones: both are served while flood still has requests
+    left, though they came after all of flood's (the share is in tokens: flood's are far ahead).
+    Four waves, not two: on a fast host a wave of the demo base's long streams ends within a
+    second, and two of them drained before a light request on a busy ingress was answered."""
     flood_key = {"Authorization": "Bearer flood"}
     light_key = {"Authorization": "Bearer light"}
-    flood = [Stream(hosting, flood_key, _body(model, LONG_TOKENS)) for _ in range(2 * hosting.slots)]
+    flood = [Stream(hosting, flood_key, _body(model, LONG_TOKENS)) for _ in range(4 * hosting.slots)]
     _until(lambda: sum(s.first.is_set() for s in flood) >= hosting.slots, "flood in every slot")
     answers: list[httpx.Response] = []
     light = [threading.Thread(target=lambda: answers.append(_chat(hosting, light_key, _body(model, 4))))
