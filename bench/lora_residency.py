@@ -124,6 +124,11 @@ def page_cache_resident(catalog: str) -> tuple[int, int]:
     return min(resident, total), total
 
 
+def residency_line(catalog: str) -> str:
+    resident, total = page_cache_resident(catalog)
+    return f"catalog page cache: {resident / max(total, 1):.0%} of {total / 2**30:.1f} GiB resident"
+
+
 def warm_page_cache(catalog: str) -> str:
     """Read the catalog's shard files through once, when they fit in half the memory available,
     so that a cold request's blob read is the same page-cache hit on every run: a catalog read
@@ -134,8 +139,8 @@ def warm_page_cache(catalog: str) -> str:
     available = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
                      if line.startswith("MemAvailable:"))
     if total > available // 2:
-        return (f"catalog page cache: {before / max(total, 1):.0%} of {total / 2**30:.1f} GiB resident, "
-                f"left as is (more than half of the {available / 2**30:.1f} GiB available)")
+        return (f"{residency_line(catalog)}, left as is (more than half of the "
+                f"{available / 2**30:.1f} GiB available)")
     started = time.perf_counter()
     for path in catalog_files(catalog):
         with open(path, "rb", buffering=0) as f:
@@ -250,8 +255,7 @@ def print_profile(out: Path) -> None:
 def sweep(args, model: str) -> None:
     url = f"http://127.0.0.1:{args.port}"
     ids = adapter_ids(args.catalog, args.adapters)
-    resident, total = page_cache_resident(args.catalog)  # a namespace sweep reads what it finds
-    print(f"catalog page cache: {resident / max(total, 1):.0%} of {total / 2**30:.1f} GiB resident", flush=True)
+    print(residency_line(args.catalog), flush=True)  # a namespace sweep reads what it finds
     serve_args = ["--max-gpu-adapters", "64", "--cpu-cache-mb", "256", *shlex.split(args.serve_args)]
     proc = start_server(model, args.catalog, args.port, *serve_args, source=args.source)
     samples, stop = [], threading.Event()
@@ -432,12 +436,8 @@ def wrk_mode(args, model: str) -> None:
                          f"{WARM_ADAPTERS + per_cold * args.rounds * len(trees):,} (48 warm, then "
                          f"--duration x 4,000 never-seen ones per run): a bigger catalog, or fewer rounds")
     warm, cold = ids[:WARM_ADAPTERS], ids[WARM_ADAPTERS:]
-    if args.page_cache == "warm":
-        cache_line = warm_page_cache(args.catalog)
-    else:
-        resident, total = page_cache_resident(args.catalog)
-        cache_line = (f"catalog page cache: {resident / max(total, 1):.0%} of {total / 2**30:.1f} GiB "
-                      f"resident, left as is (--page-cache as-is)")
+    cache_line = (warm_page_cache(args.catalog) if args.page_cache == "warm"
+                  else f"{residency_line(args.catalog)}, left as is (--page-cache as-is)")
     print(cache_line, flush=True)
     servers = []
     try:
