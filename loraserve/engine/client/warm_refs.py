@@ -37,9 +37,9 @@ class WarmRefs:
         self.inline_cold = inline_cold
         self.slow_s = slow_s
         self.backoff_s = backoff_s
-        self.slow_reads = slow_reads
         self.slow_window_s = slow_window_s
-        self._slow: deque[float] = deque(maxlen=max(1, slow_reads))  # when the last slow reads ended
+        # when the last `slow_reads` slow reads ended (its length bound is that count)
+        self._slow: deque[float] = deque(maxlen=max(1, slow_reads))
         self._seen: BoundedLRU[str, float] = BoundedLRU(capacity, lock=False)  # event loop only
         self._slow_until = float("-inf")  # cold refs go to a thread until then
 
